@@ -1,0 +1,33 @@
+# Kiln's entry points. `make demo` and `make test` each set themselves up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+KILN_HOME ?= $(CURDIR)/.kiln
+
+.PHONY: setup demo smoke test ui clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first and pinned: an unpinned torch can pull a multi-GB CUDA build on a CPU machine.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	@bash scripts/apt-lists.sh
+	touch $@
+
+demo: setup
+	$(BIN)/kiln run --preset demo --home $(KILN_HOME)
+
+smoke: setup
+	$(BIN)/kiln run --preset smoke --home $(KILN_HOME)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+ui: setup
+	DAGSTER_HOME=$(KILN_HOME)/dagster bash scripts/ui.sh $(BIN) $(KILN_HOME)
+
+clean:
+	rm -rf $(KILN_HOME)

@@ -1,0 +1,1 @@
+"""Kiln's software-defined assets, one module per pipeline step."""

