@@ -31,10 +31,19 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
         known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
         raise SystemExit(f"kiln: no preset '{name_or_path}' ({path}); known presets: {known}")
     data = yaml.safe_load(path.read_text()) or {}
-    unknown = set(data) - {"ops", "resources", "execution", "loggers"}
+    unknown = set(data) - {"ops", "resources", "execution", "loggers", "extends"}
     if unknown:
         raise SystemExit(f"kiln: {path}: unknown top-level key(s) {sorted(unknown)}; a preset is Dagster run config (ops: ...)")
-    return data
+    base = data.pop("extends", None)
+    return deep_merge(load_preset(base), data) if base else data
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Mappings merge key by key; any other value in ``override`` replaces the base's."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def select_config(run_config: dict[str, Any], keys: list[str]) -> dict[str, Any]:
@@ -130,6 +139,11 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    print(yaml.safe_dump(load_preset(args.preset), sort_keys=False), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(fn=cmd_generate)
+    conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
+    conf.add_argument("--preset", default="demo")
+    conf.set_defaults(fn=cmd_config)
     lin = sub.add_parser("lineage", help="which data, configs and runs made a release or checkpoint")
     lin.add_argument("model")
     lin.set_defaults(fn=cmd_lineage)

@@ -155,7 +155,8 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, headroom: 
 
 def count_params(cfg: GPTConfig) -> tuple[int, int]:
     """(total parameters with tied embeddings, parameters excluding embeddings)."""
-    per_layer = 12 * cfg.n_embd**2 + (13 * cfg.n_embd if cfg.bias else 0)
+    # 12 C^2 of matrices; 4 LayerNorm vectors (2 without bias) + 9 C of Linear biases (none without bias)
+    per_layer = 12 * cfg.n_embd**2 + (13 * cfg.n_embd if cfg.bias else 2 * cfg.n_embd)
     body = cfg.n_layer * per_layer + (2 if cfg.bias else 1) * cfg.n_embd
     return body + (cfg.vocab_size + cfg.block_size) * cfg.n_embd, body
 

@@ -30,3 +30,27 @@ def test_lineage_edges():
     assert {"training_plan", "token_shards", "tokenizer"} <= parents("base_model")
     assert {"base_model", "instruction_data"} <= parents("sft_model")
     assert {"sft_model", "eval_scores", "raw_documents"} <= parents("release_bundle")
+
+
+def test_every_preset_is_valid_run_config():
+    import pytest
+    from dagster import validate_run_config
+
+    from jobs.cli import PRESETS, load_preset
+
+    job = defs.resolve_job_def("kiln_pipeline_job")
+    names = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+    assert {"smoke", "demo", "gpt2-124m-1gpu", "gpt2-124m-8gpu"} <= set(names)
+    for name in names:
+        validate_run_config(job, load_preset(name))
+    with pytest.raises(Exception, match="tokenizr"):
+        validate_run_config(job, {"ops": {"tokenizr": {"config": {}}}})
+
+
+def test_gpu_preset_8gpu_differs_only_in_hardware():
+    from jobs.cli import load_preset
+
+    one, eight = load_preset("gpt2-124m-1gpu"), load_preset("gpt2-124m-8gpu")
+    hw = lambda p: p["ops"]["training_plan"]["config"].pop("hardware")  # noqa: E731
+    assert hw(one)["nproc_per_node"] == 1 and hw(eight)["nproc_per_node"] == 8
+    assert one == eight
