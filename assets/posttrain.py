@@ -54,7 +54,7 @@ def instruction_data(context: AssetExecutionContext, config: InstructionDataConf
 class SftModelConfig(Config):
     optim: dict[str, Any] = Field(default_factory=lambda: {"lr": 5e-4, "warmup_steps": 20, "min_lr_ratio": 0.1},
                                   description="kiln.train.OptimConfig fields for fine-tuning.")
-    max_steps: int = Field(default=200, description="Fine-tuning optimizer steps.")
+    max_steps: int = Field(default=150, description="Fine-tuning optimizer steps.")
     micro_batch: int = Field(default=16, description="Packed sequences per rank per step.")
     eval_interval: int = Field(default=50, description="Steps between masked validation-loss passes.")
     eval_items: int = Field(default=100, description="Held-out arithmetic problems answered before and after.")

@@ -25,9 +25,9 @@ class HardwareConfig:
 @dataclass
 class BatchConfig:
     seq_len: int = 256  # tokens per training sequence (at most model.block_size)
-    global_batch: int = 32  # sequences per optimizer step, summed over all ranks and accumulation steps
+    global_batch: int = 16  # sequences per optimizer step, summed over all ranks and accumulation steps
     micro_batch: int | None = None  # sequences per rank per forward pass; None lets the planner choose
-    max_steps: int = 1000  # optimizer steps to train
+    max_steps: int = 800  # optimizer steps to train
 
 
 @dataclass
@@ -83,7 +83,7 @@ def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_preci
     half precision, doubled for fp32 on CPU; the attention-score term vanishes with fused SDPA kernels but
     is kept as a safety margin. Logits add b*s*V*(4+4) bytes (fp32 logits and their gradient).
     """
-    n = 12 * cfg.n_layer * cfg.n_embd**2 + (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+    n = count_params(cfg)[0]
     s, b, h, a = seq_len, micro_batch, cfg.n_embd, cfg.n_head
     act_scale = 1.0 if mixed_precision else 2.0
     act = cfg.n_layer * s * b * h * (34 + 5 * a * s / h) * act_scale
@@ -122,10 +122,10 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, headroom: 
     need = memory_breakdown(cfg, micro, batch.seq_len, mixed)
     if need["total"] > budget:
         raise PlanError(
-            f"the model needs {need['total']:.1f} GiB per rank at micro_batch={micro} "
-            f"({need['weights_grads_optimizer']:.1f} GiB weights+grads+AdamW, {need['activations']:.1f} GiB activations) "
-            f"but a device has {mem:.1f} GiB ({headroom:.0%} usable). Use a smaller model, a shorter seq_len, "
-            "more devices with FSDP, or devices with more memory."
+            f"the model needs {need['total']:.3g} GiB per rank at micro_batch={micro} "
+            f"({need['weights_grads_optimizer']:.3g} GiB weights+grads+AdamW, {need['activations']:.3g} GiB activations) "
+            f"but a device has {mem:.3g} GiB ({headroom:.0%} usable = {budget:.3g} GiB). {_what_fits(cfg, batch, micro, mixed, budget)} "
+            "Otherwise use a smaller model, more devices with FSDP, or devices with more memory."
         )
     params = count_params(cfg)
     tokens_per_step = batch.global_batch * batch.seq_len
@@ -151,6 +151,22 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, headroom: 
         est_hours=fpt * total_tokens / (peak * (0.4 if hw.device == "cuda" else 0.25)) / 3600,
         tokens_per_param=total_tokens / params[0],
     )
+
+
+def _what_fits(cfg: GPTConfig, batch: BatchConfig, micro: int, mixed: bool, budget: float) -> str:
+    """One sentence naming a run that would fit: the longest seq_len, or the largest model if none does."""
+    def fits(seq: int) -> bool:
+        return memory_breakdown(cfg, micro, seq, mixed)["total"] <= budget
+
+    if fits(1):
+        lo, hi = 1, batch.seq_len  # fits(lo) and not fits(hi); memory grows with seq_len
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return f"This model fits at micro_batch={micro} with seq_len<={lo}."
+    max_params = budget * GIB / 16  # weights+grads+AdamW alone, before any activations
+    return (f"Even seq_len=1 does not fit: weights+grads+AdamW alone allow at most {max_params / 1e6:.3g}M "
+            f"parameters per device (this model has {count_params(cfg)[0] / 1e6:.3g}M).")
 
 
 def count_params(cfg: GPTConfig) -> tuple[int, int]:

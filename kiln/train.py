@@ -35,7 +35,7 @@ from kiln.tracking import MetricLogger
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3  # peak learning rate after warmup
+    lr: float = 2e-3  # peak learning rate after warmup
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
     warmup_steps: int = 50  # linear warmup from 0 to lr
     weight_decay: float = 0.1  # AdamW decay on matrices (not on biases, norms)

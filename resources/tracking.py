@@ -60,8 +60,8 @@ class MlflowResource(ConfigurableResource):
         """Open a child run for the asset being materialized; it ends FINISHED or FAILED with the step."""
         client = self.client()
         exp = self.experiment_id(client)
-        dagster_run_id = context.run.run_id
-        parent = self.parent_run(client, exp, dagster_run_id, context.run.job_name)
+        dagster_run_id, job_name = run_identity(context)
+        parent = self.parent_run(client, exp, dagster_run_id, job_name)
         asset = context.asset_key.to_user_string()
         run = client.create_run(exp, tags={
             "mlflow.parentRunId": parent, "dagster.run_id": dagster_run_id, "dagster.asset_key": asset,
@@ -79,6 +79,16 @@ class MlflowResource(ConfigurableResource):
             handle.logger.flush()
             client.set_terminated(run.info.run_id, status)
             client.set_terminated(parent, status, end_time=int(time.time() * 1000))
+
+
+def run_identity(context) -> tuple[str, str]:
+    """(Dagster run id, job name); a directly invoked asset (tests, notebooks) has neither, so it gets a fresh id."""
+    try:
+        return context.run.run_id, context.run.job_name
+    except Exception:  # DagsterInvalidPropertyError outside a run
+        import uuid
+
+        return f"direct-{uuid.uuid4().hex[:12]}", "direct_invocation"
 
 
 class AssetRun:

@@ -137,8 +137,8 @@ class KilnLM(LM):
             tok = logp.gather(-1, y[..., None]).squeeze(-1)  # (B, K)
             total = torch.where(valid, tok, 0.0).sum(dim=1)  # (B,)
             greedy = ((logp.argmax(dim=-1) == y) | ~valid).all(dim=1)  # (B,)
-            for j, i in enumerate(idx):
-                out[i] = (float(total[j]), bool(greedy[j]))
+            for i, lp, g in zip(idx, total.tolist(), greedy.tolist()):
+                out[i] = (lp, g)
         return out
 
     def _score_groups(self, groups: list[list[Row]]) -> list[tuple[float, bool]]:
