@@ -95,11 +95,13 @@ def corpus_texts(path: str, columns=("id", "text")):
         yield from zip(t.column("id").to_pylist(), t.column("text").to_pylist())
 
 
+TOKENIZER_HOLDOUT_PERMILLE = 50  # documents per thousand kept out of BPE training for the compression report
+
+
 class TokenizerConfig(Config):
     kind: str = Field(default="bpe", description="'bpe': train a byte-level BPE on the clean corpus; 'gpt2': GPT-2's vocabulary from a pinned package.")
     vocab_size: int = Field(default=4096, description="Vocabulary size of a trained BPE, special tokens included.")
     train_mb: float = Field(default=20.0, description="MB of clean text the BPE trains on (the first documents of the train split).")
-    val_permille: int = Field(default=20, description="Must equal token_shards.val_permille: held-out docs for the compression report.")
 
 
 @asset(code_version="1", group_name="data")
@@ -111,7 +113,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_cor
         train_texts, held_out = [], []
         budget = int(config.train_mb * 1e6)
         for doc_id, text in corpus_texts(clean_corpus["path"]):
-            if kshards.split_of(doc_id, config.val_permille) == "val":
+            if kshards.split_of(doc_id, TOKENIZER_HOLDOUT_PERMILLE) == "val":
                 if len(held_out) < 200:
                     held_out.append(text)
             elif budget > 0:

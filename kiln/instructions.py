@@ -26,6 +26,11 @@ def _clean(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
+def _has_heading(node) -> bool:
+    """True for a heading or an element holding one (a wrapped heading starts the next section)."""
+    return isinstance(node.tag, str) and next(node.iter(*HEADINGS), None) is not None
+
+
 def heading_sections(doc_id: str, html: str, min_chars: int = 80, max_chars: int = 600) -> Iterator[dict]:
     """Yield {prompt, response} for each heading whose following paragraphs hold enough text."""
     import lxml.html
@@ -41,13 +46,16 @@ def heading_sections(doc_id: str, html: str, min_chars: int = 80, max_chars: int
             continue
         parts: list[str] = []
         node = h.getnext() if h.getnext() is not None else h.getparent().getnext()
-        while node is not None and node.tag not in HEADINGS and sum(map(len, parts)) < max_chars:
+        while node is not None and not _has_heading(node) and sum(map(len, parts)) < max_chars:
             if node.tag in ("p", "div", "dl", "ul"):
                 parts.append(_clean(node.text_content()))
             node = node.getnext()
-        body = " ".join(p for p in parts if p)[:max_chars]
+        text = " ".join(p for p in parts if p)
+        body = text[:max_chars]
+        if len(text) > max_chars:  # cut mid-sentence: end at the last full stop that keeps min_chars
+            end = text.rfind(". ", min_chars, max_chars + 1)
+            body = text[: end + 1] if end != -1 else body
         if len(body) >= min_chars:
-            body = body[: body.rfind(". ") + 1] if ". " in body[min_chars:] else body
             yield {"prompt": f"Explain {title}.", "response": body, "kind": "doc_section", "source_id": doc_id}
 
 

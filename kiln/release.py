@@ -79,6 +79,8 @@ def verify_release(bundle: Path) -> None:
     """Check every file listed in SHA256SUMS; raise ValueError naming the first that differs."""
     for line in (bundle / "SHA256SUMS").read_text().splitlines():
         digest, name = line.split("  ", 1)
+        if not (bundle / name).is_file():
+            raise ValueError(f"{bundle / name}: listed in SHA256SUMS but missing; the bundle is incomplete")
         if sha256_file(bundle / name) != digest:
             raise ValueError(f"{bundle / name}: checksum does not match SHA256SUMS; the bundle is damaged")
 

@@ -5,11 +5,13 @@ Use from Python: ``write_shards(enc, docs, out_dir, ...)`` then ``verify_shards(
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import multiprocessing as mp
 import os
 from collections import deque
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -17,6 +19,7 @@ import numpy as np
 import tiktoken
 
 from kiln.storage import atomic_path, atomic_write_json, sha256_bytes, sha256_file
+from kiln.tokenizer import encoding_fingerprint
 
 MAGIC = 20240520
 HEADER_INTS = 256
@@ -24,7 +27,7 @@ HEADER_BYTES = HEADER_INTS * 4
 VERSIONS = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # llm.c: version 1 = uint16 tokens, 2 = uint32
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
-BATCH_CHARS = 1 << 20  # text handed to one encode task
+BATCH_CHARS = 1 << 18  # text handed to one encode task
 
 
 class ShardError(ValueError):
@@ -57,17 +60,12 @@ def _init_worker(enc: tiktoken.Encoding, dtype: str) -> None:
     _WORKER.update(enc=enc, dtype=np.dtype(dtype))
 
 
-def _encode_docs(texts: Sequence[str], enc: tiktoken.Encoding, dtype: np.dtype, threads: int = 1) -> np.ndarray:
+def _encode_docs(texts: Sequence[str], enc: tiktoken.Encoding, dtype: np.dtype) -> np.ndarray:
     """[EOT, doc0 tokens..., EOT, doc1 tokens..., ...] as one flat array of ``dtype``."""
-    eot = enc.eot_token
-    if threads > 1:
-        lists = enc.encode_ordinary_batch(list(texts), num_threads=threads)
-    else:
-        lists = [enc.encode_ordinary(t) for t in texts]
     flat: list[int] = []
-    for ids in lists:
-        flat.append(eot)
-        flat.extend(ids)
+    for text in texts:
+        flat.append(enc.eot_token)
+        flat.extend(enc.encode_ordinary(text))  # Rust, releases the GIL
     return np.array(flat, dtype=dtype)
 
 
@@ -92,17 +90,18 @@ def _tasks(docs: Iterable[tuple[str, str]], val_permille: int, counts: dict[str,
             yield split, pending[split]
 
 
-def _pooled(pool: Any, tasks: Iterable[tuple[str, list[str]]], depth: int) -> Iterator[tuple[str, np.ndarray]]:
-    """Encode tasks in ``pool`` in input order, with at most ``depth`` in flight (bounded memory)."""
-    inflight: deque[tuple[str, Any]] = deque()
+def _pooled(pool: Executor, fn: Callable[[list[str]], np.ndarray], tasks: Iterable[tuple[str, list[str]]],
+            depth: int) -> Iterator[tuple[str, np.ndarray]]:
+    """``fn`` over tasks in ``pool``, results in input order, at most ``depth`` in flight (bounded memory)."""
+    inflight: deque[tuple[str, Future]] = deque()
     for split, texts in tasks:
-        inflight.append((split, pool.apply_async(_encode_task, (texts,))))
+        inflight.append((split, pool.submit(fn, texts)))
         if len(inflight) >= depth:
-            split, res = inflight.popleft()
-            yield split, res.get()
+            split, fut = inflight.popleft()
+            yield split, fut.result()
     while inflight:
-        split, res = inflight.popleft()
-        yield split, res.get()
+        split, fut = inflight.popleft()
+        yield split, fut.result()
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -118,17 +117,23 @@ def write_shards(
     progress: Callable[[int, int], None] | None = None,
     *,
     dtype: str | np.dtype | None = None,
-    executor: str = "process",
+    executor: str = "thread",
 ) -> dict[str, Any]:
     """Encode ``(doc id, text)`` pairs into train/val shards under ``out_dir`` and return the manifest.
 
     Each document is ``[EOT] + enc.encode_ordinary(text)``; documents are concatenated in input
     order per split and cut into shards of ``shard_tokens`` tokens (the last one shorter), so a
-    document may span two shards. ``num_workers > 1`` encodes in a process pool (``executor=
-    "process"``, measured fastest, see bench/bench_shards.py) or with tiktoken's threads
-    (``"thread"``). ``dtype`` forces the token type (default: ``shard_dtype(enc.n_vocab)``).
+    document may span two shards. Documents go to 'val' by ``split_of(doc id, val_permille)``.
+    ``num_workers > 1`` encodes batches of ~BATCH_CHARS in a pool, in order, with bounded
+    read-ahead: ``executor="thread"`` (default; tiktoken's Rust encoder releases the GIL, and the
+    list-to-array step runs in the workers too) measured at raw ``encode_ordinary_batch`` speed on
+    2 cores, while a spawned ``"process"`` pool was 5-12x slower on 3-9 MB (mostly start-up,
+    bench/bench_shards.py); the process pool is for many-core machines and needs an importable
+    ``__main__``. ``dtype`` forces the token type (default: ``shard_dtype(enc.n_vocab)``).
     ``progress(documents_done, tokens_done)`` is called after each encoded batch. Every shard and
-    ``manifest.json`` are written atomically; ``out_dir`` must hold no shards yet.
+    ``manifest.json`` are written atomically; ``out_dir`` must hold no shards yet. The manifest
+    lists per shard file, split, tokens, bytes, sha256 and documents (documents *starting* in it,
+    i.e. its EOT count), plus per-split totals, dtype, vocab size and the encoding fingerprint.
     """
     out_dir = Path(out_dir)
     if shard_tokens < 1 or not 0 <= val_permille <= 1000:
@@ -170,15 +175,16 @@ def write_shards(
 
     tasks = _tasks(docs, val_permille, counts)
     done_docs = done_tokens = 0
-    pool = None
+    pool: Executor | None = None
     try:
-        if num_workers > 1 and executor == "process":
-            pool = mp.get_context("spawn").Pool(num_workers, _init_worker, (enc, dt.str))
-            results = _pooled(pool, tasks, 2 * num_workers)
-        elif num_workers > 1 and executor == "thread":
-            results = ((s, _encode_docs(t, enc, dt, num_workers)) for s, t in tasks)
-        elif num_workers <= 1:
-            results = ((s, _encode_docs(t, enc, dt)) for s, t in tasks)
+        if num_workers <= 1:
+            results: Iterator[tuple[str, np.ndarray]] = ((s, _encode_docs(t, enc, dt)) for s, t in tasks)
+        elif executor == "thread":
+            pool = ThreadPoolExecutor(num_workers)
+            results = _pooled(pool, functools.partial(_encode_docs, enc=enc, dtype=dt), tasks, 2 * num_workers)
+        elif executor == "process":
+            pool = ProcessPoolExecutor(num_workers, mp.get_context("spawn"), _init_worker, (enc, dt.str))
+            results = _pooled(pool, _encode_task, tasks, 2 * num_workers)
         else:
             raise ValueError(f"executor must be 'process' or 'thread', got {executor!r}")
         for split, arr in results:
@@ -191,8 +197,7 @@ def write_shards(
                 progress(done_docs, done_tokens)
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(cancel_futures=True)
     if not sum(counts.values()):
         raise ShardError(f"write_shards: no documents to write into {out_dir} (empty input)")
     for split in SPLITS:
@@ -204,8 +209,6 @@ def write_shards(
         t["shards"] += 1
         t["tokens"] += sh["tokens"]
         t["bytes"] += sh["bytes"]
-    from kiln.tokenizer import encoding_fingerprint
-
     manifest = {
         "format": "llm.c", "magic": MAGIC, "version": 1 if dt.itemsize == 2 else 2, "header_bytes": HEADER_BYTES,
         "dtype": dt.name, "vocab_size": enc.n_vocab, "eot_token": eot, "encoding": enc.name,
@@ -243,7 +246,8 @@ def read_shard(path: str | os.PathLike, expected_sha256: str | None = None, voca
     expected = HEADER_BYTES + n_tokens * dt.itemsize
     if n_tokens < 0 or size != expected:
         what = "truncated" if size < expected else "longer than its header says"
-        raise ShardError(f"shard {path} is {what}: header says {n_tokens} {dt.name} tokens = {expected} bytes, file has {size}")
+        raise ShardError(f"shard {path} is {what}: header says {n_tokens} {dt.name} tokens = {expected} bytes, "
+                         f"file has {size}")
     if vocab_size is not None and vocab_size - 1 > np.iinfo(dt).max:
         raise ShardError(f"shard {path}: vocabulary of {vocab_size} tokens is larger than its {dt.name} tokens can hold")
     if expected_sha256 is not None:
@@ -281,7 +285,8 @@ def verify_shards(shard_dir: str | os.PathLike) -> dict[str, Any]:
             raise ShardError(f"shard {sh['file']} named in {shard_dir / MANIFEST} is missing from {shard_dir}")
         tokens = read_shard(path, sh["sha256"], manifest.get("vocab_size"))
         if len(tokens) != sh["tokens"] or tokens.dtype.name != manifest["dtype"]:
-            raise ShardError(f"shard {path}: {len(tokens)} {tokens.dtype.name} tokens, manifest says {sh['tokens']} {manifest['dtype']}")
+            raise ShardError(f"shard {path}: {len(tokens)} {tokens.dtype.name} tokens, "
+                             f"manifest says {sh['tokens']} {manifest['dtype']}")
     return manifest
 
 

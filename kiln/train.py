@@ -206,8 +206,9 @@ def train(job: JobConfig, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
     """Run the job to max_steps, resuming from the newest good checkpoint in out_dir; return the summary."""
     out = Path(job.out_dir)
     ckpt_root = out / "checkpoints"
-    cfg = GPTConfig(**job.model)
+    cfg = from_dict(GPTConfig, job.model, "job.model")
     opt_cfg = from_dict(OptimConfig, job.optim, "job.optim")
+    out.mkdir(parents=True, exist_ok=True)  # fail_at_step's marker may be written before any checkpoint
     torch.manual_seed(job.seed)  # identical initial weights on every rank
     model = GPT(cfg).to(info.device)
     optimizer = make_optimizer(model, opt_cfg, info.device)
@@ -218,8 +219,12 @@ def train(job: JobConfig, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
     loader, val_batches = make_loaders(job, info, eot)
     logger = MetricLogger(job.mlflow_tracking_uri, job.mlflow_run_id if info.is_main else None)
 
+    def say(message: str) -> None:  # rank 0 alone reports
+        if info.is_main:
+            reporter.log(message)
+
     step, resumed_from, history = 0, None, []
-    latest = latest_good_checkpoint(ckpt_root, log=reporter.log)
+    latest = latest_good_checkpoint(ckpt_root, log=say)
     if latest is not None:
         state, meta = load_state(latest, "cpu")
         model.load_state_dict(state["model"])
@@ -229,12 +234,13 @@ def train(job: JobConfig, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
         rngs = state["rng"]
         set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0])
         step, resumed_from, history = state["step"], str(latest), meta.get("history", [])
-        reporter.log(f"resumed from {latest} at step {step}")
+        say(f"resumed from {latest} at step {step}")
     elif job.init_from:
         src = resolve_checkpoint(job.init_from)
         state, _ = load_state(src, "cpu")
         model.load_state_dict(state["model"])
-        reporter.log(f"initialised weights from {src}")
+        say(f"initialised weights from {src}")
+    if latest is None:  # weights above are identical on every rank; dropout must differ per rank
         torch.manual_seed(job.seed + info.rank)
 
     raw_model = model
@@ -284,9 +290,11 @@ def train(job: JobConfig, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
         first_val = evaluate(model, val_batches, info, autocast)
         history.append({"step": 0, "val_loss": first_val})
         logger.log({"val_loss": first_val}, 0)
-        reporter.log(f"step 0: val loss {first_val:.4f}")
-    train_loss = float("nan")
-    val_loss = first_val
+        say(f"step 0: val loss {first_val:.4f}")
+    # a resumed run carries its last losses on (a rerun of a finished job must not report them as missing)
+    last = history[-1] if history else {}
+    train_loss = last.get("train_loss", float("nan")) if resumed_from else float("nan")
+    val_loss = first_val if first_val is not None else last.get("val_loss")
     last_ckpt = None
     model.train()
     while step < job.max_steps:

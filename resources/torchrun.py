@@ -75,7 +75,6 @@ class TorchrunResource(ConfigurableResource):
                     for line in proc.stdout:  # type: ignore[union-attr]
                         log.write(line)
                         log.flush()
-                        sys.stdout.write(line)
                         tail.append(line)
                         del tail[:-40]
 

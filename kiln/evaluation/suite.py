@@ -6,7 +6,9 @@ In code: ``run_suite(model, enc, task_dir, ["kiln_continuation"])``. CLI: ``pyth
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,21 @@ def _flatten(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return flat
 
 
+@contextlib.contextmanager
+def _env(**values: str):
+    """Set environment variables for the duration of a block, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_suite(
     model: GPT,
     encoding: tiktoken.Encoding,
@@ -92,18 +109,21 @@ def run_suite(
     was_training = model.training
     try:
         lm = KilnLM(model, encoding, device=device, batch_size=batch_size, seed=seed)
-        out = simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=tm,
-            limit=limit,
-            log_samples=False,
-            bootstrap_iters=bootstrap_iters,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+        # lm-eval bootstraps perplexity stderr in a forked multiprocessing pool unless DISABLE_MULTIPROC is
+        # set; forking a process that holds torch threads and an orchestrator's signal handlers is unsafe.
+        with _env(DISABLE_MULTIPROC="1"):
+            out = simple_evaluate(
+                model=lm,
+                tasks=list(tasks),
+                task_manager=tm,
+                limit=limit,
+                log_samples=False,
+                bootstrap_iters=bootstrap_iters,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
     finally:
         model.train(was_training)
     if out is None:  # only non-zero ranks get None; Kiln runs one process

