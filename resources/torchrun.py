@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,15 @@ from dagster import (
 from pydantic import Field
 
 from kiln.storage import atomic_write_json
+
+
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
+
+
+def root_cause(lines: list[str]) -> str:
+    """The workers' last exception line (torchrun's own summary only says that a rank failed)."""
+    found = [ln.strip() for ln in lines if EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln]
+    return f"Worker error: {found[-1]}" if found else "Last lines:\n" + "".join(lines[-15:])
 
 
 class TorchrunResource(ConfigurableResource):
@@ -76,7 +86,7 @@ class TorchrunResource(ConfigurableResource):
                         log.write(line)
                         log.flush()
                         tail.append(line)
-                        del tail[:-40]
+                        del tail[:-400]
 
                 reader = threading.Thread(target=pump, daemon=True)
                 reader.start()
@@ -95,9 +105,8 @@ class TorchrunResource(ConfigurableResource):
                 reader.join(timeout=10)
         if rc != 0:
             raise Failure(
-                f"torchrun exited with code {rc} after {time.time() - start:.0f}s; last lines of {log_path}:\n"
-                + "".join(tail[-15:])
-                + "\nFix the cause and rematerialize: training resumes from the newest good checkpoint."
+                f"torchrun exited with code {rc} after {time.time() - start:.0f}s. {root_cause(tail)}\n"
+                f"Full log: {log_path}. Fix the cause and rematerialize: training resumes from the newest good checkpoint."
             )
         result_path = out / "result.json"
         if not result_path.exists():

@@ -1,12 +1,132 @@
-"""Shared test setup: the project root on sys.path and offline-friendly environment."""
+"""Shared fixtures (Dagster-free, used by core, resource and pipeline tests): a tiny BPE, token shards and tiny training job files.
 
+Everything here is small enough for CPU (vocab 300, width 32-64, seq 32); nothing imports Dagster.
+"""
+
+from __future__ import annotations
+
+import json
 import os
+import random
+import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent  # the project root
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from kiln.model import padded_vocab  # noqa: E402
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the farmer", "a small bird", "the teacher", "our neighbour"]
+VERBS = ["sees", "likes", "walks to", "finds", "carries", "remembers", "paints", "follows"]
+OBJECTS = ["the river", "a red house", "the green field", "an apple", "the long road", "a quiet village",
+           "the market", "the tall tree"]
+ADVERBS = ["today", "every morning", "in the rain", "slowly", "at night", "with care"]
+
+
+def sentence(rng: random.Random) -> str:
+    return f"{rng.choice(SUBJECTS).capitalize()} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(ADVERBS)}."
+
+
+def make_docs(n: int = 500, seed: int = 0) -> list[tuple[str, str]]:
+    """(doc id, text) pairs of 3-8 sentences from a small English grammar (learnable by a tiny model)."""
+    rng = random.Random(seed)
+    return [(f"doc{i:04d}", " ".join(sentence(rng) for _ in range(rng.randint(3, 8)))) for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def docs() -> list[tuple[str, str]]:
+    return make_docs()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory, docs):
+    """(encoding, path of its tokenizer.json): a 300-token BPE with <|endoftext|>, <|user|>, <|assistant|>."""
+    from kiln.tokenizer import save_encoding, train_bpe
+
+    enc = train_bpe((t for _, t in docs), 300)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    save_encoding(enc, path)
+    return enc, path
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory, tiny_tokenizer, docs) -> Path:
+    """A folder of train/val token shards (20% of documents in val) with its manifest."""
+    from kiln.shards import write_shards
+
+    enc, _ = tiny_tokenizer
+    out = tmp_path_factory.mktemp("shards")
+    write_shards(enc, docs, out, shard_tokens=16384, val_permille=200, num_workers=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dict(tiny_tokenizer) -> dict:
+    """GPTConfig fields for the tiny training jobs (vocabulary padded from the tokenizer's)."""
+    enc, _ = tiny_tokenizer
+    return {"vocab_size": padded_vocab(enc.n_vocab), "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 48,
+            "dropout": 0.1}  # dropout makes the bit-exact resume test depend on the restored RNG state
+
+
+@pytest.fixture(scope="session")
+def pretrain_job(tiny_tokenizer, tiny_shards, model_dict):
+    """Factory: write a pretraining job JSON into ``out_dir`` (overrides as keyword arguments)."""
+    from kiln.shards import shard_paths
+
+    _, tok_path = tiny_tokenizer
+
+    def make(out_dir: Path, **overrides) -> Path:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        job = {
+            "task": "pretrain",
+            "out_dir": str(out_dir / "run"),
+            "tokenizer": str(tok_path),
+            "model": dict(model_dict),
+            "optim": {"lr": 1e-2, "warmup_steps": 5, "weight_decay": 0.0},
+            "train_files": [str(p) for p in shard_paths(tiny_shards, "train")],
+            "val_files": [str(p) for p in shard_paths(tiny_shards, "val")],
+            "seq_len": 32,
+            "micro_batch": 4,
+            "grad_accum": 1,
+            "max_steps": 30,
+            "eval_interval": 10,
+            "eval_batches": 4,
+            "ckpt_interval": 10,
+            "keep_last": 2,
+            "log_interval": 10,
+            "seed": 1234,
+        }
+        job.update(overrides)
+        path = out_dir / "job.json"
+        path.write_text(json.dumps(job, indent=2))
+        return path
+
+    return make
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_train(config: Path, nproc: int = 1, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m kiln.train --config config --device cpu``; with nproc > 1, under torch.distributed.run."""
+    args = ["-m", "kiln.train", "--config", str(config), "--device", "cpu", "--timeout-s", "120"]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def train_runner():
+    return run_train

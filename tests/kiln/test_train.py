@@ -132,6 +132,7 @@ def test_unknown_job_key_exits_non_zero_naming_it(tmp_path, pretrain_job, train_
         ("model", "n_layers", r"job\.model: unknown key 'n_layers'\. Did you mean 'n_layer'\?"),
         ("optim", "warmup", r"job\.optim: unknown key 'warmup'\. Did you mean 'warmup_steps'\?"),
     ],
+    ids=["model", "optim"],
 )
 def test_unknown_nested_key_is_named(tmp_path, pretrain_job, section, key, message) -> None:
     path = pretrain_job(tmp_path)

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, Failure, asset, materialize
+from dagster import AssetExecutionContext, DagsterInstance, Failure, Output, asset, materialize
 
 from resources.torchrun import TorchrunResource
 
@@ -31,8 +31,8 @@ def test_multi_node_needs_an_endpoint():
 
 def launch_asset(job: dict, nproc: int):
     @asset
-    def trained(context: AssetExecutionContext, torchrun: TorchrunResource) -> dict:
-        return torchrun.launch(context, job, nproc, "cpu")
+    def trained(context: AssetExecutionContext, torchrun: TorchrunResource) -> Output[dict]:
+        return Output(torchrun.launch(context, job, nproc, "cpu"))
 
     return trained
 
