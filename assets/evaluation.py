@@ -2,13 +2,12 @@
 
 
 import math
-from typing import Any
 
 from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import commit_output, data_version, md_table, mlflow_meta
-from assets.data import corpus_texts
+from assets.collect import corpus_texts
 from kiln.checkpoint import load_for_inference
 from kiln.evaluation.suite import run_suite, sample_generations
 from kiln.evaluation.tasks import build_tasks

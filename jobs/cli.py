@@ -88,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         where = value.get("dir") or value.get("path") or value.get("checkpoint") if isinstance(value, dict) else None
         if where:
             print(f"  {k:18s} {where}")
-    print(f"Open the UI with: make ui   (Dagster at http://127.0.0.1:3000, MLflow at http://127.0.0.1:5000)")
+    print("Open the UI with: make ui   (Dagster at http://127.0.0.1:3000, MLflow at http://127.0.0.1:5000)")
     return 0
 
 

@@ -17,7 +17,8 @@ from dagster import (
     in_process_executor,
 )
 
-from assets.data import clean_corpus, raw_documents, token_shards, tokenizer
+from assets.collect import clean_corpus, raw_documents
+from assets.tokens import token_shards, tokenizer
 from assets.evaluation import eval_scores
 from assets.posttrain import instruction_data, sft_model
 from assets.release import release_bundle
