@@ -1,17 +1,31 @@
-"""Step 1 as assets: raw documents from the sources and the clean corpus."""
+"""Step 1 as assets: raw documents from the sources, and the clean corpus, whose per-document stage fans out over
+shards (one op per shard, run in parallel by a multiprocess executor) before the corpus-wide stage."""
 
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
+from dagster import (
+    AssetExecutionContext,
+    Config,
+    DynamicOut,
+    DynamicOutput,
+    MetadataValue,
+    OpExecutionContext,
+    Output,
+    asset,
+    config_mapping,
+    graph_asset,
+    op,
+)
 from pydantic import Field
 
-from assets._common import commit_output, data_version, md_table, mlflow_meta
+from assets._common import commit_output, md_table, mlflow_meta
 from kiln import clean as kclean
 from kiln import sources as ksources
-from kiln.storage import staging_dir
+from kiln.storage import atomic_write_json, staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
@@ -37,8 +51,12 @@ def raw_documents(context: AssetExecutionContext, config: RawDocumentsConfig, st
         specs += ksources.specs_from_dicts(config.sources, "raw_documents.sources")
     if not specs:
         raise ksources.SourceError("raw_documents: no sources; set raw_documents.manifest or add raw_documents.sources")
-    with mlflow.asset_run(context, params={"manifest": config.manifest, "sources": [s.name for s in specs]}) as run, \
+    # Local files can change without any config change, so only package sources (pinned by sha256) are reusable.
+    reuse = None if any(s.kind == "local" for s in specs) else {"sources": [s.__dict__ for s in specs]}
+    with mlflow.asset_run(context, params={"manifest": config.manifest, "sources": [s.name for s in specs]}, reuse=reuse) as run, \
             staging_dir(storage.path("raw_documents")) as stage:
+        if run.reused is not None:
+            return run.reused
         stats = ksources.collect(specs, storage.cache_dir, stage / "documents.parquet", progress=context.log.info)
         final, version = commit_output(stage, storage.path("raw_documents"))
         totals = stats["totals"]
@@ -46,40 +64,124 @@ def raw_documents(context: AssetExecutionContext, config: RawDocumentsConfig, st
         value = {"path": str(final / "documents.parquet"), "version": version, "stats": stats,
                  "sources": [s.__dict__ for s in specs]}
         rows = [{"source": n, "package": f"{s['package'] or 'local'} {s['version'] or ''}", "documents": s["documents"],
-                 "MB": s["bytes"] / 1e6, "fetched now": s["fetched"], "licence": s["license"]} for n, s in stats["sources"].items()]
-        return Output(value, data_version=data_version(version), metadata={
+                 "MB": s["bytes"] / 1e6, "fetched now": s["fetched"], "licence": s["license"],
+                 "skipped": ", ".join(f"{s[k]} {k}" for k in ksources.SKIP_REASONS if s.get(k)) or "-"}
+                 for n, s in stats["sources"].items()]
+        skipped = [{"source": n, **item} for n, s in stats["sources"].items() for item in s.get("skipped", [])][:30]
+        run.log_metrics({f"skipped.{k}": totals[k] for k in ksources.SKIP_REASONS})
+        return run.output(value, version, {
             "documents": totals["documents"], "bytes": totals["bytes"], "sources": md_table(rows),
+            "skipped_input": md_table(skipped, ["source", "file", "offset", "reason", "detail"]),
             "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
         })
 
 
 class CleanCorpusConfig(Config):
-    clean: dict[str, Any] = Field(default_factory=dict, description="kiln.clean.CleanConfig fields (filters, dedup); unknown keys are errors.")
+    clean: dict[str, Any] = Field(default_factory=dict, description="kiln.clean.CleanConfig fields (rules, dedup, PII, classifier, mix); unknown keys are errors.")
 
 
-@asset(code_version="1", group_name="data")
-def clean_corpus(context: AssetExecutionContext, config: CleanCorpusConfig, raw_documents: dict,
-                 storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """Main text of every document after boilerplate removal, quality rules, exact and MinHash near-dedup; every drop has a reason."""
+def _shard_key(shard: dict) -> str:
+    return f"s{shard['index']:05d}_" + re.sub(r"[^A-Za-z0-9_]", "_", shard["source"])[:40]
+
+
+@op(out=DynamicOut(dict), description="Split raw_documents into shards of whole row groups (never mixing sources) and validate the clean config.")
+def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict):
     cfg = kclean.CleanConfig.from_dict(config.clean, "clean_corpus.clean")
-    with mlflow.asset_run(context, params={"clean": cfg.__dict__}, tags={"input.raw_documents": raw_documents["version"]}) as run, \
+    shards = kclean.plan_shards(raw_documents["path"], cfg.shard_docs)
+    context.log.info(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
+    for shard in shards:
+        yield DynamicOutput({"raw": raw_documents["path"], "shard": shard, "clean": config.clean},
+                           mapping_key=_shard_key(shard))
+
+
+@op(description="The per-document stage on one shard: extraction, Unicode repair, language ID, quality rules, PII, MinHash signatures; reused when the shard's rows and the stage config are unchanged.")
+def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, job: dict) -> dict:
+    cfg = kclean.CleanConfig.from_dict(job["clean"], "clean_corpus.clean")
+    shard = job["shard"]
+    out_dir = storage.path("clean_shards", kclean.shard_stage_key(shard, cfg))
+    cached = (out_dir / "report.json").is_file()
+    result = kclean.clean_shard(job["raw"], shard, out_dir, cfg)
+    rep = result["report"]
+    context.log.info(f"shard {shard['index']} ({shard['source']}): {rep['input_docs']} docs, "
+                     f"{rep['input_docs'] - rep['dropped_docs']} passed the document rules"
+                     + (" (reused: rows and config unchanged)" if cached else ""))
+    return {**result, "cached": cached}
+
+
+def _examples_md(reasons: dict[str, dict]) -> str:
+    parts = []
+    for reason, v in reasons.items():
+        parts.append(f"### {reason}: {v['docs']:,} documents, {v['bytes'] / 1e6:.3f} MB")
+        for ex in v["examples"]:
+            lines = "\n".join(f"    {line}" for line in ex.get("lines") or [ex["snippet"]])
+            parts.append(f"`{ex['id']}`\n\n{lines}\n")
+    return "\n".join(parts) or "_nothing removed_"
+
+
+@op(description="The corpus stage: URL, exact and MinHash dedup, line dedup, token outliers, the trained quality classifier and the source mix; writes the clean corpus and the removal report.")
+def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict, shards: list[dict],
+                       storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+    cfg = kclean.CleanConfig.from_dict(config.clean, "clean_corpus.clean")
+    with mlflow.asset_run(context, params={"clean": cfg.__dict__}, tags={"input.raw_documents": raw_documents["version"]},
+                          reuse={"clean": config.clean, "raw_documents": raw_documents["version"]}) as run, \
             staging_dir(storage.path("clean_corpus")) as stage:
-        report = kclean.clean(raw_documents["path"], stage / "corpus.parquet", stage / "removed.parquet", cfg,
-                              progress=context.log.info).to_dict()
+        if run.reused is not None:
+            return run.reused
+        try:
+            report = kclean.merge_shards(shards, stage / "corpus.parquet", stage / "removed.parquet", cfg,
+                                         progress=context.log.info, artifacts_dir=stage)
+        except kclean.EmptyCorpusError as e:
+            raise kclean.EmptyCorpusError(e.report, Path(raw_documents["path"]), kclean.rule_keys(cfg)) from None
+        report.shards = len(shards)
+        rep = report.to_dict()
+        atomic_write_json(stage / "report.json", rep)
+        (stage / "removed_examples.md").write_text(_examples_md(rep["reasons"]), encoding="utf-8")
         final, version = commit_output(stage, storage.path("clean_corpus"))
-        run.log_metrics({"kept_docs": report["kept_docs"], "dropped_docs": report["dropped_docs"],
-                         "kept_bytes": report["kept_bytes"], "dedup_rate": report["dedup_rate"]})
-        reasons = [{"reason": r, "documents": v["docs"], "MB": v["bytes"] / 1e6,
-                    "example": (v["examples"][0]["snippet"][:90] if v["examples"] else "")} for r, v in report["reasons"].items()]
+        run.log_metrics({"kept_docs": rep["kept_docs"], "dropped_docs": rep["dropped_docs"], "kept_bytes": rep["kept_bytes"],
+                         "dedup_rate": rep["dedup_rate"], **{f"removed_docs.{r}": v["docs"] for r, v in rep["reasons"].items()}})
+        for name in ("report.json", "removed_examples.md", "quality_model.pt"):
+            if (final / name).is_file():
+                run.log_artifact(final / name)
+        rules = [{"rule": r["rule"], "action": r["action"], "documents": r["documents"], "MB": r["bytes"] / 1e6,
+                  "example": (rep["reasons"].get(r["rule"], {}).get("examples") or [{"snippet": ""}])[0]["snippet"][:90]}
+                 for r in report.table()]
+        total_s = sum(rep["stage_seconds"].values()) or 1.0
+        stages = [{"stage": k, "seconds": v, "share": f"{v / total_s:.1%}"}
+                  for k, v in sorted(rep["stage_seconds"].items(), key=lambda kv: -kv[1])]
+        mix = [{"group": g, **{k: v for k, v in info.items() if k != "sources"}, "sources": ", ".join(info["sources"])}
+               for g, info in rep["mix"].get("groups", {}).items()]
+        cached = sum(1 for s in shards if s.get("cached"))
         value = {"path": str(final / "corpus.parquet"), "removed": str(final / "removed.parquet"), "version": version,
-                 "report": report}
-        return Output(value, data_version=data_version(version), metadata={
-            "kept_documents": report["kept_docs"], "kept_bytes": report["kept_bytes"],
-            "dropped_documents": report["dropped_docs"], "dropped_bytes": report["dropped_bytes"],
-            "dedup_rate": report["dedup_rate"], "drops_by_reason": md_table(reasons),
-            "per_source": md_table([{"source": s, **v} for s, v in report["sources"].items()]),
+                 "report": rep}
+        return run.output(value, version, {
+            "kept_documents": rep["kept_docs"], "kept_bytes": rep["kept_bytes"],
+            "dropped_documents": rep["dropped_docs"], "dropped_bytes": rep["dropped_bytes"],
+            "dedup_rate": rep["dedup_rate"], "removed_by_rule": md_table(rules),
+            "removed_examples": MetadataValue.md(_examples_md(rep["reasons"])),
+            "per_source": md_table([{"source": s, **v} for s, v in rep["sources"].items()]),
+            "stage_time": md_table(stages), "shards": len(shards), "shards_reused": cached,
+            "mb_per_s_per_core": round(rep["input_bytes"] / 1e6 / total_s, 3),  # input MB over summed stage seconds
+            "quality_model": MetadataValue.json(rep["quality_model"]),
+            "token_outliers": MetadataValue.json(rep["token_outliers"]),
+            "mix": md_table(mix) if mix else MetadataValue.md("_natural mix (clean.mix.weights empty)_"),
             "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
         })
+
+
+@config_mapping(config_schema=CleanCorpusConfig.to_config_schema())
+def _clean_corpus_config(val: dict) -> dict:
+    conf = {"clean": val.get("clean") or {}}
+    return {"plan_clean_shards": {"config": conf}, "merge_clean_shards": {"config": conf}}
+
+
+@graph_asset(name="clean_corpus", code_version="2", group_name="data", config=_clean_corpus_config,
+             description="Main text of every document after boilerplate removal, Unicode repair, language ID, the Gopher, C4, "
+                         "FineWeb and OLMo 2 rules, PII scrubbing, URL/exact/line/MinHash dedup, a corpus-trained quality "
+                         "classifier and the source mix; cleaned shard by shard (fanned out, reused when unchanged), with "
+                         "every removal's rule and a sample of what each rule removed.")
+def clean_corpus(raw_documents):
+    results = plan_clean_shards(raw_documents).map(clean_shard).collect()
+    return merge_clean_shards(raw_documents, results)
 
 
 def corpus_texts(path: str, columns=("id", "text")):

@@ -1,9 +1,15 @@
-"""Steps 2-3 as assets: the tokenizer and the token shards."""
+"""Steps 2-3 as assets: the tokenizer (with a compression report) and the token shards (published to the durable root).
+
+Materialize with the pipeline (``kiln run --preset smoke``) or alone: ``kiln run --select tokenizer,token_shards``.
+"""
+
+import time
+from typing import Any
 
 from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
 
-from assets._common import commit_output, data_version, md_table, mlflow_meta
+from assets._common import commit_output, md_table, mlflow_meta
 from assets.collect import corpus_texts
 from kiln import shards as kshards
 from kiln import tokenizer as ktok
@@ -11,78 +17,110 @@ from kiln.storage import staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
-TOKENIZER_HOLDOUT_PERMILLE = 50  # documents per thousand kept out of BPE training for the compression report
+TOKENIZER_HOLDOUT_PERMILLE = 50  # documents per thousand kept out of BPE training; a superset of every val split up to 5 %
 
 
 class TokenizerConfig(Config):
     kind: str = Field(default="bpe", description="'bpe': train a byte-level BPE on the clean corpus; 'gpt2': GPT-2's vocabulary from a pinned package.")
     vocab_size: int = Field(default=4096, description="Vocabulary size of a trained BPE, special tokens included.")
-    train_mb: float = Field(default=20.0, description="MB of clean text the BPE trains on (the first documents of the train split).")
+    train_mb: float = Field(default=20.0, description="MB of clean text the BPE trains on (the first documents outside the held-out 5 %).")
+    heldout_mb: float = Field(default=2.0, description="MB of held-out documents (never trained on) on which compression is measured.")
+    compare: bool = Field(default=True, description="Also measure the other vocabulary on the same held-out text: GPT-2's for a trained BPE, a BPE of vocab_size for GPT-2.")
 
 
 @asset(code_version="1", group_name="data")
 def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_corpus: dict,
               storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens."""
-    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"]}) as run, \
+    """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens; its compression on held-out text is compared with the other vocabulary's."""
+    if config.kind not in ("bpe", "gpt2"):
+        raise ValueError(f"tokenizer.kind must be 'bpe' or 'gpt2', not {config.kind!r}")
+    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"]},
+                          reuse={"config": config.model_dump(), "clean_corpus": clean_corpus["version"]}) as run, \
             staging_dir(storage.path("tokenizer")) as stage:
+        if run.reused is not None:
+            return run.reused
         train_texts, held_out = [], []
-        budget = int(config.train_mb * 1e6)
+        budget, held_budget = int(config.train_mb * 1e6), int(config.heldout_mb * 1e6)
         for doc_id, text in corpus_texts(clean_corpus["path"]):
             if kshards.split_of(doc_id, TOKENIZER_HOLDOUT_PERMILLE) == "val":
-                if len(held_out) < 200:
+                if held_budget > 0:
                     held_out.append(text)
+                    held_budget -= len(text.encode())
             elif budget > 0:
                 train_texts.append(text)
                 budget -= len(text.encode())
-        if config.kind == "bpe":
-            enc = ktok.train_bpe(train_texts, config.vocab_size)
-        elif config.kind == "gpt2":
-            enc = ktok.fetch_gpt2(storage.cache_dir)
-        else:
-            raise ValueError(f"tokenizer.kind must be 'bpe' or 'gpt2', not {config.kind!r}")
+        bpe_label, gpt2_label = f"trained BPE ({config.vocab_size:,})", "GPT-2 (50,257)"
+        vocabs: dict[str, Any] = {}  # label -> encoding, or why it is unavailable
+        if config.kind == "bpe" or config.compare:
+            vocabs[bpe_label] = ktok.train_bpe(train_texts, config.vocab_size)
+        if config.kind == "gpt2" or config.compare:
+            try:
+                vocabs[gpt2_label] = ktok.fetch_gpt2(storage.cache_dir)
+            except Exception as e:  # only the comparison may go without it
+                if config.kind == "gpt2":
+                    raise
+                context.log.warning(f"GPT-2 vocabulary unavailable for the compression report: {e}")
+                vocabs[gpt2_label] = f"unavailable: {type(e).__name__}: {e}"[:300]
+        enc = vocabs[bpe_label if config.kind == "bpe" else gpt2_label]
         ktok.save_encoding(enc, stage / "tokenizer.json")
         final, version = commit_output(stage, storage.path("tokenizer"))
-        bpt = ktok.bytes_per_token(enc, held_out) if held_out else float("nan")
-        run.log_metrics({"n_vocab": enc.n_vocab, "bytes_per_token": bpt})
+        published = storage.publish(final, "tokenizer", version, last="tokenizer.json")
+        report = ktok.compression_report(vocabs, held_out) if held_out else []
+        bpt = {r["vocabulary"]: r["bytes_per_token"] for r in report}
+        chosen = bpt.get(bpe_label if config.kind == "bpe" else gpt2_label, float("nan"))
+        run.log_metrics({"n_vocab": enc.n_vocab, "bytes_per_token": chosen,
+                         **{f"bytes_per_token_{'gpt2' if k == gpt2_label else 'trained'}": v for k, v in bpt.items()}})
         sample = held_out[0][:200] if held_out else "Hello world"
         pieces = [enc.decode([t]) for t in enc.encode_ordinary(sample)[:40]]
         value = {"path": str(final / "tokenizer.json"), "version": version, "n_vocab": enc.n_vocab, "kind": config.kind,
-                 "bytes_per_token": bpt, "eot": enc.eot_token, "fingerprint": ktok.encoding_fingerprint(enc)}
-        return Output(value, data_version=data_version(version), metadata={
-            "kind": config.kind, "n_vocab": enc.n_vocab, "bytes_per_token_heldout": bpt,
+                 "bytes_per_token": chosen, "compression": bpt, "eot": enc.eot_token,
+                 "fingerprint": ktok.encoding_fingerprint(enc), "url": published.url}
+        return run.output(value, version, {
+            "kind": config.kind, "n_vocab": enc.n_vocab, "bytes_per_token_heldout": chosen,
+            "bytes_per_token_trained": bpt.get(bpe_label, float("nan")), "bytes_per_token_gpt2": bpt.get(gpt2_label, float("nan")),
+            "compression": md_table(report), "heldout_documents": len(held_out),
             "trained_on_mb": round(sum(len(t.encode()) for t in train_texts) / 1e6, 2) if config.kind == "bpe" else 0.0,
             "sample_tokens": MetadataValue.md(" · ".join(f"`{p!r}`" for p in pieces)),
-            "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
+            "path": MetadataValue.path(value["path"]), "durable_copy": published.url, **mlflow_meta(run),
         })
 
 
 class TokenShardsConfig(Config):
     shard_tokens: int = Field(default=10_000_000, description="Tokens per shard file (llm.c uses 100M).")
-    val_permille: int = Field(default=20, description="Documents per thousand (by a hash of their id) in the fixed validation split.")
-    num_workers: int = Field(default=2, description="Encoding processes.")
+    val_permille: int = Field(default=50, description="Documents per thousand (by a hash of their id) in the fixed validation split.")
+    num_workers: int = Field(default=2, description="Encoding threads (tiktoken's encoder releases the GIL, so they use as many cores).")
 
 
 @asset(code_version="1", group_name="data")
 def token_shards(context: AssetExecutionContext, config: TokenShardsConfig, clean_corpus: dict, tokenizer: dict,
                  storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The clean corpus as llm.c token shards (header + uint16/uint32 tokens, end-of-text between documents), a fixed validation split and a checksummed manifest."""
-    enc = ktok.load_encoding(tokenizer["path"])
+    """The clean corpus as llm.c token shards (header + uint16/uint32 tokens, end-of-text between documents), a fixed validation split and a checksummed manifest; published to the durable root when it is a URL."""
+    enc = ktok.load_encoding(storage.local_dir("tokenizer", tokenizer["version"], last="tokenizer.json") / "tokenizer.json")
     with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"],
-                                                                      "input.tokenizer": tokenizer["version"]}) as run, \
+                                                                      "input.tokenizer": tokenizer["version"]},
+                          reuse={"config": config.model_dump(), "clean_corpus": clean_corpus["version"],
+                                 "tokenizer": tokenizer["version"]}) as run, \
             staging_dir(storage.path("token_shards")) as stage:
+        if run.reused is not None:
+            return run.reused
+        t0 = time.perf_counter()
         manifest = kshards.write_shards(enc, corpus_texts(clean_corpus["path"]), stage, config.shard_tokens,
                                         config.val_permille, config.num_workers)
+        write_s = time.perf_counter() - t0
         final, version = commit_output(stage, storage.path("token_shards"))
+        published = storage.publish(final, "token_shards", version)
+        local = storage.fetch_shards("token_shards", version)  # reads back what was written: sizes, counts, sha256
         totals = manifest["splits"]
-        run.log_metrics({f"{s}_tokens": v["tokens"] for s, v in totals.items()})
-        value = {"dir": str(final), "version": version, "val_permille": config.val_permille,
-                 "train": [str(p) for p in kshards.shard_paths(final, "train")],
-                 "val": [str(p) for p in kshards.shard_paths(final, "val")], "totals": totals, "dtype": manifest["dtype"]}
+        n_tokens = sum(v["tokens"] for v in totals.values())
+        run.log_metrics({**{f"{s}_tokens": v["tokens"] for s, v in totals.items()}, "tokens_per_s": n_tokens / write_s})
+        value = {"dir": str(local.dir), "url": published.url, "version": version, "val_permille": config.val_permille,
+                 "train": [str(p) for p in kshards.shard_paths(local.dir, "train")],
+                 "val": [str(p) for p in kshards.shard_paths(local.dir, "val")], "totals": totals, "dtype": manifest["dtype"]}
         shards_rows = [{k: s[k] for k in ("file", "split", "tokens", "documents")} | {"sha256": s["sha256"][:16]} for s in manifest["shards"]]
-        return Output(value, data_version=data_version(version), metadata={
+        return run.output(value, version, {
             "train_tokens": totals["train"]["tokens"], "val_tokens": totals["val"]["tokens"],
             "train_documents": totals["train"]["documents"], "val_documents": totals["val"]["documents"],
-            "dtype": manifest["dtype"], "shards": md_table(shards_rows), "path": MetadataValue.path(str(final)),
-            **mlflow_meta(run),
+            "dtype": manifest["dtype"], "tokens_per_s": round(n_tokens / write_s), "shards": md_table(shards_rows),
+            "path": MetadataValue.path(str(local.dir)), "durable_copy": published.url,
+            "uploaded_mb": round(published.bytes / 1e6, 2), **mlflow_meta(run),
         })

@@ -1,58 +1,74 @@
 """Steps 4-7 as assets: the training plan and the pretrained base model (a torchrun job through Pipes)."""
 
 
+import json
 from pathlib import Path
 from typing import Any
 
-from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
+from dagster import AssetExecutionContext, Backoff, Config, MetadataValue, Output, RetryPolicy, asset
 from pydantic import Field
 
-from assets._common import data_version, line_plot, md_table, mlflow_meta
+from assets._common import line_plot, md_table, mlflow_meta
 from kiln.config import from_dict
-from kiln.model import GPTConfig, padded_vocab
-from kiln.plan import BatchConfig, HardwareConfig, make_plan
-from kiln.storage import sha256_file, stable_hash
+from kiln.model import GPTConfig, padded_vocab, preset_fields
+from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, make_plan
+from kiln.spikes import SpikeConfig
+from kiln.storage import stable_hash
 from kiln.train import OptimConfig
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
+# A failed launch is retried: the run folder is keyed by the inputs, so the retry resumes from the newest good
+# checkpoint (torchrun's own restarts cover a worker that dies; this covers the launch itself failing).
+TRAINING_RETRY = RetryPolicy(max_retries=2, delay=5, backoff=Backoff.EXPONENTIAL)
+
 
 class TrainingPlanConfig(Config):
+    model_preset: str = Field(default="", description="Named size from kiln.model.MODEL_PRESETS (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl); `model` overrides its fields.")
     model: dict[str, Any] = Field(default_factory=dict, description="kiln.model.GPTConfig fields (vocab_size comes from the tokenizer).")
     batch: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.BatchConfig fields: seq_len, global_batch, micro_batch, max_steps.")
-    hardware: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.HardwareConfig fields: device, nproc_per_node, nnodes, memory_gb.")
+    hardware: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.HardwareConfig fields: device, nproc_per_node, nnodes, memory_gb, peak_tflops.")
+    parallel: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.ParallelConfig fields: strategy (auto|ddp|fsdp), activation_checkpointing, compile.")
 
 
-@asset(code_version="1", group_name="training")
+@asset(code_version="2", group_name="training")
 def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, tokenizer: dict, token_shards: dict,
                   mlflow: MlflowResource) -> Output[dict]:
-    """Model size, memory estimate, parallelism, micro-batch and gradient accumulation for the configured hardware and token budget."""
-    model_fields = {"vocab_size": padded_vocab(tokenizer["n_vocab"]), **config.model}
+    """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget."""
+    base = preset_fields(config.model_preset) if config.model_preset else {}
+    model_fields = {"vocab_size": padded_vocab(tokenizer["n_vocab"]), **base, **config.model}
     cfg = from_dict(GPTConfig, model_fields, "training_plan.model")
     batch = from_dict(BatchConfig, config.batch, "training_plan.batch")
     hw = from_dict(HardwareConfig, config.hardware, "training_plan.hardware")
+    par = from_dict(ParallelConfig, config.parallel, "training_plan.parallel")
     if hw.device == "auto":
         import torch
 
         hw.device = "cuda" if torch.cuda.is_available() else "cpu"
-    plan = make_plan(cfg, batch, hw).to_dict()
+    plan = make_plan(cfg, batch, hw, par).to_dict()
     plan["hardware"] = hw.__dict__
     plan["max_steps"] = batch.max_steps
     train_tokens = token_shards["totals"]["train"]["tokens"]
     plan["epochs"] = plan["total_tokens"] / max(train_tokens, 1)
-    with mlflow.asset_run(context, params=plan) as run:
+    context.log.info(f"plan: {plan['reason']}")
+    with mlflow.asset_run(context, params=plan, reuse={"plan": plan}) as run:
+        if run.reused is not None:
+            return run.reused
         run.log_metrics({"params": plan["params"], "memory_gb": plan["memory_gb"]["total"]})
         version = stable_hash(plan)[:16]
-        return Output(plan, data_version=data_version(version), metadata={
+        return run.output(plan, version, {
             "parameters": plan["params"], "parameters_non_embedding": plan["params_non_embedding"],
-            "parallelism": plan["parallelism"], "world_size": plan["world_size"],
+            "parallelism": plan["parallelism"], "activation_checkpointing": plan["activation_checkpointing"],
+            "compile": plan["compile"], "why": plan["reason"], "world_size": plan["world_size"],
             "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"], "global_batch": plan["global_batch"],
             "tokens_per_step": plan["tokens_per_step"], "total_tokens": plan["total_tokens"],
             "tokens_per_parameter": round(plan["tokens_per_param"], 3), "epochs_over_train_split": round(plan["epochs"], 3),
             "memory_gb_per_rank": md_table([{"part": k, "GiB": v} for k, v in plan["memory_gb"].items()]),
+            "options_considered": md_table(plan["alternatives"]),
             "device_memory_gb": plan["device_memory_gb"], "estimated_flops": plan["total_flops"],
-            "estimated_hours": round(plan["est_hours"], 4), "model": MetadataValue.json(plan["model"]), **mlflow_meta(run),
+            "peak_tflops_per_device": plan["peak_tflops"],
+            "estimated_hours": float(f"{plan['est_hours']:.4g}"), "model": MetadataValue.json(plan["model"]), **mlflow_meta(run),
         })
 
 
@@ -61,22 +77,37 @@ class BaseModelConfig(Config):
     eval_interval: int = Field(default=100, description="Steps between validation-loss passes.")
     eval_batches: int = Field(default=16, description="Micro-batches per validation pass.")
     ckpt_interval: int = Field(default=200, description="Steps between checkpoints (the last step is always saved).")
-    keep_last: int = Field(default=2, description="Checkpoints kept on disk.")
+    keep_last: int = Field(default=2, description="Newest checkpoints kept on disk.")
+    keep_every: int = Field(default=0, description="Also keep every checkpoint whose step is a multiple of this (0: none).")
+    async_save: bool = Field(default=True, description="Write checkpoints in the background while training continues.")
+    spikes: dict[str, Any] = Field(default_factory=dict, description="kiln.spikes.SpikeConfig fields: thresholds, rollback_steps, skip_batches, max_rollbacks.")
     log_interval: int = Field(default=25, description="Steps between progress lines in the Dagster log.")
     seed: int = Field(default=1337, description="Seed for initial weights and data order.")
+
+
+def checkpoint_version(ckpt: Path) -> str:
+    """A checkpoint's identity: the hash of its checksum manifest (no file is read again)."""
+    return stable_hash(json.loads((ckpt / "meta.json").read_text())["files"])[:16]
 
 
 def run_training(context, task: str, job_fields: dict[str, Any], plan: dict, key_inputs: dict[str, Any],
                  storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource, tokenizer_path: str):
     """Shared by pretraining and SFT: key the run folder by its inputs (so a rerun resumes), launch, summarise."""
-    from_dict(OptimConfig, job_fields.get("optim", {}), f"{context.asset_key.to_user_string()}.optim")
+    where = context.asset_key.to_user_string()
+    from_dict(OptimConfig, job_fields.get("optim", {}), f"{where}.optim")
+    from_dict(SpikeConfig, job_fields.get("spikes", {}), f"{where}.spikes")
     key = stable_hash({"task": task, **key_inputs, **job_fields, "plan": plan})[:16]
-    out_dir = storage.path(context.asset_key.to_user_string(), key)
+    out_dir = storage.path(where, key)
     with mlflow.asset_run(context, params={**job_fields, "plan": {k: plan[k] for k in ("micro_batch", "grad_accum", "world_size")}},
-                          tags={f"input.{k}": v for k, v in key_inputs.items() if isinstance(v, str)}) as run:
+                          tags={f"input.{k}": v for k, v in key_inputs.items() if isinstance(v, str)},
+                          reuse={"key": key}) as run:
+        if run.reused is not None:
+            return run.reused
         job = {
             "task": task, "out_dir": str(out_dir), "tokenizer": tokenizer_path, "model": plan["model"],
             "seq_len": plan["seq_len"], "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"],
+            "parallelism": plan.get("parallelism", "auto"), "activation_checkpointing": plan.get("activation_checkpointing", False),
+            "compile": plan.get("compile", False),
             "mlflow_tracking_uri": run.tracking_uri, "mlflow_run_id": run.run_id, **job_fields,
         }
         device = plan["hardware"]["device"]
@@ -85,31 +116,42 @@ def run_training(context, task: str, job_fields: dict[str, Any], plan: dict, key
             job["peak_flops"] = peak * 1e12
         result = torchrun.launch(context, job, plan["hardware"]["nproc_per_node"], device)
         ckpt = Path(result["checkpoint"])
-        version = sha256_file(ckpt / "state.pt")[:16]
+        version = checkpoint_version(ckpt)
         hist = result["history"]
-        plot = line_plot({"val loss": [(h["step"], h["val_loss"]) for h in hist if h.get("val_loss") is not None],
-                          "train loss": [(h["step"], h["train_loss"]) for h in hist if h.get("train_loss") is not None]},
+        curve = result.get("curve") or [(h["step"], h["train_loss"]) for h in hist if h.get("train_loss") is not None]
+        plot = line_plot({"train loss": [tuple(p) for p in curve],
+                          "val loss": [(h["step"], h["val_loss"]) for h in hist if h.get("val_loss") is not None]},
                          f"{task} loss", "step", "cross-entropy (nats/token)", save_to=out_dir / "loss.png")
         run.log_artifact(out_dir / "loss.png")
         run.set_tags({"checkpoint": str(ckpt)})
+        goodput = result.get("goodput") or {}
         meta = {
             "checkpoint": MetadataValue.path(str(ckpt)), "steps": result["steps"], "tokens": result["tokens"],
             "initial_val_loss": result["initial_val_loss"], "final_val_loss": result["final_val_loss"],
             "final_train_loss": result["final_train_loss"], "wall_s": round(result["wall_s"], 1),
             "resumed_from": str(result["resumed_from"]), "world_size": result["world_size"], "device": result["device"],
-            "loss_curve": plot, "validation": md_table(hist), **mlflow_meta(run),
+            "parallelism": result.get("parallelism", "none"), "tokens_per_s": result.get("tokens_per_s"),
+            "mfu": result.get("mfu"), "peak_memory_gb": round(result.get("peak_memory_gb") or 0.0, 3),
+            "loss_curve": plot, "validation": md_table(hist),
+            "checkpoints": md_table([{k: c[k] for k in ("step", "val_loss", "format", "bytes", "path")}
+                                     for c in result.get("checkpoints", [])]),
+            "goodput": goodput.get("goodput"),
+            "goodput_breakdown": md_table([{"where": k.removesuffix("_s"), "seconds": v} for k, v in goodput.items()
+                                           if k.endswith("_s")]),
+            "spike_events": md_table(result.get("events", [])), **mlflow_meta(run),
         }
         value = {**result, "out_dir": str(out_dir), "version": version, "mlflow_run_id": run.run_id}
-        return Output(value, data_version=data_version(version), metadata=meta)
+        return run.output(value, version, {k: v for k, v in meta.items() if v is not None})
 
 
-@asset(code_version="1", group_name="training")
+@asset(code_version="2", group_name="training", retry_policy=TRAINING_RETRY)
 def base_model(context: AssetExecutionContext, config: BaseModelConfig, training_plan: dict, token_shards: dict,
                tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
-    """The pretrained GPT: a torchrun job (AdamW, warmup + cosine, clipping, validation, checkpoints) that resumes from its newest good checkpoint when rematerialized."""
+    """The pretrained GPT: a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) that resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
     fields = {"optim": config.optim, "train_files": token_shards["train"], "val_files": token_shards["val"],
               "max_steps": training_plan["max_steps"], "eval_interval": config.eval_interval,
               "eval_batches": config.eval_batches, "ckpt_interval": config.ckpt_interval, "keep_last": config.keep_last,
+              "keep_every": config.keep_every, "async_save": config.async_save, "spikes": config.spikes,
               "log_interval": config.log_interval, "seed": config.seed}
     return run_training(context, "pretrain", fields, training_plan,
                         {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]},

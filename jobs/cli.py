@@ -3,7 +3,7 @@
 kiln run --preset demo            materialize every asset with conf/presets/demo.yaml
 kiln run --preset smoke --select eval_scores,release_bundle
 kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
-kiln lineage .kiln/storage/release_bundle/<version>
+kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
 """
 
 from __future__ import annotations
@@ -88,11 +88,46 @@ def cmd_run(args: argparse.Namespace) -> int:
         where = value.get("dir") or value.get("path") or value.get("checkpoint") if isinstance(value, dict) else None
         if where:
             print(f"  {k:18s} {where}")
+    summarize(result, keys)
     print("Open the UI with: make ui   (Dagster at http://127.0.0.1:3000, MLflow at http://127.0.0.1:5000)")
     return 0
 
 
-def load_any_model(path: str):
+def resolve_model_path(ref: str, tracking_uri: str):
+    """(folder, registered version or None) from a path, or from a registry reference ``models:/NAME@ALIAS`` or
+    ``models:/NAME/VERSION``."""
+    if not ref.startswith("models:/"):
+        return Path(ref), None
+    from kiln.registry import get_release
+
+    name, sep, which = ref[len("models:/"):].partition("@")
+    if not sep:
+        name, _, which = name.partition("/")
+    if not name or not which:
+        raise SystemExit(f"kiln: {ref!r}: write a registered model as models:/NAME@ALIAS or models:/NAME/VERSION")
+    try:
+        rel = get_release(tracking_uri, name, which)
+    except Exception as e:  # LookupError, or MlflowException for an unknown model or version
+        raise SystemExit(f"kiln: {ref}: {e}") from e
+    for where in (rel.bundle, rel.source[len("file://"):] if rel.source.startswith("file://") else ""):
+        if where and (Path(where) / "SHA256SUMS").is_file():
+            return Path(where), rel
+    raise SystemExit(f"kiln: {ref} is version {rel.version} with source {rel.source}, which is not a local bundle folder; "
+                     "download it with mlflow artifacts download and pass the folder")
+
+
+def summarize(result, keys: list[str]) -> None:
+    """One line on what training achieved, when this run trained the base model."""
+    import math
+
+    if "base_model" not in keys or "tokenizer" not in keys:
+        return
+    base, tok = result.output_for_node("base_model"), result.output_for_node("tokenizer")
+    print(f"  base model validation loss {base['initial_val_loss']:.3f} -> {base['final_val_loss']:.3f} nats/token "
+          f"(a uniform guess over {tok['n_vocab']} tokens scores {math.log(tok['n_vocab']):.3f})")
+
+
+def load_any_model(path: str | Path):
     """A release bundle or a checkpoint (folder, checkpoints root or run folder) -> (model, tokenizer)."""
     p = Path(path)
     if (p / "SHA256SUMS").is_file():
@@ -108,34 +143,42 @@ def load_any_model(path: str):
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    model, enc = load_any_model(args.model)
+    path, _ = resolve_model_path(args.model, args.tracking_uri)
+    try:
+        model, enc = load_any_model(path)
+    except (OSError, ValueError, RuntimeError) as e:  # damaged bundle, missing checkpoint, corrupt tokenizer
+        raise SystemExit(f"kiln: cannot load {path}: {e}") from e
     g = torch.Generator().manual_seed(args.seed)
     for prompt in args.prompt:
-        ids = torch.tensor([enc.encode(prompt, allowed_special="all")])
+        if args.chat:
+            from kiln.sft import chat_prompt_ids
+
+            prompt_ids = chat_prompt_ids(enc, prompt)
+        else:
+            prompt_ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
+        ids = torch.tensor([prompt_ids])  # (1, T)
         out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              stop_token=enc.eot_token, generator=g)
         text = enc.decode([t for t in out[0].tolist()[ids.size(1):] if t != enc.eot_token])
-        print(f"{prompt}{text}")
+        print(f"{prompt} ->{text}" if args.chat else f"{prompt}{text}")
     return 0
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    p = Path(args.model)
-    info_path = p / "kiln.json"
-    if info_path.is_file():
-        info = json.loads(info_path.read_text())
-        print(json.dumps({"release": str(p), "name": info.get("name"), "checkpoint": info.get("source_checkpoint"),
-                          "lineage": info.get("lineage"), "mlflow_runs": info.get("mlflow_runs")}, indent=2))
-        return 0
-    from kiln.checkpoint import resolve_checkpoint, verify_checkpoint
+    from kiln.release import checkpoint_lineage, lineage_tree, read_release_info
 
-    ckpt = resolve_checkpoint(p)
-    meta = verify_checkpoint(ckpt)
-    job_path = ckpt.parent.parent / "job.json"
-    job = json.loads(job_path.read_text()) if job_path.is_file() else {}
-    print(json.dumps({"checkpoint": str(ckpt), "step": meta["step"], "task": meta.get("task"),
-                      "train_files": job.get("train_files"), "init_from": job.get("init_from"),
-                      "mlflow_run_id": job.get("mlflow_run_id")}, indent=2))
+    p, registered = resolve_model_path(args.model, args.tracking_uri)
+    try:
+        info = read_release_info(p) if (p / "SHA256SUMS").is_file() else checkpoint_lineage(p)
+    except (OSError, ValueError, RuntimeError) as e:  # damaged bundle, missing checkpoint, corrupt tokenizer
+        raise SystemExit(f"kiln: lineage of {p}: {e}") from e
+    if registered is not None:
+        info["registry"] = {"name": registered.name, "version": registered.version, "aliases": registered.aliases,
+                            "source": registered.source, "run_id": registered.run_id, "previous": registered.previous}
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True, default=str))
+    else:
+        print(lineage_tree(info, full=args.full), end="")
     return 0
 
 
@@ -153,18 +196,23 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
     run.set_defaults(fn=cmd_run)
     gen = sub.add_parser("generate", help="sample text from a release bundle or checkpoint")
-    gen.add_argument("model")
-    gen.add_argument("--prompt", action="append", default=None)
+    gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
+    gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default 'The')")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (<|user|>...<|assistant|>)")
     gen.add_argument("--max-new-tokens", type=int, default=60)
-    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
     gen.set_defaults(fn=cmd_generate)
     conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
     conf.add_argument("--preset", default="demo")
     conf.set_defaults(fn=cmd_config)
     lin = sub.add_parser("lineage", help="which data, configs and runs made a release or checkpoint")
-    lin.add_argument("model")
+    lin.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
+    lin.add_argument("--json", action="store_true", help="print kiln.json (or the checkpoint's record) as JSON")
+    lin.add_argument("--full", action="store_true", help="show every list item (the tree shows 12 per section)")
+    lin.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
     lin.set_defaults(fn=cmd_lineage)
     args = parser.parse_args(argv)
     if getattr(args, "prompt", "x") is None:

@@ -9,20 +9,19 @@ from pathlib import Path
 
 from dagster import (
     AssetSelection,
-    DefaultScheduleStatus,
     Definitions,
     FilesystemIOManager,
-    ScheduleDefinition,
     define_asset_job,
     in_process_executor,
 )
 
 from assets.collect import clean_corpus, raw_documents
 from assets.tokens import token_shards, tokenizer
-from assets.evaluation import eval_scores
-from assets.posttrain import instruction_data, sft_model
-from assets.release import release_bundle
+from assets.evaluation import checkpoint_evals, contamination_below_threshold, contamination_report, eval_scores, eval_suite
+from assets.posttrain import dpo_model, instruction_data, preference_data, rl_model, sft_model
+from assets.release import release_bundle, release_no_regression
 from assets.training import base_model, training_plan
+from jobs.evaluation import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
@@ -30,26 +29,21 @@ from resources.tracking import MlflowResource
 PROJECT = Path(__file__).resolve().parent.parent
 KILN_HOME = PROJECT / ".kiln"
 
-ALL_ASSETS = [raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_scores,
-              instruction_data, sft_model, release_bundle]
+ALL_ASSETS = [raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_suite,
+              contamination_report, eval_scores, instruction_data, preference_data, sft_model, dpo_model, rl_model,
+              release_bundle]
+PARTITIONED_ASSETS = [checkpoint_evals]  # one partition per training checkpoint; outside the pipeline job
 
 kiln_pipeline_job = define_asset_job(
-    "kiln_pipeline_job", selection=AssetSelection.all(), description="Raw text to released model: every Kiln asset in order."
-)
-nightly_eval_job = define_asset_job(
-    "nightly_eval_job", selection=AssetSelection.assets("eval_scores"), description="Re-score the current base model."
-)
-nightly_eval_schedule = ScheduleDefinition(
-    name="nightly_eval_schedule",
-    job=nightly_eval_job, cron_schedule="0 2 * * *", default_status=DefaultScheduleStatus.STOPPED,
-    description="Evaluates the latest base model every night at 02:00.",
+    "kiln_pipeline_job", selection=AssetSelection.assets(*ALL_ASSETS),
+    description="Raw text to released model: every Kiln asset in order."
 )
 
 
 def make_resources(home: Path = KILN_HOME, source_cache: str = "") -> dict:
     """Resources rooted at ``home`` (the project's .kiln folder by default; tests pass a temporary one)."""
     return {
-        "storage": KilnStorageResource(root=str(home / "storage"), source_cache=source_cache),
+        "storage": KilnStorageResource(root=str(home / "storage"), cache=str(home / "cache"), source_cache=source_cache),
         "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "mlartifacts")),
         "torchrun": TorchrunResource(),
         "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles")),
@@ -58,9 +52,11 @@ def make_resources(home: Path = KILN_HOME, source_cache: str = "") -> dict:
 
 def make_definitions(home: Path = KILN_HOME, source_cache: str = "") -> Definitions:
     return Definitions(
-        assets=ALL_ASSETS,
-        jobs=[kiln_pipeline_job, nightly_eval_job],
+        assets=ALL_ASSETS + PARTITIONED_ASSETS,
+        asset_checks=[contamination_below_threshold, release_no_regression],
+        jobs=[kiln_pipeline_job, checkpoint_eval_job],
         schedules=[nightly_eval_schedule],
+        sensors=[new_checkpoint_sensor],
         resources=make_resources(home, source_cache),
         executor=in_process_executor,
     )

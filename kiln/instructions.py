@@ -1,6 +1,7 @@
 """Instruction pairs built from public data: documentation heading -> section, and checkable arithmetic.
 
 Every pair records where it came from; the split is a hash of the prompt, so it never moves as data grows.
+``build_pairs(docs, ..., exclude=EvalOverlap.from_task_dir(suite_dir))`` drops pairs that share text with eval items.
 """
 
 from __future__ import annotations
@@ -70,16 +71,79 @@ def arithmetic(n: int, seed: int, max_operand: int = 99) -> Iterator[dict]:
                "source_id": f"arithmetic/{seed}", "answer": str(c)}
 
 
+class EvalOverlap:
+    """Word n-grams of evaluation items, to keep them out of instruction pairs.
+
+    Uses the contamination check's own index and word rule (kiln.evaluation.contamination), so a pair kept here is
+    one the contamination report cannot flag: it shares no run of ``n`` words with any item (an item shorter than
+    ``n`` words counts when it appears whole).
+    """
+
+    def __init__(self, index):
+        self.index = index
+        self.n = index.n
+        self.items = sum(index.items.values())
+
+    @classmethod
+    def from_task_dir(cls, task_dir: str | Path, n: int | None = None) -> "EvalOverlap":
+        """Every item of the local lm-eval tasks (YAML + JSONL) in ``task_dir``, as the eval_suite asset writes them."""
+        from kiln.evaluation.contamination import DEFAULT_N, NgramIndex, local_tasks, read_jsonl
+
+        tasks = local_tasks(task_dir)
+        if not tasks:
+            raise ValueError(f"{task_dir}: no local lm-eval tasks to deduplicate against; materialize eval_suite first")
+        index = NgramIndex(n or DEFAULT_N)
+        for name, task in tasks.items():
+            index.add_task(name, read_jsonl(task.data))
+        return cls(index)
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], n: int) -> "EvalOverlap":
+        from kiln.evaluation.contamination import NgramIndex
+
+        index = NgramIndex(n)
+        index.add_task("texts", ({"text": t} for t in texts))
+        return cls(index)
+
+    def overlaps(self, text: str) -> bool:
+        from kiln.evaluation.contamination import words
+
+        w = words(text)
+        owners = self.index.owners
+        return any(" ".join(w[i : i + k]) in owners for k in self.index.lengths for i in range(len(w) - k + 1))
+
+
+def final_number(text: str) -> str | None:
+    """The last integer in a response (how arithmetic answers are checked), or None when there is none."""
+    nums = re.findall(r"-?\d+", text)
+    return nums[-1] if nums else None
+
+
+def arithmetic_reward(response: str, answer: str) -> float:
+    """1.0 when the response's last integer is the exact answer, else 0.0 (a verifiable reward)."""
+    return 1.0 if final_number(response) == str(answer) else 0.0
+
+
 def build_pairs(html_docs: Iterable[tuple[str, str]], n_arithmetic: int, seed: int, val_permille: int,
-                max_doc_pairs: int) -> list[dict]:
-    """All pairs, deduplicated by prompt, each with an id and a split."""
+                max_doc_pairs: int, exclude: EvalOverlap | None = None, dropped: list[dict] | None = None,
+                max_operand: int = 99) -> list[dict]:
+    """All pairs, deduplicated by prompt, each with an id and a split.
+
+    With ``exclude``, a pair whose prompt or response shares an n-gram with an evaluation item is left out
+    (and appended to ``dropped`` when given), before the ``max_doc_pairs`` cap counts it.
+    """
     seen: set[str] = set()
     pairs: list[dict] = []
     doc_pairs = 0
     sources = [heading_sections(i, h) for i, h in html_docs]
-    for stream in [*sources, arithmetic(n_arithmetic, seed)]:
+    for stream in [*sources, arithmetic(n_arithmetic, seed, max_operand)]:
         for p in stream:
             if p["prompt"] in seen:
+                continue
+            if exclude is not None and (exclude.overlaps(p["prompt"]) or exclude.overlaps(p["response"])):
+                if dropped is not None:
+                    dropped.append({**p, "reason": f"shares {exclude.n} consecutive words with an eval item"})
+                seen.add(p["prompt"])
                 continue
             if p["kind"] == "doc_section":
                 if doc_pairs >= max_doc_pairs:

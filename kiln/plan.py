@@ -1,16 +1,41 @@
-"""The training planner: from model, batch and hardware, the memory it needs and how to run it.
+"""The training planner: from model, batch and hardware, the memory a rank needs and how to run it.
 
-``python -m kiln.plan`` prints the plan for the default (demo) settings.
+``python -m kiln.plan --preset gpt2 --seq-len 1024 --global-batch 512 --device cuda --nproc 8 --memory-gb 80``
+prints the plan (parallelism, activation checkpointing, micro-batch, accumulation, memory, FLOPs, hours).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass, field
 
-from kiln.model import GPTConfig, flops_per_token
+from kiln.model import CE_CHUNK_BYTES, GPTConfig, flops_per_token, preset_fields
 
 GIB = 1024**3
+
+# Dense BF16 tensor-core peak per GPU in TFLOP/s, from the vendors' data sheets (no sparsity). Matched as
+# substrings of torch.cuda.get_device_name(), first match wins, so the more specific names come first.
+GPU_PEAK_TFLOPS: list[tuple[str, float]] = [
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H200", 989.4),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H800", 989.4),
+    ("GH200", 989.4),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.1),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("MI300X", 1307.4),
+]
+DEFAULT_GPU = "H100"  # assumed when planning for CUDA on a machine without one
+# Memory the libraries take on first use whatever the model: on CPU oneDNN/MKL scratch buffers and the autograd
+# engine (about 0.1 GiB, measured with kiln.train on one thread); on CUDA the context, cuBLAS and NCCL workspaces.
+RUNTIME_GIB = {"cpu": 0.1, "cuda": 1.0}
 
 
 @dataclass
@@ -19,7 +44,7 @@ class HardwareConfig:
     nproc_per_node: int = 1  # worker processes per node (one per GPU on CUDA)
     nnodes: int = 1  # machines in the job
     memory_gb: float | None = None  # memory per device in GiB; None reads it (host RAM shared by CPU ranks)
-    peak_tflops: float | None = None  # per-device peak for MFU; None uses a rough default for the device
+    peak_tflops: float | None = None  # per-device peak for MFU and the time estimate; None: GPU table / CPU guess
 
 
 @dataclass
@@ -31,12 +56,23 @@ class BatchConfig:
 
 
 @dataclass
+class ParallelConfig:
+    strategy: str = "auto"  # "auto", "ddp" (replicate the model) or "fsdp" (FSDP2 fully_shard); one rank runs unwrapped
+    activation_checkpointing: bool | None = None  # recompute block activations in backward; None: only when needed
+    compile: bool = False  # torch.compile each transformer block (CPU needs a C++ compiler)
+    saturating_tokens: int | None = None  # micro_batch x seq_len that keeps a device busy (None: 16384 on CUDA, 1024 on CPU)
+    headroom: float = 0.8  # share of device memory the plan may use (the rest covers allocator slack, buffers)
+
+
+@dataclass
 class TrainingPlan:
     model: dict
     params: int
     params_non_embedding: int
     world_size: int
-    parallelism: str
+    parallelism: str  # "none", "ddp" or "fsdp"
+    activation_checkpointing: bool
+    compile: bool
     micro_batch: int
     grad_accum: int
     global_batch: int
@@ -47,8 +83,11 @@ class TrainingPlan:
     device_memory_gb: float = 0.0
     flops_per_token: float = 0.0
     total_flops: float = 0.0
+    peak_tflops: float = 0.0
     est_hours: float | None = None
     tokens_per_param: float | None = None
+    reason: str = ""  # why this parallelism and checkpointing were chosen
+    alternatives: list = field(default_factory=list)  # the other options considered: micro-batch and GiB each
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,115 +97,66 @@ class PlanError(ValueError):
     """The requested run cannot fit; the message says what would."""
 
 
+def gpu_peak_tflops(name: str) -> float | None:
+    """Dense BF16 peak of a GPU from its device name, or None when it is not in the table."""
+    for key, tflops in GPU_PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return tflops
+    return None
+
+
 def device_memory_gb(hw: HardwareConfig) -> float:
     if hw.memory_gb:
         return float(hw.memory_gb)
     if hw.device == "cuda":
         import torch
 
+        if not torch.cuda.is_available():
+            raise PlanError("training_plan.hardware.device is cuda but no GPU is visible here: "
+                            "set hardware.memory_gb (e.g. 80 for an H100) to plan for GPUs elsewhere")
         return torch.cuda.get_device_properties(0).total_memory / GIB
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     return total / max(hw.nproc_per_node, 1)  # CPU ranks share the host's memory
 
 
 def default_peak_tflops(hw: HardwareConfig) -> float:
-    """Rough dense peak per device: bf16 for an H100-class GPU; a few TFLOPS of fp32 for a CPU socket."""
+    """Per-device peak: the configured one; the GPU table (an H100 when no GPU is visible); for a CPU a rough
+    guess of 0.5 TFLOP/s per core (the training job measures the real matmul peak instead)."""
     if hw.peak_tflops:
         return hw.peak_tflops
-    return 989.0 if hw.device == "cuda" else 0.5 * max(1, (os.cpu_count() or 1) // max(hw.nproc_per_node, 1))
+    if hw.device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else DEFAULT_GPU
+        return gpu_peak_tflops(name) or gpu_peak_tflops(DEFAULT_GPU)  # type: ignore[return-value]
+    return 0.5 * max(1, (os.cpu_count() or 1) // max(hw.nproc_per_node, 1))
 
 
-def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_precision: bool) -> dict[str, float]:
-    """Bytes in GiB: weights+grads+AdamW state (16 B/param mixed precision, fp32 master) plus activations.
+def measure_matmul_peak(device: str = "cpu", dtype=None, seconds: float = 0.3, n: int = 1024) -> float:
+    """Best FLOP/s of square ``n x n`` matmuls on this device over about ``seconds`` (the MFU yardstick on CPU).
 
-    Activations per layer follow Korthikanti et al. 2022 (no recomputation): s*b*h*(34 + 5*a*s/h) bytes in
-    half precision, doubled for fp32 on CPU; the attention-score term vanishes with fused SDPA kernels but
-    is kept as a safety margin. Logits add b*s*V*(4+4) bytes (fp32 logits and their gradient).
+    Best-of rather than mean: on a shared machine the fastest repetition is the closest to what the
+    hardware can do; training throughput is measured the same way by the benchmark.
     """
-    n = count_params(cfg)[0]
-    s, b, h, a = seq_len, micro_batch, cfg.n_embd, cfg.n_head
-    act_scale = 1.0 if mixed_precision else 2.0
-    act = cfg.n_layer * s * b * h * (34 + 5 * a * s / h) * act_scale
-    logits = b * s * cfg.vocab_size * 8
-    state = n * 16
-    return {
-        "weights_grads_optimizer": state / GIB,
-        "activations": act / GIB,
-        "logits": logits / GIB,
-        "total": (state + act + logits) / GIB,
-    }
+    import torch
 
-
-def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, headroom: float = 0.8) -> TrainingPlan:
-    """Choose micro-batch, gradient accumulation and parallelism for ``batch`` on ``hw``.
-
-    Raises PlanError when even one sequence per rank does not fit, naming what would.
-    """
-    if batch.seq_len > cfg.block_size:
-        raise PlanError(f"batch.seq_len={batch.seq_len} exceeds model.block_size={cfg.block_size}; lower seq_len or raise block_size")
-    world = hw.nproc_per_node * hw.nnodes
-    if batch.global_batch % world:
-        raise PlanError(f"batch.global_batch={batch.global_batch} is not divisible by {world} ranks; use a multiple of {world}")
-    per_rank = batch.global_batch // world
-    mem = device_memory_gb(hw)
-    budget = mem * headroom
-    mixed = hw.device == "cuda"
-    if batch.micro_batch:
-        if per_rank % batch.micro_batch:
-            raise PlanError(f"batch.micro_batch={batch.micro_batch} must divide the per-rank batch {per_rank}")
-        micro = batch.micro_batch
-    else:
-        micro = per_rank
-        while micro > 1 and (per_rank % micro or memory_breakdown(cfg, micro, batch.seq_len, mixed)["total"] > budget):
-            micro -= 1
-    need = memory_breakdown(cfg, micro, batch.seq_len, mixed)
-    if need["total"] > budget:
-        raise PlanError(
-            f"the model needs {need['total']:.3g} GiB per rank at micro_batch={micro} "
-            f"({need['weights_grads_optimizer']:.3g} GiB weights+grads+AdamW, {need['activations']:.3g} GiB activations) "
-            f"but a device has {mem:.3g} GiB ({headroom:.0%} usable = {budget:.3g} GiB). {_what_fits(cfg, batch, micro, mixed, budget)} "
-            "Otherwise use a smaller model, more devices with FSDP, or devices with more memory."
-        )
-    params = count_params(cfg)
-    tokens_per_step = batch.global_batch * batch.seq_len
-    fpt = flops_per_token(cfg, batch.seq_len)
-    total_tokens = tokens_per_step * batch.max_steps
-    peak = default_peak_tflops(hw) * 1e12 * world
-    return TrainingPlan(
-        model=asdict(cfg),
-        params=params[0],
-        params_non_embedding=params[1],
-        world_size=world,
-        parallelism="none" if world == 1 else "ddp",
-        micro_batch=micro,
-        grad_accum=per_rank // micro,
-        global_batch=batch.global_batch,
-        seq_len=batch.seq_len,
-        tokens_per_step=tokens_per_step,
-        total_tokens=total_tokens,
-        memory_gb={k: round(v, 4) for k, v in need.items()},
-        device_memory_gb=round(mem, 2),
-        flops_per_token=fpt,
-        total_flops=fpt * total_tokens,
-        est_hours=fpt * total_tokens / (peak * (0.4 if hw.device == "cuda" else 0.25)) / 3600,
-        tokens_per_param=total_tokens / params[0],
-    )
-
-
-def _what_fits(cfg: GPTConfig, batch: BatchConfig, micro: int, mixed: bool, budget: float) -> str:
-    """One sentence naming a run that would fit: the longest seq_len, or the largest model if none does."""
-    def fits(seq: int) -> bool:
-        return memory_breakdown(cfg, micro, seq, mixed)["total"] <= budget
-
-    if fits(1):
-        lo, hi = 1, batch.seq_len  # fits(lo) and not fits(hi); memory grows with seq_len
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return f"This model fits at micro_batch={micro} with seq_len<={lo}."
-    max_params = budget * GIB / 16  # weights+grads+AdamW alone, before any activations
-    return (f"Even seq_len=1 does not fit: weights+grads+AdamW alone allow at most {max_params / 1e6:.3g}M "
-            f"parameters per device (this model has {count_params(cfg)[0] / 1e6:.3g}M).")
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    g = torch.Generator(device=device).manual_seed(0)  # never the global RNG: a resumed run must draw as before
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.mm(a, b, out=out)  # warm-up: kernel selection, thread pool start
+    sync()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    reps = 0
+    while reps < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return 2 * n**3 / best
 
 
 def count_params(cfg: GPTConfig) -> tuple[int, int]:
@@ -177,7 +167,225 @@ def count_params(cfg: GPTConfig) -> tuple[int, int]:
     return body + (cfg.vocab_size + cfg.block_size) * cfg.n_embd, body
 
 
-if __name__ == "__main__":
+def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_precision: bool, world: int = 1,
+                     fsdp: bool = False, activation_checkpointing: bool = False) -> dict[str, float]:
+    """Peak GiB per rank, by part, for this model at this micro-batch (the peak is at the start of backward).
+
+    weights_grads_optimizer: fp32 weights, gradients and AdamW's two moments (16 B/parameter), divided by the
+      world size under FSDP, plus the bf16 weight copies autocast caches (2 B/parameter) when not sharded.
+    params_in_flight (FSDP): the root (embeddings, final norm) and two blocks unsharded, with their gradients.
+    activations: what autograd keeps per block per token, counted tensor by tensor for this model (cf.
+      Korthikanti et al. 2022, Table 2, with fused SDPA so no T x T scores): the block input, LN outputs,
+      q/k/v, the attention output and its contiguous copy, the MLP's 4C hidden before and after GELU = 17 C
+      elements; fp32 on CPU (68 C bytes), bf16 autocast with the fp32 residual stream on CUDA (38 C bytes),
+      bf16 throughout under FSDP's mixed precision (34 C bytes). Dropout adds its masks (2 C bytes) and on CPU
+      the unfused attention's scores (13 B per score). With recomputation only each block's input is kept,
+      plus one block's full set while it is recomputed.
+    logits: the chunked head never holds all logits: one chunk of fp32 logits (and its bf16 or fp32 copy for the
+      gradient matmuls), plus the head's gradients for the weights (V x C fp32) and the hidden states (fp32).
+    runtime: what the libraries allocate on first use, the same for any model (RUNTIME_GIB).
+    """
+    n = count_params(cfg)[0]
+    s, b, c, L = seq_len, micro_batch, cfg.n_embd, cfg.n_layer
+    tokens = s * b
+    if fsdp and mixed_precision:
+        per_layer = 34 * c  # bytes per token
+        stream = 2 * c
+    elif mixed_precision:
+        per_layer, stream = 38 * c, 4 * c
+    else:
+        per_layer, stream = 68 * c, 4 * c
+    if cfg.dropout > 0:
+        per_layer += 2 * c + (0 if mixed_precision else 13 * cfg.n_head * s)
+    if activation_checkpointing:
+        act = tokens * (L * stream + per_layer)
+    else:
+        act = tokens * L * per_layer
+    act += tokens * 3 * stream  # embeddings sum, final norm input and output
+    # the chunked head (kiln.model.LinearCrossEntropy): one chunk of fp32 logits and its cast for the gradient
+    # matmuls, plus the head's gradients, computed in the forward pass and kept until backward
+    chunk = max(16, CE_CHUNK_BYTES["cuda" if mixed_precision else "cpu"] // (4 * cfg.vocab_size))
+    logits = min(tokens, chunk) * cfg.vocab_size * (6 if mixed_precision else 8) + cfg.vocab_size * c * 4 + tokens * c * 4
+    if fsdp and world > 1:
+        state = n * 16 / world
+        p_bytes = 2 if mixed_precision else 4
+        block = 12 * c * c + 13 * c
+        root = (cfg.vocab_size + cfg.block_size + 2) * c
+        in_flight = (root + 2 * block) * (p_bytes + 4)  # unsharded params and their fp32 gradients before reduce-scatter
+    else:
+        state = n * (18 if mixed_precision else 16)
+        in_flight = 0
+    out = {"weights_grads_optimizer": state / GIB, "activations": act / GIB, "logits": logits / GIB,
+           "runtime": RUNTIME_GIB["cuda" if mixed_precision else "cpu"]}
+    if in_flight:
+        out["params_in_flight"] = in_flight / GIB
+    out["total"] = sum(out.values())
+    return out
+
+
+@dataclass
+class _Option:
+    parallelism: str
+    activation_checkpointing: bool
+    micro_batch: int  # 0 when even one sequence does not fit
+    memory: dict
+
+
+def _options(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, per_rank: int,
+             world: int, budget: float) -> list[_Option]:
+    """Every allowed (parallelism, checkpointing) pair in order of cost, each with its largest fitting micro-batch."""
+    mixed = hw.device == "cuda"
+    if par.strategy not in ("auto", "ddp", "fsdp"):
+        raise PlanError(f"training_plan.parallel.strategy must be auto, ddp or fsdp, not {par.strategy!r}")
+    if world == 1:
+        strategies = ["none"]
+    elif par.strategy == "auto":
+        strategies = ["ddp", "fsdp"]
+    else:
+        strategies = [par.strategy]
+    ac_choices = [False, True] if par.activation_checkpointing is None else [bool(par.activation_checkpointing)]
+    options = []
+    for ac in ac_choices:  # recomputation costs a third more compute, sharding only communication: shard first
+        for strategy in strategies:
+            def need(m: int) -> dict:
+                return memory_breakdown(cfg, m, batch.seq_len, mixed, world, strategy == "fsdp", ac)
+
+            if batch.micro_batch:
+                candidates = [batch.micro_batch]
+            else:
+                candidates = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+            micro = next((m for m in candidates if need(m)["total"] <= budget), 0)
+            options.append(_Option(strategy, ac, micro, need(micro or 1)))
+    return options
+
+
+def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, parallel: ParallelConfig | None = None,
+              headroom: float | None = None) -> TrainingPlan:
+    """Choose parallelism, activation checkpointing, micro-batch and gradient accumulation for ``batch`` on ``hw``.
+
+    Options are tried cheapest first: replicate (DDP), shard (FSDP2), then each again with activation
+    checkpointing. The first whose micro-batch reaches ``saturating_tokens`` (or the whole per-rank batch) wins;
+    if none does, the one with the largest micro-batch. Raises PlanError when nothing fits, naming what would.
+    """
+    par = parallel or ParallelConfig()
+    headroom = par.headroom if headroom is None else headroom
+    if batch.seq_len > cfg.block_size:
+        raise PlanError(f"batch.seq_len={batch.seq_len} exceeds model.block_size={cfg.block_size}; lower seq_len or raise block_size")
+    world = hw.nproc_per_node * hw.nnodes
+    if batch.global_batch % world:
+        raise PlanError(f"batch.global_batch={batch.global_batch} is not divisible by {world} ranks; use a multiple of {world}")
+    per_rank = batch.global_batch // world
+    if batch.micro_batch and per_rank % batch.micro_batch:
+        raise PlanError(f"batch.micro_batch={batch.micro_batch} must divide the per-rank batch {per_rank}")
+    mem = device_memory_gb(hw)
+    budget = mem * headroom
+    options = _options(cfg, batch, hw, par, per_rank, world, budget)
+    fitting = [o for o in options if o.micro_batch]
+    if not fitting:
+        best = min(options, key=lambda o: o.memory["total"])
+        need = best.memory
+        raise PlanError(
+            f"the model needs {need['total']:.3g} GiB per rank at micro_batch={batch.micro_batch or 1} "
+            f"({need['weights_grads_optimizer']:.3g} GiB weights+grads+AdamW, {need['activations']:.3g} GiB activations, "
+            f"{need['logits']:.3g} GiB logits; {best.parallelism}, activation checkpointing "
+            f"{'on' if best.activation_checkpointing else 'off'}) but a device has {mem:.3g} GiB ({headroom:.0%} usable = "
+            f"{budget:.3g} GiB). {_what_fits(cfg, batch, hw, par, world, budget)}"
+        )
+    saturating = par.saturating_tokens or (16384 if hw.device == "cuda" else 1024)
+    enough = min(per_rank, max(1, saturating // batch.seq_len))
+    chosen = next((o for o in fitting if o.micro_batch >= enough), None)
+    if chosen is not None:
+        why = (f"{chosen.parallelism} fits micro_batch={chosen.micro_batch} "
+               f"({chosen.micro_batch * batch.seq_len} tokens per pass, enough to keep a device busy)")
+    else:
+        chosen = max(fitting, key=lambda o: o.micro_batch)  # max keeps the first (cheapest) on ties
+        why = f"{chosen.parallelism} gives the largest micro_batch that fits ({chosen.micro_batch})"
+    if chosen.activation_checkpointing:
+        why += "; activation checkpointing " + ("requested" if par.activation_checkpointing else "needed to fit")
+    params = count_params(cfg)
+    tokens_per_step = batch.global_batch * batch.seq_len
+    fpt = flops_per_token(cfg, batch.seq_len) * (4 / 3 if chosen.activation_checkpointing else 1)
+    total_tokens = tokens_per_step * batch.max_steps
+    peak_tflops = default_peak_tflops(hw)
+    mfu_guess = 0.4 if hw.device == "cuda" else 0.25  # typical sustained MFU for a model this kind on the device
+    return TrainingPlan(
+        model=asdict(cfg),
+        params=params[0],
+        params_non_embedding=params[1],
+        world_size=world,
+        parallelism=chosen.parallelism,
+        activation_checkpointing=chosen.activation_checkpointing,
+        compile=par.compile,
+        micro_batch=chosen.micro_batch,
+        grad_accum=per_rank // chosen.micro_batch,
+        global_batch=batch.global_batch,
+        seq_len=batch.seq_len,
+        tokens_per_step=tokens_per_step,
+        total_tokens=total_tokens,
+        memory_gb={k: round(v, 4) for k, v in chosen.memory.items()},
+        device_memory_gb=round(mem, 2),
+        flops_per_token=fpt,
+        total_flops=fpt * total_tokens,
+        peak_tflops=peak_tflops,
+        est_hours=fpt * total_tokens / (peak_tflops * 1e12 * world * mfu_guess) / 3600,
+        tokens_per_param=total_tokens / params[0],
+        reason=why,
+        alternatives=[{"parallelism": o.parallelism, "activation_checkpointing": o.activation_checkpointing,
+                       "micro_batch": o.micro_batch, "GiB": round(o.memory["total"], 3)} for o in options],
+    )
+
+
+def _what_fits(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int,
+               budget: float) -> str:
+    """Sentences naming runs that would fit: a shorter seq_len, FSDP over more devices, or a smaller model."""
+    mixed = hw.device == "cuda"
+    micro = batch.micro_batch or 1
+    ac = par.activation_checkpointing is not False
+    fsdp = world > 1 and par.strategy != "ddp"
+    hints = []
+
+    def fits(seq: int, w: int = world, shard: bool = fsdp) -> bool:
+        return memory_breakdown(cfg, micro, seq, mixed, w, shard, ac)["total"] <= budget
+
+    if fits(1):
+        lo, hi = 1, batch.seq_len  # fits(lo) and not fits(hi); memory grows with seq_len
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        hints.append(f"This model fits at micro_batch={micro} with seq_len<={lo}.")
+    if par.strategy != "ddp":
+        for w in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+            if w > world and fits(batch.seq_len, w, True):
+                hints.append(f"With FSDP over {w} devices (nproc_per_node x nnodes) it fits at seq_len={batch.seq_len}.")
+                break
+    max_params = budget * GIB / 16  # weights+grads+AdamW alone, before any activations
+    if not hints:
+        hints.append(f"Even seq_len=1 does not fit: weights+grads+AdamW alone allow at most {max_params / 1e6:.3g}M "
+                     f"parameters per device (this model has {count_params(cfg)[0] / 1e6:.3g}M).")
+    return " ".join(hints) + " Otherwise use a smaller model or devices with more memory."
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
     import json
 
-    print(json.dumps(make_plan(GPTConfig(), BatchConfig(), HardwareConfig()).to_dict(), indent=2))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="demo", help="model size: tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    p.add_argument("--vocab-size", type=int, default=None, help="padded vocabulary (default 50304 for gpt2*, else 8192)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--max-steps", type=int, default=800)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--memory-gb", type=float, default=None)
+    a = p.parse_args(argv)
+    fields = preset_fields(a.preset)
+    fields["vocab_size"] = a.vocab_size or (50304 if a.preset.startswith("gpt2") else 8192)
+    plan = make_plan(GPTConfig(**fields), BatchConfig(a.seq_len, a.global_batch, None, a.max_steps),
+                     HardwareConfig(a.device, a.nproc, a.nnodes, a.memory_gb))
+    print(json.dumps(plan.to_dict(), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """Supervised fine-tuning data: the chat template, prompt-masked packing, and a resumable loader.
 
 Examples are ``<|user|>prompt<|assistant|>response<|endoftext|>``; loss falls on the response only.
+Used by ``python -m kiln.train`` (task "sft") and by the DPO and RL jobs (``kiln.dpo``, ``kiln.rl``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,32 @@ def pack(examples: Iterable[tuple[list[int], list[int]]], seq_len: int, pad_id: 
     return np.asarray(rows_t, dtype=np.int64), np.asarray(rows_m, dtype=np.uint8)
 
 
+def pad_rows(examples: Iterable[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """One example per row (no packing), cut to seq_len+1 tokens and padded to the longest.
+
+    Returns (tokens (N, W) int64, mask (N, W) uint8) with W = min(longest example, seq_len+1); padding is masked.
+    Used where each sequence must be scored on its own (preference pairs, RL samples).
+    """
+    width = seq_len + 1
+    rows = [(ids[:width], mask[:width]) for ids, mask in examples]
+    if not rows:
+        raise ValueError("no examples to pad")
+    w = max(len(ids) for ids, _ in rows)
+    tokens = np.full((len(rows), w), pad_id, dtype=np.int64)
+    masks = np.zeros((len(rows), w), dtype=np.uint8)
+    for i, (ids, mask) in enumerate(rows):
+        tokens[i, : len(ids)] = ids
+        masks[i, : len(mask)] = mask
+    return tokens, masks
+
+
+def trim_padding(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop trailing columns whose targets are all ignored: a causal model scores the rest identically."""
+    used = (y != IGNORE).any(dim=0).nonzero()  # (k, 1) columns holding a target
+    end = int(used.max()) + 1 if used.numel() else 1
+    return x[:, :end], y[:, :end]
+
+
 def to_xy(tokens: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T+1) tokens and mask -> x (B, T), y (B, T) with IGNORE where the target is not a response token."""
     t = torch.from_numpy(tokens)
@@ -103,13 +130,18 @@ class PackedLoader:
     def batches_per_epoch(self) -> int:
         return len(self.tokens) // self.global_batch
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_indices(self) -> np.ndarray:
+        """Row indices of this rank's next batch (sorted), advancing the (epoch, batch) position."""
         if self.batch >= self.batches_per_epoch:
             self.epoch, self.batch = self.epoch + 1, 0
             self._perm = self._permutation(self.epoch)
         start = self.batch * self.global_batch + self.rank * self.batch_size
         idx = np.sort(self._perm[start : start + self.batch_size])
         self.batch += 1
+        return idx
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.next_indices()
         return to_xy(self.tokens[idx], self.mask[idx])
 
     def state_dict(self) -> dict:

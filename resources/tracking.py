@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -10,6 +12,7 @@ from typing import Any, Iterator
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from kiln.storage import stable_hash
 from kiln.tracking import MetricLogger
 
 
@@ -20,6 +23,7 @@ class MlflowResource(ConfigurableResource):
     artifact_root: str = Field(default=".kiln/mlartifacts", description="Artifact folder for a new experiment (ignored by a server that has its own).")
     experiment: str = Field(default="kiln", description="MLflow experiment name.")
     ui_url: str = Field(default="http://127.0.0.1:5000", description="Base URL of the MLflow UI, for links in asset metadata.")
+    reuse_runs: bool = Field(default=True, description="Reuse the outputs of a finished run whose reuse key (code version, config, input data versions) matches instead of recomputing.")
 
     def resolved_uri(self) -> str:
         if self.tracking_uri.startswith("sqlite:///") and not self.tracking_uri.startswith("sqlite:////"):
@@ -55,19 +59,55 @@ class MlflowResource(ConfigurableResource):
                                                      "dagster.job": job_name, "mlflow.runName": f"dagster {dagster_run_id[:8]}"})
         return run.info.run_id
 
+    def reuse_key(self, context, reuse: dict[str, Any]) -> str:
+        """Hash of the asset key, its code version, and what the caller says determines its output."""
+        asset = context.asset_key.to_user_string()
+        try:
+            code_version = context.assets_def.specs_by_key[context.asset_key].code_version
+        except Exception:
+            code_version = None
+        return stable_hash({"asset": asset, "code_version": code_version, **reuse})[:32]
+
+    def find_reusable(self, client, experiment_id: str, asset: str, key: str) -> tuple[str, dict[str, Any]] | None:
+        """(run id, recorded output) of the newest finished run of ``asset`` with this reuse key whose files exist."""
+        runs = client.search_runs([experiment_id], f"tags.`kiln.reuse_key` = '{key}' and tags.`dagster.asset_key` = '{asset}' "
+                                  "and attributes.status = 'FINISHED' and tags.`kiln.output_recorded` = 'true'",
+                                  order_by=["attributes.start_time DESC"], max_results=5)
+        for r in runs:
+            try:
+                recorded = json.loads(Path(client.download_artifacts(r.info.run_id, OUTPUT_ARTIFACT, tempfile.mkdtemp())).read_text())
+            except Exception:
+                continue
+            if all(Path(p).exists() for p in output_paths(recorded["value"])):
+                return r.info.run_id, recorded
+        return None
+
     @contextlib.contextmanager
-    def asset_run(self, context, params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> Iterator["AssetRun"]:
-        """Open a child run for the asset being materialized; it ends FINISHED or FAILED with the step."""
+    def asset_run(self, context, params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None,
+                  reuse: dict[str, Any] | None = None) -> Iterator["AssetRun"]:
+        """Open a child run for the asset being materialized; it ends FINISHED or FAILED with the step.
+
+        With ``reuse`` (the config and input data versions that determine the output), a finished run with
+        the same reuse key is looked up first: if found, ``handle.reused`` holds its Output to return.
+        """
         client = self.client()
         exp = self.experiment_id(client)
         dagster_run_id, job_name = run_identity(context)
         parent = self.parent_run(client, exp, dagster_run_id, job_name)
         asset = context.asset_key.to_user_string()
-        run = client.create_run(exp, tags={
-            "mlflow.parentRunId": parent, "dagster.run_id": dagster_run_id, "dagster.asset_key": asset,
-            "kiln.kind": "asset", "mlflow.runName": asset, **{k: str(v) for k, v in (tags or {}).items()},
-        })
+        key = self.reuse_key(context, reuse) if reuse is not None else ""
+        found = self.find_reusable(client, exp, asset, key) if (key and self.reuse_runs) else None
+        run_tags = {"mlflow.parentRunId": parent, "dagster.run_id": dagster_run_id, "dagster.asset_key": asset,
+                    "kiln.kind": "asset", "mlflow.runName": asset, **{k: str(v) for k, v in (tags or {}).items()}}
+        if key:
+            run_tags["kiln.reuse_key"] = key
+        if found:
+            run_tags["kiln.reused_from"] = found[0]
+        run = client.create_run(exp, tags=run_tags)
         handle = AssetRun(self, client, exp, run.info.run_id, parent)
+        if found:
+            context.log.info(f"{asset}: inputs, config and code unchanged since MLflow run {found[0]}; reusing its output")
+            handle.reused = reused_output(found[1], self.run_url(exp, found[0]), found[0])
         if params:
             handle.logger.log_params(params)
         client.update_run(parent, "RUNNING")
@@ -91,14 +131,44 @@ def run_identity(context) -> tuple[str, str]:
         return f"direct-{uuid.uuid4().hex[:12]}", "direct_invocation"
 
 
+OUTPUT_ARTIFACT = "kiln_output.json"
+PATH_KEYS = ("path", "dir", "checkpoint", "removed")
+
+
+def output_paths(value: Any) -> list[str]:
+    """Files and folders an output handle points to (checked before a recorded output is reused)."""
+    if not isinstance(value, dict):
+        return []
+    return [v for k, v in value.items() if k in PATH_KEYS and isinstance(v, str) and v.startswith("/")]
+
+
+def reused_output(recorded: dict[str, Any], url: str, run_id: str):
+    from dagster import DataVersion, MetadataValue, Output
+
+    meta = {k: v for k, v in recorded.get("metadata", {}).items()}
+    meta.update({"reused_from_mlflow_run": MetadataValue.url(url), "reused_mlflow_run_id": run_id})
+    return Output(recorded["value"], data_version=DataVersion(recorded["data_version"]), metadata=meta)
+
+
 class AssetRun:
-    """A child MLflow run: its id, URL, a batched metric logger and artifact upload."""
+    """A child MLflow run: its id, URL, a batched metric logger, artifact upload, and output recording."""
 
     def __init__(self, resource: MlflowResource, client, experiment_id: str, run_id: str, parent_id: str):
         self.client, self.experiment_id, self.run_id, self.parent_id = client, experiment_id, run_id, parent_id
         self.tracking_uri = resource.resolved_uri()
         self.url = resource.run_url(experiment_id, run_id)
         self.logger = MetricLogger(self.tracking_uri, run_id)
+        self.reused = None  # the Output of an earlier identical run, when one can be reused
+
+    def output(self, value: Any, data_version: str, metadata: dict[str, Any]):
+        """The asset's Output, with the handle recorded in MLflow so an identical later run can reuse it."""
+        from dagster import DataVersion, Output
+
+        plain = {k: v for k, v in metadata.items() if isinstance(v, (int, float, str, bool))}
+        self.client.log_text(self.run_id, json.dumps({"value": value, "data_version": data_version, "metadata": plain},
+                                                     default=str), OUTPUT_ARTIFACT)
+        self.logger.set_tags({"kiln.output_recorded": "true", "kiln.data_version": data_version})
+        return Output(value, data_version=DataVersion(data_version), metadata=metadata)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         self.logger.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)

@@ -37,7 +37,7 @@ def test_every_asset_materialized_with_a_data_version(smoke_run):
         assert ev is not None, a.key
         tags = ev.asset_materialization.tags
         assert tags.get("dagster/data_version"), a.key
-        assert tags.get("dagster/code_version") == "1", a.key
+        assert tags.get("dagster/code_version") == a.specs_by_key[a.key].code_version, a.key
 
 
 def test_shards_decode_back_to_the_clean_corpus(smoke_run):
@@ -66,10 +66,26 @@ def test_release_reloads_with_the_same_logits(smoke_run):
     _, _, _, result = smoke_run
     bundle = result.output_for_node("release_bundle")["dir"]
     released, enc = load_release(bundle)
-    trained, _, _ = load_for_inference(result.output_for_node("sft_model")["checkpoint"])
+    trained, _, _ = load_for_inference(result.output_for_node("rl_model")["checkpoint"])  # the last stage is released
     ids = torch.tensor([enc.encode_ordinary("The shell is a command interpreter.")[:32]])
     with torch.no_grad():
         assert torch.equal(released(ids), trained(ids))
+
+
+def test_post_training_chain_is_measured_before_and_after_on_the_same_items(smoke_run):
+    _, _, _, result = smoke_run
+    sft, dpo, rl = (result.output_for_node(k) for k in ("sft_model", "dpo_model", "rl_model"))
+    assert dpo["init_from"] == sft["checkpoint"] and rl["init_from"] == dpo["checkpoint"]  # SFT -> DPO -> RL
+    assert sft["suite_key"] == dpo["suite_key"] == rl["suite_key"]
+    assert dpo["before"] == sft["after"] and rl["before"] == dpo["after"]
+    for stage in (sft, dpo, rl):
+        assert {"arithmetic_exact_match", "preference_accuracy", "response_loss"} <= set(stage["after"])
+    assert dpo["initial_val"]["reward_margin"] == 0.0 and "chosen_logp" in dpo["final_val"]
+    assert [h["step"] for h in rl["history"] if "reward" in h] == list(range(1, rl["steps"] + 1))
+    prefs = result.output_for_node("preference_data")
+    assert sum(v["train"] for v in prefs["counts"].values()) > 0
+    card = (Path(result.output_for_node("release_bundle")["dir"]) / "README.md").read_text()
+    assert "Direct Preference Optimization" in card and "| measure | base | sft | dpo | rl |" in card
 
 
 def test_eval_scores_include_lm_eval_tasks_with_chance(smoke_run):
@@ -133,3 +149,63 @@ def test_unknown_nested_config_key_is_named(smoke_run):
     result = rerun(smoke_run, ["clean_corpus"], {"clean_corpus": {"config": {"clean": {"min_wrds": 5}}}})
     assert not result.success
     assert "unknown key 'min_wrds'" in failure_message(result)
+
+
+def computed_assets(smoke_run, run_id: str) -> set[str]:
+    """Assets a Dagster run recomputed (their MLflow child run did not reuse an earlier run's output)."""
+    from mlflow.tracking import MlflowClient
+
+    home = smoke_run[0]
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("kiln")
+    runs = client.search_runs([exp.experiment_id], f"tags.`dagster.run_id` = '{run_id}' and tags.`kiln.kind` = 'asset'",
+                              max_results=200)
+    return {r.data.tags["dagster.asset_key"] for r in runs if "kiln.reused_from" not in r.data.tags}
+
+
+def downstream_of(defs, key: str) -> set[str]:
+    graph = defs.resolve_asset_graph()
+    job_assets = {a.key.to_user_string() for a in ALL_ASSETS}
+    out, todo = {key}, [AssetKey(key)]
+    while todo:
+        for child in graph.get(todo.pop()).child_keys:
+            if child.to_user_string() not in out:
+                out.add(child.to_user_string())
+                todo.append(child)
+    return out & job_assets
+
+
+def smoke_ops(**changes) -> dict:
+    from jobs.cli import deep_merge
+
+    return deep_merge(load_preset("smoke"), {"ops": changes})["ops"]
+
+
+def test_rerun_with_nothing_changed_recomputes_nothing(smoke_run):
+    names = [a.key.to_user_string() for a in ALL_ASSETS]
+    result = rerun(smoke_run, names, smoke_ops())
+    assert result.success, (computed_assets(smoke_run, result.run_id), failure_message(result))
+    assert computed_assets(smoke_run, result.run_id) == set()
+
+
+def test_eval_change_rebuilds_only_evaluation_and_release(smoke_run):
+    names = [a.key.to_user_string() for a in ALL_ASSETS]
+    result = rerun(smoke_run, names, smoke_ops(eval_scores={"config": {"tasks": ["kiln_continuation", "kiln_heldout_ppl"]}}))
+    assert result.success
+    assert computed_assets(smoke_run, result.run_id) == {"eval_scores", "release_bundle"}
+
+
+def test_filter_change_rebuilds_exactly_the_clean_corpus_and_downstream(smoke_run):
+    _, defs, _, _ = smoke_run
+    names = [a.key.to_user_string() for a in ALL_ASSETS]
+    # A different corpus trains a different model: allow its scores to move without failing the release check.
+    result = rerun(smoke_run, names, smoke_ops(clean_corpus={"config": {"clean": {"min_words": 80}}},
+                                               release_bundle={"config": {"regression_tolerance": 1e9}}))
+    assert result.success, failure_message(result)
+    computed = computed_assets(smoke_run, result.run_id)
+    assert "raw_documents" not in computed
+    # instruction_data reruns (its eval_suite input changed) but rebuilds identical pairs, so the same data
+    # version reaches preference_data, which is therefore reused: only changed inputs cause work.
+    first = smoke_run[3]
+    assert result.output_for_node("instruction_data")["version"] == first.output_for_node("instruction_data")["version"]
+    assert computed == downstream_of(defs, "clean_corpus") - {"preference_data"}

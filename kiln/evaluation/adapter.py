@@ -115,29 +115,46 @@ class KilnLM(LM):
 
     @torch.inference_mode()
     def _score_rows(self, rows: Sequence[Row]) -> list[tuple[float, bool]]:
-        """(sum of target log-probs, all targets greedy) per row; batched longest first, padded right."""
+        """(sum of target log-probs, all targets greedy) per row; batched longest first, padded right.
+
+        Rows with the same input tokens (e.g. one-token answers " A".." D" after one question) share one forward
+        pass, each gathering its own targets from the shared logits. A batch holds batch_size x max_length input
+        tokens: batch_size rows of full length, proportionally more shorter ones (same memory, fewer passes).
+        """
         self.model.eval()
         out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
-            inps = [rows[i][0] for i in idx]
-            tgts = [rows[i][1] for i in idx]
-            B, T, K = len(idx), len(inps[0]), max(len(t) for t in tgts)
-            x = torch.tensor([r + [0] * (T - len(r)) for r in inps], dtype=torch.long, device=self._device)  # (B, T)
-            y = torch.tensor([t + [0] * (K - len(t)) for t in tgts], dtype=torch.long, device=self._device)  # (B, K)
-            n_in = torch.tensor([len(r) for r in inps], device=self._device)  # (B,)
-            n_tg = torch.tensor([len(t) for t in tgts], device=self._device)  # (B,)
-            ar = torch.arange(K, device=self._device)  # (K,)
-            valid = ar[None, :] < n_tg[:, None]  # (B, K)
-            pos = torch.where(valid, (n_in - n_tg)[:, None] + ar[None, :], 0)  # (B, K) positions predicting y
+        uniq: dict[tuple[int, ...], int] = {}
+        owner = [uniq.setdefault(tuple(r[0]), len(uniq)) for r in rows]  # row -> index of its distinct input
+        inputs = list(uniq)
+        members: list[list[int]] = [[] for _ in inputs]
+        for i, u in enumerate(owner):
+            members[u].append(i)
+        order = sorted(range(len(inputs)), key=lambda u: -len(inputs[u]))
+        dev = self._device
+        budget = self.batch_size * self.max_length  # input tokens per forward pass, padding included
+        start = 0
+        while start < len(order):
+            T = len(inputs[order[start]])  # the longest input of this batch (sorted longest first)
+            us = order[start : start + max(1, budget // max(T, 1))]
+            start += len(us)
+            x = torch.tensor([list(inputs[u]) + [0] * (T - len(inputs[u])) for u in us], dtype=torch.long, device=dev)  # (B, T)
+            ridx = [i for u in us for i in members[u]]  # the R rows scored from this batch
+            tgts = [rows[i][1] for i in ridx]
+            K = max(len(t) for t in tgts)
+            b_of = torch.tensor([j for j, u in enumerate(us) for _ in members[u]], device=dev)  # (R,) row -> batch index
+            y = torch.tensor([t + [0] * (K - len(t)) for t in tgts], dtype=torch.long, device=dev)  # (R, K)
+            n_in = torch.tensor([len(rows[i][0]) for i in ridx], device=dev)  # (R,)
+            n_tg = torch.tensor([len(t) for t in tgts], device=dev)  # (R,)
+            ar = torch.arange(K, device=dev)  # (K,)
+            valid = ar[None, :] < n_tg[:, None]  # (R, K)
+            pos = torch.where(valid, (n_in - n_tg)[:, None] + ar[None, :], 0)  # (R, K) positions predicting y
             logits = self.model(x)  # (B, T, V); right padding cannot reach earlier positions (causal)
-            sel = logits[torch.arange(B, device=self._device)[:, None], pos][..., : self.n_vocab]  # (B, K, Vr)
-            logp = F.log_softmax(sel.float(), dim=-1)  # (B, K, Vr)
-            tok = logp.gather(-1, y[..., None]).squeeze(-1)  # (B, K)
-            total = torch.where(valid, tok, 0.0).sum(dim=1)  # (B,)
-            greedy = ((logp.argmax(dim=-1) == y) | ~valid).all(dim=1)  # (B,)
-            for i, lp, g in zip(idx, total.tolist(), greedy.tolist()):
+            sel = logits[b_of[:, None], pos][..., : self.n_vocab]  # (R, K, Vr)
+            logp = F.log_softmax(sel.float(), dim=-1)  # (R, K, Vr)
+            tok = logp.gather(-1, y[..., None]).squeeze(-1)  # (R, K)
+            total = torch.where(valid, tok, 0.0).sum(dim=1)  # (R,)
+            greedy = ((logp.argmax(dim=-1) == y) | ~valid).all(dim=1)  # (R,)
+            for i, lp, g in zip(ridx, total.tolist(), greedy.tolist()):
                 out[i] = (lp, g)
         return out
 
@@ -182,57 +199,84 @@ class KilnLM(LM):
         return results
 
     @torch.inference_mode()
-    def _generate(
-        self, context: str, max_new: int, temperature: float, top_k: int | None, until: Sequence[str]
-    ) -> str:
-        """Decode up to max_new tokens (greedy when temperature <= 0); stop at EOT or a stop string."""
+    def _generate_batch(
+        self, contexts: Sequence[str], max_new: int, temperature: float, top_k: int | None, until: Sequence[str]
+    ) -> list[str]:
+        """Decode up to max_new tokens per context, all rows in one forward pass per step (no KV cache).
+
+        Greedy when temperature <= 0. A row stops at EOT or once its text holds a stop string; the rest go on.
+        Rows are right-padded, so each reads the logits at its own last real position.
+        """
         self.model.eval()
-        ids = self._encode(context) if context else [self.eot]
-        new: list[int] = []
+        dev = self._device
+        seqs = [self._encode(c) if c else [self.eot] for c in contexts]
+        new: list[list[int]] = [[] for _ in contexts]
+        live = list(range(len(contexts)))
         for _ in range(max_new):
-            x = torch.tensor([(ids + new)[-self.max_length :]], dtype=torch.long, device=self._device)  # (1, T)
-            logits = self.model(x)[0, -1, : self.n_vocab].float()  # (Vr,)
+            if not live:
+                break
+            wins = [(seqs[i] + new[i])[-self.max_length :] for i in live]
+            T = max(len(w) for w in wins)
+            x = torch.tensor([w + [0] * (T - len(w)) for w in wins], dtype=torch.long, device=dev)  # (A, T)
+            last = torch.tensor([len(w) - 1 for w in wins], device=dev)  # (A,)
+            logits = self.model(x)[torch.arange(len(live), device=dev), last, : self.n_vocab].float()  # (A, Vr)
             if temperature <= 0:
-                nxt = int(logits.argmax())
+                nxt = logits.argmax(dim=-1)  # (A,)
             else:
                 logits = logits / temperature
                 if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                    kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (A, 1)
                     logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=self.generator))
-            if nxt == self.eot:
-                break
-            new.append(nxt)
-            if until and any(s in self.enc.decode(new) for s in until):
-                break
-        text = self.enc.decode(new)
-        cut = min([text.find(s) for s in until if s in text], default=len(text))
-        return text[:cut]
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=self.generator)[:, 0]  # (A,)
+            still = []
+            for i, t in zip(live, nxt.tolist()):
+                if t == self.eot:
+                    continue
+                new[i].append(t)
+                if not (until and any(s in self.enc.decode(new[i]) for s in until)):
+                    still.append(i)
+            live = still
+        texts = [self.enc.decode(n) for n in new]
+        return [t[: min([t.find(s) for s in until if s in t], default=len(t))] for t in texts]
+
+    def _generate(self, context: str, max_new: int, temperature: float, top_k: int | None, until: Sequence[str]) -> str:
+        """One context through ``_generate_batch``."""
+        return self._generate_batch([context], max_new, temperature, top_k, until)[0]
 
     def generate_until(self, requests: list[Any]) -> list[str]:
         """(context, gen_kwargs) -> continuation, cut before the first ``until`` string.
 
         gen_kwargs: until (str | list), max_gen_toks, do_sample (default: temperature > 0), temperature
-        (default 1.0 when sampling), top_k. Greedy unless sampling is asked for.
+        (default 1.0 when sampling), top_k. Greedy unless sampling is asked for. Requests with the same settings
+        decode together in batches of batch_size, longest context first.
         """
-        out = []
-        for req in requests:
+        groups: dict[tuple, list[int]] = {}  # (max_new, temperature, top_k, until) -> request indices
+        for n, req in enumerate(requests):
             context, kw = req.args
             kw = dict(kw or {})
             unknown = sorted(set(kw) - KNOWN_GEN_KWARGS)
             if unknown:
                 log.warning("kiln generate_until ignores gen_kwargs %s", unknown)
             until = kw.get("until") or []
-            until = [s for s in ([until] if isinstance(until, str) else until) if s]
+            until = tuple(s for s in ([until] if isinstance(until, str) else until) if s)
             temperature = float(kw.get("temperature") or 0.0)
             do_sample = kw.get("do_sample")
             do_sample = temperature > 0 if do_sample is None else str(do_sample).lower() in ("true", "1")
             temp = (temperature if temperature > 0 else 1.0) if do_sample else 0.0
             max_new = int(kw.get("max_gen_toks") or self.max_gen_toks)
             top_k = int(kw["top_k"]) if kw.get("top_k") else None
-            text = self._generate(context, max_new, temp, top_k, until)
+            key = (max_new, temp, top_k, until)
+            groups.setdefault(key, []).append(n)
+        out: list[str] = [""] * len(requests)
+        for (max_new, temp, top_k, until), idx in groups.items():
+            idx = sorted(idx, key=lambda n: -len(requests[n].args[0]))
+            for start in range(0, len(idx), self.batch_size):
+                chunk = idx[start : start + self.batch_size]
+                texts = self._generate_batch([requests[n].args[0] for n in chunk], max_new, temp, top_k, until)
+                for n, text in zip(chunk, texts):
+                    out[n] = text
+        for req, text in zip(requests, out):
             self.cache_hook.add_partial("generate_until", req.args, text)
-            out.append(text)
         return out
 
     def get_model_info(self) -> dict[str, Any]:

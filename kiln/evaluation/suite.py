@@ -16,12 +16,15 @@ from typing import Any
 import tiktoken
 
 from kiln.evaluation.adapter import KilnLM
+from kiln.evaluation.contamination import CLEAN_SUFFIX
+from kiln.evaluation.mmlu import MMLU, MMLU_CHANCE
 from kiln.evaluation.tasks import LOCAL_CHANCE
 from kiln.model import GPT
 
 # Expected score of a model that knows nothing (uniform guessing); None where no such number exists (perplexity).
 CHANCE: dict[str, float | None] = {
     **LOCAL_CHANCE,
+    MMLU: MMLU_CHANCE,
     "hellaswag": 0.25,
     "arc_easy": 0.25,
     "arc_challenge": 0.25,
@@ -54,7 +57,7 @@ def _flatten(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
             if name in ("sample_len", "name") or name in row or not isinstance(value, (int, float)):
                 continue  # alias/name strings, lm-eval's "N/A" stderr, the sample count (kept as "items")
             row[name] = _clean(value)
-        row["chance"] = CHANCE.get(task)
+        row["chance"] = CHANCE.get(task.removesuffix(CLEAN_SUFFIX))
         row["items"] = int(n_samples.get(task, {}).get("effective", 0)) or None
         flat[task] = row
     return flat
@@ -78,7 +81,7 @@ def _env(**values: str):
 def run_suite(
     model: GPT,
     encoding: tiktoken.Encoding,
-    task_dir: str | Path | None,
+    task_dir: str | Path | list[str | Path] | None,
     tasks: list[str],
     limit: int | None = None,
     batch_size: int = 16,
@@ -86,7 +89,9 @@ def run_suite(
     bootstrap_iters: int = 1000,
     seed: int = 1234,
 ) -> dict[str, dict[str, Any]]:
-    """Evaluate ``model`` on ``tasks`` (local ones from task_dir; lm-eval's own names too) -> flat scores.
+    """Evaluate ``model`` on ``tasks`` (local ones from task_dir, one folder or several; lm-eval's own names too).
+
+    Returns flat scores {task: {metric: value, metric_stderr: value, "chance": c, "items": n}}.
 
     Standard task names (e.g. hellaswag) load lm-eval's defaults (~15 s of indexing) and need their data in
     the local Hugging Face cache. The model is put in eval mode on ``device`` and its train/eval mode restored.
@@ -96,7 +101,8 @@ def run_suite(
 
     if not tasks:
         raise ValueError("run_suite needs at least one task name")
-    include = str(Path(task_dir).resolve()) if task_dir is not None else None
+    dirs = [task_dir] if isinstance(task_dir, (str, Path)) else list(task_dir or [])
+    include = [str(Path(d).resolve()) for d in dirs] or None
     tm = TaskManager(include_path=include, include_defaults=include is None)
     if include is not None and not set(tasks) <= set(tm.all_tasks):
         tm = TaskManager(include_path=include, include_defaults=True)
@@ -129,6 +135,41 @@ def run_suite(
     if out is None:  # only non-zero ranks get None; Kiln runs one process
         raise RuntimeError("lm-eval returned no results (not rank 0?)")
     return _flatten(out)
+
+
+def score_full_and_clean(
+    model: GPT,
+    encoding: tiktoken.Encoding,
+    task_dirs: list[str | Path],
+    tasks: list[str],
+    contamination: dict[str, dict[str, Any]] | None = None,
+    **kwargs: Any,
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Score ``tasks`` on all their items and, where the contamination check removed some, on the clean rest.
+
+    contamination: the ``tasks`` part of a ``check_contamination`` report, whose ``<task>_clean`` tasks must be in
+    task_dirs. Returns (full, clean): full rows gain ``contaminated`` and ``contaminated_share``; clean rows are
+    the clean subset's scores (the full ones when nothing was contaminated; only chance and items=0 when nothing
+    is clean). Tasks the report does not cover (lm-eval's own) appear in full only. kwargs go to ``run_suite``.
+    """
+    report = contamination or {}
+    clean_names = {t: report[t]["clean_task"] for t in tasks
+                   if t in report and report[t]["contaminated"] and report[t].get("clean_task")}
+    res = run_suite(model, encoding, task_dirs, list(tasks) + list(clean_names.values()), **kwargs)
+    full: dict[str, dict[str, Any]] = {}
+    clean: dict[str, dict[str, Any]] = {}
+    for t in tasks:
+        full[t] = dict(res[t])
+        if t not in report:
+            continue
+        full[t].update(contaminated=report[t]["contaminated"], contaminated_share=report[t]["share"])
+        if not report[t]["contaminated"]:
+            clean[t] = dict(res[t])
+        elif t in clean_names:
+            clean[t] = dict(res[clean_names[t]])
+        else:
+            clean[t] = {"chance": res[t]["chance"], "items": 0}
+    return full, clean
 
 
 def sample_generations(

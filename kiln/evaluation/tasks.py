@@ -57,62 +57,86 @@ def _windows(sents: list[str], rng: random.Random) -> list[tuple[int, int]]:
     return spans
 
 
-def _ppl_item(doc: str, rng: random.Random) -> dict[str, Any] | None:
+def _ppl_items(doc: str, rng: random.Random, k: int) -> list[dict[str, Any]]:
+    """The document itself (cut at a word boundary when long): one item per document whatever k is."""
     text = doc.strip()
     if len(text) < PPL_MIN_CHARS:
-        return None
+        return []
     if len(text) > PPL_MAX_CHARS:
         cut = text.rfind(" ", PPL_MAX_CHARS * 3 // 4, PPL_MAX_CHARS)
         text = text[: cut if cut > 0 else PPL_MAX_CHARS].rstrip()
-    return {"text": text}
+    return [{"text": text}]
 
 
-def _continuation_item(sents: list[str], rng: random.Random) -> dict[str, Any] | None:
-    for i, j in _windows(sents, rng):
-        if j < len(sents) and _is_ending(sents[j]) and sents[j] not in sents[i:j]:
-            return {"context": " ".join(sents[i:j]), "ending": sents[j]}
-    return None
+def _disjoint(spans: list[tuple[int, int, dict]], k: int) -> list[dict[str, Any]]:
+    """Up to k items whose sentence spans (start, end exclusive) do not overlap, in the given order."""
+    taken: list[tuple[int, int]] = []
+    out = []
+    for i, j, item in spans:
+        if len(out) == k:
+            break
+        if all(j <= a or i >= b for a, b in taken):
+            taken.append((i, j))
+            out.append(item)
+    return out
 
 
-def _lastword_item(sents: list[str], rng: random.Random) -> dict[str, Any] | None:
-    fallback = None
+def _continuation_items(sents: list[str], rng: random.Random, k: int) -> list[dict[str, Any]]:
+    spans = [(i, j + 1, {"context": " ".join(sents[i:j]), "ending": sents[j]}) for i, j in _windows(sents, rng)
+             if j < len(sents) and _is_ending(sents[j]) and sents[j] not in sents[i:j]]
+    return _disjoint(spans, k)
+
+
+def _lastword_items(sents: list[str], rng: random.Random, k: int) -> list[dict[str, Any]]:
+    """Passages ending in a word; those that mention the word earlier first, as LAMBADA's items do."""
+    preferred, other = [], []
     for i, j in _windows(sents, rng):
         m = _LAST_WORD.match(" ".join(sents[i:j]))
         if not m:
             continue
         context, word = m.group(1), m.group(2)
         item = {"context": context, "target": " " + word, "in_context": word.lower() in context.lower().split()}
-        if item["in_context"]:  # prefer passages that mention the word before, as LAMBADA's items do
-            return item
-        fallback = fallback or item
-    return fallback
+        (preferred if item["in_context"] else other).append((i, j, item))
+    return _disjoint(preferred + other, k)
 
 
 def _pick_items(
     task: str,
     docs: dict[int, str],
     n_items: int,
+    min_items: int,
+    per_doc: int,
     seed: int,
-    make: Callable[[Any, random.Random], dict | None],
+    make: Callable[[Any, random.Random, int], list[dict]],
     need: str,
 ) -> list[dict[str, Any]]:
-    """At most one item per document, documents in a seeded order; raise when fewer than n_items qualify."""
+    """Up to n_items items, at most per_doc per document: documents in a seeded order, round by round.
+
+    Round 1 takes each document's first item, round 2 their second, and so on, so items spread over documents.
+    Raises NotEnoughDocumentsError when fewer than min_items qualify.
+    """
     rng = random.Random(f"{seed}:{task}")
     order = list(docs)
     rng.shuffle(order)
     items: list[dict[str, Any]] = []
-    for d in order:
-        src = docs[d] if task == PPL else _sentences(docs[d])
-        item = make(src, rng)
-        if item is None:
-            continue
-        items.append({"id": len(items), "doc_index": d, **item})
-        if len(items) == n_items:
-            return items
-    raise NotEnoughDocumentsError(
-        f"{task}: needs n_items={n_items} usable documents ({need}) but only {len(items)} of "
-        f"{len(docs)} distinct documents qualify; pass more held-out documents or lower n_items"
-    )
+    found: list[tuple[int, list[dict]]] = []  # (document, its items) in order; made lazily in round 1
+    for rnd in range(per_doc):
+        sources = order if rnd == 0 else [d for d, _ in found]
+        for n, d in enumerate(sources):
+            if rnd == 0:
+                src = docs[d] if task == PPL else _sentences(docs[d])
+                found.append((d, make(src, rng, per_doc)))
+            got = found[n][1]
+            if rnd < len(got):
+                items.append({"id": len(items), "doc_index": d, **got[rnd]})
+                if len(items) == n_items:
+                    return items
+    if len(items) < min_items:
+        raise NotEnoughDocumentsError(
+            f"{task}: needs n_items={min_items} items ({need}; at most {per_doc} per document) but only {len(items)} "
+            f"come from the {len(docs)} distinct documents; pass more held-out documents or lower n_items"
+        )
+    return items
 
 
 def _add_distractors(items: list[dict[str, Any]], docs: dict[int, str], seed: int) -> None:
@@ -187,14 +211,18 @@ def _task_yaml(task: str, data: Path, n: int, seed: int) -> dict[str, Any]:
     }
 
 
-def build_tasks(documents: list[str], out_dir: Path, n_items: int, seed: int) -> dict[str, dict[str, Any]]:
+def build_tasks(documents: list[str], out_dir: Path, n_items: int, seed: int, min_items: int | None = None,
+                per_doc: int = 1) -> dict[str, dict[str, Any]]:
     """Write the three local tasks (JSONL data + lm-eval YAML) into out_dir, deterministically for a seed.
 
+    Each task gets n_items items, at most per_doc per document (perplexity: one per document), or as many as
+    the documents give when that is at least min_items (default n_items: exactly n_items or an error).
     Returns {task: {"items": n, "path": yaml path, "data": jsonl path, "chance": float | None}}.
-    Raises NotEnoughDocumentsError when a task cannot get n_items items (one per document).
+    Raises NotEnoughDocumentsError when a task cannot get min_items items.
     """
-    if n_items < 1:
-        raise ValueError(f"n_items must be >= 1, got {n_items}")
+    min_items = n_items if min_items is None else min_items
+    if not 1 <= min_items <= n_items or per_doc < 1:
+        raise ValueError(f"need 1 <= min_items <= n_items and per_doc >= 1, got {min_items}, {n_items}, {per_doc}")
     first: dict[str, int] = {}
     for i, d in enumerate(documents):  # exact duplicates would repeat items
         if d and d.strip():
@@ -203,13 +231,13 @@ def build_tasks(documents: list[str], out_dir: Path, n_items: int, seed: int) ->
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     makers = {
-        PPL: (_ppl_item, f">= {PPL_MIN_CHARS} characters"),
-        CONTINUATION: (_continuation_item, f"a {CTX_MIN_CHARS}-{CTX_MAX_CHARS} character passage + an ending sentence"),
-        LASTWORD: (_lastword_item, f"a {CTX_MIN_CHARS}-{CTX_MAX_CHARS} character passage ending in a word"),
+        PPL: (_ppl_items, f">= {PPL_MIN_CHARS} characters"),
+        CONTINUATION: (_continuation_items, f"a {CTX_MIN_CHARS}-{CTX_MAX_CHARS} character passage + an ending sentence"),
+        LASTWORD: (_lastword_items, f"a {CTX_MIN_CHARS}-{CTX_MAX_CHARS} character passage ending in a word"),
     }
     out: dict[str, dict[str, Any]] = {}
     for task, (make, need) in makers.items():
-        items = _pick_items(task, docs, n_items, seed, make, need)
+        items = _pick_items(task, docs, n_items, min_items, per_doc, seed, make, need)
         if task == CONTINUATION:
             _add_distractors(items, docs, seed)
         data, spec = out_dir / f"{task}.jsonl", out_dir / f"{task}.yaml"
@@ -217,3 +245,18 @@ def build_tasks(documents: list[str], out_dir: Path, n_items: int, seed: int) ->
         atomic_write_text(spec, yaml.safe_dump(_task_yaml(task, data, len(items), seed), sort_keys=False))
         out[task] = {"items": len(items), "path": str(spec), "data": str(data), "chance": LOCAL_CHANCE[task]}
     return out
+
+
+def retarget_tasks(task_dir: Path, final_dir: Path) -> None:
+    """Point each task YAML in task_dir at its JSONL file under final_dir, where the folder is about to be moved.
+
+    lm-eval resolves ``data_files`` from the working directory, so task YAMLs carry absolute paths; a folder built in
+    a staging place gets its final paths written before it is committed.
+    """
+    for spec in sorted(Path(task_dir).glob("*.yaml")):
+        cfg = yaml.safe_load(spec.read_text()) or {}
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+        if not isinstance(files, dict):
+            continue
+        cfg["dataset_kwargs"]["data_files"] = {split: str(Path(final_dir).resolve() / Path(p).name) for split, p in files.items()}
+        atomic_write_text(spec, yaml.safe_dump(cfg, sort_keys=False))

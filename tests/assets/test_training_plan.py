@@ -1,4 +1,5 @@
-"""The training_plan asset, invoked directly: real plan values, and config errors that name the key."""
+"""The training_plan asset, invoked directly: real plan values, named model sizes, the parallelism choice, and
+config errors that name the key."""
 
 import pytest
 from dagster import build_asset_context
@@ -23,15 +24,31 @@ def test_plan_from_config(tmp_path):
               batch={"seq_len": 64, "global_batch": 8, "max_steps": 10}, hardware={"nproc_per_node": 2})
     plan = out.value
     assert plan["model"]["vocab_size"] == 4160  # 4099 padded to a multiple of 64
-    assert plan["world_size"] == 2 and plan["parallelism"] == "ddp"
+    assert plan["world_size"] == 2 and plan["parallelism"] == "ddp" and not plan["activation_checkpointing"]
     assert plan["micro_batch"] * plan["grad_accum"] * 2 == 8
     assert plan["total_tokens"] == 8 * 64 * 10
-    assert out.metadata["parameters"].value == plan["params"]
+    meta = out.metadata
+    assert meta["parameters"].value == plan["params"]
+    assert meta["parallelism"].value == "ddp" and "ddp fits" in meta["why"].value
+    assert "| ddp |" in meta["options_considered"].value and "| fsdp |" in meta["options_considered"].value
+    assert meta["tokens_per_parameter"].value == pytest.approx(plan["total_tokens"] / plan["params"], abs=1e-3)
+    assert meta["estimated_flops"].value == plan["total_flops"] and meta["estimated_hours"].value > 0
+
+
+def test_named_model_size_on_gpus_chooses_fsdp_when_replicas_do_not_fit(tmp_path):
+    out = run(tmp_path, model_preset="gpt2-large", batch={"seq_len": 1024, "global_batch": 64, "max_steps": 10},
+              hardware={"device": "cuda", "nproc_per_node": 8, "memory_gb": 16, "peak_tflops": 312.0})
+    plan = out.value
+    assert (plan["model"]["n_layer"], plan["model"]["n_embd"], plan["model"]["vocab_size"]) == (36, 1280, 4160)
+    assert plan["parallelism"] == "fsdp" and plan["activation_checkpointing"]
+    assert plan["peak_tflops"] == 312.0
 
 
 def test_unknown_model_key_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"training_plan\.model: unknown key 'n_layers'.*Did you mean 'n_layer'"):
         run(tmp_path, model={"n_layers": 2})
+    with pytest.raises(ConfigError, match=r"training_plan\.parallel: unknown key 'strategies'"):
+        run(tmp_path, parallel={"strategies": "fsdp"})
 
 
 def test_plan_that_cannot_fit_says_what_would(tmp_path):

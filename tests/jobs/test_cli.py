@@ -31,3 +31,94 @@ def test_preset_with_bad_top_level_key(tmp_path):
 def test_run_rejects_unknown_asset(tmp_path):
     with pytest.raises(SystemExit, match="unknown asset"):
         main(["run", "--preset", "smoke", "--select", "tokenizr", "--home", str(tmp_path)])
+
+
+# ---- kiln lineage / kiln generate on a real (tiny) release ----------------------------------------------------
+
+import json  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+LINEAGE_EXTRA = {
+    "name": "kiln-cli-test",
+    "lineage": {"raw_documents": "raw111", "clean_corpus": "clean222", "token_shards": "shards333", "sft_model": "sft444"},
+    "sources": [{"name": "docs-a", "kind": "pip", "package": "sphinx", "version": "8.1.0", "license": "BSD-2-Clause"}],
+    "filters": {"min_words": 20, "minhash_threshold": 0.8},
+    "training": {"base_model": {"steps": 30, "final_val_loss": 3.25}},
+    "eval": {"val_bits_per_byte": 1.9},
+    "mlflow_runs": {"base_model": "run-base", "sft_model": "run-sft"},
+}
+
+
+@pytest.fixture
+def release(tmp_path, tiny_tokenizer) -> tuple[Path, Path]:
+    """(bundle, the checkpoint it came from) for a tiny model trained-like on the tiny tokenizer."""
+    import torch
+
+    from kiln.checkpoint import save_checkpoint
+    from kiln.model import GPT, GPTConfig
+    from kiln.release import write_release
+
+    _, tok = tiny_tokenizer
+    cfg = GPTConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(tmp_path / "run" / "checkpoints", 9, {"model": GPT(cfg).state_dict()}, {"model": asdict(cfg), "task": "sft"},
+                           extra_files={"tokenizer.json": tok})
+    (tmp_path / "run" / "job.json").write_text(json.dumps({"task": "sft", "train_files": ["/s/instruction_data/v1/pairs.jsonl"],
+                                                           "mlflow_run_id": "run-sft"}))
+    write_release(ckpt, tmp_path / "release", card="# card\n", extra=LINEAGE_EXTRA)
+    return tmp_path / "release", ckpt
+
+
+def test_lineage_of_a_release_prints_a_tree_and_json(release, capsys):
+    bundle, ckpt = release
+    assert main(["lineage", str(bundle)]) == 0
+    tree = capsys.readouterr().out
+    assert tree.startswith(f"release kiln-cli-test {bundle}\n  from checkpoint {ckpt} (step 9, task sft)")
+    for needle in ("clean_corpus: clean222", "- docs-a:", "version=8.1.0", "minhash_threshold: 0.8",
+                   "final_val_loss: 3.25", "val_bits_per_byte: 1.9", "sft_model: run-sft", "tokenizer: kiln-bpe-300"):
+        assert needle in tree, (needle, tree)
+    assert main(["lineage", str(bundle), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["lineage"] == LINEAGE_EXTRA["lineage"] and info["sources"] == LINEAGE_EXTRA["sources"]
+    assert info["source_checkpoint"] == str(ckpt) and info["step"] == 9 and info["release"] == str(bundle)
+
+
+def test_lineage_of_a_checkpoint_and_of_a_damaged_release(release, capsys):
+    bundle, ckpt = release
+    assert main(["lineage", str(ckpt.parent.parent), "--json"]) == 0  # a run folder resolves to its newest checkpoint
+    info = json.loads(capsys.readouterr().out)
+    assert info["checkpoint"] == str(ckpt) and info["job"]["train_files"] == ["/s/instruction_data/v1/pairs.jsonl"]
+    assert info["mlflow_runs"] == {"sft": "run-sft"}
+    (bundle / "kiln.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"kiln\.json: checksum does not match SHA256SUMS"):
+        main(["lineage", str(bundle)])
+    with pytest.raises(SystemExit, match="no checkpoint found"):
+        main(["lineage", str(bundle.parent / "nowhere")])
+
+
+def test_generate_from_release_and_checkpoint_agree(release, capsys):
+    bundle, ckpt = release
+    args = ["--prompt", "The cat", "--prompt", "A dog", "--max-new-tokens", "8", "--temperature", "0"]
+    assert main(["generate", str(bundle), *args]) == 0
+    from_release = capsys.readouterr().out.splitlines()
+    assert main(["generate", str(ckpt), *args]) == 0
+    assert capsys.readouterr().out.splitlines() == from_release  # same weights, greedy: same text
+    assert len(from_release) == 2 and from_release[0].startswith("The cat") and from_release[1].startswith("A dog")
+    assert main(["generate", str(bundle), "--chat", "--prompt", "hi", "--max-new-tokens", "4", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("hi ->")
+
+
+def test_lineage_and_generate_resolve_a_registered_model(release, tmp_path, capsys):
+    from kiln.registry import register_release
+
+    bundle, _ = release
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    register_release(uri, "kiln-cli", bundle, scores={"val_loss": 3.0}, lineage=LINEAGE_EXTRA["lineage"])
+    assert main(["lineage", "models:/kiln-cli@candidate", "--tracking-uri", uri]) == 0
+    tree = capsys.readouterr().out
+    assert f"release kiln-cli-test {bundle.resolve()}" in tree and "registry:" in tree and "version: 1" in tree
+    assert main(["generate", "models:/kiln-cli/1", "--tracking-uri", uri, "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("The")
+    with pytest.raises(SystemExit, match="no alias 'prod'"):
+        main(["lineage", "models:/kiln-cli@prod", "--tracking-uri", uri])

@@ -5,7 +5,8 @@ from dagster import AssetKey
 from jobs.definitions import ALL_ASSETS, defs
 
 EXPECTED = {"raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
-            "eval_scores", "instruction_data", "sft_model", "release_bundle"}
+            "eval_suite", "contamination_report", "eval_scores", "checkpoint_evals", "instruction_data",
+            "preference_data", "sft_model", "dpo_model", "rl_model", "release_bundle"}
 
 
 def test_definitions_load_with_every_asset():
@@ -29,6 +30,9 @@ def test_lineage_edges():
     assert parents("token_shards") == {"clean_corpus", "tokenizer"}
     assert {"training_plan", "token_shards", "tokenizer"} <= parents("base_model")
     assert {"base_model", "instruction_data"} <= parents("sft_model")
+    assert {"sft_model", "preference_data"} <= parents("dpo_model")
+    assert {"dpo_model", "instruction_data"} <= parents("rl_model")
+    assert "rl_model" in parents("release_bundle")  # the release takes the last post-training stage
     assert {"sft_model", "eval_scores", "raw_documents"} <= parents("release_bundle")
 
 

@@ -18,7 +18,6 @@ import pytest
 from kiln.clean import (
     CleanConfig,
     CleanReport,
-    Deduper,
     Doc,
     EmptyCorpusError,
     Filter,
@@ -28,6 +27,7 @@ from kiln.clean import (
     text_signals,
 )
 from kiln.config import ConfigError
+from kiln.dedup import shingles
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,19 +75,20 @@ def violations() -> dict[str, str]:
     }
 
 
-def write_raw(path: Path, docs: list[dict[str, Any]]) -> Path:
+def write_raw(path: Path, docs: list[dict[str, Any]], row_group_size: int | None = None) -> Path:
     rows = []
     for i, d in enumerate(docs):
         row = {"id": f"d{i}", "source": "test", "url": f"https://example.org/{i}", "content_type": "text/plain",
                "license": "CC0", **d}
         row["bytes"] = len(row["text"].encode())
         rows.append(row)
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
     return path
 
 
-def run(tmp_path: Path, docs: list[dict[str, Any]], cfg: CleanConfig | None = None, **kw: Any):
-    raw = write_raw(tmp_path / "raw.parquet", docs)
+def run(tmp_path: Path, docs: list[dict[str, Any]], cfg: CleanConfig | None = None, row_group_size: int | None = None,
+        **kw: Any):
+    raw = write_raw(tmp_path / "raw.parquet", docs, row_group_size)
     report = clean(raw, tmp_path / "clean.parquet", tmp_path / "removed.parquet", cfg, **kw)
     kept = pq.read_table(tmp_path / "clean.parquet").to_pylist()
     removed = {r["id"]: r for r in pq.read_table(tmp_path / "removed.parquet").to_pylist()}
@@ -117,7 +118,11 @@ def test_good_prose_passes_every_rule() -> None:
     text = normalize_text(PROSE)
     doc = Doc("good", "test", "", text, "text/plain", "CC0", len(text), signals=text_signals(text))
     assert doc.signals["words"] > 50 and doc.signals["alpha_word_fraction"] == 1.0
-    assert [f.reason(doc) for f in default_filters(CleanConfig())] == [None] * 9
+    filters = default_filters(CleanConfig())
+    assert [f.name for f in filters] == ["url", "gopher_quality", "language", "gopher_repetition", "c4", "fineweb",
+                                         "olmo2", "dirty_words"]
+    assert [f.reason(doc) for f in filters] == [None] * len(filters)
+    assert doc.signals["language"] == "en" and doc.signals["stop_words"] >= 2
 
 
 def test_each_rule_drops_its_violation_with_exact_reason(tmp_path: Path) -> None:
@@ -134,7 +139,8 @@ def test_each_rule_drops_its_violation_with_exact_reason(tmp_path: Path) -> None
 
 def test_thresholds_come_from_config(tmp_path: Path) -> None:
     short = "A short note about the weather."
-    report, kept, removed = run(tmp_path, [{"text": short}], CleanConfig(min_words=3))
+    cfg = CleanConfig.from_dict({"min_words": 3, "min_stop_words": 1, "repetition": {"enabled": False}})
+    report, kept, removed = run(tmp_path, [{"text": short}], cfg)
     assert [d["text"] for d in kept] == [short] and not removed
 
 
@@ -179,16 +185,16 @@ def test_near_duplicate_dropped_by_minhash_unrelated_kept(tmp_path: Path) -> Non
     words = " ".join(variant).split()
     words[40], words[120] = "lighthouse", "bakery"  # and a few words changed
     near, unrelated = " ".join(words), " ".join(pseudo_prose(seed=2))
-    d = Deduper(CleanConfig())
-    a, b = set(d.shingles(" ".join(original))), set(d.shingles(near))
+    a, b = set(shingles(" ".join(original), 5)), set(shingles(near, 5))
     assert 0.75 < len(a & b) / len(a | b) < 0.95  # near, not exact
 
     docs = [{"text": " ".join(original)}, {"text": unrelated}, {"text": near}]
-    report, kept, removed = run(tmp_path, docs)
+    prose_cfg = {"min_stop_words": 0, "language": {"enabled": False}}  # pseudo-prose: no stop words, no language
+    report, kept, removed = run(tmp_path, docs, CleanConfig.from_dict(prose_cfg))
     assert [k["id"] for k in kept] == ["d0", "d1"]
     assert removed["d2"]["reason"] == "dedup:minhash" and removed["d2"]["duplicate_of"] == "d0"
 
-    report, kept, removed = run(tmp_path, docs, CleanConfig.from_dict({"minhash": {"enabled": False}}))
+    report, kept, removed = run(tmp_path, docs, CleanConfig.from_dict({"minhash": {"enabled": False}, **prose_cfg}))
     assert len(kept) == 3
 
 
@@ -213,8 +219,9 @@ def test_report_accounting_adds_up_and_order_is_input_order(tmp_path: Path) -> N
     docs = [{"text": PROSE, "source": "a"}, {"text": OTHER_PROSE, "source": "b"}]
     docs += [{"text": t, "source": "b"} for t in cases.values()] + [{"text": PROSE, "source": "a"}]
     calls: list[str] = []
-    cfg = CleanConfig(batch_size=3, progress_every=4)
-    report, kept, removed = run(tmp_path, docs, cfg, progress=calls.append)
+    cfg = CleanConfig(batch_size=3, progress_every=4, shard_docs=4)
+    report, kept, removed = run(tmp_path, docs, cfg, row_group_size=4, progress=calls.append)
+    assert report.shards == 5  # shards never mix sources: a | b b b b | b b b b | b b | a
 
     assert report.input_docs == len(docs) == report.kept_docs + report.dropped_docs
     assert report.input_bytes == sum(len(d["text"].encode()) for d in docs)
@@ -230,15 +237,18 @@ def test_report_accounting_adds_up_and_order_is_input_order(tmp_path: Path) -> N
               "dropped_bytes": sum(len(t.encode()) for t in cases.values())},
     }
     ex = report.reasons["dedup:exact"]["examples"]
-    assert ex == [{"id": f"d{len(docs) - 1}", "snippet": " ".join(PROSE.split())[:200]}]
+    assert ex == [{"id": f"d{len(docs) - 1}", "snippet": " ".join(PROSE.split())[:200],
+                   "lines": [p[:160] for p in PROSE.split("\n\n")]}]  # a few lines each, for a person to judge
     assert all(len(e["snippet"]) <= 200 for r in report.reasons.values() for e in r["examples"])
     assert report.to_dict()["config"]["minhash"]["num_perm"] == 112
 
     assert [k["id"] for k in kept] == ["d0", "d1"]
     assert list(removed) == [f"d{i}" for i in range(2, len(docs))]
     # every progress_every docs, then one final call; a logger's .info can take the messages
-    assert [c.split(" docs read")[0] for c in calls] == ["clean: 4", "clean: 8", "clean: 12", "clean: done, 12"]
-    assert calls[0].startswith("clean: 4 docs read, ") and calls[-1].endswith(" MB/s") and "docs/s" in calls[-1]
+    read = [c for c in calls if " docs read" in c]
+    assert [c.split(" docs read")[0] for c in read] == ["clean: 5", "clean: 9", "clean: 12", "clean: done, 12"]
+    assert "clean: quality classifier skipped: 0 reference and 2 other documents" in " ".join(calls)
+    assert read[0].startswith("clean: 5 docs read, ") and read[-1].endswith(" MB/s") and "docs/s" in read[-1]
 
 
 def test_examples_capped_per_reason(tmp_path: Path) -> None:

@@ -192,8 +192,23 @@ def test_build_tasks_files_and_determinism(tmp_path, enc):
         assert row["context"] + " " + row["choices"][row["label"]] in " ".join(docs[row["doc_index"]].split())
     for row in map(json.loads, Path(info["kiln_lastword"]["data"]).read_text().splitlines()):
         assert row["target"].startswith(" ") and row["context"] + row["target"] in docs[row["doc_index"]]
-    with pytest.raises(NotEnoughDocumentsError, match=r"kiln_heldout_ppl: needs n_items=30 .* only 10 of 10"):
+    with pytest.raises(NotEnoughDocumentsError, match=r"kiln_heldout_ppl: needs n_items=30 .* only 10 come from the 10"):
         build_tasks(docs[:10], tmp_path / "d", n_items=30, seed=0)
+
+    # n_items as a cap with a floor, and several disjoint passages per document
+    few = build_tasks(docs[:10], tmp_path / "e", n_items=30, seed=0, min_items=5, per_doc=3)
+    assert few["kiln_heldout_ppl"]["items"] == 10  # one per document
+    assert 10 < few["kiln_continuation"]["items"] <= 30 and 10 < few["kiln_lastword"]["items"] <= 30
+    for task in ("kiln_continuation", "kiln_lastword"):
+        rows = [json.loads(line) for line in Path(few[task]["data"]).read_text().splitlines()]
+        per_doc = {}
+        for r in rows:
+            per_doc.setdefault(r["doc_index"], []).append(r["context"])
+        assert max(map(len, per_doc.values())) <= 3
+        assert all(len(set(c)) == len(c) for c in per_doc.values())  # disjoint passages, no repeats
+        assert [r["id"] for r in rows] == list(range(len(rows)))
+    with pytest.raises(NotEnoughDocumentsError, match="at most 1 per document"):
+        build_tasks(docs[:10], tmp_path / "f", n_items=30, seed=0, min_items=11)
 
 
 def test_run_suite_random_and_cheating_models(tmp_path, enc):
@@ -219,3 +234,58 @@ def test_run_suite_random_and_cheating_models(tmp_path, enc):
     cheat_lm = NGramLM([enc.encode(r["context"] + " " + r["choices"][r["label"]]) for r in rows])
     cheat = run_suite(cheat_lm, enc, tmp_path, ["kiln_continuation"], limit=25)
     assert cheat["kiln_continuation"]["items"] == 25 and cheat["kiln_continuation"]["acc"] >= 0.8
+
+
+class CountingLM(nn.Module):
+    """Wraps a model and records the batch shape of every forward pass."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.config, self.calls = inner, inner.config, []
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.calls.append(tuple(idx.shape))
+        return self.inner(idx)
+
+
+def test_one_token_choices_share_one_forward_pass(enc):
+    model = CountingLM(tiny_gpt(block_size=64, seed=4))
+    lm = KilnLM(model, enc, batch_size=8)
+    question = "Which is it?\nA. one\nB. two\nC. three\nD. four\nAnswer:"
+    got = lm.loglikelihood([ll_req(question, f" {c}") for c in "ABCD"])
+    assert len(model.calls) == 1 and model.calls[0][0] == 1  # four requests, one distinct input row
+    for (lp, _), c in zip(got, "ABCD"):  # " A" is two byte tokens: the input (question + " ") is the same
+        assert lp == pytest.approx(direct_logprob(model.inner, enc, enc.encode(question), enc.encode(f" {c}")), abs=1e-4)
+
+
+def test_generate_until_batched_equals_one_at_a_time(enc):
+    model = tiny_gpt(block_size=16, seed=2)
+    contexts = ["Hello", "The river runs far away from here", "", "x" * 30, "ab"]  # one longer than block_size
+    reqs = [Instance("generate_until", {}, (c, {"until": ["zz"], "max_gen_toks": 12}), i) for i, c in enumerate(contexts)]
+    batched = KilnLM(model, enc, batch_size=4).generate_until(reqs)
+    single = KilnLM(model, enc, batch_size=1).generate_until(reqs)
+    assert batched == single and len(batched) == len(contexts)
+    assert all(len(t) <= 12 for t in batched) and any(batched)  # <= 1 character per byte token
+
+
+def test_lm_eval_command_line_loads_a_checkpoint_as_model_kiln(tmp_path, enc, capsys):
+    """``kiln-lm-eval --model kiln --model_args checkpoint=...`` (lm-eval's own CLI with the model registered)."""
+    from dataclasses import asdict
+
+    from kiln.checkpoint import save_checkpoint
+    from kiln.evaluation import lm_eval_cli
+    from kiln.tokenizer import save_encoding
+
+    model = tiny_gpt(block_size=64, seed=6)
+    save_encoding(enc, tmp_path / "tokenizer.json")
+    ckpt = save_checkpoint(tmp_path / "run" / "checkpoints", 5, {"model": model.state_dict()},
+                           {"model": asdict(model.config)}, {"tokenizer.json": tmp_path / "tokenizer.json"})
+    build_tasks(make_docs(30, seed=2), tmp_path / "tasks", n_items=6, seed=0)
+    out = tmp_path / "out"
+    lm_eval_cli(["--model", "kiln", "--model_args", f"checkpoint={tmp_path / 'run'},batch_size=4",
+                 "--tasks", "kiln_continuation", "--include_path", str(tmp_path / "tasks"), "--output_path", str(out)])
+    (result,) = out.rglob("results_*.json")
+    got = json.loads(result.read_text())["results"]["kiln_continuation"]
+    lm = KilnLM(model, enc, batch_size=4)  # the same checkpoint in code gives the same accuracy
+    ref = run_suite(lm.model, enc, tmp_path / "tasks", ["kiln_continuation"], batch_size=4)
+    assert got["acc,none"] == ref["kiln_continuation"]["acc"] and str(ckpt).endswith("step_0000005")

@@ -102,3 +102,50 @@ def test_write_jsonl_round_trips_unicode(tmp_path) -> None:
     assert "Zürich" in path.read_text(encoding="utf-8")
     assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == rows
     assert [p.name for p in path.parent.iterdir()] == ["pairs.jsonl"]  # no temp file left behind
+
+
+def test_eval_overlap_drops_pairs_that_share_text_with_eval_items() -> None:
+    from kiln.instructions import EvalOverlap
+
+    heldout = ["Intro text. The river runs slowly through the valley, carrying silt from the mountains to the sea."]
+    index = EvalOverlap.from_texts(heldout, n=8)
+    assert index.items == 1
+    assert index.overlaps("the RIVER runs slowly through the valley, carrying silt")  # case and punctuation ignored
+    assert not index.overlaps("The river runs slowly through the town")  # 6 shared words < 8
+    dropped: list[dict] = []
+    pairs = build_pairs([("a", PAGE)], n_arithmetic=50, seed=1, val_permille=200, max_doc_pairs=1,
+                        exclude=index, dropped=dropped)
+    assert [d["prompt"] for d in dropped] == ["Explain Rivers and floods."]
+    assert "shares 8 consecutive words" in dropped[0]["reason"]
+    doc = [p for p in pairs if p["kind"] == "doc_section"]
+    assert [p["prompt"] for p in doc] == ["Explain Mountain passes."]  # the cap counts only kept pairs
+    assert len(pairs) == 1 + len({a["prompt"] for a in arithmetic(50, 1)})  # short arithmetic never matches 8 words
+
+
+def test_final_number_and_reward() -> None:
+    from kiln.instructions import arithmetic_reward, final_number
+
+    assert final_number("12 - 19 = -7.") == "-7"
+    assert final_number("no digits") is None
+    assert arithmetic_reward("The answer is 42", "42") == 1.0
+    assert arithmetic_reward("42 or 41", "42") == 0.0  # the last number counts
+    assert arithmetic_reward("", "0") == 0.0
+
+
+def test_eval_overlap_reads_the_eval_suite_tasks_and_agrees_with_the_contamination_check(tmp_path) -> None:
+    from kiln.evaluation.contamination import check_contamination
+    from kiln.evaluation.tasks import build_tasks
+    from kiln.instructions import EvalOverlap
+    from tests.conftest import make_docs
+
+    docs = [t for _, t in make_docs(60, seed=3)]
+    build_tasks(docs, tmp_path / "suite", 10, 0)
+    index = EvalOverlap.from_task_dir(tmp_path / "suite")
+    assert index.n == 13 and index.items == 30
+    pairs = [{"prompt": f"Explain doc {i}.", "response": d, "kind": "doc_section"} for i, d in enumerate(docs)]
+    kept = [p for p in pairs if not (index.overlaps(p["prompt"]) or index.overlaps(p["response"]))]
+    assert 0 < len(kept) < len(pairs)
+    report = check_contamination(tmp_path / "suite", {"pairs": ((p["prompt"], p["response"]) for p in kept)}, tmp_path / "out")
+    assert all(t["contaminated"] == 0 for t in report["tasks"].values())  # nothing kept is flagged
+    report = check_contamination(tmp_path / "suite", {"pairs": ((p["prompt"], p["response"]) for p in pairs)}, tmp_path / "out2")
+    assert sum(t["contaminated"] for t in report["tasks"].values()) > 0

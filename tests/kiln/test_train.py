@@ -1,11 +1,20 @@
-"""Tests for kiln.train on one CPU process: loss falls, checkpoints, crash + bit-exact resume, config errors.
+"""Tests for kiln.train on one CPU process: loss falls, checkpoints, recovery from real kills (SIGKILL at a random
+step, during a save, three times under torchrun) bit-identical to an uninterrupted run, damaged checkpoints,
+loss-spike rollback, goodput, config errors.
 
-Run: python -m pytest tests/kiln/test_train.py -q   (tiny model, ~20 s; subprocess runs are marked slow)
+Run: python -m pytest tests/kiln/test_train.py -q   (tiny model; subprocess runs are marked slow)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -13,11 +22,19 @@ import torch
 
 from kiln.checkpoint import list_checkpoints, load_for_inference, load_state, verify_checkpoint
 from kiln.config import ConfigError
+from kiln.spikes import SpikeConfig, SpikeDetector, SpikeError
 from kiln.train import JobConfig, OptimConfig, lr_lambda, main
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPARED = ("model", "optimizer", "scheduler", "loader", "step")  # the state that must match bit for bit
 
 
 def result_of(job: Path) -> dict:
-    return json.loads((Path(json.loads(job.read_text())["out_dir"]) / "result.json").read_text())
+    return json.loads((run_dir(job) / "result.json").read_text())
+
+
+def run_dir(job: Path) -> Path:
+    return Path(json.loads(job.read_text())["out_dir"])
 
 
 def assert_same(a, b, where: str = "state") -> None:
@@ -37,6 +54,46 @@ def assert_same(a, b, where: str = "state") -> None:
         assert a == b, where
 
 
+def assert_same_final_state(ref_job: Path, job: Path) -> None:
+    ref_state, _ = load_state(run_dir(ref_job) / "checkpoints" / "step_0000030")
+    state, _ = load_state(run_dir(job) / "checkpoints" / "step_0000030")
+    for part in COMPARED:
+        assert_same(ref_state[part], state[part], part)
+    ref, res = result_of(ref_job), result_of(job)
+    assert res["history"] == ref["history"]  # identical validation losses at every eval
+    assert res["final_train_loss"] == ref["final_train_loss"]
+    assert res["rank_param_digests"] == ref["rank_param_digests"]
+
+
+@contextlib.contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class ListReporter:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.warnings: list[str] = []
+
+    def log(self, message: str) -> None:
+        self.lines.append(message)
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
+
+
+def popen_train(job: Path) -> subprocess.Popen:
+    from tests.conftest import subprocess_env
+
+    return subprocess.Popen([sys.executable, "-m", "kiln.train", "--config", str(job), "--device", "cpu"], cwd=ROOT,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, pretrain_job, train_runner):
     """One uninterrupted 30-step run: (job path, completed process)."""
@@ -50,64 +107,71 @@ def baseline(tmp_path_factory, pretrain_job, train_runner):
 def test_validation_loss_falls_and_result_is_written(baseline) -> None:
     job, proc = baseline
     res = result_of(job)
-    assert res["steps"] == 30 and res["tokens"] == 30 * 4 * 32
+    assert res["steps"] == 30 and res["tokens"] == 30 * 4 * 32 and res["data_batches"] == 30
     assert res["world_size"] == 1 and res["device"] == "cpu" and res["resumed_from"] is None
+    assert res["parallelism"] == "none" and res["events"] == []
     assert [h["step"] for h in res["history"]] == [0, 10, 20, 30]
+    assert [c[0] for c in res["curve"]] == [10, 20, 30]
     initial, final = res["initial_val_loss"], res["final_val_loss"]
     assert initial == pytest.approx(5.77, abs=0.3)  # about ln(320) for a fresh model
     assert final < initial - 1.0, (initial, final)
     assert res["history"][-1]["val_loss"] == final
     assert res["final_train_loss"] < initial - 1.0
+    assert res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1 and res["peak_flops_per_device"] > 1e8
+    assert 0 < res["peak_memory_gb"] < 2
     assert "step 0: val loss" in proc.stdout and "step 30/30" in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("step 20/30"))
+    assert "tok/s" in line and "MFU" in line and "GiB" in line and "left" in line
+    good = res["goodput"]
+    assert good["sessions"] == 1 and good["redone_steps_s"] == 0 and 0 < good["goodput"] < 1
 
 
 @pytest.mark.slow
 def test_checkpoints_are_kept_verified_and_loadable(baseline, tiny_tokenizer) -> None:
     job, _ = baseline
-    run = Path(json.loads(job.read_text())["out_dir"])
+    run = run_dir(job)
     ckpts = list_checkpoints(run / "checkpoints")
     assert [p.name for p in ckpts] == ["step_0000020", "step_0000030"]  # keep_last=2 pruned step 10
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000020", "step_0000030"]  # no staging
     meta = verify_checkpoint(ckpts[-1])
-    assert set(meta["files"]) == {"state.pt", "tokenizer.json"}
+    assert set(meta["files"]) == {"state.pt", "tokenizer.json"} and meta["format"] == "full"
     assert meta["step"] == 30 and meta["world_size"] == 1 and meta["task"] == "pretrain"
-    assert meta["val_loss"] == result_of(job)["final_val_loss"]
-    assert result_of(job)["checkpoint"] == str(ckpts[-1])
+    assert meta["val_loss"] == result_of(job)["final_val_loss"] and meta["job"]["seed"] == 1234
+    res = result_of(job)
+    assert res["checkpoint"] == str(ckpts[-1])
+    assert [c["step"] for c in res["checkpoints"]] == [20, 30]
     state, _ = load_state(ckpts[-1])
-    assert state["step"] == 30 and state["loader"]["window"] == 30 * 4
-    assert state["scheduler"]["last_epoch"] == 30
+    assert state["step"] == 30 and state["loader"]["batch"] == 30
+    assert state["scheduler"]["last_epoch"] == 30 and len(state["rng"]) == 1
+    assert state["run"]["data_batches"] == 30 and state["spikes"]["seen"] == 30
     model, enc, _ = load_for_inference(run)
     assert enc.n_vocab == tiny_tokenizer[0].n_vocab
-    assert model.num_params() == result_of(job)["params"]
+    assert model.num_params() == res["params"]
 
 
 @pytest.mark.slow
-def test_crash_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, baseline, pretrain_job, train_runner) -> None:
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, baseline, pretrain_job, train_runner) -> None:
     ref_job, _ = baseline
-    job = pretrain_job(tmp_path, fail_at_step=15)
-    run = Path(json.loads(job.read_text())["out_dir"])
-
-    crashed = train_runner(job)
-    assert crashed.returncode != 0
-    assert "injected failure at step 15" in crashed.stderr
-    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_0000010"]
+    kill_step = random.Random(time.time_ns()).randint(5, 27)  # anywhere: mid-interval, at or just after a save
+    job = pretrain_job(tmp_path, log_interval=1)  # progress lines say where the run is
+    proc = popen_train(job)
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith(f"step {kill_step}/30"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    assert proc.wait(timeout=60) == -signal.SIGKILL, f"kill at step {kill_step}"
+    run = run_dir(job)
     assert not (run / "result.json").exists()
-
     resumed = train_runner(job)  # the same command again
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     res = result_of(job)
-    assert res["resumed_from"] == str(run / "checkpoints" / "step_0000010")
-    assert "resumed from" in resumed.stdout and "at step 10" in resumed.stdout
-
-    ref_run = Path(json.loads(ref_job.read_text())["out_dir"])
-    ref_state, _ = load_state(ref_run / "checkpoints" / "step_0000030")
-    state, _ = load_state(run / "checkpoints" / "step_0000030")
-    for part in ("model", "optimizer", "scheduler", "loader", "step"):
-        assert_same(ref_state[part], state[part], part)
-    ref_res = result_of(ref_job)
-    assert res["history"] == ref_res["history"]  # identical validation losses at every eval
-    assert res["final_val_loss"] == ref_res["final_val_loss"]
-    assert res["final_train_loss"] == ref_res["final_train_loss"]
+    # the progress line comes before that step's save: the newest checkpoint is the one before, or (a save in
+    # flight when the kill came) the one before that
+    saved = [None] + [f"step_{s:07d}" for s in (10, 20) if s < kill_step]
+    got = Path(res["resumed_from"]).name if res["resumed_from"] else None
+    assert got in saved[-2:], (kill_step, got)
+    assert_same_final_state(ref_job, job)
+    assert res["goodput"]["sessions"] == 2 and res["goodput"]["redone_steps_s"] > 0
 
     # rerunning a finished job trains nothing and keeps the reported results
     main(["--config", str(job), "--device", "cpu"], reporter=ListReporter())  # in-process: no startup cost
@@ -115,6 +179,151 @@ def test_crash_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, ba
     for key in ("steps", "final_val_loss", "final_train_loss", "initial_val_loss", "history", "checkpoint"):
         assert res2[key] == res[key], key
     assert res2["resumed_from"] == str(run / "checkpoints" / "step_0000030")
+
+
+@pytest.mark.slow
+def test_kill_during_save_and_a_damaged_checkpoint_fall_back_to_an_older_one(tmp_path, baseline, pretrain_job,
+                                                                           train_runner) -> None:
+    ref_job, _ = baseline
+    job = pretrain_job(tmp_path, ckpt_interval=5, keep_last=3, save_pause_s=2.0)  # each write holds for 2 s
+    run = run_dir(job)
+    proc = popen_train(job)
+    staging = run / "checkpoints" / ".step_0000010.partial" / "state.pt"
+    deadline = time.time() + 120
+    while not staging.exists() and time.time() < deadline:  # the second save is being written, not yet committed
+        time.sleep(0.02)
+    assert staging.exists() and list_checkpoints(run / "checkpoints") == [run / "checkpoints" / "step_0000005"]
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert verify_checkpoint(run / "checkpoints" / "step_0000005")["step"] == 5  # the previous one is intact
+
+    # and the newest complete checkpoint is damaged on disk: one flipped bit
+    job.write_text(json.dumps({**json.loads(job.read_text()), "save_pause_s": 0.0}))
+    resumed = train_runner(job)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "removed .step_0000010.partial: a save that was interrupted" in resumed.stdout
+    assert result_of(job)["resumed_from"].endswith("step_0000005")
+    assert_same_final_state(ref_job, job)
+
+    ckpts = list_checkpoints(run / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_0000020", "step_0000025", "step_0000030"]
+    f = ckpts[-1] / "state.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    f.write_bytes(bytes(data))
+    rep = ListReporter()
+    with one_thread():  # as the subprocesses: another thread count sums matmuls in another order
+        summary = main(["--config", str(job), "--device", "cpu"], reporter=rep)  # in-process rerun
+    assert any("skipping damaged checkpoint" in ln and str(f) in ln and "checksum mismatch" in ln for ln in rep.lines)
+    assert summary["resumed_from"].endswith("step_0000025") and summary["steps"] == 30
+    state, _ = load_state(ckpts[-1])  # step 30 rewritten from step 25: the same bits as before the damage
+    ref_state, _ = load_state(run_dir(ref_job) / "checkpoints" / "step_0000030")
+    for part in COMPARED:
+        assert_same(ref_state[part], state[part], part)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_after_three_kills_and_ends_bit_identical(tmp_path, baseline, pretrain_job) -> None:
+    """Rank 0 SIGKILLs itself at three random steps; torchrun (--max_restarts=3) restarts the worker group each
+    time and the job resumes from its newest good checkpoint. Goodput accounts for the lost time."""
+    from resources.torchrun import TorchrunResource
+    from tests.conftest import subprocess_env
+
+    ref_job, _ = baseline
+    kills = sorted(random.Random(time.time_ns()).sample(range(3, 30), 3))
+    job = pretrain_job(tmp_path, kill_at_steps=kills)
+    cmd = TorchrunResource(max_restarts=3, pg_timeout_s=120).command(1, job, "cpu")
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"kills at {kills}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in run_dir(job).glob(".killed_at_*")) == sorted(f".killed_at_{k}" for k in kills)
+    assert_same_final_state(ref_job, job)
+    good = result_of(job)["goodput"]
+    assert good["sessions"] == 4, (kills, good)
+    assert good["redone_steps_s"] > 0 and good["restarting_s"] > 0 and 0 < good["goodput"] < 1
+    parts = ("productive_s", "redone_steps_s", "saving_s", "validation_s", "startup_s", "restarting_s", "other_s")
+    assert sum(good[k] for k in parts) == pytest.approx(good["wall_s"], rel=0.01)
+    print(f"\ngoodput with kills at steps {kills}: {json.dumps(good)}")
+
+
+def spike_job(pretrain_job, path: Path, inject: bool = True, **spikes) -> Path:
+    """30 steps at a steadier setting than the baseline (lr 3e-3, 8 sequences a step), checkpoints every 5 steps;
+    with ``inject`` data batch 17 is trained at 1000x the learning rate: a poisoned batch that wrecks the model."""
+    return pretrain_job(path, micro_batch=8, ckpt_interval=5, keep_last=3, optim={"lr": 3e-3, "warmup_steps": 5},
+                        inject_spike={"batch": 17, "lr_factor": 1000.0} if inject else {},
+                        spikes={"warmup_steps": 5, "window": 20, "rollback_steps": 5, "skip_batches": 3, **spikes})
+
+
+@pytest.mark.slow
+def test_loss_spike_rolls_back_skips_the_batches_and_recovers(tmp_path, pretrain_job) -> None:
+    """PaLM's recipe brings a run hit by a poisoned batch back to within a few percent of the clean run."""
+    with one_thread():
+        clean = main(["--config", str(spike_job(pretrain_job, tmp_path / "clean", inject=False)), "--device", "cpu"],
+                     reporter=ListReporter())
+        broken = main(["--config", str(spike_job(pretrain_job, tmp_path / "off", enabled=False)), "--device", "cpu"],
+                      reporter=ListReporter())
+    assert clean["events"] == [] and broken["events"] == []
+    assert broken["final_val_loss"] > 2 * clean["final_val_loss"], (broken["final_val_loss"], clean["final_val_loss"])
+
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("spikes")).info.run_id
+    job = spike_job(pretrain_job, tmp_path / "on")
+    job.write_text(json.dumps({**json.loads(job.read_text()), "mlflow_tracking_uri": uri, "mlflow_run_id": run_id}))
+    rep = ListReporter()
+    with one_thread():
+        res = main(["--config", str(job), "--device", "cpu"], reporter=rep)
+    [event] = res["events"]
+    assert event["event"] == "rollback" and event["step"] == 19 and event["to_step"] == 10, event
+    assert event["skipped_batches"] == 9  # batches 10..18 (the poisoned 17 among them) are never trained again
+    assert res["steps"] == 30 and res["data_batches"] == 39
+    assert abs(res["final_val_loss"] - clean["final_val_loss"]) / clean["final_val_loss"] < 0.03
+    assert any("loss spike at step 19" in w and "Rolled back to step 10" in w for w in rep.warnings)
+    spikes = client.get_metric_history(run_id, "spike")
+    assert [(m.step, m.value) for m in spikes] == [(19, 1.0)]
+    assert client.get_metric_history(run_id, "goodput")[0].value == pytest.approx(res["goodput"]["goodput"])
+    assert res["goodput"]["redone_steps_s"] > 0  # steps 11..18 were trained twice
+
+
+def test_spikes_give_up_after_max_rollbacks(tmp_path, pretrain_job) -> None:
+    job = spike_job(pretrain_job, tmp_path, max_rollbacks=0)
+    with pytest.raises(SpikeError, match=r"loss spike at step 19 .* after 0 rollbacks \(spikes\.max_rollbacks=0\)"):
+        main(["--config", str(job), "--device", "cpu"], reporter=ListReporter())
+
+
+def test_spikes_before_the_first_checkpoint_drop_updates_then_give_up(tmp_path, pretrain_job) -> None:
+    job = spike_job(pretrain_job, tmp_path)
+    job.write_text(json.dumps({**json.loads(job.read_text()), "ckpt_interval": 100}))  # nothing to roll back to
+    rep = ListReporter()
+    with pytest.raises(SpikeError, match=r"after 10 updates in a row were dropped, with no checkpoint yet"):
+        main(["--config", str(job), "--device", "cpu"], reporter=rep)
+    dropped = [w for w in rep.warnings if "no checkpoint to roll back to, so this update is skipped" in w]
+    assert len(dropped) == 10 and dropped[0].startswith("loss spike at step 19")
+
+
+def test_spike_detector_thresholds_and_state() -> None:
+    det = SpikeDetector(SpikeConfig(warmup_steps=2, window=10, loss_zscore=4, loss_rise=0.2, grad_ratio=5))
+    for loss in (9.0, 6.0):  # warmup: the fast early fall is not a yardstick
+        assert det.check(loss, 1.0) is None
+    assert det.losses == deque([])
+    for loss in (3.0, 2.9, 3.1, 3.0, 2.95):
+        assert det.check(loss, 1.0) is None
+    kind, why = det.check(6.0, 1.0)
+    assert kind == "loss" and "std above its recent mean" in why and det.rolls_back((kind, why))
+    assert det.check(3.2, 1.0) is None  # a bump, not a spike
+    kind, why = det.check(3.0, 9.0)
+    assert kind == "grad" and "gradient norm 9 is 9.0x its recent median" in why and not det.rolls_back((kind, why))
+    assert det.rolls_back(det.check(float("nan"), 1.0))
+    saved = det.state_dict()
+    twin = SpikeDetector(det.cfg)
+    twin.load_state_dict(json.loads(json.dumps(saved)))
+    assert twin.check(6.0, 1.0) == det.check(6.0, 1.0) and twin.state_dict() == det.state_dict()
+    strict = SpikeDetector(SpikeConfig(warmup_steps=0, rollback_on_grad=True, grad_ratio=5))
+    for _ in range(5):
+        strict.check(3.0, 1.0)
+    assert strict.rolls_back(strict.check(3.0, 9.0))
+    assert all(SpikeDetector(SpikeConfig()).check(x, 1.0) is None for x in (5.0, 50.0, 500.0))  # no baseline yet
 
 
 @pytest.mark.slow
@@ -131,25 +340,18 @@ def test_unknown_job_key_exits_non_zero_naming_it(tmp_path, pretrain_job, train_
     [
         ("model", "n_layers", r"job\.model: unknown key 'n_layers'\. Did you mean 'n_layer'\?"),
         ("optim", "warmup", r"job\.optim: unknown key 'warmup'\. Did you mean 'warmup_steps'\?"),
+        ("spikes", "rollback_step", r"job\.spikes: unknown key 'rollback_step'\. Did you mean 'rollback_steps'\?"),
     ],
-    ids=["model", "optim"],
+    ids=["model", "optim", "spikes"],
 )
 def test_unknown_nested_key_is_named(tmp_path, pretrain_job, section, key, message) -> None:
     path = pretrain_job(tmp_path)
     job = json.loads(path.read_text())
-    job[section][key] = 1
+    job.setdefault(section, {})[key] = 1
     path.write_text(json.dumps(job))
     with pytest.raises(ConfigError, match=message):
         main(["--config", str(path), "--device", "cpu"])
     assert not (tmp_path / "run").exists()  # rejected before anything is written
-
-
-class ListReporter:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def log(self, message: str) -> None:
-        self.lines.append(message)
 
 
 def test_injected_failure_before_the_first_checkpoint_happens_once(tmp_path, pretrain_job) -> None:
@@ -176,6 +378,7 @@ def test_lr_schedule_warmup_then_cosine_to_min() -> None:
 def test_job_config_defaults_are_a_valid_pretrain_job() -> None:
     job = JobConfig()
     assert job.task == "pretrain" and job.fail_at_step == -1 and job.grad_accum == 1
+    assert job.parallelism == "auto" and job.async_save and job.kill_at_steps == []
 
 
 @pytest.mark.slow

@@ -1,11 +1,16 @@
-"""Tests for kiln.train under torch.distributed.run with 2 CPU processes (gloo), and rank-sharded data.
+"""Tests for kiln.train on several CPU processes (gloo): DDP and FSDP2 follow the one-process loss curve with
+identical parameters on every rank, two "nodes" rendezvous on 127.0.0.1, a sharded checkpoint resumes on one
+rank, and the data is sharded across ranks.
 
-Run: python -m pytest tests/kiln/test_train_distributed.py -q   (~10 s; OMP_NUM_THREADS=1 per process)
+Run: python -m pytest tests/kiln/test_train_distributed.py -q   (a few torchrun launches; OMP_NUM_THREADS=1 each)
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,28 +19,131 @@ import torch
 from kiln.checkpoint import load_state, verify_checkpoint
 from kiln.loader import TokenLoader
 from kiln.shards import shard_paths
+from kiln.train import main
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+
+
+def job_for(pretrain_job, path: Path, ranks: int, **kw) -> Path:
+    """12 steps of 4 sequences a step (split over ``ranks``), no dropout, the same 16 validation windows."""
+    model = {**json.loads(pretrain_job(path).read_text())["model"], "dropout": 0.0}
+    micro = 4 // ranks
+    return pretrain_job(path, model=model, micro_batch=micro, eval_batches=16 // micro, max_steps=STEPS,
+                        eval_interval=6, ckpt_interval=6, log_interval=2, keep_last=2, **kw)
+
+
+def result_of(job: Path) -> dict:
+    return json.loads((Path(json.loads(job.read_text())["out_dir"]) / "result.json").read_text())
+
+
+def assert_same_curve(res: dict, ref: dict) -> None:
+    assert [c[0] for c in res["curve"]] == [c[0] for c in ref["curve"]]
+    assert [c[1] for c in res["curve"]] == pytest.approx([c[1] for c in ref["curve"]], abs=1e-4)
+    assert [h["val_loss"] for h in res["history"]] == pytest.approx([h["val_loss"] for h in ref["history"]], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, pretrain_job) -> dict:
+    """The same 12 steps on one process, in-process on one thread (as the subprocesses run)."""
+    job = job_for(pretrain_job, tmp_path_factory.mktemp("one"), 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(["--config", str(job), "--device", "cpu"], reporter=_Quiet())
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Quiet:
+    def log(self, message: str) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory, pretrain_job, train_runner):
+    job = job_for(pretrain_job, tmp_path_factory.mktemp("ddp"), 2, parallelism="ddp")
+    proc = train_runner(job, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return job, proc
 
 
 @pytest.mark.slow
-def test_two_process_ddp_run_trains_and_reports_world_size_2(tmp_path, pretrain_job, train_runner) -> None:
-    job = pretrain_job(tmp_path, max_steps=20)
-    proc = train_runner(job, nproc=2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = Path(json.loads(job.read_text())["out_dir"])
-    res = json.loads((run / "result.json").read_text())
-    assert res["world_size"] == 2 and res["steps"] == 20
-    assert res["tokens"] == 20 * 4 * 32 * 2  # micro_batch x seq_len x 2 ranks per step
-    assert res["final_val_loss"] < res["initial_val_loss"] - 1.0, res["history"]
+def test_ddp_on_two_processes_follows_the_one_process_curve(ddp, reference) -> None:
+    job, proc = ddp
+    res = result_of(job)
+    assert res["world_size"] == 2 and res["steps"] == STEPS and res["parallelism"] == "ddp"
+    assert res["tokens"] == STEPS * 2 * 32 * 2  # micro_batch x seq_len x 2 ranks per step
+    assert len(res["rank_param_digests"]) == 2 and len(set(res["rank_param_digests"])) == 1  # identical replicas
+    assert_same_curve(res, reference)
     assert proc.stdout.count("step 0: val loss") == 1  # only rank 0 reports
 
-    ckpt = run / "checkpoints" / "step_0000020"
+    ckpt = Path(res["checkpoint"])
     meta = verify_checkpoint(ckpt)
-    assert meta["world_size"] == 2
+    assert meta["world_size"] == 2 and meta["format"] == "full" and meta["parallelism"] == "ddp"
     state, _ = load_state(ckpt)
-    assert state["loader"]["global_batch"] == 8 and state["loader"]["window"] == 20 * 8
-    rngs = state["rng"]
-    assert len(rngs) == 2  # each rank's RNG is saved, and the ranks draw different dropout masks
-    assert not torch.equal(rngs[0]["torch"], rngs[1]["torch"])
+    assert state["loader"]["global_batch"] == 4 and state["loader"]["batch"] == STEPS
+    assert len(state["rng"]) == 2 and not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_the_same_and_its_sharded_checkpoint_resumes_on_one_rank(tmp_path, pretrain_job, train_runner,
+                                                                            reference) -> None:
+    job = job_for(pretrain_job, tmp_path / "fsdp", 2, parallelism="fsdp")
+    proc = train_runner(job, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = result_of(job)
+    assert res["parallelism"] == "fsdp" and res["world_size"] == 2
+    assert len(set(res["rank_param_digests"])) == 1  # the gathered parameters agree on both ranks
+    assert_same_curve(res, reference)
+    ckpt = Path(res["checkpoint"])
+    meta = verify_checkpoint(ckpt)
+    assert meta["format"] == "sharded"
+    assert {"model/.metadata", "model/__0_0.distcp", "model/__1_0.distcp", "state.pt"} <= set(meta["files"])
+    state, _ = load_state(ckpt)  # consumers get one full model state
+    assert state["model"]["transformer.wte.weight"].shape == (320, 48)
+
+    # resume onto one rank: drop the last checkpoint, continue from the sharded step-6 one with 4 sequences a step
+    run = Path(json.loads(job.read_text())["out_dir"])
+    one = tmp_path / "one_rank"
+    shutil.copytree(run, one / "run")
+    shutil.rmtree(one / "run" / "checkpoints" / f"step_{STEPS:07d}")
+    (one / "run" / "result.json").unlink()
+    job1 = job_for(pretrain_job, one, 1)
+    resumed = train_runner(job1)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    res1 = result_of(job1)
+    assert res1["resumed_from"].endswith("step_0000006") and res1["parallelism"] == "none"
+    assert_same_curve(res1, reference)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_rendezvous_on_localhost_and_train_to_the_same_result(tmp_path, pretrain_job, ddp) -> None:
+    """torchrun --nnodes=2 twice (one process each) with c10d rendezvous on 127.0.0.1: the commands are the
+    resource's own; the result matches two processes on one node bit for bit."""
+    from resources.torchrun import TorchrunResource
+    from tests.conftest import subprocess_env
+
+    job = job_for(pretrain_job, tmp_path, 2, parallelism="ddp")
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmds = [TorchrunResource(nnodes=2, node_rank=r, rdzv_endpoint=endpoint, pg_timeout_s=120).command(1, job, "cpu", "nodes")
+            for r in (0, 1)]
+    assert "--nnodes=2" in cmds[0] and f"--rdzv_endpoint={endpoint}" in cmds[1] and "--rdzv_backend=c10d" in cmds[0]
+    procs = [subprocess.Popen(c, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for c in cmds]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    res, ref = result_of(job), result_of(ddp[0])
+    assert res["world_size"] == 2 and res["steps"] == STEPS
+    assert res["rank_param_digests"] == ref["rank_param_digests"]  # bit-identical to one node with two processes
+    assert res["history"] == ref["history"] and res["curve"] == ref["curve"]
+    assert sum("step 0: val loss" in o for o in outs) == 1  # one rank 0 across both nodes
 
 
 def test_ranks_get_disjoint_windows_that_make_up_the_single_process_batch(tiny_shards) -> None:
@@ -51,3 +159,4 @@ def test_ranks_get_disjoint_windows_that_make_up_the_single_process_batch(tiny_s
         # 2 ranks x 4 windows is the same global batch as 1 rank x 8, in rank order
         assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
         assert torch.equal(x0[:, 1:], y0[:, :-1])  # targets are the inputs shifted by one
+

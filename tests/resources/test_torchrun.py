@@ -1,19 +1,26 @@
-"""The torchrun launcher: exact command lines, a two-process gloo job through Pipes, timeouts and failures."""
+"""The torchrun launcher: exact command lines, the Slurm and Kubernetes files made from them, a two-process gloo
+job through Pipes, torchrun restarting a killed worker, a Dagster retry that resumes, timeouts and failures."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from dagster import AssetExecutionContext, DagsterInstance, Failure, Output, asset, materialize
+import yaml
+from dagster import AssetExecutionContext, DagsterInstance, Failure, Output, RetryPolicy, asset, materialize
 
 from resources.torchrun import TorchrunResource
 
+ROOT = Path(__file__).resolve().parents[2]
 TAIL = ["-m", "resources.pipes_worker", "--config", "/runs/a/job.json", "--device", "cpu", "--timeout-s", "600"]
 
 
 def test_single_node_command():
     cmd = TorchrunResource().command(2, Path("/runs/a/job.json"), "cpu", "run1")
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--max_restarts=0", "--standalone", *TAIL]
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--max_restarts=3", "--standalone", *TAIL]
 
 
 def test_multi_node_command_uses_c10d_rendezvous():
@@ -29,35 +36,148 @@ def test_multi_node_needs_an_endpoint():
         TorchrunResource(nnodes=2).command(1, Path("job.json"), "cpu")
 
 
-def launch_asset(job: dict, nproc: int):
-    @asset
+def test_slurm_script_runs_the_same_command_on_every_node():
+    res = TorchrunResource(nnodes=4, max_restarts=2, timeout_s=36 * 3600 + 90, pg_timeout_s=900)
+    script = res.slurm_script("/shared/runs/x/job.json", 8, "cuda", "/opt/kiln", "abc", partition="gpu",
+                              account="ml", cpus_per_node=96)
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for directive in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--cpus-per-task=96", "--partition=gpu",
+                      "--account=ml", "--time=36:01:30", "--output=/shared/runs/x/slurm-%j.log"):
+        assert f"#SBATCH {directive}" in lines
+    srun = lines[-1]
+    assert srun.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 python -m torch.distributed.run ")
+    expected = res.command(8, "/shared/runs/x/job.json", "cuda", python="python", node_rank=-1,
+                           rdzv_endpoint="${HEAD_NODE}:29500", rdzv_id="${SLURM_JOB_ID}")
+    assert srun.split(" ", 3)[3].replace('"', "").split() == expected  # the resource's command, word for word
+    assert "--node_rank" not in srun  # c10d assigns node ranks
+    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in lines
+    assert "export OMP_NUM_THREADS=12" in lines
+    if shutil.which("bash"):
+        subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid shell
+
+
+def test_kubernetes_indexed_job_and_rendezvous_service():
+    res = TorchrunResource(nnodes=2, max_restarts=3, timeout_s=7200)
+    service, job = res.k8s_manifests("/data/runs/x/job.json", 8, "cuda", "registry.example/kiln:1", "Run_42",
+                                     pvc="runs", namespace="ml")
+    name = "kiln-run-42"  # a DNS-1123 name from the run id
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    assert service["metadata"] == {"name": name, "namespace": "ml", "labels": {"app.kubernetes.io/name": "kiln", "kiln/run": name}}
+    spec = job["spec"]
+    assert job["kind"] == "Job" and spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 2 and spec["activeDeadlineSeconds"] == 7200
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == name == service["spec"]["selector"]["kiln/run"] == spec["template"]["metadata"]["labels"]["kiln/run"]
+    [container] = pod["containers"]
+    assert container["command"] == res.command(8, "/data/runs/x/job.json", "cuda", python="python", node_rank=-1,
+                                               rdzv_endpoint=f"{name}-0.{name}:29500", rdzv_id=name)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "runs"}} in pod["volumes"]
+    assert yaml.safe_load_all(yaml.safe_dump_all([service, job])) is not None
+    cpu_job = res.k8s_manifests("/data/j.json", 2, "cpu", "img", "r")[1]
+    assert "nvidia.com/gpu" not in cpu_job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    pipes = res.k8s_pipes_pod_spec(8, "cuda", pvc="runs")
+    assert pipes["containers"][0]["name"] == "dagster-pipes-execution"
+    assert pipes["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def test_checked_in_deploy_examples_are_what_the_renderer_writes(tmp_path):
+    proc = subprocess.run([sys.executable, "deploy/render.py", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == sorted(p.name for p in (ROOT / "deploy" / "examples").iterdir())
+    for name in written:
+        assert (tmp_path / name).read_text() == (ROOT / "deploy" / "examples" / name).read_text(), name
+    [k8s] = [n for n in written if n.endswith(".k8s.yaml")]
+    service, job = yaml.safe_load_all((tmp_path / k8s).read_text())
+    assert job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == "/shared/kiln/.kiln/storage"
+
+
+FAKE_SLURM = {  # just enough of Slurm to run an sbatch script as a one-node allocation on this machine
+    "sbatch": """#!/bin/bash
+script="${@: -1}"
+out=$(sed -n 's/^#SBATCH --output=//p' "$script" | head -n 1)
+echo "Submitted batch job 4242"
+SLURM_JOB_ID=4242 SLURM_JOB_NODELIST=localhost SLURM_NNODES=1 SLURM_NODEID=0 bash "$script" >> "${out//%j/4242}" 2>&1
+""",
+    "srun": """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+""",
+    "scontrol": "#!/bin/bash\necho localhost\n",
+}
+
+
+@pytest.mark.slow
+def test_slurm_launcher_submits_the_script_and_reports_through_pipes(tmp_path, pretrain_job, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in FAKE_SLURM.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=6, eval_interval=6, log_interval=6).read_text())
+    instance = DagsterInstance.ephemeral()
+    result = materialize([launch_asset(job, 1)], instance=instance,
+                         resources={"torchrun": TorchrunResource(launcher="slurm", slurm_partition="debug", timeout_s=300)})
+    assert result.output_for_node("trained")["steps"] == 12
+    run = Path(job["out_dir"])
+    script = (run / "launch.sbatch").read_text()
+    assert "#SBATCH --partition=debug" in script and f"#SBATCH --output={run / 'train.log'}" in script
+    assert "Submitted batch job 4242" in (run / "sbatch.log").read_text()
+    assert "step 12/12" in (run / "train.log").read_text()
+    assert any("step 12/12" in m for m in user_logs(instance, result.run_id)), "Pipes through the run folder"
+
+
+def launch_asset(job: dict, nproc: int, retry: RetryPolicy | None = None):
+    @asset(retry_policy=retry)
     def trained(context: AssetExecutionContext, torchrun: TorchrunResource) -> Output[dict]:
         return Output(torchrun.launch(context, job, nproc, "cpu"))
 
     return trained
 
 
+def user_logs(instance, run_id) -> list[str]:
+    return [e.user_message for e in instance.all_logs(run_id) if e.dagster_event is None]
+
+
 @pytest.mark.slow
 def test_two_gloo_processes_through_pipes(tmp_path, pretrain_job):
-    job = json.loads(pretrain_job(tmp_path).read_text())
+    job = json.loads(pretrain_job(tmp_path, max_steps=10, eval_interval=5, ckpt_interval=5, log_interval=5).read_text())
     instance = DagsterInstance.ephemeral()
     result = materialize([launch_asset(job, 2)], resources={"torchrun": TorchrunResource(timeout_s=300)},
                          instance=instance)
     value = result.output_for_node("trained")
-    assert value["world_size"] == 2 and value["steps"] == 30
+    assert value["world_size"] == 2 and value["steps"] == 10
     assert value["final_val_loss"] < value["initial_val_loss"] - 0.5
-    logs = [e.user_message for e in instance.all_logs(result.run_id) if e.dagster_event is None]
-    assert any("step 30/30" in m for m in logs), "rank 0's progress reaches the Dagster log through Pipes"
-    assert (Path(job["out_dir"]) / "train.log").read_text().count("step 30/30") == 1  # rank 0 only
+    logs = user_logs(instance, result.run_id)
+    assert any("step 10/10" in m for m in logs), "rank 0's progress reaches the Dagster log through Pipes"
+    assert (Path(job["out_dir"]) / "train.log").read_text().count("step 10/10") == 1  # rank 0 only
 
 
 @pytest.mark.slow
-def test_worker_failure_names_the_log_and_resume(tmp_path, pretrain_job):
-    job = json.loads(pretrain_job(tmp_path, fail_at_step=15).read_text())
-    with pytest.raises(Failure, match=r"(?s)exited with code .*injected failure at step 15.*resumes"):
-        materialize([launch_asset(job, 1)], resources={"torchrun": TorchrunResource(timeout_s=300)})
-    result = materialize([launch_asset(job, 1)], resources={"torchrun": TorchrunResource(timeout_s=300)})
-    assert result.output_for_node("trained")["resumed_from"].endswith("step_0000010")
+def test_torchrun_restarts_a_killed_worker_and_a_dagster_retry_resumes_after_a_failure(tmp_path, pretrain_job):
+    """Rank 0 is SIGKILLed at step 6: torchrun (max_restarts=1) restarts it, it resumes from step 4 and reports
+    through Pipes again. At step 9 it raises: no restarts are left, the launch fails naming the worker's error,
+    and Dagster's retry relaunches it, which resumes from step 8 and finishes."""
+    job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4,
+                                  kill_at_steps=[6], fail_at_step=9).read_text())
+    instance = DagsterInstance.ephemeral()
+    result = materialize([launch_asset(job, 1, RetryPolicy(max_retries=1))], instance=instance,
+                         resources={"torchrun": TorchrunResource(max_restarts=1, timeout_s=300)})
+    value = result.output_for_node("trained")
+    assert value["resumed_from"].endswith("step_0000008") and value["steps"] == 12
+    assert value["goodput"]["sessions"] == 3 and value["goodput"]["redone_steps_s"] > 0
+    logs = user_logs(instance, result.run_id)
+    assert any("resumed from" in m and m.endswith("at step 4") for m in logs)  # the restarted worker, through Pipes
+    assert any("step 12/12" in m for m in logs)
+    retries = [e.dagster_event.event_specific_data.error for e in instance.all_logs(result.run_id)
+               if e.dagster_event is not None and e.dagster_event.event_type_value == "STEP_UP_FOR_RETRY"]
+    assert len(retries) == 1
+    failure = retries[0].cause.message if retries[0].cause else retries[0].message
+    assert "exited with code" in failure and "injected failure at step 9" in failure and "resumes" in failure
 
 
 @pytest.mark.slow

@@ -1,0 +1,128 @@
+"""MMLU questions from a pinned public package (evals==3.0.1.post1, MIT) as a local lm-eval task, ``kiln_mmlu``.
+
+Run: ``python -m kiln.evaluation.mmlu OUT_DIR [--cache-dir DIR] [--n-items N]`` (fetches the wheel once, then offline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kiln.sources import SourceError, SourceSpec, fetch
+from kiln.storage import atomic_write_text, sha256_file
+
+MMLU = "kiln_mmlu"
+MMLU_CHANCE = 0.25  # one of four letters
+MMLU_FILE = "evals/registry/data/sandbagging/samples-all-large.jsonl"  # 1,000 MMLU test questions across subjects
+MMLU_FILE_SHA256 = "ae8f5342c41efd39921ee0e16c19c3ac3ef09cd8cf367158b47c69592e8f8fac"
+MMLU_SOURCE = SourceSpec(
+    name="mmlu",
+    kind="pip",
+    package="evals",
+    version="3.0.1.post1",
+    archive="wheel",
+    sha256="0abcb2051303500784b1641a6e4f6b813ed43ad64f879a37d344a6774eb8eb78",
+    include=[MMLU_FILE],
+    format="jsonl",
+    text_field="question",
+    license="MIT (openai/evals; MMLU, Hendrycks et al. 2021, MIT)",
+)
+LETTERS = ("A", "B", "C", "D")
+# lm-eval's own MMLU prompt (tasks/mmlu/default/_default_template_yaml): question, lettered choices, "Answer:".
+DOC_TO_TEXT = "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:"
+
+_PROMPT = re.compile(r"^(?P<q>.*?)\n+A\. (?P<a>.*?)\nB\. (?P<b>.*?)\nC\. (?P<c>.*?)\nD\. (?P<d>.*?)\nAnswer:\s*$", re.S)
+
+
+class MmluFormatError(ValueError):
+    """A record of the MMLU file does not have the expected prompt layout; the message names file and line."""
+
+
+def parse_record(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """{"question": "...\\nA. x\\nB. y\\nC. z\\nD. w\\nAnswer:", "answer": "B"} -> {question, choices, label}."""
+    m = _PROMPT.match(record.get("question", ""))
+    answer = record.get("answer")
+    if m is None or answer not in LETTERS:
+        raise MmluFormatError(
+            f"{where}: expected 'question' with lettered choices A-D ending in 'Answer:' and 'answer' in A-D, "
+            f"got keys {sorted(record)}; the package file changed: re-pin MMLU_FILE_SHA256 after checking it"
+        )
+    return {"question": m["q"].strip(), "choices": [m[k].strip() for k in "abcd"], "label": LETTERS.index(answer)}
+
+
+def load_mmlu(cache_dir: str | Path) -> list[dict[str, Any]]:
+    """Every question of the pinned file, in file order, with ``id`` = its 0-based line number."""
+    root = fetch(MMLU_SOURCE, cache_dir)
+    path = root / MMLU_FILE
+    if not path.is_file():
+        raise SourceError(f"{path}: not in evals {MMLU_SOURCE.version}; the wheel's layout changed")
+    digest = sha256_file(path)
+    if digest != MMLU_FILE_SHA256:
+        raise SourceError(f"{path}: sha256 {digest} is not the pinned {MMLU_FILE_SHA256}; delete {root} and refetch")
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if line.strip():
+            rows.append({"id": i, **parse_record(json.loads(line), f"{path}:{i + 1}")})
+    return rows
+
+
+def task_yaml(data: Path, n: int, seed: int) -> dict[str, Any]:
+    """lm-eval task config: multiple choice over the four letters, zero-shot, as lm-eval's ``mmlu`` scores it."""
+    return {
+        "task": MMLU,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": DOC_TO_TEXT,
+        "doc_to_choice": list(LETTERS),
+        "doc_to_target": "label",
+        "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")],
+        "metadata": {"version": 1.0, "items": n, "seed": seed, "data_sha256": sha256_file(data),
+                     "source": f"{MMLU_SOURCE.package}=={MMLU_SOURCE.version}:{MMLU_FILE}"},
+    }
+
+
+def build_mmlu_task(out_dir: str | Path, cache_dir: str | Path, n_items: int | None = None, seed: int = 1234) -> dict[str, Any]:
+    """Write ``kiln_mmlu.jsonl`` + ``kiln_mmlu.yaml`` into out_dir: all questions, or a seeded sample of n_items.
+
+    Returns {"items": n, "path": yaml, "data": jsonl, "chance": 0.25}, the shape ``build_tasks`` returns per task.
+    """
+    rows = load_mmlu(cache_dir)
+    if n_items is not None:
+        if not 1 <= n_items <= len(rows):
+            raise ValueError(f"{MMLU}: n_items must be between 1 and {len(rows)} (the questions available), got {n_items}")
+        keep = set(random.Random(f"{seed}:{MMLU}").sample(range(len(rows)), n_items))
+        rows = [r for i, r in enumerate(rows) if i in keep]
+    return write_mmlu_task(rows, out_dir, seed)
+
+
+def write_mmlu_task(rows: list[dict[str, Any]], out_dir: str | Path, seed: int) -> dict[str, Any]:
+    """Write parsed questions ({id, question, choices, label}) as the ``kiln_mmlu`` task files into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data, spec = out_dir / f"{MMLU}.jsonl", out_dir / f"{MMLU}.yaml"
+    atomic_write_text(data, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write_text(spec, yaml.safe_dump(task_yaml(data, len(rows), seed), sort_keys=False))
+    return {"items": len(rows), "path": str(spec), "data": str(data), "chance": MMLU_CHANCE}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--cache-dir", default=".kiln/storage/cache/sources", help="download cache for the evals wheel")
+    p.add_argument("--n-items", type=int, default=None, help="seeded sample of this many questions (default: all)")
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    print(json.dumps(build_mmlu_task(args.out_dir, args.cache_dir, args.n_items, args.seed), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

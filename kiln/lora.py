@@ -1,0 +1,134 @@
+"""LoRA adapters for post-training a Kiln GPT: low-rank updates on the attention and MLP projections.
+
+``apply_lora(model, LoRAConfig(rank=8))`` freezes the model and adds trainable adapters; ``merged_state_dict``
+gives plain GPT weights (W + scale * B @ A), so checkpoints and release bundles never hold adapters.
+Written by hand rather than with peft: peft pulls transformers and accelerate, and the whole method is one matmul.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # the Linear layers of every block
+
+
+@dataclass
+class LoRAConfig:
+    enabled: bool = False  # train adapters instead of every weight
+    rank: int = 8  # inner dimension r of B (out, r) @ A (r, in)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input
+    targets: list = field(default_factory=lambda: list(TARGETS))  # module name suffixes that get adapters
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(f"lora.targets: unknown module {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update; B starts at zero so the output starts unchanged."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.base = base
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))  # (r, in)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))  # (out, r)
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear initialises its weight
+        self.scale = alpha / rank
+        self.dropout = dropout
+        self.active = True  # False computes the frozen layer alone (the reference model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)  # (..., out)
+        if not self.active:
+            return out
+        h = F.dropout(x, self.dropout, self.training) @ self.lora_A.t()  # (..., r)
+        return out + (h @ self.lora_B.t()) * self.scale  # (..., out)
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.base.weight + self.scale * (self.lora_B @ self.lora_A)  # (out, in)
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+    """Freeze every parameter of ``model`` and wrap the target Linear layers; return the wrapped names."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and any(full.endswith(t) for t in cfg.targets):
+                setattr(module, child_name, LoRALinear(child, cfg.rank, cfg.alpha, cfg.dropout))
+                wrapped.append(full)
+    if not wrapped:
+        raise ValueError(f"lora.targets {cfg.targets} matched no nn.Linear in the model")
+    return wrapped
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            yield name, m
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict under plain GPT names with every adapter folded into its weight."""
+    state = {}
+    adapters = dict(lora_modules(model))
+    for key, t in model.state_dict().items():
+        owner = next((n for n in adapters if key.startswith(n + ".")), None)
+        if owner is None:
+            state[key] = t
+            continue
+        rest = key[len(owner) + 1:]
+        if rest == "base.weight":
+            state[f"{owner}.weight"] = adapters[owner].merged_weight().detach().clone()
+        elif rest == "base.bias":
+            state[f"{owner}.bias"] = t
+        # lora_A / lora_B are folded into the weight above
+    return state
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter matrices (what a LoRA run needs to resume on top of its frozen base)."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith(("lora_A", "lora_B"))}
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    expected = set(lora_state_dict(model))
+    if set(state) != expected:
+        missing = sorted(expected - set(state))[:3]
+        extra = sorted(set(state) - expected)[:3]
+        raise ValueError(f"LoRA state does not match the model's adapters (missing {missing}, unexpected {extra}); "
+                         "resume with the same lora settings")
+    model.load_state_dict(state, strict=False)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the frozen base model (the reference for DPO and the RL KL penalty) without a second copy."""
+    mods = [m for _, m in lora_modules(model)]
+    saved = [m.active for m in mods]
+    for m in mods:
+        m.active = False
+    try:
+        yield
+    finally:
+        for m, a in zip(mods, saved):
+            m.active = a
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,109 @@
+"""raw_documents and clean_corpus materialized with Dagster on small local sources: the output contract, the
+removal report in metadata and MLflow, shards fanned out and reused when a source is added, config errors.
+
+Run: python -m pytest tests/assets/test_collect.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from dagster import AssetKey, DagsterInstance, FilesystemIOManager, materialize
+
+from assets.collect import clean_corpus, raw_documents
+from resources.storage import KilnStorageResource
+from resources.tracking import MlflowResource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kiln"))
+from textgen import prose  # noqa: E402
+
+
+def write_sources(root: Path) -> list[dict]:
+    (root / "wiki").mkdir(parents=True)
+    (root / "web").mkdir()
+    for i in range(30):
+        (root / "wiki" / f"a{i:02d}.txt").write_text(prose(i), encoding="utf-8")
+    (root / "wiki" / "zz.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00 an image named .txt")  # skipped, counted
+    rows = [{"text": prose(100 + i), "url": f"https://web.example/{i}"} for i in range(30)]
+    rows += [{"text": "Buy now!", "url": "https://web.example/short"}, rows[3]]  # too short; a URL duplicate
+    (root / "web" / "pages.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return [{"name": "wiki", "kind": "local", "path": str(root / "wiki"), "format": "text", "license": "CC0"},
+            {"name": "web", "kind": "local", "path": str(root / "web" / "pages.jsonl"), "format": "jsonl",
+             "url_field": "url", "license": "CC0"}]
+
+
+def run(home: Path, sources: list[dict], clean: dict, instance: DagsterInstance):
+    resources = {
+        "storage": KilnStorageResource(root=str(home / "storage"), source_cache=str(home / "cache")),
+        "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art")),
+        "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles")),
+    }
+    config = {"ops": {"raw_documents": {"config": {"manifest": "", "sources": sources}},
+                      "clean_corpus": {"config": {"clean": clean}}}}
+    return materialize([raw_documents, clean_corpus], resources=resources, run_config=config, instance=instance,
+                       raise_on_error=False)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    home = tmp_path_factory.mktemp("collect")
+    sources = write_sources(home / "data")
+    instance = DagsterInstance.ephemeral()
+    clean = {"shard_docs": 10, "quality_model": {"reference_sources": ["wiki"], "epochs": 3}}
+    result = run(home, sources, clean, instance)
+    return home, sources, clean, instance, result
+
+
+def test_clean_corpus_contract_and_report(first_run) -> None:
+    home, _, _, instance, result = first_run
+    assert result.success
+    value = result.output_for_node("clean_corpus")
+    table = pq.read_table(value["path"])
+    assert table.column_names[:7] == ["id", "source", "url", "text", "content_type", "bytes", "license"]
+    assert {"words", "language", "quality_score", "token_kl"} <= set(table.column_names)
+    assert table.num_rows == value["report"]["kept_docs"] > 40
+    removed = pq.read_table(value["removed"]).to_pylist()
+    reasons = {r["reason"] for r in removed}
+    assert {"gopher:too_few_words", "dedup:url"} <= reasons
+    raw_meta = instance.get_latest_materialization_event(AssetKey("raw_documents")).asset_materialization.metadata
+    assert "| wiki | zz.txt | 8 | binary |" in raw_meta["skipped_input"].value and "1 binary" in raw_meta["sources"].value
+    meta = instance.get_latest_materialization_event(AssetKey("clean_corpus")).asset_materialization.metadata
+    assert "gopher:too_few_words" in meta["removed_by_rule"].value and "dedup:url" in meta["removed_by_rule"].value
+    assert "web/pages.jsonl#31" in meta["removed_examples"].value and "Buy now!" in meta["removed_examples"].value
+    assert meta["shards"].value == 7 and meta["shards_reused"].value == 0  # 3 + 4 of up to 10 docs, never mixed
+    assert "filter:gopher_quality" in meta["stage_time"].value and meta["mb_per_s_per_core"].value > 0
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    run_id = meta["mlflow_run_id"].value
+    names = {a.path for a in client.list_artifacts(run_id)}
+    assert {"report.json", "removed_examples.md", "quality_model.pt"} <= names
+    assert client.get_run(run_id).data.metrics["removed_docs.gopher:too_few_words"] == 1
+
+
+def test_adding_a_source_reuses_the_other_shards(first_run, tmp_path: Path) -> None:
+    home, sources, clean, instance, _ = first_run
+    extra = tmp_path / "more"
+    extra.mkdir()
+    for i in range(5):
+        (extra / f"m{i}.txt").write_text(prose(300 + i), encoding="utf-8")
+    more = sources + [{"name": "more", "kind": "local", "path": str(extra), "format": "text", "license": "CC0"}]
+    result = run(home, more, clean, instance)
+    assert result.success
+    meta = instance.get_latest_materialization_event(AssetKey("clean_corpus")).asset_materialization.metadata
+    assert meta["shards"].value == 8 and meta["shards_reused"].value == 7  # only the new source's shard ran
+    kept = pq.read_table(result.output_for_node("clean_corpus")["path"], columns=["source"]).column("source")
+    assert "more" in kept.to_pylist()
+
+
+def test_config_errors_fail_the_step_with_the_key(first_run) -> None:
+    home, sources, _, instance, _ = first_run
+    result = run(home, sources, {"min_wrds": 5}, instance)
+    assert not result.success
+    errors = "\n".join(ev.event_specific_data.error.to_string() for ev in result.all_events if ev.is_step_failure)
+    assert "unknown key 'min_wrds'" in errors and "Did you mean 'min_words'" in errors

@@ -1,0 +1,160 @@
+"""Post-training assets materialized with Dagster on tiny inputs: decontaminated instruction data, preference pairs,
+and the DPO and RL torchrun jobs, each measured before and after on the same held-out items (metadata and MLflow).
+
+Run: python -m pytest tests/assets/test_posttrain.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from dagster import AssetKey, DagsterInstance, FilesystemIOManager, asset, materialize
+
+from assets.posttrain import dpo_model, heldout_suite, instruction_data, preference_data, rl_model, stage_rows
+from kiln.checkpoint import save_checkpoint
+from kiln.evaluation.tasks import build_tasks
+from kiln.model import GPT, GPTConfig
+from kiln.posttrain import MEASURES
+from kiln.shards import split_of
+from resources.storage import KilnStorageResource
+from resources.torchrun import TorchrunResource
+from resources.tracking import MlflowResource
+from tests.conftest import make_docs
+
+VAL_PERMILLE = 300
+
+
+def page(title: str, body: str) -> str:
+    return f"<html><body><h2>{title}</h2><p>{body}</p></body></html>"
+
+
+def doc_ids(split: str, n: int) -> list[str]:
+    return [i for i in (f"docs/page{k}.html" for k in range(200)) if split_of(i, VAL_PERMILLE) == split][:n]
+
+
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
+    home = tmp_path_factory.mktemp("posttrain")
+    enc, tok_path = tiny_tokenizer
+    texts = [t for _, t in make_docs(80, seed=11)]
+    suite_dir = home / "suite"
+    build_tasks(texts[:40], suite_dir, 10, 0)  # eval items come from the first 40 texts
+    train_ids, val_ids = doc_ids("train", 4), doc_ids("val", 1)
+    pages = [(train_ids[0], page("Leaked section", texts[0])), (val_ids[0], page("Held out page", texts[60]))]
+    pages += [(i, page(f"Section {n}", texts[50 + n])) for n, i in enumerate(train_ids[1:])]
+    raw_path = home / "raw.parquet"
+    pq.write_table(pa.table({"id": [i for i, _ in pages], "text": [h for _, h in pages],
+                             "content_type": ["text/html"] * len(pages)}), raw_path)
+    model = {**model_dict, "dropout": 0.0}
+    torch.manual_seed(0)
+    cfg = GPTConfig(**model)
+    sft_ckpt = save_checkpoint(home / "sft", 3, {"model": GPT(cfg).state_dict()}, {"model": asdict(cfg)},
+                               {"tokenizer.json": tok_path})
+
+    @asset(name="raw_documents")
+    def raw_stub() -> dict:
+        return {"path": str(raw_path), "version": "raw0"}
+
+    @asset(name="token_shards")
+    def shards_stub() -> dict:
+        return {"val_permille": VAL_PERMILLE, "version": "sh0"}
+
+    @asset(name="eval_suite")
+    def suite_stub() -> dict:
+        return {"dir": str(suite_dir), "version": "suite0"}
+
+    @asset(name="sft_model")
+    def sft_stub() -> dict:
+        return {"checkpoint": str(sft_ckpt), "version": "sft0"}
+
+    @asset(name="training_plan")
+    def plan_stub() -> dict:
+        return {"model": model, "seq_len": 31, "world_size": 1, "micro_batch": 4, "grad_accum": 1,
+                "hardware": {"device": "cpu", "nproc_per_node": 1}}
+
+    @asset(name="tokenizer")
+    def tok_stub() -> dict:
+        return {"path": str(tok_path), "version": "tok0"}
+
+    mlflow = MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art"))
+    resources = {"storage": KilnStorageResource(root=str(home / "storage")), "mlflow": mlflow,
+                 "torchrun": TorchrunResource(timeout_s=300, pg_timeout_s=120),
+                 "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles"))}
+    config = {"ops": {
+        "instruction_data": {"config": {"n_arithmetic": 80, "max_doc_pairs": 10, "val_permille": 250, "eval_items": 6}},
+        "dpo_model": {"config": {"max_steps": 4, "micro_batch": 4, "eval_interval": 2, "eval_pairs": 8,
+                                 "lora": {"enabled": True, "rank": 2}}},
+        "rl_model": {"config": {"max_steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6,
+                                "eval_items": 4, "eval_interval": 1}},
+    }}
+    result = materialize([raw_stub, shards_stub, suite_stub, sft_stub, plan_stub, tok_stub, instruction_data,
+                          preference_data, dpo_model, rl_model], resources=resources, run_config=config,
+                         instance=DagsterInstance.ephemeral(), raise_on_error=True)
+    return home, result, texts
+
+
+def metadata(result, key: str) -> dict:
+    mats = [e.event_specific_data.materialization for e in result.all_events if e.is_step_materialization]
+    return next(m.metadata for m in mats if m.asset_key == AssetKey(key))
+
+
+def test_instruction_data_skips_held_out_pages_and_pairs_sharing_eval_text(materialized) -> None:
+    _, result, texts = materialized
+    instr = result.output_for_node("instruction_data")
+    rows = [json.loads(line) for line in Path(instr["path"]).read_text().splitlines()]
+    prompts = {r["prompt"] for r in rows}
+    assert "Explain Leaked section." not in prompts  # its text is an eval item's source
+    assert "Explain Held out page." not in prompts  # a held-out page is evaluation material
+    assert {"Explain Section 0.", "Explain Section 1.", "Explain Section 2."} <= prompts
+    d = instr["decontamination"]
+    assert d["held_out_pages_skipped"] == 1 and d["pairs_sharing_eval_ngrams"] >= 1 and d["ngram_words"] == 13
+    assert d["eval_items_checked"] == 30
+    assert "Leaked section" in metadata(result, "instruction_data")["dropped_examples"].value
+
+
+def test_preference_data_pairs_every_instruction_with_a_wrong_answer(materialized) -> None:
+    _, result, _ = materialized
+    instr, prefs = result.output_for_node("instruction_data"), result.output_for_node("preference_data")
+    rows = [json.loads(line) for line in Path(prefs["path"]).read_text().splitlines()]
+    pairs = [json.loads(line) for line in Path(instr["path"]).read_text().splitlines()]
+    assert len(rows) == sum(sum(v.values()) for v in prefs["counts"].values())
+    arith = [p for p in pairs if p["kind"] == "arithmetic"]
+    assert sorted(r["id"] for r in rows if r["kind"] == "arithmetic") == sorted(p["id"] for p in arith)
+    # a section needs another document's section in its split to be rejected against
+    sections = [p for p in pairs if p["kind"] == "doc_section" and p["split"] == "train"]
+    assert len([r for r in rows if r["error"] == "other_section" and r["split"] == "train"]) == len(sections) >= 2
+    assert all(r["chosen"] != r["rejected"] for r in rows)
+
+
+def test_dpo_and_rl_assets_measure_before_and_after_on_the_same_items(materialized) -> None:
+    home, result, _ = materialized
+    dpo, rl = result.output_for_node("dpo_model"), result.output_for_node("rl_model")
+    suite = heldout_suite(result.output_for_node("instruction_data"), result.output_for_node("preference_data"))
+    assert len(suite["arithmetic"]) == len(suite["preferences"]) == len(suite["instructions"]) == 6
+    assert dpo["suite_key"] == rl["suite_key"]
+    assert rl["before"] == dpo["after"]  # the RL stage starts where DPO ended, on the same items
+    assert set(dpo["before"]) == set(MEASURES)
+    assert dpo["lora"]["enabled"] and not rl["lora"]["enabled"]
+    assert dpo["steps"] == 4 and rl["steps"] == 2 and rl["init_from"] == dpo["checkpoint"]
+    table = metadata(result, "dpo_model")["before_after"].value
+    assert table.startswith("| measure | before | after | change | what |") and "preference_accuracy" in table
+    rl_meta = metadata(result, "rl_model")
+    assert "data:image/png" in rl_meta["reward_curve"].value and "held_out_reward" in rl_meta
+    assert "data:image/png" in metadata(result, "dpo_model")["reward_margin_curve"].value
+    rows = stage_rows({"before": dpo["before"], "after": dpo["before"]}, dpo, rl)
+    assert [r["measure"] for r in rows] == list(MEASURES) and rows[0]["rl"] == rl["after"][rows[0]["measure"]]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    run = client.get_run(dpo["mlflow_run_id"])
+    assert run.data.metrics["before.preference_accuracy"] == dpo["before"]["preference_accuracy"]
+    assert run.data.metrics["after.response_loss"] == pytest.approx(dpo["after"]["response_loss"])
+    assert "val_reward_margin" in run.data.metrics  # streamed from rank 0 of the torchrun job
+    assert {a.path for a in client.list_artifacts(dpo["mlflow_run_id"])} >= {"before_after.json", "margins.png"}
+    assert "val_reward" in client.get_run(rl["mlflow_run_id"]).data.metrics

@@ -1,0 +1,71 @@
+"""The base_model asset, materialized through Dagster on tiny inputs: the torchrun job, its metadata (loss curve,
+checkpoints, goodput, throughput), its MLflow run, and its retry policy."""
+
+import json
+from pathlib import Path
+
+import pytest
+from dagster import AssetKey, DagsterInstance, asset, materialize
+from mlflow.tracking import MlflowClient
+
+from assets.training import TRAINING_RETRY, base_model, checkpoint_version
+from kiln.plan import BatchConfig, HardwareConfig, make_plan
+from kiln.model import GPTConfig
+from kiln.shards import shard_paths
+from resources.storage import KilnStorageResource
+from resources.torchrun import TorchrunResource
+from resources.tracking import MlflowResource
+
+
+@pytest.mark.slow
+def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, tiny_tokenizer, tiny_shards, model_dict):
+    _, tok_path = tiny_tokenizer
+    plan = make_plan(GPTConfig(**model_dict), BatchConfig(seq_len=32, global_batch=4, max_steps=12),
+                     HardwareConfig(memory_gb=4)).to_dict()
+    plan.update(hardware={"device": "cpu", "nproc_per_node": 1, "nnodes": 1, "peak_tflops": None}, max_steps=12)
+
+    @asset(name="training_plan")
+    def plan_stub() -> dict:
+        return plan
+
+    @asset(name="token_shards")
+    def shards_stub() -> dict:
+        return {"train": [str(p) for p in shard_paths(tiny_shards, "train")],
+                "val": [str(p) for p in shard_paths(tiny_shards, "val")], "version": "shards-v1"}
+
+    @asset(name="tokenizer")
+    def tokenizer_stub() -> dict:
+        return {"path": str(tok_path), "version": "tok-v1"}
+
+    mlflow = MlflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"))
+    config = {"ops": {"base_model": {"config": {"eval_interval": 6, "eval_batches": 2, "ckpt_interval": 4, "keep_last": 1,
+                                                "keep_every": 8, "log_interval": 6, "optim": {"warmup_steps": 2}}}}}
+    instance = DagsterInstance.ephemeral()
+    result = materialize([plan_stub, shards_stub, tokenizer_stub, base_model], run_config=config, instance=instance,
+                         resources={"storage": KilnStorageResource(root=str(tmp_path / "storage")), "mlflow": mlflow,
+                                    "torchrun": TorchrunResource(timeout_s=300)})
+    value = result.output_for_node("base_model")
+    assert value["steps"] == 12 and value["final_val_loss"] < value["initial_val_loss"]
+    assert [c["step"] for c in value["checkpoints"]] == [8, 12]  # the newest plus every 8th
+    assert value["version"] == checkpoint_version(Path(value["checkpoint"]))
+
+    mat = instance.get_latest_materialization_event(AssetKey("base_model")).asset_materialization
+    meta = mat.metadata
+    assert meta["loss_curve"].value.startswith("![pretrain loss](data:image/png;base64,")
+    assert "| 8 |" in meta["checkpoints"].value and "| 12 |" in meta["checkpoints"].value
+    assert 0 < meta["goodput"].value < 1 and "| productive |" in meta["goodput_breakdown"].value
+    assert meta["tokens_per_s"].value > 0 and 0 < meta["mfu"].value < 1 and meta["parallelism"].value == "none"
+    assert str(mat.tags.get("dagster/data_version", value["version"])) == value["version"]
+
+    client = MlflowClient(mlflow.resolved_uri())
+    run = client.get_run(value["mlflow_run_id"])
+    for name in ("train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_gb", "goodput"):
+        assert name in run.data.metrics, name
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["loss.png"]
+    job = json.loads((Path(value["out_dir"]) / "job.json").read_text())
+    assert job["keep_every"] == 8 and job["async_save"] and job["parallelism"] == "none"
+
+
+def test_base_model_has_a_retry_policy():
+    """A retried launch resumes from the newest good checkpoint (tests/resources/test_torchrun.py shows it)."""
+    assert base_model.op.retry_policy == TRAINING_RETRY and TRAINING_RETRY.max_retries >= 1

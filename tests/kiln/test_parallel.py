@@ -1,0 +1,82 @@
+"""Tests for kiln.parallel on one process: activation checkpointing and compile change nothing numerically,
+parameter names stay those of the Hugging Face layout, and misuse is named. DDP and FSDP2 on several processes
+are tested in test_train_distributed.py.
+
+Run: python -m pytest tests/kiln/test_parallel.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.model import GPT, GPTConfig
+from kiln.parallel import clip_grad_norm, describe, gradient_sync, param_digest, parallelize
+
+CFG = dict(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def make(dropout: float = 0.0) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**CFG, dropout=dropout))
+
+
+def loss_and_grads(model: torch.nn.Module, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 320, (3, 16), generator=g)
+    y = torch.randint(0, 320, (3, 16), generator=g)
+    torch.manual_seed(seed)  # the same dropout masks for both models
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_gives_bit_identical_loss_and_gradients_even_with_dropout() -> None:
+    plain, recomputed = make(0.1), make(0.1)
+    parallelize(recomputed, "none", activation_checkpointing=True, compile=False, device=torch.device("cpu"))
+    assert recomputed.checkpoint_blocks and not plain.checkpoint_blocks
+    (l1, g1), (l2, g2) = loss_and_grads(plain), loss_and_grads(recomputed)
+    assert torch.equal(l1, l2)
+    for name in g1:
+        assert torch.equal(g1[name], g2[name]), name
+    with torch.no_grad():  # no recomputation (nor its bookkeeping) when nothing is kept for backward
+        recomputed(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_compile_keeps_parameter_names_and_outputs() -> None:
+    plain, compiled = make(), make()
+    out = parallelize(compiled, "none", activation_checkpointing=True, compile=True, device=torch.device("cpu"),
+                      compile_backend="eager")  # the wiring, without the C++ toolchain inductor needs
+    assert out is compiled
+    assert list(compiled.state_dict()) == list(plain.state_dict())  # release export needs the HF names
+    (l1, g1), (l2, g2) = loss_and_grads(plain), loss_and_grads(compiled)
+    assert torch.allclose(l1, l2) and all(torch.allclose(g1[n], g2[n], atol=1e-6) for n in g1)
+
+
+def test_strategies_need_a_process_group_and_a_known_name() -> None:
+    with pytest.raises(ValueError, match=r"job\.parallelism='ddp' needs several ranks: launch with torchrun"):
+        parallelize(make(), "ddp", False, False, torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be one of none, ddp, fsdp, not 'zero'"):
+        parallelize(make(), "zero", False, False, torch.device("cpu"))
+    assert describe("fsdp", True, True) == "fsdp, activation checkpointing, torch.compile"
+    assert describe("none", False, False) == "one rank"
+
+
+def test_gradient_sync_is_a_no_op_unwrapped_and_clipping_reports_the_norm() -> None:
+    m = make()
+    with gradient_sync(m, enabled=False):
+        loss_and_grads(m)
+    total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])).item()
+    assert clip_grad_norm(m, 0) == pytest.approx(total)  # 0: measured, not clipped
+    assert clip_grad_norm(m, 0.5) == pytest.approx(total)  # the norm before clipping ...
+    after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])).item()
+    assert after == pytest.approx(min(total, 0.5), rel=1e-4)  # ... and the gradients clipped to 0.5
+
+
+def test_param_digest_tells_models_apart() -> None:
+    a, b = make(), make()
+    assert param_digest(a) == param_digest(b)
+    with torch.no_grad():
+        b.transformer.h[1].mlp.c_fc.bias[3] += 1e-7
+    assert param_digest(a) != param_digest(b)

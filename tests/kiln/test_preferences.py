@@ -1,0 +1,75 @@
+"""Tests for kiln.preferences: the chosen response is the correct one, the rejected one is really wrong.
+
+Run: python -m pytest tests/kiln/test_preferences.py -q
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from kiln.instructions import arithmetic, arithmetic_reward, build_pairs
+from kiln.preferences import ERRORS, build_preferences, wrong_answer
+
+PAGE = """<html><body>
+<h2>Rivers</h2><p>The river runs slowly through the valley, carrying silt from the mountains to the sea below.</p>
+<h2>Roads</h2><p>The long road climbs over the pass and down into the quiet village where the market is held.</p>
+</body></html>"""
+OTHER = """<html><body>
+<h2>Trees</h2><p>The tall tree by the farmer's house has stood there for a hundred years and shades the field.</p>
+</body></html>"""
+
+
+def test_arithmetic_preferences_pair_the_exact_answer_with_a_wrong_one() -> None:
+    pairs = build_pairs([], n_arithmetic=400, seed=3, val_permille=200, max_doc_pairs=0)
+    prefs = build_preferences(pairs, seed=0)
+    assert len(prefs) == len(pairs)
+    errors = set()
+    for pref, pair in zip(prefs, pairs):
+        assert pref["prompt"] == pair["prompt"] and pref["split"] == pair["split"] and pref["id"] == pair["id"]
+        assert pref["chosen"] == pair["response"]
+        assert arithmetic_reward(pref["chosen"], pair["answer"]) == 1.0
+        assert arithmetic_reward(pref["rejected"], pair["answer"]) == 0.0  # checkably wrong
+        assert pref["rejected_answer"] != pair["answer"]
+        # the same sentence up to the answer: only the number differs
+        assert pref["rejected"].rsplit("= ", 1)[0] == pref["chosen"].rsplit("= ", 1)[0]
+        assert re.fullmatch(r"-?\d+ [+-] -?\d+ = -?\d+\.", pref["rejected"])
+        errors.add(pref["error"])
+    assert errors == set(ERRORS)
+    assert prefs == build_preferences(pairs, seed=0)  # reproducible
+    assert prefs != build_preferences(pairs, seed=1)
+
+
+def test_wrong_answer_kinds() -> None:
+    rng = random.Random(0)
+    seen = {}
+    for _ in range(200):
+        wrong, kind = wrong_answer("What is 7 + 5?", 12, rng)
+        assert wrong != 12
+        seen[kind] = wrong
+    assert seen["wrong_operator"] == 2 and seen["sign"] == -12 and abs(seen["off_by_ten"] - 12) == 10
+    assert 1 <= abs(seen["off_by_small"] - 12) <= 2
+    for _ in range(50):  # 5 - 5 = 0: a sign flip or a swapped operator of 0 + 0 would not be wrong
+        assert wrong_answer("What is 0 + 0?", 0, rng)[0] != 0
+
+
+def test_doc_sections_reject_another_documents_section_in_the_same_split() -> None:
+    pairs = build_pairs([("a", PAGE), ("b", OTHER)], n_arithmetic=0, seed=0, val_permille=0, max_doc_pairs=10)
+    prefs = build_preferences(pairs, seed=0)
+    by_prompt = {p["prompt"]: p for p in pairs}
+    assert {p["prompt"] for p in prefs} == set(by_prompt)
+    for pref in prefs:
+        own = by_prompt[pref["prompt"]]
+        assert pref["chosen"] == own["response"] and pref["rejected"] != own["response"]
+        donor = next(p for p in pairs if p["id"] == pref["rejected_from"])
+        assert donor["source_id"] != own["source_id"] and donor["split"] == own["split"]
+        assert pref["error"] == "other_section"
+    # a section whose split holds no other document's section gets no pair (never paired across splits)
+    lone = build_preferences([{**p, "split": "val" if p["source_id"] == "b" else "train"} for p in pairs], seed=0)
+    assert lone == []
+
+
+def test_arithmetic_stream_answers_match_the_reward() -> None:
+    for item in arithmetic(50, seed=1):
+        assert arithmetic_reward(item["response"], item["answer"]) == 1.0
+        assert arithmetic_reward("I do not know.", item["answer"]) == 0.0

@@ -1,0 +1,128 @@
+"""Tests for the corpus-level steps: the trained quality classifier, token-distribution outliers, mixing, PII.
+
+Run: python -m pytest tests/kiln/test_quality.py -q
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kiln.clean import CleanConfig, clean
+from kiln.config import ConfigError
+from kiln.mixing import MixConfig, keep_sample, plan_mix
+from kiln.pii import PiiConfig, PiiScrubber
+from kiln.quality import QualityModelConfig, TokenDistribution, TokenOutlierConfig, mad_limit, train_classifier
+from textgen import prose
+
+SPAM_WORDS = ("deal deals cheap price prices buy order shipping free discount offer offers sale coupon shop "
+              "store bonus exclusive limited today now best top click subscribe win").split()
+
+
+def spam(seed: int, sentences: int = 8) -> str:
+    """Advertising copy: English, passes the rule-based filters, unlike reference prose in vocabulary."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(sentences):
+        w = [rng.choice(SPAM_WORDS) for _ in range(7)]
+        out.append(f"{w[0].capitalize()} {w[1]} with the {w[2]} {w[3]} and {w[4]} for {w[5]} {w[6]} prices.")
+    return " ".join(out)
+
+
+def write(path: Path, docs: list[tuple[str, str]]) -> Path:
+    rows = [{"id": f"{src}-{i}", "source": src, "url": "", "text": t, "content_type": "text/plain",
+             "bytes": len(t.encode()), "license": "CC0"} for i, (src, t) in enumerate(docs)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_classifier_separates_reference_from_web_text() -> None:
+    pos = [prose(i) for i in range(60)]
+    neg = [spam(i) for i in range(60)]
+    model, metrics = train_classifier(pos, neg, QualityModelConfig(epochs=4))
+    assert metrics["val_accuracy"] >= 0.95 and metrics["positives"] == 60
+    scores = model.score([prose(1000), spam(1000)])
+    assert scores[0] > 0.7 > 0.3 > scores[1]
+
+
+def test_quality_filter_in_the_pipeline(tmp_path: Path) -> None:
+    docs = [("wiki", prose(i)) for i in range(40)] + [("web", spam(i)) for i in range(30)]
+    docs += [("web", prose(500 + i)) for i in range(10)]  # web pages that read like the reference
+    raw = write(tmp_path / "raw.parquet", docs)
+    cfg = CleanConfig.from_dict({"quality_model": {"reference_sources": ["wiki*"], "min_score": 0.5, "epochs": 4},
+                                 "token_outliers": {"enabled": False}})
+    report = clean(raw, tmp_path / "c.parquet", tmp_path / "r.parquet", cfg, artifacts_dir=tmp_path)
+    kept = pq.read_table(tmp_path / "c.parquet").to_pylist()
+    kept_web = [k["id"] for k in kept if k["source"] == "web"]
+    assert report.reasons["quality:low_score"]["docs"] >= 25
+    assert len(kept_web) >= 8 and all(int(i.split("-")[1]) >= 70 for i in kept_web)  # the prose-like ones
+    assert all(0.0 <= k["quality_score"] <= 1.0 for k in kept)
+    assert report.quality_model["trained"] and report.quality_model["reference_sources"] == ["wiki*"]
+    assert (tmp_path / "quality_model.pt").is_file()
+    removed = [r for r in pq.read_table(tmp_path / "r.parquet").to_pylist() if r["reason"] == "quality:low_score"]
+    assert removed[0]["detail"].startswith("quality_score=") and "quality_model.min_score=0.5" in removed[0]["detail"]
+
+
+def test_token_distribution_outliers(tmp_path: Path) -> None:
+    dist = TokenDistribution(TokenOutlierConfig())
+    for i in range(60):
+        dist.add(prose(i))
+    dist.freeze()
+    rare = "axolotl marmoset glockenspiel quokka narwhal theremin okapi zeppelin pangolin harpsichord".split()
+    rng = random.Random(5)
+    odd = " ".join(f"{rng.choice(rare).capitalize()}s {rng.choice(['chased', 'tuned', 'fed'])} {rng.choice(rare)}s "
+                   f"near the {rng.choice(rare)} with {rng.choice(rare)}s and {rng.choice(rare)}s." for _ in range(9))
+    assert dist.kl(odd) > 3 * dist.kl(prose(999))
+    med, mad, limit = mad_limit([1.0, 1.1, 0.9, 1.0, 5.0], 8.0)
+    assert med == 1.0 and mad == pytest.approx(0.1) and limit == pytest.approx(1.8)
+
+    docs = [("web", prose(i)) for i in range(60)] + [("web", odd)]
+    raw = write(tmp_path / "raw.parquet", docs)
+    cfg = CleanConfig.from_dict({"quality_model": {"enabled": False}})
+    report = clean(raw, tmp_path / "c.parquet", tmp_path / "r.parquet", cfg)
+    removed = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert [(r["id"], r["reason"]) for r in removed] == [("web-60", "outlier:token_kl")]
+    assert report.token_outliers["limit_kl"] > report.token_outliers["median_kl"]
+
+
+def test_mix_plan_and_sampling(tmp_path: Path) -> None:
+    plan = plan_mix({"web": 8000, "books": 1000, "code": 2000},
+                    MixConfig(weights={"web": 0.5, "books": 0.25, "code": 0.25}))
+    assert plan["rates"] == {"web": 0.25, "books": 1.0, "code": 0.5}  # books are the limit: kept whole
+    assert plan["groups"]["web"]["target_share"] == 0.5
+    grouped = plan_mix({"owt": 3000, "owt-2": 1000, "wiki": 1000}, MixConfig(weights={"owt*": 1, "wiki": 1}))
+    assert grouped["rates"] == {"owt": 0.25, "owt-2": 0.25, "wiki": 1.0}
+    assert plan_mix({"a": 5}, MixConfig())["rates"] == {"a": 1.0}
+    with pytest.raises(ConfigError, match=r"source\(s\) \['code'\] match no glob"):
+        plan_mix({"web": 1, "code": 1}, MixConfig(weights={"web": 1}))
+    with pytest.raises(ConfigError, match="must map to a number >= 0"):
+        MixConfig(weights={"web": -1})
+    kept = sum(keep_sample(f"id{i}", 0.3, 0) for i in range(2000))
+    assert 520 < kept < 680 and keep_sample("x", 0.3, 0) == keep_sample("x", 0.3, 0)
+
+    docs = [("web", prose(i)) for i in range(60)] + [("books", prose(100 + i)) for i in range(20)]
+    raw = write(tmp_path / "raw.parquet", docs)
+    cfg = CleanConfig.from_dict({"mix": {"weights": {"web": 0.5, "books": 0.5}}, "quality_model": {"enabled": False}})
+    report = clean(raw, tmp_path / "c.parquet", tmp_path / "r.parquet", cfg)
+    assert report.mix["groups"]["web"]["rate"] == pytest.approx(1 / 3, rel=0.05)
+    assert abs(report.mix["groups"]["web"]["final_share"] - 0.5) < 0.15
+    assert report.reasons["mix:downsampled"]["docs"] == 60 - report.sources["web"]["kept_docs"]
+    assert report.config["mix"]["weights"] == {"web": 0.5, "books": 0.5}  # in the report, so in lineage
+
+
+def test_pii_placeholders_and_counts() -> None:
+    s = PiiScrubber(PiiConfig())
+    text = ("Write to jane.doe+news@mail.example.co.uk or call +1 415-555-0132 or (020) 7946 0958; server "
+            "192.168.10.12 and 2001:db8::8a2e:370:7334 logged it.")
+    out, counts = s.scrub(text)
+    assert out == ("Write to <EMAIL> or call <PHONE_NUMBER> or <PHONE_NUMBER>; server <IP_ADDRESS> and "
+                   "<IP_ADDRESS> logged it.")
+    assert counts == {"emails": 1, "ip_addresses": 2, "phone_numbers": 2}
+    safe = "Version 1.2.3 released 2024-01-15 at 10:30:00; 300.1.1.1 is no address; pages 100 200 300; x@y."
+    assert s.scrub(safe) == (safe, {"emails": 0, "ip_addresses": 0, "phone_numbers": 0})
+    off = PiiScrubber(PiiConfig(emails=False))
+    assert off.scrub("a@b.example")[0] == "a@b.example"

@@ -1,0 +1,145 @@
+"""Tests for kiln.registry: release bundles as MLflow model versions with an alias, scores and lineage tags, and the
+previous release found again for a regression check. MLflow runs on a sqlite file in a temporary folder.
+
+Run: python -m pytest tests/kiln/test_registry.py -q
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.checkpoint import save_checkpoint
+from kiln.model import GPT, GPTConfig
+from kiln.registry import (
+    TAG_DIGEST,
+    bundle_digest,
+    compare_scores,
+    flat_scores,
+    get_release,
+    previous_release,
+    register_release,
+    tag_key,
+)
+from kiln.release import write_release
+
+CFG = GPTConfig(vocab_size=320, block_size=16, n_layer=1, n_head=2, n_embd=16)
+LINEAGE = {"clean_corpus": "bbbb2222", "token_shards": "dddd4444", "sft_model": "9999aaaa"}
+
+
+@pytest.fixture(scope="module")
+def tracking(tmp_path_factory) -> tuple[str, Path]:
+    """(tracking URI of a sqlite store, its artifact root), shared by the tests (each uses its own model name)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    return f"sqlite:///{root / 'mlflow.db'}", root / "artifacts"
+
+
+def make_bundle(tmp_path: Path, tok_path: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    m = GPT(CFG)
+    ckpt = save_checkpoint(tmp_path / f"run{seed}" / "checkpoints", 5, {"model": m.state_dict()}, {"model": asdict(CFG)},
+                           extra_files={"tokenizer.json": tok_path})
+    bundle = tmp_path / f"release{seed}"
+    write_release(ckpt, bundle, card=f"# release {seed}\n")
+    return bundle
+
+
+def new_run(uri: str, artifacts: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("kiln") or None
+    exp_id = exp.experiment_id if exp else client.create_experiment("kiln", artifact_location=artifacts.resolve().as_uri())
+    return client.create_run(exp_id).info.run_id
+
+
+def test_register_two_releases_then_find_the_previous_one_and_its_regressions(tmp_path, tracking, tiny_tokenizer) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri, artifacts = tracking
+    _, tok = tiny_tokenizer
+    first, second = make_bundle(tmp_path, tok, 0), make_bundle(tmp_path, tok, 1)
+    run1 = new_run(uri, artifacts)
+    assert previous_release(uri, "kiln-a", "candidate") is None  # no model registered yet
+
+    s1 = {"val_loss": 3.0, "val_bits_per_byte": 1.5, "cloze.acc,none": 0.40, "cloze.acc_stderr,none": 0.05}
+    v1 = register_release(uri, "kiln-a", first, scores=s1, lineage=LINEAGE, run_id=run1)
+    assert (v1.name, v1.version, v1.previous, v1.run_id) == ("kiln-a", "1", None, run1)
+    assert v1.scores == s1 and v1.lineage == LINEAGE and v1.aliases == ["candidate"]
+    assert v1.digest == bundle_digest(first) and v1.bundle == str(first.resolve())
+    assert v1.source.startswith("file://") and v1.source.endswith("/release")
+    logged = Path(v1.source[len("file://"):])
+    assert (logged / "SHA256SUMS").read_bytes() == (first / "SHA256SUMS").read_bytes()  # the bundle is in the run
+    assert (logged / "model.safetensors").stat().st_size == (first / "model.safetensors").stat().st_size
+
+    client = MlflowClient(uri)
+    tags = client.get_model_version("kiln-a", "1").tags
+    assert tags[tag_key("cloze.acc,none")] == "0.4" and tag_key("cloze.acc,none") == "kiln.score.cloze.acc_none"
+    assert tags["kiln.lineage.token_shards"] == "dddd4444" and tags[TAG_DIGEST] == v1.digest
+    assert previous_release(uri, "kiln-a", "candidate").version == "1"
+    assert previous_release(uri, "kiln-a", "candidate", exclude_version="1") is None  # the first release has none
+
+    s2 = {"val_loss": 3.2, "val_bits_per_byte": 1.4, "cloze.acc,none": 0.35, "cloze.acc_stderr,none": 0.01}
+    v2 = register_release(uri, "kiln-a", second, scores=s2, lineage={**LINEAGE, "sft_model": "new"}, run_id=new_run(uri, artifacts))
+    assert (v2.version, v2.previous, v2.aliases) == ("2", "1", ["candidate"])
+    assert str(client.get_model_version_by_alias("kiln-a", "candidate").version) == "2"
+    prev = previous_release(uri, "kiln-a", "candidate", exclude_version=v2.version)
+    assert prev.version == "1" and prev.scores == s1 and prev.lineage["sft_model"] == "9999aaaa"
+
+    found = compare_scores(v2.scores, prev.scores)
+    assert [(r.metric, r.previous, r.current, r.lower_is_better) for r in found] == [
+        ("cloze.acc,none", 0.40, 0.35, False), ("val_loss", 3.0, 3.2, True)]  # bits/byte improved; stderr not compared
+    assert "val_loss: 3 -> 3.2 (lower is better)" in [str(r) for r in found]
+    assert compare_scores(v2.scores, prev.scores, tolerance=0.25) == []
+
+
+def test_registering_the_same_bundle_again_returns_its_version(tmp_path, tracking, tiny_tokenizer) -> None:
+    uri, artifacts = tracking
+    _, tok = tiny_tokenizer
+    bundle = make_bundle(tmp_path, tok, 2)
+    a = register_release(uri, "kiln-b", bundle, scores={"val_loss": 2.0}, run_id=new_run(uri, artifacts))
+    b = register_release(uri, "kiln-b", bundle, scores={"val_loss": 2.0}, run_id=new_run(uri, artifacts), alias="champion")
+    assert a.version == b.version == "1" and set(b.aliases) == {"candidate", "champion"}
+    assert get_release(uri, "kiln-b", "champion").version == "1" and get_release(uri, "kiln-b", "1").scores == {"val_loss": 2.0}
+    with pytest.raises(LookupError, match="no alias 'prod'"):
+        get_release(uri, "kiln-b", "prod")
+
+
+def test_without_a_run_the_source_is_the_bundle_folder(tmp_path, tracking, tiny_tokenizer) -> None:
+    uri, _ = tracking
+    _, tok = tiny_tokenizer
+    bundle = make_bundle(tmp_path, tok, 3)
+    v = register_release(uri, "kiln-c", bundle, set_alias=False)
+    assert v.source == bundle.resolve().as_uri() and v.run_id is None and v.aliases == []
+    assert previous_release(uri, "kiln-c", "candidate") is None
+
+
+def test_a_regressed_release_is_registered_without_moving_the_alias(tmp_path, tracking, tiny_tokenizer) -> None:
+    uri, _ = tracking
+    _, tok = tiny_tokenizer
+    good = register_release(uri, "kiln-e", make_bundle(tmp_path, tok, 5), scores={"val_loss": 2.0})
+    bad = register_release(uri, "kiln-e", make_bundle(tmp_path, tok, 6), scores={"val_loss": 2.5}, set_alias=False)
+    assert (good.version, bad.version, bad.previous, bad.aliases) == ("1", "2", "1", [])
+    assert get_release(uri, "kiln-e", "candidate").version == "1"
+    prev = previous_release(uri, "kiln-e", "candidate", exclude_version=bad.version)
+    assert prev.version == "1" and [r.metric for r in compare_scores(bad.scores, prev.scores)] == ["val_loss"]
+
+
+def test_a_damaged_bundle_is_not_registered(tmp_path, tracking, tiny_tokenizer) -> None:
+    uri, _ = tracking
+    _, tok = tiny_tokenizer
+    bundle = make_bundle(tmp_path, tok, 4)
+    (bundle / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"config\.json: checksum does not match"):
+        register_release(uri, "kiln-d", bundle)
+
+
+def test_flat_scores_from_an_eval_scores_output() -> None:
+    out = {"checkpoint": "/x", "step": 30, "val_loss": 3.1, "val_bits_per_byte": 1.7, "uniform_loss": 5.7,
+           "tasks": {"cloze": {"acc,none": 0.5, "acc_stderr,none": 0.1, "items": 40, "alias": "cloze"}}}
+    assert flat_scores(out) == {"val_loss": 3.1, "val_bits_per_byte": 1.7, "uniform_loss": 5.7,
+                                "cloze.acc,none": 0.5, "cloze.acc_stderr,none": 0.1, "cloze.items": 40.0}
+    assert compare_scores({"uniform_loss": 9.0, "cloze.items": 1.0}, {"uniform_loss": 1.0, "cloze.items": 40.0}) == []

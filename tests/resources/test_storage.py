@@ -1,0 +1,73 @@
+"""KilnStorageResource: a local root is its own cache; a URL root publishes there and serves verified local copies.
+
+Run: python -m pytest tests/resources/test_storage.py -q
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kiln.shards import ShardError, shard_paths, write_shards
+from resources.storage import KilnStorageResource
+
+
+@pytest.fixture
+def shards_in(tiny_tokenizer, docs):
+    """Write the tiny corpus as shards into storage.path('token_shards', 'v1'); return a token_shards-like value."""
+    enc, _ = tiny_tokenizer
+
+    def make(storage: KilnStorageResource) -> dict:
+        out = storage.path("token_shards", "v1")
+        write_shards(enc, docs, out, 3000, 200, 1)
+        return {"version": "v1", "dir": str(out)}
+
+    return make
+
+
+def test_local_root_is_its_own_cache(tmp_path: Path, shards_in) -> None:
+    storage = KilnStorageResource(root=str(tmp_path / "root"), cache=str(tmp_path / "unused"))
+    assert not storage.durable
+    value = shards_in(storage)
+    assert storage.path("token_shards", "v1") == tmp_path / "root" / "token_shards" / "v1"
+    assert storage.url("token_shards", "v1") == str(tmp_path / "root" / "token_shards" / "v1")
+    assert storage.publish(Path(value["dir"]), "token_shards", "v1").files == 0
+    files = storage.local_shards(value)
+    assert files["train"] == [str(p) for p in shard_paths(value["dir"], "train")] and files["val"]
+    assert storage.cache_dir == tmp_path / "root" / "cache" / "sources"
+    assert not (tmp_path / "unused").exists()
+    Path(files["val"][0]).unlink()
+    with pytest.raises(ShardError, match=r"val_000000\.bin named in .*manifest\.json is missing"):
+        storage.local_shards(value)
+
+
+def test_url_root_publishes_and_refetches_a_lost_cache(tmp_path: Path, shards_in) -> None:
+    durable = (tmp_path / "bucket" / "kiln").as_uri()  # any fsspec URL; s3:// is tested in tests/kiln/test_store.py
+    storage = KilnStorageResource(root=durable, cache=str(tmp_path / "cache"))
+    assert storage.durable and storage.url("token_shards", "v1") == durable + "/token_shards/v1"
+    value = shards_in(storage)
+    assert value["dir"] == str(tmp_path / "cache" / "token_shards" / "v1")
+    res = storage.publish(Path(value["dir"]), "token_shards", "v1")
+    assert res.url == durable + "/token_shards/v1" and res.files == len(list(Path(value["dir"]).glob("[!.]*")))
+    originals = {Path(p).name: Path(p).read_bytes() for p in storage.local_shards(value)["train"]}
+    shutil.rmtree(tmp_path / "cache")  # another machine, or an evicted cache
+    files = storage.local_shards(value)
+    assert {Path(p).name: Path(p).read_bytes() for p in files["train"]} == originals
+    assert all(Path(p).parent == tmp_path / "cache" / "token_shards" / "v1" for p in files["train"] + files["val"])
+    assert storage.cache_dir == tmp_path / "cache" / "cache" / "sources"
+
+
+def test_run_config_can_point_the_pipeline_at_a_url_root(tmp_path: Path) -> None:
+    """What the README tells users to write: a resources section on top of a preset."""
+    from dagster import validate_run_config
+
+    from jobs.cli import load_preset
+    from jobs.definitions import make_definitions
+
+    job = make_definitions(tmp_path).resolve_job_def("kiln_pipeline_job")
+    run_config = {**load_preset("smoke"), "resources": {"storage": {"config": {
+        "root": "s3://my-bucket/kiln", "cache": str(tmp_path / "cache"),
+        "storage_options": {"endpoint_url": "http://127.0.0.1:9000"}}}}}
+    assert validate_run_config(job, run_config)["resources"]["storage"]["config"]["root"] == "s3://my-bucket/kiln"

@@ -1,0 +1,220 @@
+"""The Dagster UI in a real browser: dagster-webserver over workspace.yaml, driven by headless Chromium through Selenium.
+
+Run: python -m pytest tests/ui -q   (needs Debian's chromium and chromium-driver, which .ci/run installs; skipped without them)
+Screenshots of the asset graph, the catalog and the release's lineage are saved in the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+# Flags a sandboxed, offline root machine needs: no sandbox, no GPU, and no background calls to outside hosts.
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage", "--window-size=1600,1800")  # tall: the graph draws only nodes on screen
+START_TIMEOUT_S = 240  # importing the definitions (torch, mlflow, dagster) on a loaded 2-core machine
+PAGE_TIMEOUT_S = 90
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()),
+                       reason="Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"),
+]
+
+ASSET_QUERY = """{ assetNodes { assetKey { path } dependencyKeys { path } groupName description opVersion } }"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def graphql(url: str, query: str) -> dict:
+    req = urllib.request.Request(f"{url}/graphql", data=json.dumps({"query": query}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        body = json.loads(r.read())
+    assert not body.get("errors"), body["errors"]
+    return body["data"]
+
+
+@pytest.fixture(scope="module")
+def webserver(tmp_path_factory):
+    """(base URL, log path) of dagster-webserver on a free 127.0.0.1 port with a temporary DAGSTER_HOME.
+
+    Started in its own session and stopped by signalling that process group, so no child outlives the test.
+    """
+    home = tmp_path_factory.mktemp("dagster_home")
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = home / "webserver.log"
+    env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-w", str(ROOT / "workspace.yaml"),
+                                 "-h", "127.0.0.1", "-p", str(port)], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"dagster-webserver exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if graphql(url, ASSET_QUERY)["assetNodes"]:  # answers, and the code location has loaded
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError, AssertionError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"dagster-webserver did not answer on {url} within {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        graphql(url, "mutation { setNuxSeen }")  # no first-visit 'Join the community' dialog over the pages
+        yield url, log_path
+    finally:  # the server and its code-location subprocess share the group whose id is the server's pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # any child that ignored SIGTERM
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """{asset name: (parent names, group, description, code version)} from the Definitions the server loads."""
+    from jobs.definitions import defs
+
+    graph = defs.resolve_asset_graph()
+    out = {}
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        out[key.to_user_string()] = ({p.to_user_string() for p in node.parent_keys}, node.group_name, node.description,
+                                     node.code_version)
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(PAGE_TIMEOUT_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def node_labels(driver) -> list[str]:
+    """The names written on the asset nodes of the graph on screen (long ones are cut in the middle with '…')."""
+    return driver.execute_script("return Array.from(document.querySelectorAll('[class*=assetName]')).map(e => e.textContent)")
+
+
+def shows(label: str, name: str) -> bool:
+    if "…" not in label:
+        return label == name
+    head, tail = label.split("…", 1)
+    return len(head) >= 3 and name.startswith(head) and name.endswith(tail)
+
+
+def missing_from_graph(driver, names) -> list[str]:
+    labels = node_labels(driver)
+    return [n for n in names if not any(shows(label, n) for label in labels)]
+
+
+def wait_for(driver, condition, what, shot: Path):
+    """Wait until ``condition(driver)``; else save ``shot`` and fail with ``what()`` (which describes the page then)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, PAGE_TIMEOUT_S, poll_frequency=0.5).until(condition)
+    except TimeoutException:
+        driver.save_screenshot(str(shot))
+        pytest.fail(f"{what()} after {PAGE_TIMEOUT_S}s (screenshot {shot})")
+
+
+def test_graphql_lists_every_asset_with_its_lineage(webserver, expected) -> None:
+    url, _ = webserver
+    nodes = {"/".join(n["assetKey"]["path"]): n for n in graphql(url, ASSET_QUERY)["assetNodes"]}
+    assert set(nodes) == set(expected)
+    for name, (parents, group, description, code_version) in expected.items():
+        n = nodes[name]
+        assert {"/".join(d["path"]) for d in n["dependencyKeys"]} == parents, name
+        assert (n["groupName"], n["description"], n["opVersion"]) == (group, description, code_version), name
+    assert "sft_model" in {"/".join(d["path"]) for d in nodes["release_bundle"]["dependencyKeys"]}
+    assert nodes["raw_documents"]["dependencyKeys"] == []
+
+
+def test_asset_graph_renders_every_asset(webserver, expected, browser, tmp_path) -> None:
+    from selenium.webdriver.common.by import By
+
+    url, _ = webserver
+    groups = sorted({g for _, g, _, _ in expected.values()})
+    # the global graph starts with groups collapsed; the URL's "expanded" list opens them all
+    browser.get(f"{url}/asset-groups?expanded=" + ",".join(f"global@global:{g}" for g in groups))
+    zoom_out = "//button[.//*[@aria-label='zoom_out']]"
+    wait_for(browser, lambda d: d.find_elements(By.XPATH, zoom_out) and node_labels(d),
+             lambda: "the asset graph drew no node", tmp_path / "asset_graph_failed.png")
+    time.sleep(2)  # let the layout settle
+    for _ in range(3):  # nodes off screen are not drawn: zoom out a step while some are missing and names still show
+        if not missing_from_graph(browser, expected):
+            break
+        browser.find_element(By.XPATH, zoom_out).click()
+        time.sleep(1)
+    missing = missing_from_graph(browser, expected)
+    if missing:
+        browser.save_screenshot(str(tmp_path / "asset_graph_failed.png"))
+        pytest.fail(f"asset graph does not show {missing}; it shows {node_labels(browser)} (screenshot in {tmp_path})")
+    shot = tmp_path / "asset_graph.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
+    body = browser.find_element(By.TAG_NAME, "body").text
+    assert "Global asset lineage" in body and all(g in body for g in groups)
+
+
+def test_catalog_lists_every_asset(webserver, expected, browser, tmp_path) -> None:
+    from selenium.webdriver.common.by import By
+
+    url, _ = webserver
+    browser.get(f"{url}/assets")
+    text = lambda d: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
+    wait_for(browser, lambda d: all(n in text(d) for n in expected),
+             lambda: f"catalog lacks {[n for n in expected if n not in text(browser)]}", tmp_path / "catalog_failed.png")
+    assert browser.save_screenshot(str(tmp_path / "catalog.png"))
+
+
+def test_release_lineage_page_shows_its_upstream_assets(webserver, expected, browser, tmp_path) -> None:
+    url, _ = webserver
+    parents = expected["release_bundle"][0]
+    browser.get(f"{url}/assets/release_bundle?view=lineage&lineageScope=upstream&lineageDepth=1")
+    want = {"release_bundle", *parents}
+    wait_for(browser, lambda d: not missing_from_graph(d, want),
+             lambda: f"release lineage lacks {missing_from_graph(browser, want)}", tmp_path / "release_lineage_failed.png")
+    time.sleep(2)  # let the edges draw before the picture
+    assert browser.save_screenshot(str(tmp_path / "release_lineage.png"))
+    drawn = {n for n in expected if any(shows(label, n) for label in node_labels(browser))}
+    assert drawn == want  # depth 1: exactly the release and the assets it reads
