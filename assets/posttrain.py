@@ -203,13 +203,14 @@ def run_stage(context, task: str, fields: dict[str, Any], plan: dict, init: dict
     from_dict(OptimConfig, fields.get("optim", {}), f"{asset_name}.optim")
     from_dict(LoRAConfig, fields.get("lora", {}), f"{asset_name}.lora")
     device = plan["hardware"]["device"]
-    before = measure_before(init, suite, device)
-    key = stable_hash({"task": task, **key_inputs, **fields, "plan": plan})[:16]
+    key = stable_hash({"task": task, **key_inputs, **fields, "plan": plan})[:16]  # the run folder: same key resumes
     out_dir = storage.path(asset_name, key)
     with mlflow.asset_run(context, params={**fields, "plan": {k: plan[k] for k in ("micro_batch", "world_size")}},
-                          tags={f"input.{k}": v for k, v in key_inputs.items()}, reuse={"key": key}) as run:
+                          tags={f"input.{k}": v for k, v in key_inputs.items()},
+                          reuse={"key": key, "suite": suite_key(suite)}) as run:
         if run.reused is not None:
             return run.reused
+        before = measure_before(init, suite, device)
         job = {"task": task, "out_dir": str(out_dir), "tokenizer": tokenizer_path, "model": plan["model"],
                "seq_len": plan["seq_len"], "init_from": init["checkpoint"], "mlflow_tracking_uri": run.tracking_uri,
                "mlflow_run_id": run.run_id, **fields}

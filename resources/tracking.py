@@ -66,7 +66,11 @@ class MlflowResource(ConfigurableResource):
             code_version = context.assets_def.specs_by_key[context.asset_key].code_version
         except Exception:
             code_version = None
-        return stable_hash({"asset": asset, "code_version": code_version, **reuse})[:32]
+        try:  # outputs live under a storage root: never reuse a run that wrote under another one
+            root = str(context.resources.storage.root)
+        except Exception:
+            root = None
+        return stable_hash({"asset": asset, "code_version": code_version, "storage_root": root, **reuse})[:32]
 
     def find_reusable(self, client, experiment_id: str, asset: str, key: str) -> tuple[str, dict[str, Any]] | None:
         """(run id, recorded output) of the newest finished run of ``asset`` with this reuse key whose files exist."""

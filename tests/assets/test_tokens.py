@@ -120,5 +120,7 @@ def test_token_shards_published_to_s3_and_read_through_a_verified_cache(tmp_path
         x, y = TokenLoader(files["train"], 4, 32, seed=1).next_batch()
         assert x.shape == (4, 32)
 
-        again = run_shards(storage, mlflow, corpus, tok, shard_tokens=4000, val_permille=100)
+        # recompute (no run reuse) to check that publishing is idempotent
+        no_reuse = MlflowResource(tracking_uri=mlflow.tracking_uri, artifact_root=mlflow.artifact_root, reuse_runs=False)
+        again = run_shards(storage, no_reuse, corpus, tok, shard_tokens=4000, val_permille=100)
         assert again.value["version"] == version and again.metadata["uploaded_mb"].value == 0  # already published

@@ -61,7 +61,7 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
     run = client.get_run(value["mlflow_run_id"])
     for name in ("train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_gb", "goodput"):
         assert name in run.data.metrics, name
-    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["loss.png"]
+    assert "loss.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
     job = json.loads((Path(value["out_dir"]) / "job.json").read_text())
     assert job["keep_every"] == 8 and job["async_save"] and job["parallelism"] == "none"
 
