@@ -92,6 +92,7 @@ Held-out measures after each stage, on the same items throughout:
 
 {_table(stage_rows(sft, dpo, rl))}
 {chr(10).join(f"- `{m}`: {what}" for m, what in MEASURES.items())}
+
 ## Limits
 A small model trained for minutes on a few megabytes of documentation and web text: it produces fluent-looking but
 unreliable text, knows little, and must not be used for decisions. Evaluation items come from held-out documents of

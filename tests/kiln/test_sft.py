@@ -167,3 +167,18 @@ def test_read_pairs_filters_split_and_names_bad_lines(tmp_path) -> None:
     path.write_text('{"prompt": "a"}\n{oops\n')
     with pytest.raises(ValueError, match=r"pairs\.jsonl:2: not valid JSON"):
         read_pairs(path)
+
+
+def test_pad_rows_keeps_one_example_per_row_and_trim_drops_only_unused_columns() -> None:
+    from kiln.sft import pad_rows, trim_padding
+
+    tokens, mask = pad_rows([ex(2, 3, 1), ex(1, 1, 2)], seq_len=15, pad_id=0)
+    assert tokens.tolist() == [[101, 101, 1, 1, 1], [102, 2, 0, 0, 0]]  # padded to the longest, not to seq_len
+    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    tokens, _ = pad_rows([ex(10, 30, 5)], seq_len=15, pad_id=0)
+    assert tokens.shape == (1, 16)  # cut to seq_len + 1
+    x, y = to_xy(*pad_rows([ex(2, 2, 1), ex(2, 5, 2)], seq_len=15, pad_id=0))
+    tx, ty = trim_padding(x[:1], y[:1])  # the first row alone: its last target is at column 2
+    assert tx.tolist() == [[101, 101, 1]] and ty.tolist() == [[IGNORE, 1, 1]]
+    with pytest.raises(ValueError, match="no examples"):
+        pad_rows([], 15, 0)
