@@ -120,7 +120,7 @@ def bench_blocking(work: Path, layers: int, width: int, vocab: int, repeat: int)
 
 
 def bench_goodput(work: Path, steps: int, kills: list[int]) -> dict:
-    """A 2M-parameter model trained by torchrun (--max_restarts=3) while rank 0 SIGKILLs itself at ``kills``;
+    """A 3.4M-parameter model trained by torchrun (--max_restarts=3) while rank 0 SIGKILLs itself at ``kills``;
     checkpoints every 25 steps, so each kill loses the steps since the last one plus a restart."""
     from kiln.shards import shard_paths, write_shards
     from kiln.tokenizer import save_encoding, train_bpe
@@ -132,9 +132,9 @@ def bench_goodput(work: Path, steps: int, kills: list[int]) -> dict:
     save_encoding(enc, work / "tokenizer.json")
     write_shards(enc, docs, work / "shards", shard_tokens=1 << 20, val_permille=100, num_workers=1)
     job = {"task": "pretrain", "out_dir": str(work / "run"), "tokenizer": str(work / "tokenizer.json"),
-           "model": {"vocab_size": padded_vocab(enc.n_vocab), "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 192},
+           "model": {"vocab_size": padded_vocab(enc.n_vocab), "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 256},
            "optim": {"lr": 2e-3, "warmup_steps": 20}, "train_files": [str(p) for p in shard_paths(work / "shards", "train")],
-           "val_files": [str(p) for p in shard_paths(work / "shards", "val")], "seq_len": 64, "micro_batch": 8,
+           "val_files": [str(p) for p in shard_paths(work / "shards", "val")], "seq_len": 128, "micro_batch": 8,
            "max_steps": steps, "eval_interval": 50, "eval_batches": 4, "ckpt_interval": 25, "keep_last": 2,
            "log_interval": 50, "kill_at_steps": kills}
     (work / "job.json").write_text(json.dumps(job))

@@ -25,7 +25,8 @@ if ! has_gpu "$PY"; then
   PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   if [ -d .whl ]; then PIP+=(--no-index --find-links .whl); fi
   echo "installing torch==2.13.0 with CUDA into $VENV (at most $(left)s)"
-  timeout "$(left)" "${PIP[@]}" "torch==2.13.0" numpy pyyaml xxhash
+  timeout "$(left)" "${PIP[@]}" "torch==2.13.0" numpy pyyaml xxhash \
+    || { echo "could not install torch==2.13.0 (no package index and no ./.whl wheels?); nothing measured" >&2; exit 1; }
   PY="$VENV/bin/python"
   has_gpu "$PY" || { echo "no CUDA GPU visible to torch; nothing measured" >&2; exit 1; }
 fi
