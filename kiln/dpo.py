@@ -8,7 +8,6 @@ the loss itself is a few lines over summed response log-probabilities.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import time
@@ -17,12 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from kiln.posttrain import PosttrainJob, PosttrainRun, broadcast_config, read_jsonl_split, sequence_logps
+from kiln.posttrain import PosttrainJob, PosttrainRun, run_job, read_jsonl_split, sequence_logps
 from kiln.sft import PackedLoader, encode_example, pad_rows, to_xy, trim_padding
-from kiln.train import DistInfo, PrintReporter, Reporter, setup_distributed
+from kiln.train import DistInfo, Reporter
 
 
 @dataclass
@@ -177,18 +175,7 @@ def _strip(h: dict) -> dict:
 
 
 def main(argv: list[str] | None = None, reporter: Reporter | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="job JSON file (DpoJob fields), read by rank 0")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the same on every rank)")
-    parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout in seconds")
-    args = parser.parse_args(argv)
-    info = setup_distributed(args.device, args.timeout_s)
-    try:
-        job = broadcast_config(DpoJob, args.config, info)
-        return train(job, info, reporter or PrintReporter())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return run_job(DpoJob, train, __doc__, argv, reporter)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,26 @@ def broadcast_config(cls, path: str | None, info: DistInfo):
     return from_dict(cls, payload[0], "job")
 
 
+def run_job(job_cls, train_fn: Callable[..., dict[str, Any]], doc: str, argv: list[str] | None,
+            reporter: Reporter | None) -> dict[str, Any]:
+    """Command line shared by the DPO and RL jobs: parse, join the process group, broadcast the job, train."""
+    import argparse
+
+    from kiln.train import PrintReporter, setup_distributed
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help=f"job JSON file ({job_cls.__name__} fields), read by rank 0")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the same on every rank)")
+    parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout in seconds")
+    args = parser.parse_args(argv)
+    info = setup_distributed(args.device, args.timeout_s)
+    try:
+        return train_fn(broadcast_config(job_cls, args.config, info), info, reporter or PrintReporter())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def entry_point(argv: list[str]) -> Callable[..., dict[str, Any]]:
     """The ``main`` of the module that runs the job named by ``--config`` (its ``task`` key alone is read here)."""
     path = argv[argv.index("--config") + 1] if "--config" in argv else None

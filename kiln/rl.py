@@ -8,7 +8,6 @@ beat their group's mean (Shao et al., 2024). Written here rather than with TRL, 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import time
@@ -20,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from kiln.instructions import arithmetic_reward, final_number
-from kiln.posttrain import PosttrainJob, PosttrainRun, broadcast_config, complete, decode_completion, read_jsonl_split, token_logps
+from kiln.posttrain import PosttrainJob, PosttrainRun, run_job, complete, decode_completion, read_jsonl_split, token_logps
 from kiln.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
-from kiln.train import DistInfo, PrintReporter, Reporter, setup_distributed
+from kiln.train import DistInfo, Reporter
 
 RewardFn = Callable[[str, dict], float]  # (decoded response, item) -> reward
 
@@ -219,18 +218,7 @@ def train(job: RlJob, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None, reporter: Reporter | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="job JSON file (RlJob fields), read by rank 0")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the same on every rank)")
-    parser.add_argument("--timeout-s", type=int, default=600, help="process-group timeout in seconds")
-    args = parser.parse_args(argv)
-    info = setup_distributed(args.device, args.timeout_s)
-    try:
-        job = broadcast_config(RlJob, args.config, info)
-        return train(job, info, reporter or PrintReporter())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return run_job(RlJob, train, __doc__, argv, reporter)
 
 
 if __name__ == "__main__":
