@@ -182,7 +182,7 @@ class GPT(nn.Module):
 
 
 IGNORE_INDEX = -100  # targets with this value are left out of the loss (prompt tokens in SFT)
-CE_CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}  # fp32 logits per chunk: cache-sized on CPU (fastest measured)
+CE_CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 256 << 20}  # fp32 logits per chunk (CPU: 32 MiB measured fastest on the bench model; 4 MiB was 20% slower)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
