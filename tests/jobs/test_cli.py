@@ -122,3 +122,30 @@ def test_lineage_and_generate_resolve_a_registered_model(release, tmp_path, caps
     assert capsys.readouterr().out.startswith("The")
     with pytest.raises(SystemExit, match="no alias 'prod'"):
         main(["lineage", "models:/kiln-cli@prod", "--tracking-uri", uri])
+
+
+def test_plan_prints_the_gpt2_124m_decisions_for_one_and_eight_gpus(capsys):
+    assert main(["plan", "--preset", "gpt2-124m-1gpu"]) == 0
+    one = capsys.readouterr().out
+    assert "124.5M parameters" in one and "vocabulary 50,304" in one
+    assert "ranks        1: none" in one and "micro_batch 128 x grad_accum 4 x 1 ranks" in one
+    assert main(["plan", "--preset", "gpt2-124m-8gpu", "--json"]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    assert (eight["parallelism"], eight["micro_batch"], eight["grad_accum"], eight["world_size"]) == ("ddp", 64, 1, 8)
+    assert eight["tokens_per_step"] == 512 * 1024 and eight["model"]["vocab_size"] == 50304
+
+
+def test_plan_that_cannot_fit_exits_non_zero_saying_what_would(tmp_path, capsys):
+    preset = tmp_path / "small-gpu.yaml"
+    preset.write_text("extends: gpt2-124m-1gpu\nops:\n  training_plan:\n    config:\n"
+                      "      hardware: {device: cuda, nproc_per_node: 1, memory_gb: 1}\n")
+    assert main(["plan", "--preset", str(preset)]) == 2
+    err = capsys.readouterr().err
+    assert "small-gpu.yaml" in err and "GiB" in err and "Otherwise use a smaller model" in err
+
+
+def test_plan_names_an_unknown_key(tmp_path, capsys):
+    preset = tmp_path / "typo.yaml"
+    preset.write_text("ops:\n  training_plan:\n    config:\n      batch: {seq_len: 64, global_btach: 8}\n")
+    assert main(["plan", "--preset", str(preset)]) == 2
+    assert "training_plan.batch" in capsys.readouterr().err

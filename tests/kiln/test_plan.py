@@ -116,7 +116,7 @@ def test_plan_totals_and_estimates() -> None:
     assert plan.params == count_params(TINY)[0]
     assert plan.flops_per_token == fpt
     assert plan.total_flops == fpt * 8 * 32 * 100
-    assert plan.est_hours == pytest.approx(fpt * 25600 / (2.0e12 * 0.25) / 3600)
+    assert plan.est_hours == pytest.approx(fpt * 25600 / (2.0e12 * 0.4) / 3600)
     assert plan.tokens_per_param == pytest.approx(25600 / plan.params)
     assert plan.device_memory_gb == 8 and plan.peak_tflops == 2.0
     assert plan.to_dict()["model"]["n_embd"] == 32
