@@ -126,6 +126,19 @@ class DistInfo:
         return self.rank == 0
 
 
+def cuda_problem(nproc_per_node: int) -> str | None:
+    """Why ``nproc_per_node`` ranks cannot each have a GPU on this machine, or None when they can."""
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no usable NVIDIA driver or GPU"
+        return (f"device is cuda but torch {torch.__version__} sees no GPU here ({build}): run on a GPU machine "
+                "with a CUDA build of torch, or set training_plan.hardware.device to cpu (or auto)")
+    n = torch.cuda.device_count()
+    if nproc_per_node > n:
+        return (f"{nproc_per_node} ranks per node need {nproc_per_node} GPUs but this machine has {n}: set "
+                f"training_plan.hardware.nproc_per_node to at most {n}")
+    return None
+
+
 def setup_distributed(device: str, timeout_s: int) -> DistInfo:
     """Join the process group torchrun set up (gloo on CPU; nccl on CUDA, with gloo beside it for CPU-side
     collectives and background checkpoint saves); a hung collective fails after ``timeout_s``."""
@@ -135,6 +148,9 @@ def setup_distributed(device: str, timeout_s: int) -> DistInfo:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
+        problem = cuda_problem(local_rank + 1)
+        if problem:
+            raise RuntimeError(f"rank {rank}: {problem}")
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:

@@ -81,6 +81,18 @@ def _sh(args: list[str]) -> str:
     return " ".join(out)
 
 
+def check_local_devices(device: str, nproc_per_node: int) -> None:
+    """Fail before launching when this machine cannot give every local rank its GPU (the workers would each die
+    with CUDA's own less helpful error)."""
+    if device != "cuda":
+        return
+    from kiln.train import cuda_problem
+
+    problem = cuda_problem(nproc_per_node)
+    if problem:
+        raise Failure(problem)
+
+
 class TorchrunResource(ConfigurableResource):
     """How training processes are started: torchrun locally or across nodes (c10d rendezvous)."""
 
@@ -239,6 +251,7 @@ class TorchrunResource(ConfigurableResource):
                                 PipesFileMessageReader(str(pipes / "messages.jsonl")))
             own_log = out / "sbatch.log"
         elif self.launcher == "local":
+            check_local_devices(device, nproc_per_node)
             cmd = self.command(nproc_per_node, job_path, device, context.run.run_id)
             injector, reader, own_log = PipesTempFileContextInjector(), PipesTempFileMessageReader(), log_path
         else:

@@ -395,3 +395,14 @@ def test_sft_job_fine_tunes_from_a_pretrained_checkpoint(tmp_path, baseline, pre
     assert rep.lines[0].startswith("initialised weights from ") and rep.lines[0].endswith("step_0000030")
     assert summary["task"] == "sft" and summary["steps"] == 8
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0, summary["history"]
+
+
+def test_a_cuda_rank_without_its_gpu_says_so(monkeypatch) -> None:
+    from kiln.train import setup_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match="rank 1: 2 ranks per node need 2 GPUs but this machine has 1"):
+        setup_distributed("cuda", 60)

@@ -185,3 +185,19 @@ def test_launch_is_bounded_in_time(tmp_path, pretrain_job):
     job = json.loads(pretrain_job(tmp_path, max_steps=100000).read_text())
     with pytest.raises(Failure, match="timeout_s=5"):
         materialize([launch_asset(job, 1)], resources={"torchrun": TorchrunResource(timeout_s=5)})
+
+
+def test_cuda_launch_without_enough_gpus_fails_before_starting_workers(monkeypatch):
+    import torch
+
+    from resources.torchrun import check_local_devices
+
+    check_local_devices("cpu", 8)  # nothing to check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(Failure, match="sees no GPU here.*hardware.device to cpu"):
+        check_local_devices("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_local_devices("cuda", 2)
+    with pytest.raises(Failure, match="8 ranks per node need 8 GPUs but this machine has 2.*nproc_per_node to at most 2"):
+        check_local_devices("cuda", 8)
