@@ -20,7 +20,7 @@ class MlflowResource(ConfigurableResource):
     """Tracks every asset materialization as an MLflow run nested under its Dagster run."""
 
     tracking_uri: str = Field(default="sqlite:///.kiln/mlflow.db", description="MLflow tracking URI (sqlite file, or an http:// server).")
-    artifact_root: str = Field(default=".kiln/mlartifacts", description="Artifact folder for a new experiment (ignored by a server that has its own).")
+    artifact_root: str = Field(default=".kiln/mlartifacts", description="Artifact folder for a new experiment with a local (sqlite) store; with an http(s) server the server's artifact store is used.")
     experiment: str = Field(default="kiln", description="MLflow experiment name.")
     ui_url: str = Field(default="http://127.0.0.1:5000", description="Base URL of the MLflow UI, for links in asset metadata.")
     reuse_runs: bool = Field(default=True, description="Reuse the outputs of a finished run whose reuse key (code version, config, input data versions) matches instead of recomputing.")
@@ -32,6 +32,9 @@ class MlflowResource(ConfigurableResource):
             return f"sqlite:///{path}"
         return self.tracking_uri
 
+    def is_server(self) -> bool:
+        return self.tracking_uri.startswith(("http://", "https://", "databricks"))
+
     def client(self):
         from mlflow.tracking import MlflowClient
 
@@ -41,10 +44,13 @@ class MlflowResource(ConfigurableResource):
         exp = client.get_experiment_by_name(self.experiment)
         if exp is not None:
             return exp.experiment_id
-        root = Path(self.artifact_root).expanduser().resolve()
-        root.mkdir(parents=True, exist_ok=True)
+        location = None
+        if not self.is_server():  # a tracking server keeps artifacts in its own store, reachable by every machine
+            root = Path(self.artifact_root).expanduser().resolve()
+            root.mkdir(parents=True, exist_ok=True)
+            location = root.as_uri()
         try:
-            return client.create_experiment(self.experiment, artifact_location=root.as_uri())
+            return client.create_experiment(self.experiment, artifact_location=location)
         except Exception:  # created concurrently by another process
             return client.get_experiment_by_name(self.experiment).experiment_id
 
