@@ -11,9 +11,13 @@ from dagster import DataVersion, MetadataValue
 from kiln.storage import commit_dir, manifest_of_dir, stable_hash
 
 
-def commit_output(staged: Path, parent: Path) -> tuple[Path, str]:
-    """Move a staged folder to ``parent/<content hash>`` and return (folder, data version)."""
-    version = stable_hash(manifest_of_dir(staged))[:16]
+def commit_output(staged: Path, parent: Path, volatile: tuple[str, ...] = ()) -> tuple[Path, str]:
+    """Move a staged folder to ``parent/<content hash>`` and return (folder, data version).
+
+    Files named in ``volatile`` (reports holding timings) are kept but left out of the hash, so the same data
+    gets the same version however long it took; when that folder exists already, it is kept as it is."""
+    manifest = {k: v for k, v in manifest_of_dir(staged).items() if k not in volatile}
+    version = stable_hash(manifest)[:16]
     return commit_dir(staged, parent / version), version
 
 

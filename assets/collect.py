@@ -136,7 +136,7 @@ def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, r
         rep = report.to_dict()
         atomic_write_json(stage / "report.json", rep)
         (stage / "removed_examples.md").write_text(_examples_md(rep["reasons"]), encoding="utf-8")
-        final, version = commit_output(stage, storage.path("clean_corpus"))
+        final, version = commit_output(stage, storage.path("clean_corpus"), volatile=("report.json",))  # timings
         run.log_metrics({"kept_docs": rep["kept_docs"], "dropped_docs": rep["dropped_docs"], "kept_bytes": rep["kept_bytes"],
                          "dedup_rate": rep["dedup_rate"], **{f"removed_docs.{r}": v["docs"] for r, v in rep["reasons"].items()}})
         for name in ("report.json", "removed_examples.md", "quality_model.pt"):

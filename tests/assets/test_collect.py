@@ -36,10 +36,11 @@ def write_sources(root: Path) -> list[dict]:
              "url_field": "url", "license": "CC0"}]
 
 
-def run(home: Path, sources: list[dict], clean: dict, instance: DagsterInstance):
+def run(home: Path, sources: list[dict], clean: dict, instance: DagsterInstance, reuse: bool = True):
     resources = {
         "storage": KilnStorageResource(root=str(home / "storage"), source_cache=str(home / "cache")),
-        "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art")),
+        "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art"),
+                                 reuse_runs=reuse),
         "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles")),
     }
     config = {"ops": {"raw_documents": {"config": {"manifest": "", "sources": sources}},
@@ -84,6 +85,18 @@ def test_clean_corpus_contract_and_report(first_run) -> None:
     names = {a.path for a in client.list_artifacts(run_id)}
     assert {"report.json", "removed_examples.md", "quality_model.pt"} <= names
     assert client.get_run(run_id).data.metrics["removed_docs.gopher:too_few_words"] == 1
+
+
+def test_recomputing_the_same_corpus_gives_the_same_data_version(first_run) -> None:
+    """Timings in report.json differ between runs; the data version (what downstream assets key on) must not."""
+    home, sources, clean, instance, first = first_run
+    again = run(home, sources, clean, instance, reuse=False)  # recomputed (every shard from its cache), not reused
+    assert again.success
+    a, b = first.output_for_node("clean_corpus"), again.output_for_node("clean_corpus")
+    assert a["version"] == b["version"] and a["path"] == b["path"]
+    assert b["report"]["stage_seconds"] != a["report"]["stage_seconds"]  # it really ran again
+    meta = instance.get_latest_materialization_event(AssetKey("clean_corpus")).asset_materialization.metadata
+    assert "reused_mlflow_run_id" not in meta
 
 
 def test_adding_a_source_reuses_the_other_shards(first_run, tmp_path: Path) -> None:
