@@ -1,7 +1,6 @@
 """Steps 4-7 as assets: the training plan and the pretrained base model (a torchrun job through Pipes)."""
 
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ from pydantic import Field
 
 from assets._common import line_plot, md_table, mlflow_meta
 from kiln.config import from_dict
+from kiln.checkpoint import checkpoint_identity
 from kiln.plan import plan_from_config
 from kiln.spikes import SpikeConfig
 from kiln.storage import stable_hash
@@ -77,8 +77,8 @@ class BaseModelConfig(Config):
 
 
 def checkpoint_version(ckpt: Path) -> str:
-    """A checkpoint's identity: the hash of its checksum manifest (no file is read again)."""
-    return stable_hash(json.loads((ckpt / "meta.json").read_text())["files"])[:16]
+    """A checkpoint's data version: bit-identical weights get the same one (kiln.checkpoint.checkpoint_identity)."""
+    return checkpoint_identity(ckpt)
 
 
 def run_training(context, task: str, job_fields: dict[str, Any], plan: dict, key_inputs: dict[str, Any],

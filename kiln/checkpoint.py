@@ -242,6 +242,28 @@ def _copy_extra(folder: Path, extra_files: dict[str, Path] | None) -> dict[str, 
 # ---------------------------------------------------------------------------------------------- verify and load
 
 
+def weights_digest(model_state: dict[str, torch.Tensor]) -> str:
+    """xxh3-128 of a model state dict's names, dtypes, shapes and bytes, in name order: equal exactly when the
+    weights are bit-identical, whatever else (optimizer, timings, step bookkeeping) the checkpoint holds."""
+    h = xxhash.xxh3_128()
+    for name in sorted(model_state):
+        t = model_state[name].detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def checkpoint_identity(path: Path) -> str:
+    """A checkpoint's identity for data versions: the digest of its weights when recorded (full checkpoints),
+    else the hash of its checksum manifest (sharded ones). No file is read beyond meta.json."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    if meta.get("weights_digest"):
+        return meta["weights_digest"][:16]
+    from kiln.storage import stable_hash
+
+    return stable_hash(meta["files"])[:16]
+
+
 def verify_checkpoint(path: Path) -> dict[str, Any]:
     """Check every file against meta.json; return the meta or raise CheckpointError naming the file."""
     path = Path(path)
@@ -528,6 +550,7 @@ class Checkpointer:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
+        meta = {**meta, "weights_digest": weights_digest(state["model"])}
         files = {"state.pt": _write_torch(tmp / "state.pt", state, self.pause_s)}
         files.update(_copy_extra(tmp, self.extra_files))
         self._done(_commit(tmp, final, files, meta))

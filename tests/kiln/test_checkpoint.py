@@ -19,6 +19,7 @@ from kiln.checkpoint import (
     CHECKSUM,
     Checkpointer,
     CheckpointError,
+    checkpoint_identity,
     file_digest,
     latest_good_checkpoint,
     list_checkpoints,
@@ -273,6 +274,28 @@ def test_checkpointer_round_trip_into_a_fresh_model_and_optimizer(tmp_path, shar
         assert torch.equal(a, b)
     state, _ = load_state(path)  # what evaluation and release read: one full model state either way
     assert_same(m.state_dict(), state["model"])
+
+
+def test_identity_follows_the_weights_not_the_bookkeeping(tmp_path) -> None:
+    """Two saves of bit-identical weights with different optimizer steps, extras and timings share an identity;
+    one changed weight gives another."""
+    m, opt = trained(1)
+    a = checkpointer(tmp_path / "a")
+    a.save(3, m, opt, {"step": 3, "run": {"lineage_s": 1.25}}, {"model": vars(tiny_config())})
+    a.wait()
+    m2, opt2 = trained(1)
+    opt2.zero_grad()
+    b = checkpointer(tmp_path / "b")
+    b.save(9, m2, opt2, {"step": 9, "run": {"lineage_s": 7.5}}, {"model": vars(tiny_config()), "val_loss": 1.0})
+    b.wait()
+    ida, idb = checkpoint_identity(tmp_path / "a" / "step_0000003"), checkpoint_identity(tmp_path / "b" / "step_0000009")
+    assert file_digest(tmp_path / "a" / "step_0000003" / "state.pt") != file_digest(tmp_path / "b" / "step_0000009" / "state.pt")
+    assert ida == idb and len(ida) == 16
+    with torch.no_grad():
+        next(m2.parameters()).view(-1)[0] += 1e-6
+    b.save(10, m2, opt2, {"step": 10}, {"model": vars(tiny_config())})
+    b.wait()
+    assert checkpoint_identity(tmp_path / "b" / "step_0000010") != ida
 
 
 def test_background_save_is_a_snapshot_and_blocks_only_for_the_copy(tmp_path) -> None:
