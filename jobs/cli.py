@@ -59,7 +59,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
     from dagster import AssetKey, DagsterInstance
 
-    from jobs.definitions import ALL_ASSETS, make_definitions
+    from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources
 
     defs = make_definitions(home)
     names = [a.key.to_user_string() for a in ALL_ASSETS]
@@ -67,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     bad = [k for k in keys if k not in names]
     if bad:
         raise SystemExit(f"kiln: unknown asset(s) {bad}; assets are: {', '.join(names)}")
-    run_config = select_config(load_preset(args.preset), keys)
+    run_config = complete_resource_config(select_config(load_preset(args.preset), keys), make_resources(home))
     job = defs.resolve_job_def("kiln_pipeline_job")
     start = time.time()
     with DagsterInstance.get() as instance:

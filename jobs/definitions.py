@@ -50,6 +50,24 @@ def make_resources(home: Path = KILN_HOME, source_cache: str = "") -> dict:
     }
 
 
+def complete_resource_config(run_config: dict, resources: dict) -> dict:
+    """Fill each resource block of ``run_config`` with the bound resource's values for the fields it leaves out.
+
+    Dagster replaces a resource's whole configuration when run config names it, so a preset that sets only
+    ``mlflow.tracking_uri`` would otherwise send artifact_root (and every other field) back to the class
+    defaults instead of the values bound here. Unknown resources and fields are left for Dagster to reject."""
+    blocks = run_config.get("resources") or {}
+    if not blocks:
+        return run_config
+    out = {}
+    for name, block in blocks.items():
+        bound = resources.get(name)
+        given = dict((block or {}).get("config") or {})
+        base = bound.model_dump() if hasattr(bound, "model_dump") else {}
+        out[name] = {**(block or {}), "config": {**base, **given}}
+    return {**run_config, "resources": out}
+
+
 def make_definitions(home: Path = KILN_HOME, source_cache: str = "") -> Definitions:
     return Definitions(
         assets=ALL_ASSETS + PARTITIONED_ASSETS,

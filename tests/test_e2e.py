@@ -9,7 +9,7 @@ import torch
 from dagster import AssetKey, DagsterInstance
 
 from jobs.cli import load_preset
-from jobs.definitions import ALL_ASSETS, make_definitions
+from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources
 from kiln.checkpoint import load_for_inference
 from kiln.release import load_release
 from kiln.shards import decode_documents, split_of
@@ -186,6 +186,31 @@ def test_rerun_with_nothing_changed_recomputes_nothing(smoke_run):
     result = rerun(smoke_run, names, smoke_ops())
     assert result.success, (computed_assets(smoke_run, result.run_id), failure_message(result))
     assert computed_assets(smoke_run, result.run_id) == set()
+
+
+def test_recomputing_everything_without_reuse_gives_the_same_data_versions(smoke_run):
+    """On CPU the whole pipeline is deterministic: recomputed from scratch (run reuse off), every asset comes out
+    with the data version it had, so nothing downstream would turn stale. The release bundle records which
+    Dagster and MLflow runs made it, so its version moves; its weights do not."""
+    _, defs, instance, first = smoke_run
+    names = [a.key.to_user_string() for a in ALL_ASSETS]
+    before = {n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags["dagster/data_version"]
+              for n in names}
+    home = smoke_run[0]
+    config = complete_resource_config({"ops": smoke_ops(), "resources": {"mlflow": {"config": {"reuse_runs": False}}}},
+                                      make_resources(home, str(Path(defs.resources["storage"].source_cache))))
+    assert config["resources"]["mlflow"]["config"]["tracking_uri"].endswith(str(home / "mlflow.db"))
+    job = defs.resolve_job_def("kiln_pipeline_job")
+    result = job.execute_in_process(run_config=config, instance=instance, raise_on_error=False)
+    assert result.success, failure_message(result)
+    assert computed_assets(smoke_run, result.run_id) == set(names)  # everything really ran again
+    after = {n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags["dagster/data_version"]
+             for n in names}
+    changed = {n for n in names if before[n] != after[n]}
+    assert changed <= {"release_bundle"}, {n: (before[n], after[n]) for n in changed}
+    a = Path(first.output_for_node("release_bundle")["dir"]) / "model.safetensors"
+    b = Path(result.output_for_node("release_bundle")["dir"]) / "model.safetensors"
+    assert a.read_bytes() == b.read_bytes()
 
 
 def test_eval_change_rebuilds_only_evaluation_and_release(smoke_run):

@@ -58,3 +58,24 @@ def test_gpu_preset_8gpu_differs_only_in_hardware():
     hw = lambda p: p["ops"]["training_plan"]["config"].pop("hardware")  # noqa: E731
     assert hw(one)["nproc_per_node"] == 1 and hw(eight)["nproc_per_node"] == 8
     assert one == eight
+
+
+def test_a_partial_resource_block_keeps_the_bound_values_it_leaves_out(tmp_path):
+    from dagster import asset, materialize
+
+    from jobs.definitions import complete_resource_config, make_resources
+    from resources.tracking import MlflowResource
+
+    bound = make_resources(tmp_path / "home", str(tmp_path / "cache"))
+    config = complete_resource_config({"ops": {}, "resources": {"mlflow": {"config": {"reuse_runs": False}}}}, bound)
+    seen = {}
+
+    @asset
+    def probe(mlflow: MlflowResource) -> None:
+        seen.update(mlflow.model_dump())
+
+    assert materialize([probe], resources={"mlflow": bound["mlflow"]}, run_config=config).success
+    assert seen["reuse_runs"] is False
+    assert seen["tracking_uri"] == f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}"  # not the class default
+    assert seen["artifact_root"] == str(tmp_path / "home" / "mlartifacts")
+    assert complete_resource_config({"ops": {}}, bound) == {"ops": {}}
