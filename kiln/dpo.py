@@ -8,7 +8,6 @@ the loss itself is a few lines over summed response log-probabilities.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln.parallel import gradient_sync
 from kiln.posttrain import PosttrainJob, PosttrainRun, run_job, read_jsonl_split, sequence_logps
 from kiln.sft import PackedLoader, encode_example, pad_rows, to_xy, trim_padding
 from kiln.train import DistInfo, Reporter
@@ -141,8 +141,7 @@ def train(job: DpoJob, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
             x, y = loader.next_batch()
             x, y = x.to(info.device), y.to(info.device)
             ref = sequence_logps(run.reference_logits(x), y)  # (2B,)
-            sync = run.ddp.no_sync if (info.world_size > 1 and micro < job.grad_accum - 1) else contextlib.nullcontext
-            with sync(), run.autocast():
+            with gradient_sync(run.ddp, micro == job.grad_accum - 1), run.autocast():
                 stats = pair_stats(sequence_logps(run.ddp(x), y), ref, job.beta, job.label_smoothing)
             (stats.pop("loss_tensor") / job.grad_accum).backward()
             for k, v in stats.items():

@@ -25,7 +25,7 @@ from kiln.config import from_dict
 from kiln.lora import LoRAConfig, adapters_disabled, apply_lora, load_lora_state_dict, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model import GPT, GPTConfig
 from kiln.sft import IGNORE, chat_prompt_ids, encode_example, pad_rows, to_xy, trim_padding
-from kiln.train import DistInfo, OptimConfig, Reporter, lr_lambda, make_logger, make_optimizer
+from kiln.train import DistInfo, OptimConfig, Reporter, broadcast_config, lr_lambda, make_logger, make_optimizer
 
 ENTRY_POINTS = {"pretrain": "kiln.train", "sft": "kiln.train", "dpo": "kiln.dpo", "rl": "kiln.rl"}  # job task -> module
 
@@ -53,16 +53,6 @@ class PosttrainJob:
     mlflow_tracking_uri: str = ""  # where rank 0 streams metrics
     mlflow_run_id: str = ""  # the MLflow run that receives them
     fail_at_step: int = -1  # testing aid: raise at this step once (simulates a crash)
-
-
-def broadcast_config(cls, path: str | None, info: DistInfo):
-    """Rank 0 reads the job file; every rank builds ``cls`` from the same dict (unknown keys are errors)."""
-    payload = [None]
-    if info.is_main:
-        payload[0] = json.loads(Path(path).read_text()) if path else {}
-    if info.world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    return from_dict(cls, payload[0], "job")
 
 
 def run_job(job_cls, train_fn: Callable[..., dict[str, Any]], doc: str, argv: list[str] | None,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.instructions import arithmetic_reward, final_number
+from kiln.parallel import gradient_sync
 from kiln.posttrain import PosttrainJob, PosttrainRun, run_job, complete, decode_completion, read_jsonl_split, token_logps
 from kiln.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
 from kiln.train import DistInfo, Reporter
@@ -184,8 +185,7 @@ def train(job: RlJob, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
         acc: dict[str, float] = {}
         for micro in range(job.grad_accum):
             batch = [items[i] for i in rng.choice(len(items), size=min(job.micro_batch, len(items)), replace=False)]
-            sync = run.ddp.no_sync if (info.world_size > 1 and micro < job.grad_accum - 1) else contextlib.nullcontext
-            with sync():
+            with gradient_sync(run.ddp, micro == job.grad_accum - 1):
                 loss, s = rollout_loss(run.ddp, run.raw, run.reference_logits, enc, batch, reward_fn, job, gen,
                                        info.device, run.autocast, checks={"exact_answer": exact_fn})
                 (loss / job.grad_accum).backward()

@@ -161,14 +161,20 @@ def setup_distributed(device: str, timeout_s: int) -> DistInfo:
     return DistInfo(rank, local_rank, world, dev)
 
 
-def broadcast_job(path: str | None, info: DistInfo) -> JobConfig:
-    """Rank 0 reads the job file; every rank receives the same dict (ranks never read config themselves)."""
+def broadcast_config(cls, path: str | None, info: DistInfo):
+    """Rank 0 reads the job file; every rank builds ``cls`` from the same dict (ranks never read config
+    themselves; unknown keys are errors)."""
     payload = [None]
     if info.is_main:
         payload[0] = json.loads(Path(path).read_text()) if path else {}
     if info.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
-    return from_dict(JobConfig, payload[0], "job")
+    return from_dict(cls, payload[0], "job")
+
+
+def broadcast_job(path: str | None, info: DistInfo) -> JobConfig:
+    """The pretraining job every rank agrees on (broadcast_config of JobConfig)."""
+    return broadcast_config(JobConfig, path, info)
 
 
 def lr_lambda(opt: OptimConfig, max_steps: int) -> Callable[[int], float]:
