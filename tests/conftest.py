@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,13 @@ VERBS = ["sees", "likes", "walks to", "finds", "carries", "remembers", "paints",
 OBJECTS = ["the river", "a red house", "the green field", "an apple", "the long road", "a quiet village",
            "the market", "the tall tree"]
 ADVERBS = ["today", "every morning", "in the rain", "slowly", "at night", "with care"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now, for a server a test starts (`from conftest import free_port`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def sentence(rng: random.Random) -> str:

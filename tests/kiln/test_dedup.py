@@ -7,7 +7,6 @@ are skipped only where the binary is not installed).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from kiln.clean import CleanConfig, clean
 from kiln.config import ConfigError
 from kiln.dedup import LineDedupConfig, LineDeduper, MinHashConfig, MinHashDeduper, url_key
 from textgen import prose
+from conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,7 @@ def redis_port():
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import redis
@@ -121,9 +119,7 @@ def test_clean_with_redis_backend_equals_memory(tmp_path: Path, redis_port: int)
 
 
 def test_redis_backend_names_the_server_when_it_is_down() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(ConfigError, match=rf"no Redis server answers at 127.0.0.1:{port}.*backend: memory"):
         MinHashDeduper(MinHashConfig(backend="redis", redis_port=port))
     with pytest.raises(ConfigError, match="backend must be one of memory, redis"):

@@ -18,6 +18,7 @@ from kiln import sources
 from kiln.config import ConfigError
 from kiln.sources import SourceError, SourceSpec, collect, fetch, iter_documents, load_manifest, specs_from_dicts
 from kiln.storage import sha256_file
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -510,13 +511,10 @@ def test_collect_keeps_each_row_group_to_one_source(tree: Path, tmp_path: Path) 
 def test_warc_streamed_from_s3(pywb_warcs: Path) -> None:
     """An s3:// source read through fsspec (s3fs) from a local S3 server (moto), never copied to disk."""
     moto_server = pytest.importorskip("moto.server")
-    import socket
-
+    
     import boto3
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     try:

@@ -19,12 +19,7 @@ import torch
 from kiln import store
 from kiln.loader import TokenLoader
 from kiln.shards import MANIFEST, ShardError, shard_paths, verify_shards, write_shards
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 @contextlib.contextmanager

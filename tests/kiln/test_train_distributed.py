@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kiln.checkpoint import load_state, verify_checkpoint
 from kiln.loader import TokenLoader
 from kiln.shards import shard_paths
 from kiln.train import main
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -115,12 +115,6 @@ def test_fsdp2_trains_the_same_and_its_sharded_checkpoint_resumes_on_one_rank(tm
     res1 = result_of(job1)
     assert res1["resumed_from"].endswith("step_0000006") and res1["parallelism"] == "none"
     assert_same_curve(res1, reference)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

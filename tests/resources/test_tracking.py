@@ -2,7 +2,6 @@
 Dagster run, metrics arrive in batches, artifacts go through the server, and a rerun reuses the recorded output."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,19 +13,14 @@ from dagster import AssetExecutionContext, Output, asset, materialize
 
 from kiln.tracking import MetricLogger
 from resources.tracking import MlflowResource
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real tracking server on 127.0.0.1 with its own sqlite store and proxied artifact store."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
            "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
