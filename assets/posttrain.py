@@ -9,9 +9,9 @@ from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import commit_output, line_plot, md_table, mlflow_meta
-from assets.training import checkpoint_version, run_training
+from assets.training import run_training
 from kiln import instructions as kinst
-from kiln.checkpoint import load_for_inference
+from kiln.checkpoint import checkpoint_identity, load_for_inference
 from kiln.config import from_dict
 from kiln.evaluation.contamination import DEFAULT_N
 from kiln.lora import LoRAConfig
@@ -219,7 +219,7 @@ def run_stage(context, task: str, fields: dict[str, Any], plan: dict, init: dict
         after = measure_checkpoint(str(ckpt), suite, device)
         rows, meta = before_after(context, before, after, run.tracking_uri, run.run_id, result["steps"])
         run.set_tags({"checkpoint": str(ckpt)})
-        value = {**result, "out_dir": str(out_dir), "version": checkpoint_version(ckpt),
+        value = {**result, "out_dir": str(out_dir), "version": checkpoint_identity(ckpt),
                  "mlflow_run_id": run.run_id, "before": before, "after": after, "before_after": rows,
                  "suite_key": suite_key(suite)}
         meta.update({"checkpoint": MetadataValue.path(str(ckpt)), "steps": result["steps"], "wall_s": round(result["wall_s"], 1),

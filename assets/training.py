@@ -76,11 +76,6 @@ class BaseModelConfig(Config):
     seed: int = Field(default=1337, description="Seed for initial weights and data order.")
 
 
-def checkpoint_version(ckpt: Path) -> str:
-    """A checkpoint's data version: bit-identical weights get the same one (kiln.checkpoint.checkpoint_identity)."""
-    return checkpoint_identity(ckpt)
-
-
 def run_training(context, task: str, job_fields: dict[str, Any], plan: dict, key_inputs: dict[str, Any],
                  storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource, tokenizer_path: str):
     """Shared by pretraining and SFT: key the run folder by its inputs (so a rerun resumes), launch, summarise."""
@@ -107,7 +102,7 @@ def run_training(context, task: str, job_fields: dict[str, Any], plan: dict, key
             job["peak_flops"] = peak * 1e12
         result = torchrun.launch(context, job, plan["hardware"]["nproc_per_node"], device)
         ckpt = Path(result["checkpoint"])
-        version = checkpoint_version(ckpt)
+        version = checkpoint_identity(ckpt)
         hist = result["history"]
         curve = result.get("curve") or [(h["step"], h["train_loss"]) for h in hist if h.get("train_loss") is not None]
         plot = line_plot({"train loss": [tuple(p) for p in curve],

@@ -185,21 +185,23 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 def preset_n_vocab(tok: dict[str, Any]) -> int:
     """Tokens in the vocabulary a preset's tokenizer config makes (before padding): GPT-2's plus Kiln's two chat
-    tokens, or the configured size of a trained BPE (its upper bound; a small corpus can stop merging early)."""
+    tokens, or the configured size of a trained BPE (its upper bound; a small corpus can stop merging early).
+    Fields the preset leaves out take the tokenizer asset's defaults."""
+    from assets.tokens import TokenizerConfig
     from kiln.tokenizer import GPT2_N_VOCAB
 
-    if tok.get("kind", "bpe") == "gpt2":
-        return GPT2_N_VOCAB
-    return int(tok.get("vocab_size", 4096))
+    cfg = TokenizerConfig(**tok)
+    return GPT2_N_VOCAB if cfg.kind == "gpt2" else cfg.vocab_size
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from assets.training import TrainingPlanConfig
     from kiln.config import ConfigError
     from kiln.plan import PlanError, describe_plan, plan_from_config
 
     ops = load_preset(args.preset).get("ops") or {}
     conf = dict((ops.get("training_plan") or {}).get("config") or {})
-    unknown = set(conf) - {"model_preset", "model", "batch", "hardware", "parallel"}
+    unknown = set(conf) - set(TrainingPlanConfig.model_fields)
     if unknown:
         raise SystemExit(f"kiln: preset {args.preset}: unknown training_plan.config key(s) {sorted(unknown)}")
     n_vocab = args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kiln.storage import _fsync_dir, atomic_write_json, sha256_file
+from kiln.storage import _fsync_dir, atomic_write_json, sha256_file, stable_hash
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 STAGING_PREFIX = ".step_"  # folders being written; a save killed part way leaves one, cleaned up on the next start
@@ -259,8 +259,6 @@ def checkpoint_identity(path: Path) -> str:
     meta = json.loads((Path(path) / "meta.json").read_text())
     if meta.get("weights_digest"):
         return meta["weights_digest"][:16]
-    from kiln.storage import stable_hash
-
     return stable_hash(meta["files"])[:16]
 
 

@@ -10,7 +10,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from kiln.model import CE_CHUNK_BYTES, GPTConfig, flops_per_token, preset_fields
+from kiln.config import from_dict
+from kiln.model import CE_CHUNK_BYTES, GPTConfig, flops_per_token, padded_vocab, preset_fields
 
 GIB = 1024**3
 
@@ -342,9 +343,6 @@ def plan_from_config(n_vocab: int, model_preset: str = "", model: dict | None = 
     """The plan for a ``training_plan`` config block (model preset and overrides, batch, hardware, parallel) and a
     tokenizer of ``n_vocab`` tokens: what the training_plan asset and ``kiln plan`` both compute. Unknown keys
     are errors naming ``where.<section>.<key>``; device "auto" becomes cuda when a GPU is visible."""
-    from kiln.config import from_dict
-    from kiln.model import padded_vocab
-
     base = preset_fields(model_preset) if model_preset else {}
     cfg = from_dict(GPTConfig, {"vocab_size": padded_vocab(n_vocab), **base, **(model or {})}, f"{where}.model")
     bc = from_dict(BatchConfig, batch, f"{where}.batch")

@@ -8,7 +8,8 @@ import pytest
 from dagster import AssetKey, DagsterInstance, asset, materialize
 from mlflow.tracking import MlflowClient
 
-from assets.training import TRAINING_RETRY, base_model, checkpoint_version
+from assets.training import TRAINING_RETRY, base_model
+from kiln.checkpoint import checkpoint_identity
 from kiln.plan import BatchConfig, HardwareConfig, make_plan
 from kiln.model import GPTConfig
 from kiln.shards import shard_paths
@@ -47,7 +48,7 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
     value = result.output_for_node("base_model")
     assert value["steps"] == 12 and value["final_val_loss"] < value["initial_val_loss"]
     assert [c["step"] for c in value["checkpoints"]] == [8, 12]  # the newest plus every 8th
-    assert value["version"] == checkpoint_version(Path(value["checkpoint"]))
+    assert value["version"] == checkpoint_identity(Path(value["checkpoint"]))
 
     mat = instance.get_latest_materialization_event(AssetKey("base_model")).asset_materialization
     meta = mat.metadata
