@@ -236,3 +236,14 @@ def test_filter_change_rebuilds_exactly_the_clean_corpus_and_downstream(smoke_ru
     assert computed <= downstream_of(defs, "clean_corpus")
     assert {"clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model", "eval_scores",
             "release_bundle"} <= computed
+
+
+def test_outputs_match_the_frozen_smoke_record(smoke_run):
+    """The smoke preset's outputs are frozen (tests/data/smoke_frozen.json, made by tests/frozen.py): data versions,
+    clean shard files, the corpus, every stage's weights, the released weights and the eval scores."""
+    import json
+
+    from frozen import FROZEN, record
+
+    home, _, instance, result = smoke_run
+    assert record(home, instance, result) == json.loads(FROZEN.read_text())
