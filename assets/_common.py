@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 from dagster import DataVersion, MetadataValue
 
-from kiln.storage import commit_dir, manifest_of_dir, stable_hash
+from kiln.common.files import commit_dir, manifest_of_dir, stable_hash
 
 
 def commit_output(staged: Path, parent: Path, volatile: tuple[str, ...] = ()) -> tuple[Path, str]:

@@ -23,9 +23,9 @@ from dagster import (
 from pydantic import Field
 
 from assets._common import commit_output, md_table, mlflow_meta
-from kiln import clean as kclean
-from kiln import sources as ksources
-from kiln.storage import atomic_write_json, staging_dir
+from kiln.clean import pipeline as kclean
+from kiln.sources import readers as ksources
+from kiln.common.files import atomic_write_json, staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
@@ -77,7 +77,7 @@ def raw_documents(context: AssetExecutionContext, config: RawDocumentsConfig, st
 
 
 class CleanCorpusConfig(Config):
-    clean: dict[str, Any] = Field(default_factory=dict, description="kiln.clean.CleanConfig fields (rules, dedup, PII, classifier, mix); unknown keys are errors.")
+    clean: dict[str, Any] = Field(default_factory=dict, description="kiln.clean.pipeline.CleanConfig fields (rules, dedup, PII, classifier, mix); unknown keys are errors.")
 
 
 def _shard_key(shard: dict) -> str:

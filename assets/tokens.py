@@ -13,7 +13,7 @@ from assets._common import commit_output, md_table, mlflow_meta
 from assets.collect import corpus_texts
 from kiln import shards as kshards
 from kiln import tokenizer as ktok
-from kiln.storage import staging_dir
+from kiln.common.files import staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 

@@ -8,12 +8,12 @@ from dagster import AssetExecutionContext, Backoff, Config, MetadataValue, Outpu
 from pydantic import Field
 
 from assets._common import line_plot, md_table, mlflow_meta
-from kiln.config import from_dict
-from kiln.checkpoint import checkpoint_identity
+from kiln.common.config import from_dict
+from kiln.train.checkpoint import checkpoint_identity
 from kiln.plan import plan_from_config
-from kiln.spikes import SpikeConfig
-from kiln.storage import stable_hash
-from kiln.train import OptimConfig
+from kiln.train.spikes import SpikeConfig
+from kiln.common.files import stable_hash
+from kiln.train.loop import OptimConfig
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
@@ -24,8 +24,8 @@ TRAINING_RETRY = RetryPolicy(max_retries=2, delay=5, backoff=Backoff.EXPONENTIAL
 
 
 class TrainingPlanConfig(Config):
-    model_preset: str = Field(default="", description="Named size from kiln.model.MODEL_PRESETS (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl); `model` overrides its fields.")
-    model: dict[str, Any] = Field(default_factory=dict, description="kiln.model.GPTConfig fields (vocab_size comes from the tokenizer).")
+    model_preset: str = Field(default="", description="Named size from kiln.model.gpt.MODEL_PRESETS (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl); `model` overrides its fields.")
+    model: dict[str, Any] = Field(default_factory=dict, description="kiln.model.gpt.GPTConfig fields (vocab_size comes from the tokenizer).")
     batch: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.BatchConfig fields: seq_len, global_batch, micro_batch, max_steps.")
     hardware: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.HardwareConfig fields: device, nproc_per_node, nnodes, memory_gb, peak_tflops.")
     parallel: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.ParallelConfig fields: strategy (auto|ddp|fsdp), activation_checkpointing, compile.")
@@ -64,14 +64,14 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
 
 
 class BaseModelConfig(Config):
-    optim: dict[str, Any] = Field(default_factory=dict, description="kiln.train.OptimConfig fields: lr, warmup_steps, weight_decay, grad_clip ...")
+    optim: dict[str, Any] = Field(default_factory=dict, description="kiln.train.loop.OptimConfig fields: lr, warmup_steps, weight_decay, grad_clip ...")
     eval_interval: int = Field(default=100, description="Steps between validation-loss passes.")
     eval_batches: int = Field(default=16, description="Micro-batches per validation pass.")
     ckpt_interval: int = Field(default=200, description="Steps between checkpoints (the last step is always saved).")
     keep_last: int = Field(default=2, description="Newest checkpoints kept on disk.")
     keep_every: int = Field(default=0, description="Also keep every checkpoint whose step is a multiple of this (0: none).")
     async_save: bool = Field(default=True, description="Write checkpoints in the background while training continues.")
-    spikes: dict[str, Any] = Field(default_factory=dict, description="kiln.spikes.SpikeConfig fields: thresholds, rollback_steps, skip_batches, max_rollbacks.")
+    spikes: dict[str, Any] = Field(default_factory=dict, description="kiln.train.spikes.SpikeConfig fields: thresholds, rollback_steps, skip_batches, max_rollbacks.")
     log_interval: int = Field(default=25, description="Steps between progress lines in the Dagster log.")
     seed: int = Field(default=1337, description="Seed for initial weights and data order.")
 

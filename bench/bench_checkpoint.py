@@ -1,6 +1,6 @@
 """Benchmark: checkpoint save and load throughput against this disk's own write and read bandwidth, measured in the
 same run; how long training is blocked by a background save versus a synchronous one; and (--goodput) the goodput
-of a real kiln.train run under torchrun with three injected SIGKILLs.
+of a real kiln.train.loop run under torchrun with three injected SIGKILLs.
 
 Run: python bench/bench_checkpoint.py [--layers 8] [--width 512] [--repeat 3] [--goodput] [--dir /path/on/the/disk]
 Reads are measured cold: each file is dropped from the page cache (posix_fadvise DONTNEED) before it is read.
@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kiln.checkpoint import Checkpointer, load_state, save_checkpoint  # noqa: E402
-from kiln.model import GPT, GPTConfig, padded_vocab  # noqa: E402
-from kiln.train import OptimConfig, make_optimizer  # noqa: E402
+from kiln.train.checkpoint import Checkpointer, load_state, save_checkpoint  # noqa: E402
+from kiln.model.gpt import GPT, GPTConfig, padded_vocab  # noqa: E402
+from kiln.train.loop import OptimConfig, make_optimizer  # noqa: E402
 
 CHUNK = 8 << 20
 

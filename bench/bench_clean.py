@@ -26,10 +26,10 @@ import pyarrow.parquet as pq  # noqa: E402
 CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
-import kiln.clean, kiln.quality, torch, ftfy, resiliparse.extract.html2text  # imports first: baseline memory
+import kiln.clean.pipeline, kiln.clean.quality, torch, ftfy, resiliparse.extract.html2text  # imports first: baseline memory
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 cpu0, t0 = time.process_time(), time.perf_counter()
-report = kiln.clean.clean({raw!r}, {out!r} + "/c.parquet", {out!r} + "/r.parquet", kiln.clean.CleanConfig(),
+report = kiln.clean.pipeline.clean({raw!r}, {out!r} + "/c.parquet", {out!r} + "/r.parquet", kiln.clean.pipeline.CleanConfig(),
                           work_dir={out!r})
 cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -38,7 +38,7 @@ print(json.dumps({{"base_kib": base, "peak_kib": peak, "cpu_s": cpu, "wall_s": w
 
 
 def demo_raw(cache_dir: str, out: Path) -> Path:
-    from kiln import sources
+    from kiln.sources import readers as sources
 
     sources.collect(sources.load_manifest(ROOT / "conf/sources/demo.yaml"), cache_dir, out)
     return out
@@ -71,7 +71,7 @@ def minhash_rates(texts: list[str], repeats: int) -> dict:
 
     from datasketch import MinHash
 
-    from kiln.dedup import MinHashConfig, _hashed_shingle_sets, shingles, signatures
+    from kiln.clean.dedup import MinHashConfig, _hashed_shingle_sets, shingles, signatures
 
     cfg = MinHashConfig()
     byte_sets = [shingles(t, cfg.ngram) for t in texts]
@@ -116,7 +116,7 @@ def main() -> int:
         rates = minhash_rates(texts, args.repeats)
         print(f"MinHash signatures, {len(texts):,} clean documents, best of {args.repeats} (docs/s):")
         print(f"  datasketch MinHash.bulk on byte shingles (crc32)  {rates['datasketch_bytes']:9.0f}")
-        print(f"  kiln.dedup.signatures from text (shingling incl.) {rates['pipeline']:9.0f}  "
+        print(f"  kiln.clean.dedup.signatures from text (shingling incl.) {rates['pipeline']:9.0f}  "
               f"ratio {rates['pipeline'] / rates['datasketch_bytes']:.2f} (target >= 0.80)")
         print(f"  of which datasketch's update on hashed shingles   {rates['datasketch_inside_pipeline']:9.0f}")
 

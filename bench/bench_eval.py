@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from kiln.evaluation.adapter import KilnLM  # noqa: E402
-from kiln.model import GPT, GPTConfig, padded_vocab  # noqa: E402
+from kiln.model.gpt import GPT, GPTConfig, padded_vocab  # noqa: E402
 from kiln.tokenizer import train_bpe  # noqa: E402
 
 TARGET = 1.3  # the adapter may take at most 30% longer than raw forward passes over the same tokens

@@ -1,9 +1,9 @@
-"""Benchmark: kiln.train's training step (tokens/s, achieved FLOP/s, MFU) against a matmul peak measured in the same run.
+"""Benchmark: kiln.train.loop's training step (tokens/s, achieved FLOP/s, MFU) against a matmul peak measured in the same run.
 
 CPU (the issue's setting): python bench/bench_train.py            # 4 layers x 4 heads x 128 wide, T=64, B=12, fp32, 2 threads
 GPU (bench/gpu.sh):        python bench/bench_train.py --device cuda --preset gpt2 --seq-len 1024 --micro-batch 16 --steps 100
-The step is Kiln's own (kiln.train.accumulate_gradients, clipping, fused AdamW, the cosine schedule) on random
-tokens, so data loading is not measured. FLOPs per token are PaLM's 6N + 12 L C T (kiln.model.flops_per_token).
+The step is Kiln's own (kiln.train.loop.accumulate_gradients, clipping, fused AdamW, the cosine schedule) on random
+tokens, so data loading is not measured. FLOPs per token are PaLM's 6N + 12 L C T (kiln.model.gpt.flops_per_token).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.model import GPT, GPTConfig, flops_per_token, preset_fields  # noqa: E402
-from kiln.parallel import clip_grad_norm, parallelize  # noqa: E402
+from kiln.model.gpt import GPT, GPTConfig, flops_per_token, preset_fields  # noqa: E402
+from kiln.model.parallel import clip_grad_norm, parallelize  # noqa: E402
 from kiln.plan import gpu_peak_tflops, measure_matmul_peak  # noqa: E402
-from kiln.train import OptimConfig, accumulate_gradients, lr_lambda, make_optimizer  # noqa: E402
+from kiln.train.loop import OptimConfig, accumulate_gradients, lr_lambda, make_optimizer  # noqa: E402
 
 
 class RandomTokens:
@@ -72,7 +72,7 @@ def gemm_ceiling(cfg: GPTConfig, tokens: int, device: torch.device, reps: int = 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="", help="named model size (kiln.model.MODEL_PRESETS); default 4x4x128")
+    p.add_argument("--preset", default="", help="named model size (kiln.model.gpt.MODEL_PRESETS); default 4x4x128")
     p.add_argument("--vocab", type=int, default=8192, help="padded vocabulary (8192: the demo tokenizer; 50304 for GPT-2)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=12)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=40, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compile", action="store_true", help="torch.compile each block (kiln.parallel.apply_compile)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (kiln.model.parallel.apply_compile)")
     p.add_argument("--peak-seconds", type=float, default=1.0, help="time spent per matmul size measuring the peak")
     p.add_argument("--json", default="", help="also write the results to this file")
     a = p.parse_args(argv)

@@ -99,7 +99,7 @@ def resolve_model_path(ref: str, tracking_uri: str):
     ``models:/NAME/VERSION``."""
     if not ref.startswith("models:/"):
         return Path(ref), None
-    from kiln.registry import get_release
+    from kiln.release.registry import get_release
 
     name, sep, which = ref[len("models:/"):].partition("@")
     if not sep:
@@ -132,10 +132,10 @@ def load_any_model(path: str | Path):
     """A release bundle or a checkpoint (folder, checkpoints root or run folder) -> (model, tokenizer)."""
     p = Path(path)
     if (p / "SHA256SUMS").is_file():
-        from kiln.release import load_release
+        from kiln.release.bundle import load_release
 
         return load_release(p)
-    from kiln.checkpoint import load_for_inference
+    from kiln.train.checkpoint import load_for_inference
 
     model, enc, _ = load_for_inference(p)
     return model, enc
@@ -152,7 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(args.seed)
     for prompt in args.prompt:
         if args.chat:
-            from kiln.sft import chat_prompt_ids
+            from kiln.posttrain.sft import chat_prompt_ids
 
             prompt_ids = chat_prompt_ids(enc, prompt)
         else:
@@ -166,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from kiln.release import checkpoint_lineage, lineage_tree, read_release_info
+    from kiln.release.bundle import checkpoint_lineage, lineage_tree, read_release_info
 
     p, registered = resolve_model_path(args.model, args.tracking_uri)
     try:
@@ -196,7 +196,7 @@ def preset_n_vocab(tok: dict[str, Any]) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from assets.training import TrainingPlanConfig
-    from kiln.config import ConfigError
+    from kiln.common.config import ConfigError
     from kiln.plan import PlanError, describe_plan, plan_from_config
 
     ops = load_preset(args.preset).get("ops") or {}

@@ -17,11 +17,11 @@ from dagster import (
 
 from assets.collect import clean_corpus, raw_documents
 from assets.tokens import token_shards, tokenizer
-from assets.evaluation import checkpoint_evals, contamination_below_threshold, contamination_report, eval_scores, eval_suite
-from assets.posttrain import dpo_model, instruction_data, preference_data, rl_model, sft_model
-from assets.release import release_bundle, release_no_regression
+from assets.evals import checkpoint_evals, contamination_below_threshold, contamination_report, eval_scores, eval_suite
+from assets.alignment import dpo_model, instruction_data, preference_data, rl_model, sft_model
+from assets.publish import release_bundle, release_no_regression
 from assets.training import base_model, training_plan
-from jobs.evaluation import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
+from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource

@@ -10,8 +10,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from kiln.config import from_dict
-from kiln.model import CE_CHUNK_BYTES, GPTConfig, flops_per_token, padded_vocab, preset_fields
+from kiln.common.config import from_dict
+from kiln.model.gpt import CE_CHUNK_BYTES, GPTConfig, flops_per_token, padded_vocab, preset_fields
 
 GIB = 1024**3
 
@@ -35,7 +35,7 @@ GPU_PEAK_TFLOPS: list[tuple[str, float]] = [
 ]
 DEFAULT_GPU = "H100"  # assumed when planning for CUDA on a machine without one
 # Memory the libraries take on first use whatever the model: on CPU oneDNN/MKL scratch buffers and the autograd
-# engine (about 0.1 GiB, measured with kiln.train on one thread); on CUDA the context, cuBLAS and NCCL workspaces.
+# engine (about 0.1 GiB, measured with kiln.train.loop on one thread); on CUDA the context, cuBLAS and NCCL workspaces.
 RUNTIME_GIB = {"cpu": 0.1, "cuda": 1.0}
 
 
@@ -204,7 +204,7 @@ def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_preci
     else:
         act = tokens * L * per_layer
     act += tokens * 3 * stream  # embeddings sum, final norm input and output
-    # the chunked head (kiln.model.LinearCrossEntropy): one chunk of fp32 logits and its cast for the gradient
+    # the chunked head (kiln.model.gpt.LinearCrossEntropy): one chunk of fp32 logits and its cast for the gradient
     # matmuls, plus the head's gradients, computed in the forward pass and kept until backward
     chunk = max(16, CE_CHUNK_BYTES["cuda" if mixed_precision else "cpu"] // (4 * cfg.vocab_size))
     logits = min(tokens, chunk) * cfg.vocab_size * (6 if mixed_precision else 8) + cfg.vocab_size * c * 4 + tokens * c * 4

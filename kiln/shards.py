@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import tiktoken
 
-from kiln.storage import atomic_path, atomic_write_json, sha256_file
+from kiln.common.files import atomic_path, atomic_write_json, sha256_file
 from kiln.tokenizer import encoding_fingerprint
 
 MAGIC = 20240520

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kiln.shards import MANIFEST, SPLITS, ShardError, load_manifest, mark_verified, parse_manifest, verify_shards
-from kiln.storage import atomic_path, atomic_write_bytes, sha256_file
+from kiln.common.files import atomic_path, atomic_write_bytes, sha256_file
 
 FETCH_BATCH = 8  # shards downloaded concurrently per batch (and discarded together if one is bad)
 

@@ -1,7 +1,7 @@
 """torchrun entry point that reports to Dagster through Pipes from rank 0 only.
 
 python -m torch.distributed.run --nproc_per_node=2 -m resources.pipes_worker --config job.json
-The job's task picks the module (kiln.train, kiln.dpo or kiln.rl; see kiln.posttrain.ENTRY_POINTS).
+The job's task picks the module (kiln.train.loop, kiln.posttrain.dpo or kiln.posttrain.rl; see kiln.posttrain.common.ENTRY_POINTS).
 It imports ``dagster_pipes`` (the small protocol package), never ``dagster`` itself.
 """
 
@@ -15,15 +15,15 @@ from typing import Any, Callable
 
 
 def entry_point(argv: list[str]) -> Callable[..., dict[str, Any]]:
-    """kiln.train's main for pretraining and SFT; other tasks through kiln.posttrain.ENTRY_POINTS. kiln.train is
-    imported directly because kiln.posttrain loads MLflow at import, seconds on every worker (re)start."""
+    """kiln.train.loop's main for pretraining and SFT; other tasks through kiln.posttrain.common.ENTRY_POINTS. kiln.train.loop is
+    imported directly because kiln.posttrain.common loads MLflow at import, seconds on every worker (re)start."""
     path = argv[argv.index("--config") + 1] if "--config" in argv else None
     task = json.loads(Path(path).read_text()).get("task", "pretrain") if path else "pretrain"
     if task in ("pretrain", "sft"):
-        from kiln.train import main
+        from kiln.train.loop import main
 
         return main
-    from kiln.posttrain import entry_point as posttrain_entry_point
+    from kiln.posttrain.common import entry_point as posttrain_entry_point
 
     return posttrain_entry_point(argv)
 

@@ -29,7 +29,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from kiln.storage import atomic_write_json, atomic_write_text
+from kiln.common.files import atomic_write_json, atomic_write_text
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
 RDZV_PORT = 29500
@@ -86,7 +86,7 @@ def check_local_devices(device: str, nproc_per_node: int) -> None:
     with CUDA's own less helpful error)."""
     if device != "cuda":
         return
-    from kiln.train import cuda_problem
+    from kiln.train.loop import cuda_problem
 
     problem = cuda_problem(nproc_per_node)
     if problem:

@@ -12,8 +12,8 @@ from typing import Any, Iterator
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from kiln.storage import stable_hash
-from kiln.tracking import MetricLogger
+from kiln.common.files import stable_hash
+from kiln.common.metrics import MetricLogger
 
 
 class MlflowResource(ConfigurableResource):

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the project root
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kiln.model import padded_vocab  # noqa: E402
+from kiln.model.gpt import padded_vocab  # noqa: E402
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

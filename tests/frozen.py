@@ -26,7 +26,7 @@ def _sha256(path: Path) -> str:
 def _weights(checkpoint: str) -> str:
     import torch
 
-    from kiln.checkpoint import load_state, weights_digest
+    from kiln.train.checkpoint import load_state, weights_digest
 
     state, _ = load_state(Path(checkpoint), "cpu")
     return weights_digest(state["model"])

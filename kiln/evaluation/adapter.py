@@ -17,7 +17,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from kiln.model import GPT
+from kiln.model.gpt import GPT
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ class KilnLM(LM):
     # ---- construction from lm-eval's --model_args -------------------------------------------------
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, device: str = "cpu", **kwargs: Any) -> "KilnLM":
-        """Load a Kiln checkpoint (kiln.checkpoint.load_for_inference) and wrap it."""
-        from kiln.checkpoint import load_for_inference
+        """Load a Kiln checkpoint (kiln.train.checkpoint.load_for_inference) and wrap it."""
+        from kiln.train.checkpoint import load_for_inference
 
         model, encoding, _meta = load_for_inference(checkpoint, map_location=device)
         return cls(model, encoding, device=device, **kwargs)

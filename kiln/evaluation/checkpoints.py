@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.checkpoint import CheckpointError, list_checkpoints
+from kiln.train.checkpoint import CheckpointError, list_checkpoints
 
 _KEY = re.compile(r"^(?P<run>[A-Za-z0-9_.-]+?)-step(?P<step>\d{7,})$")
 SCORES_FILE = "scores.json"

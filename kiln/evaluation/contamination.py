@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from kiln.storage import atomic_write_json, atomic_write_text, sha256_file
+from kiln.common.files import atomic_write_json, atomic_write_text, sha256_file
 
 DEFAULT_N = 13  # GPT-3's and lm-eval's decontamination n-gram length
 CLEAN_SUFFIX = "_clean"

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from kiln.sources import SourceError, SourceSpec, fetch
-from kiln.storage import atomic_write_text, sha256_file
+from kiln.sources.readers import SourceError, SourceSpec, fetch
+from kiln.common.files import atomic_write_text, sha256_file
 
 MMLU = "kiln_mmlu"
 MMLU_CHANCE = 0.25  # one of four letters

@@ -19,7 +19,7 @@ from kiln.evaluation.adapter import KilnLM
 from kiln.evaluation.contamination import CLEAN_SUFFIX
 from kiln.evaluation.mmlu import MMLU, MMLU_CHANCE
 from kiln.evaluation.tasks import LOCAL_CHANCE
-from kiln.model import GPT
+from kiln.model.gpt import GPT
 
 # Expected score of a model that knows nothing (uniform guessing); None where no such number exists (perplexity).
 CHANCE: dict[str, float | None] = {

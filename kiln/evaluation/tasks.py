@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import yaml
 
-from kiln.storage import atomic_write_text, sha256_file
+from kiln.common.files import atomic_write_text, sha256_file
 
 PPL, CONTINUATION, LASTWORD = "kiln_heldout_ppl", "kiln_continuation", "kiln_lastword"
 TASK_NAMES = (PPL, CONTINUATION, LASTWORD)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from dagster import AssetKey, DagsterInstance, FilesystemIOManager, asset, materialize
 
-from assets.evaluation import (
+from assets.evals import (
     CHECKPOINTS,
     checkpoint_evals,
     contamination_below_threshold,
@@ -24,9 +24,9 @@ from assets.evaluation import (
     eval_scores,
     eval_suite,
 )
-from kiln.checkpoint import save_checkpoint
+from kiln.train.checkpoint import save_checkpoint
 from kiln.evaluation.checkpoints import checkpoint_key
-from kiln.model import GPT, GPTConfig, padded_vocab
+from kiln.model.gpt import GPT, GPTConfig, padded_vocab
 from kiln.shards import split_of
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource

@@ -9,9 +9,9 @@ from dagster import AssetKey, DagsterInstance, asset, materialize
 from mlflow.tracking import MlflowClient
 
 from assets.training import TRAINING_RETRY, base_model
-from kiln.checkpoint import checkpoint_identity
+from kiln.train.checkpoint import checkpoint_identity
 from kiln.plan import BatchConfig, HardwareConfig, make_plan
-from kiln.model import GPTConfig
+from kiln.model.gpt import GPTConfig
 from kiln.shards import shard_paths
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource

@@ -5,7 +5,7 @@ import pytest
 from dagster import build_asset_context
 
 from assets.training import TrainingPlanConfig, training_plan
-from kiln.config import ConfigError
+from kiln.common.config import ConfigError
 from kiln.plan import PlanError
 from resources.tracking import MlflowResource
 

@@ -55,9 +55,9 @@ def release(tmp_path, tiny_tokenizer) -> tuple[Path, Path]:
     """(bundle, the checkpoint it came from) for a tiny model trained-like on the tiny tokenizer."""
     import torch
 
-    from kiln.checkpoint import save_checkpoint
-    from kiln.model import GPT, GPTConfig
-    from kiln.release import write_release
+    from kiln.train.checkpoint import save_checkpoint
+    from kiln.model.gpt import GPT, GPTConfig
+    from kiln.release.bundle import write_release
 
     _, tok = tiny_tokenizer
     cfg = GPTConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=32)
@@ -110,7 +110,7 @@ def test_generate_from_release_and_checkpoint_agree(release, capsys):
 
 
 def test_lineage_and_generate_resolve_a_registered_model(release, tmp_path, capsys):
-    from kiln.registry import register_release
+    from kiln.release.registry import register_release
 
     bundle, _ = release
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

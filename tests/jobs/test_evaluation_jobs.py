@@ -21,9 +21,9 @@ from dagster import (
     instance_for_test,
 )
 
-from assets.evaluation import CHECKPOINTS
+from assets.evals import CHECKPOINTS
 from jobs.definitions import defs
-from jobs.evaluation import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
+from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
 from resources.storage import KilnStorageResource
 
 

@@ -1,4 +1,4 @@
-"""Tests for kiln.checkpoint: bit-exact round trips (full and sharded), damage detection and fallback, pruning,
+"""Tests for kiln.train.checkpoint: bit-exact round trips (full and sharded), damage detection and fallback, pruning,
 background saves that training cannot disturb, and loads that never run pickled code.
 
 Run: python -m pytest tests/kiln/test_checkpoint.py -q
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.checkpoint import (
+from kiln.train.checkpoint import (
     CHECKSUM,
     Checkpointer,
     CheckpointError,
@@ -32,8 +32,8 @@ from kiln.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from kiln.model import GPT, GPTConfig
-from kiln.storage import sha256_file
+from kiln.model.gpt import GPT, GPTConfig
+from kiln.common.files import sha256_file
 
 
 def tiny_config() -> GPTConfig:

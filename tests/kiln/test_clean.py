@@ -1,4 +1,4 @@
-"""Tests for kiln.clean: each quality rule, exact and MinHash dedup, HTML, report accounting, errors, config.
+"""Tests for kiln.clean.pipeline: each quality rule, exact and MinHash dedup, HTML, report accounting, errors, config.
 
 Run: python -m pytest tests/kiln/test_clean.py -q
 """
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.clean import (
+from kiln.clean.pipeline import (
     CleanConfig,
     CleanReport,
     Doc,
@@ -26,8 +26,8 @@ from kiln.clean import (
     normalize_text,
     text_signals,
 )
-from kiln.config import ConfigError
-from kiln.dedup import shingles
+from kiln.common.config import ConfigError
+from kiln.clean.dedup import shingles
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -309,5 +309,5 @@ def test_num_perm_must_equal_bands_times_rows() -> None:
 
 
 def test_clean_does_not_import_dagster() -> None:
-    code = "import sys, kiln.clean, kiln.extract; assert 'dagster' not in sys.modules"
+    code = "import sys, kiln.clean.pipeline, kiln.clean.extract; assert 'dagster' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

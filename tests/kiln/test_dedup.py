@@ -1,4 +1,4 @@
-"""Tests for kiln.dedup: URL, line-level and MinHash dedup, with the LSH index in memory and on a real Redis server.
+"""Tests for kiln.clean.dedup: URL, line-level and MinHash dedup, with the LSH index in memory and on a real Redis server.
 
 Run: python -m pytest tests/kiln/test_dedup.py -q (the Redis tests start ``redis-server`` on a free local port and
 are skipped only where the binary is not installed).
@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.clean import CleanConfig, clean
-from kiln.config import ConfigError
-from kiln.dedup import LineDedupConfig, LineDeduper, MinHashConfig, MinHashDeduper, url_key
+from kiln.clean.pipeline import CleanConfig, clean
+from kiln.common.config import ConfigError
+from kiln.clean.dedup import LineDedupConfig, LineDeduper, MinHashConfig, MinHashDeduper, url_key
 from textgen import prose
 from conftest import free_port
 

@@ -1,4 +1,4 @@
-"""Tests for kiln.dpo: the loss against a hand computation, pair batches, and a tiny DPO job that learns its pairs.
+"""Tests for kiln.posttrain.dpo: the loss against a hand computation, pair batches, and a tiny DPO job that learns its pairs.
 
 Run: python -m pytest tests/kiln/test_dpo.py -q
 """
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.checkpoint import load_for_inference, save_checkpoint
-from kiln.dpo import PairLoader, dpo_loss, encode_preferences, pair_batch
-from kiln.instructions import build_pairs, write_jsonl
-from kiln.model import GPT, GPTConfig
-from kiln.posttrain import score_responses, sequence_logps, token_logps
-from kiln.preferences import build_preferences
-from kiln.sft import IGNORE, encode_example
+from kiln.train.checkpoint import load_for_inference, save_checkpoint
+from kiln.posttrain.dpo import PairLoader, dpo_loss, encode_preferences, pair_batch
+from kiln.posttrain.instructions import build_pairs, write_jsonl
+from kiln.model.gpt import GPT, GPTConfig
+from kiln.posttrain.common import score_responses, sequence_logps, token_logps
+from kiln.posttrain.preferences import build_preferences
+from kiln.posttrain.sft import IGNORE, encode_example
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,6 +149,6 @@ def test_dpo_job_raises_preference_accuracy_on_its_training_pairs(tmp_path, tiny
     assert trained["loss"] < 0.3
     assert {"train_loss", "train_reward_accuracy", "val_chosen_logp", "val_rejected_logp"} <= set(result["history"][-1])
     # rerunning the finished job resumes at its last step and trains no further
-    proc = run_module("kiln.dpo", config)
+    proc = run_module("kiln.posttrain.dpo", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 40

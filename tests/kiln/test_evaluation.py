@@ -29,7 +29,7 @@ from kiln.evaluation import (
     run_suite,
     sample_generations,
 )
-from kiln.model import GPT, GPTConfig
+from kiln.model.gpt import GPT, GPTConfig
 
 PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 FILL = "the a of and to in on with near under over slowly quietly every old new small bright".split()
@@ -272,7 +272,7 @@ def test_lm_eval_command_line_loads_a_checkpoint_as_model_kiln(tmp_path, enc, ca
     """``kiln-lm-eval --model kiln --model_args checkpoint=...`` (lm-eval's own CLI with the model registered)."""
     from dataclasses import asdict
 
-    from kiln.checkpoint import save_checkpoint
+    from kiln.train.checkpoint import save_checkpoint
     from kiln.evaluation import lm_eval_cli
     from kiln.tokenizer import save_encoding
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.checkpoint import CheckpointError
+from kiln.train.checkpoint import CheckpointError
 from kiln.evaluation import checkpoints as kc
 
 

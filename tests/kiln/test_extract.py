@@ -1,11 +1,11 @@
-"""Tests for kiln.extract: boilerplate removal, titles, empty pages.
+"""Tests for kiln.clean.extract: boilerplate removal, titles, empty pages.
 
 Run: python -m pytest tests/kiln/test_extract.py -q
 """
 
 from __future__ import annotations
 
-from kiln.extract import extract_and_title, html_title, html_to_text
+from kiln.clean.extract import extract_and_title, html_title, html_to_text
 
 BODY = (
     "<p>The river runs slowly through the valley, carrying silt from the mountains to the sea.</p>"

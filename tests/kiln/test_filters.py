@@ -1,4 +1,4 @@
-"""Tests for kiln.filters: every rule's keep and drop case with its exact reason string, and per-source exemptions.
+"""Tests for kiln.filters.base: every rule's keep and drop case with its exact reason string, and per-source exemptions.
 
 Run: python -m pytest tests/kiln/test_filters.py -q
 """
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.clean import CleanConfig, clean, default_filters, normalize_text
-from kiln.config import ConfigError
-from kiln.filters import (
+from kiln.clean.pipeline import CleanConfig, clean, default_filters, normalize_text
+from kiln.common.config import ConfigError
+from kiln.filters.base import (
     C4Config,
     C4Filter,
     C4LineCleaner,
@@ -208,7 +208,7 @@ def test_signals_do_not_depend_on_the_python_hash_seed() -> None:
     import sys
 
     code = ("import json, sys; sys.path.insert(0, 'tests/kiln'); from textgen import prose; "
-            "from kiln.clean import CleanConfig, default_filters; from kiln.filters import Doc; "
+            "from kiln.clean.pipeline import CleanConfig, default_filters; from kiln.filters.base import Doc; "
             "d = Doc('d', 's', '', prose(3) + ' river bank river bank', 'text/plain', '', 0); "
             "[f.reason(d) for f in default_filters(CleanConfig())]; "
             "print(json.dumps({k: v for k, v in d.signals.items() if not k.startswith('_')}, sort_keys=True))")

@@ -1,4 +1,4 @@
-"""Tests for kiln.instructions: heading -> section pairs, checkable arithmetic, dedup and stable splits.
+"""Tests for kiln.posttrain.instructions: heading -> section pairs, checkable arithmetic, dedup and stable splits.
 
 Run: python -m pytest tests/kiln/test_instructions.py -q
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from kiln.instructions import arithmetic, build_pairs, heading_sections, split_of, write_jsonl
+from kiln.posttrain.instructions import arithmetic, build_pairs, heading_sections, split_of, write_jsonl
 
 P1 = ("The river runs slowly through the valley, carrying silt from the mountains to the sea. "
       "Farmers along its banks rely on the spring floods.")
@@ -105,7 +105,7 @@ def test_write_jsonl_round_trips_unicode(tmp_path) -> None:
 
 
 def test_eval_overlap_drops_pairs_that_share_text_with_eval_items() -> None:
-    from kiln.instructions import EvalOverlap
+    from kiln.posttrain.instructions import EvalOverlap
 
     heldout = ["Intro text. The river runs slowly through the valley, carrying silt from the mountains to the sea."]
     index = EvalOverlap.from_texts(heldout, n=8)
@@ -123,7 +123,7 @@ def test_eval_overlap_drops_pairs_that_share_text_with_eval_items() -> None:
 
 
 def test_final_number_and_reward() -> None:
-    from kiln.instructions import arithmetic_reward, final_number
+    from kiln.posttrain.instructions import arithmetic_reward, final_number
 
     assert final_number("12 - 19 = -7.") == "-7"
     assert final_number("no digits") is None
@@ -135,7 +135,7 @@ def test_final_number_and_reward() -> None:
 def test_eval_overlap_reads_the_eval_suite_tasks_and_agrees_with_the_contamination_check(tmp_path) -> None:
     from kiln.evaluation.contamination import check_contamination
     from kiln.evaluation.tasks import build_tasks
-    from kiln.instructions import EvalOverlap
+    from kiln.posttrain.instructions import EvalOverlap
     from tests.conftest import make_docs
 
     docs = [t for _, t in make_docs(60, seed=3)]

@@ -1,4 +1,4 @@
-"""Tests for kiln.lora: adapters start as a no-op, train alone, and merge into plain GPT weights that release unchanged.
+"""Tests for kiln.model.lora: adapters start as a no-op, train alone, and merge into plain GPT weights that release unchanged.
 
 Run: python -m pytest tests/kiln/test_lora.py -q
 """
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.checkpoint import save_checkpoint
-from kiln.lora import (LoRAConfig, LoRALinear, adapters_disabled, apply_lora, load_lora_state_dict, lora_state_dict,
+from kiln.train.checkpoint import save_checkpoint
+from kiln.model.lora import (LoRAConfig, LoRALinear, adapters_disabled, apply_lora, load_lora_state_dict, lora_state_dict,
                        merged_state_dict, trainable_parameters)
-from kiln.model import GPT, GPTConfig
+from kiln.model.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=320, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -110,7 +110,7 @@ def test_config_errors_name_the_field() -> None:
 def test_release_of_a_merged_checkpoint_reloads_with_the_same_logits(tmp_path, tiny_tokenizer) -> None:
     from dataclasses import asdict
 
-    from kiln.release import load_release, write_release
+    from kiln.release.bundle import load_release, write_release
 
     _, tok_path = tiny_tokenizer
     _, adapted = models()

@@ -1,4 +1,4 @@
-"""Tests for kiln.parallel on one process: activation checkpointing and compile change nothing numerically,
+"""Tests for kiln.model.parallel on one process: activation checkpointing and compile change nothing numerically,
 parameter names stay those of the Hugging Face layout, and misuse is named. DDP and FSDP2 on several processes
 are tested in test_train_distributed.py.
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.model import GPT, GPTConfig
-from kiln.parallel import clip_grad_norm, describe, gradient_sync, param_digest, parallelize
+from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, param_digest, parallelize
 
 CFG = dict(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 

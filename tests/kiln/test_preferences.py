@@ -1,4 +1,4 @@
-"""Tests for kiln.preferences: the chosen response is the correct one, the rejected one is really wrong.
+"""Tests for kiln.posttrain.preferences: the chosen response is the correct one, the rejected one is really wrong.
 
 Run: python -m pytest tests/kiln/test_preferences.py -q
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 import re
 
-from kiln.instructions import arithmetic, arithmetic_reward, build_pairs
-from kiln.preferences import ERRORS, build_preferences, wrong_answer
+from kiln.posttrain.instructions import arithmetic, arithmetic_reward, build_pairs
+from kiln.posttrain.preferences import ERRORS, build_preferences, wrong_answer
 
 PAGE = """<html><body>
 <h2>Rivers</h2><p>The river runs slowly through the valley, carrying silt from the mountains to the sea below.</p>

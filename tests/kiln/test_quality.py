@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.clean import CleanConfig, clean
-from kiln.config import ConfigError
-from kiln.mixing import MixConfig, keep_sample, plan_mix
-from kiln.pii import PiiConfig, PiiScrubber
-from kiln.quality import QualityModelConfig, TokenDistribution, TokenOutlierConfig, mad_limit, train_classifier
+from kiln.clean.pipeline import CleanConfig, clean
+from kiln.common.config import ConfigError
+from kiln.clean.mixing import MixConfig, keep_sample, plan_mix
+from kiln.clean.pii import PiiConfig, PiiScrubber
+from kiln.clean.quality import QualityModelConfig, TokenDistribution, TokenOutlierConfig, mad_limit, train_classifier
 from textgen import prose
 
 SPAM_WORDS = ("deal deals cheap price prices buy order shipping free discount offer offers sale coupon shop "

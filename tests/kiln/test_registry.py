@@ -1,4 +1,4 @@
-"""Tests for kiln.registry: release bundles as MLflow model versions with an alias, scores and lineage tags, and the
+"""Tests for kiln.release.registry: release bundles as MLflow model versions with an alias, scores and lineage tags, and the
 previous release found again for a regression check. MLflow runs on a sqlite file in a temporary folder.
 
 Run: python -m pytest tests/kiln/test_registry.py -q
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.checkpoint import save_checkpoint
-from kiln.model import GPT, GPTConfig
-from kiln.registry import (
+from kiln.train.checkpoint import save_checkpoint
+from kiln.model.gpt import GPT, GPTConfig
+from kiln.release.registry import (
     TAG_DIGEST,
     bundle_digest,
     compare_scores,
@@ -24,7 +24,7 @@ from kiln.registry import (
     register_release,
     tag_key,
 )
-from kiln.release import write_release
+from kiln.release.bundle import write_release
 
 CFG = GPTConfig(vocab_size=320, block_size=16, n_layer=1, n_head=2, n_embd=16)
 LINEAGE = {"clean_corpus": "bbbb2222", "token_shards": "dddd4444", "sft_model": "9999aaaa"}

@@ -1,4 +1,4 @@
-"""Tests for kiln.release: the Hugging Face GPT-2 layout, bit-identical round trip, checksum verification,
+"""Tests for kiln.release.bundle: the Hugging Face GPT-2 layout, bit-identical round trip, checksum verification,
 transformers loading the bundle (same logits, same token ids as Kiln), and the lineage tree.
 
 Run: python -m pytest tests/kiln/test_release.py -q
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.checkpoint import load_for_inference, save_checkpoint
-from kiln.model import GPT, GPTConfig
-from kiln.release import (
+from kiln.train.checkpoint import load_for_inference, save_checkpoint
+from kiln.model.gpt import GPT, GPTConfig
+from kiln.release.bundle import (
     CONV1D,
     LINEAGE_SECTIONS,
     ReleaseError,
@@ -35,7 +35,7 @@ from kiln.release import (
     verify_release,
     write_release,
 )
-from kiln.storage import sha256_file
+from kiln.common.files import sha256_file
 
 CFG = GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -260,8 +260,8 @@ def _release(tmp_path: Path, enc, cfg: GPTConfig, seed: int = 0) -> tuple[Path, 
 
 def test_transformers_loads_the_bundle_with_kilns_logits_and_ids(tmp_path, trained_encoding) -> None:
     import transformers
-    from kiln.model import padded_vocab
-    from kiln.sft import chat_prompt_ids, encode_example
+    from kiln.model.gpt import padded_vocab
+    from kiln.posttrain.sft import chat_prompt_ids, encode_example
 
     enc = trained_encoding
     cfg = GPTConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=64, n_layer=2, n_head=4, n_embd=64)
@@ -293,7 +293,7 @@ def test_transformers_loads_the_bundle_with_kilns_logits_and_ids(tmp_path, train
 
 def test_gpt2_bundle_also_has_exact_vocab_and_merges_for_gpt2tokenizer(tmp_path, gpt2_encoding) -> None:
     import transformers
-    from kiln.model import padded_vocab
+    from kiln.model.gpt import padded_vocab
 
     enc = gpt2_encoding
     cfg = GPTConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=32, n_layer=1, n_head=2, n_embd=16)

@@ -1,4 +1,4 @@
-"""Tests for kiln.rl: group-relative advantages, the GRPO loss and KL penalty, a task a tiny model learns, the job.
+"""Tests for kiln.posttrain.rl: group-relative advantages, the GRPO loss and KL penalty, a task a tiny model learns, the job.
 
 Run: python -m pytest tests/kiln/test_rl.py -q
 """
@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.checkpoint import load_for_inference, save_checkpoint
-from kiln.instructions import arithmetic, build_pairs, final_number, write_jsonl
-from kiln.model import GPT, GPTConfig
-from kiln.posttrain import complete
-from kiln.rl import RlJob, answer_rows, group_advantages, grpo_loss, make_reward, rollout_loss
-from kiln.sft import IGNORE, chat_prompt_ids
+from kiln.train.checkpoint import load_for_inference, save_checkpoint
+from kiln.posttrain.instructions import arithmetic, build_pairs, final_number, write_jsonl
+from kiln.model.gpt import GPT, GPTConfig
+from kiln.posttrain.common import complete
+from kiln.posttrain.rl import RlJob, answer_rows, group_advantages, grpo_loss, make_reward, rollout_loss
+from kiln.posttrain.sft import IGNORE, chat_prompt_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,7 +152,7 @@ def test_rl_job_with_lora_reports_rewards_resumes_and_saves_plain_weights(tmp_pa
            "ckpt_interval": 2, "keep_last": 2, "fail_at_step": 5}
     config = tmp_path / "job.json"
     config.write_text(json.dumps(job))
-    cmd = [sys.executable, "-m", "kiln.rl", "--config", str(config), "--device", "cpu"]
+    cmd = [sys.executable, "-m", "kiln.posttrain.rl", "--config", str(config), "--device", "cpu"]
     # the first launch crashes at step 5, after the step-4 checkpoint; the second resumes with its adapters
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and "injected failure at step 5" in proc.stderr

@@ -1,4 +1,4 @@
-"""Tests for kiln.sft: the chat template's mask, packing, prompt-masked targets and the resumable loader.
+"""Tests for kiln.posttrain.sft: the chat template's mask, packing, prompt-masked targets and the resumable loader.
 
 Run: python -m pytest tests/kiln/test_sft.py -q
 """
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.model import GPT, GPTConfig
-from kiln.sft import IGNORE, PackedLoader, encode_example, iter_packed_eval, pack, read_pairs, to_xy
+from kiln.model.gpt import GPT, GPTConfig
+from kiln.posttrain.sft import IGNORE, PackedLoader, encode_example, iter_packed_eval, pack, read_pairs, to_xy
 
 
 def test_encode_example_masks_prompt_and_keeps_response_and_eot(tiny_tokenizer) -> None:
@@ -170,7 +170,7 @@ def test_read_pairs_filters_split_and_names_bad_lines(tmp_path) -> None:
 
 
 def test_pad_rows_keeps_one_example_per_row_and_trim_drops_only_unused_columns() -> None:
-    from kiln.sft import pad_rows, trim_padding
+    from kiln.posttrain.sft import pad_rows, trim_padding
 
     tokens, mask = pad_rows([ex(2, 3, 1), ex(1, 1, 2)], seq_len=15, pad_id=0)
     assert tokens.tolist() == [[101, 101, 1, 1, 1], [102, 2, 0, 0, 0]]  # padded to the longest, not to seq_len

@@ -13,7 +13,7 @@ import pytest
 import tiktoken
 
 from kiln import shards as sh
-from kiln.storage import sha256_file
+from kiln.common.files import sha256_file
 from kiln.tokenizer import encoding_fingerprint, train_bpe
 
 

@@ -1,4 +1,4 @@
-"""Tests for kiln.sources: manifests, local parsing, fetch (fake packages, no network) and collect."""
+"""Tests for kiln.sources.readers: manifests, local parsing, fetch (fake packages, no network) and collect."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kiln import sources
-from kiln.config import ConfigError
-from kiln.sources import SourceError, SourceSpec, collect, fetch, iter_documents, load_manifest, specs_from_dicts
-from kiln.storage import sha256_file
+from kiln.sources import readers as sources
+from kiln.common.config import ConfigError
+from kiln.sources.readers import SourceError, SourceSpec, collect, fetch, iter_documents, load_manifest, specs_from_dicts
+from kiln.common.files import sha256_file
 from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -362,7 +362,7 @@ def test_collect_failures_leave_no_file(tree: Path, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def pywb_warcs() -> Path:
-    """The pywb 2.10.0 sdist's sample_archive/warcs, fetched by name with kiln.sources (sha256-pinned, cached)."""
+    """The pywb 2.10.0 sdist's sample_archive/warcs, fetched by name with kiln.sources.readers (sha256-pinned, cached)."""
     spec = load_manifest(REPO / "conf/sources/warc.yaml")[0]
     cache = os.environ.get("KILN_SOURCE_CACHE") or os.path.expanduser("~/.cache/kiln/sources")
     return fetch(spec, cache) / "pywb-2.10.0" / "sample_archive" / "warcs"
@@ -377,7 +377,7 @@ def test_warc_on_a_real_web_archive(pywb_warcs: Path) -> None:
     assert first["id"] == "iana/iana.warc.gz@334" and first["url"] == "http://www.iana.org/"
     assert first["content_type"] == "text/html" and "Internet Assigned Numbers Authority" in first["text"]
     assert len({d["id"] for d in got}) == 16 and all(d["url"].startswith("http") for d in got)
-    from kiln.extract import html_to_text
+    from kiln.clean.extract import html_to_text
 
     assert "Internet Assigned Numbers Authority" in html_to_text(first["text"])
 

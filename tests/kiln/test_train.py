@@ -1,4 +1,4 @@
-"""Tests for kiln.train on one CPU process: loss falls, checkpoints, recovery from real kills (SIGKILL at a random
+"""Tests for kiln.train.loop on one CPU process: loss falls, checkpoints, recovery from real kills (SIGKILL at a random
 step, during a save, three times under torchrun) bit-identical to an uninterrupted run, damaged checkpoints,
 loss-spike rollback, goodput, config errors.
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.checkpoint import list_checkpoints, load_for_inference, load_state, verify_checkpoint
-from kiln.config import ConfigError
-from kiln.spikes import SpikeConfig, SpikeDetector, SpikeError
-from kiln.train import JobConfig, OptimConfig, lr_lambda, main
+from kiln.train.checkpoint import list_checkpoints, load_for_inference, load_state, verify_checkpoint
+from kiln.common.config import ConfigError
+from kiln.train.spikes import SpikeConfig, SpikeDetector, SpikeError
+from kiln.train.loop import JobConfig, OptimConfig, lr_lambda, main
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPARED = ("model", "optimizer", "scheduler", "loader", "step")  # the state that must match bit for bit
@@ -383,7 +383,7 @@ def test_job_config_defaults_are_a_valid_pretrain_job() -> None:
 
 @pytest.mark.slow
 def test_sft_job_fine_tunes_from_a_pretrained_checkpoint(tmp_path, baseline, pretrain_job) -> None:
-    from kiln.instructions import build_pairs, write_jsonl
+    from kiln.posttrain.instructions import build_pairs, write_jsonl
 
     ref_job, _ = baseline
     pairs = tmp_path / "pairs.jsonl"
@@ -398,7 +398,7 @@ def test_sft_job_fine_tunes_from_a_pretrained_checkpoint(tmp_path, baseline, pre
 
 
 def test_a_cuda_rank_without_its_gpu_says_so(monkeypatch) -> None:
-    from kiln.train import setup_distributed
+    from kiln.train.loop import setup_distributed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -1,4 +1,4 @@
-"""Tests for kiln.train on several CPU processes (gloo): DDP and FSDP2 follow the one-process loss curve with
+"""Tests for kiln.train.loop on several CPU processes (gloo): DDP and FSDP2 follow the one-process loss curve with
 identical parameters on every rank, two "nodes" rendezvous on 127.0.0.1, a sharded checkpoint resumes on one
 rank, and the data is sharded across ranks.
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.checkpoint import load_state, verify_checkpoint
+from kiln.train.checkpoint import load_state, verify_checkpoint
 from kiln.loader import TokenLoader
 from kiln.shards import shard_paths
-from kiln.train import main
+from kiln.train.loop import main
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from dagster import AssetExecutionContext, Output, asset, materialize
 
-from kiln.tracking import MetricLogger
+from kiln.common.metrics import MetricLogger
 from resources.tracking import MlflowResource
 from conftest import free_port
 

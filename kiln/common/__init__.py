@@ -1,0 +1,1 @@
+"""Shared by every step: strict config parsing, atomic files and hashes, MLflow metric batching."""

@@ -1,0 +1,136 @@
+"""How a GPT is prepared for training on one or many ranks: small ``apply_*`` steps called in a fixed order.
+
+``parallelize(model, "fsdp", activation_checkpointing=True, compile=False, device=...)`` inside a torchrun
+worker (kiln.train.loop does this); every step works on CPU with gloo and on CUDA with nccl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from kiln.model.gpt import GPT
+
+STRATEGIES = ("none", "ddp", "fsdp")
+
+
+def apply_compile(model: GPT, backend: str = "inductor") -> None:
+    """Compile each transformer block in place (``nn.Module.compile``): parameter names stay unchanged, and
+    identical blocks share one compiled graph, so compile time does not grow with depth."""
+    for block in model.transformer.h:
+        block.compile(backend=backend)
+
+
+def apply_activation_checkpointing(model: GPT) -> None:
+    """Keep only each block's input for backward and recompute the rest (non-reentrant torch.utils.checkpoint,
+    which replays the saved RNG state so dropout masks match)."""
+    model.checkpoint_blocks = True
+
+
+def apply_fsdp(model: GPT, device: torch.device, bf16: bool) -> None:
+    """FSDP2: shard every block, then the root (embeddings, tied head, final norm), over all ranks.
+
+    Each block is its own all-gather/reduce-scatter unit, so only a block or two is unsharded at a time. With
+    ``bf16`` the unsharded parameters are bf16 and gradients are reduced in fp32 (no autocast needed).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    blocks = list(model.transformer.h)
+    for i, block in enumerate(blocks):
+        # the last block's parameters are needed again at once by backward: keep them gathered
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """DDP: replicate the model, all-reduce gradients in buckets during backward. Gradients are views into
+    the buckets, so they take no second copy of memory."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+
+
+def parallelize(model: GPT, strategy: str, activation_checkpointing: bool, compile: bool, device: torch.device,
+                bf16: bool = False, compile_backend: str = "inductor") -> nn.Module:
+    """Apply the steps in their fixed order and return the module to call in the training loop.
+
+    1. compile: per block, in place, before anything wraps the blocks (names and hooks stay as they are);
+    2. activation checkpointing: around each (compiled) block call, so recomputation reruns the fast code;
+    3. FSDP2 or DDP last: sharding must see the final blocks, and DDP wraps the whole finished model.
+    ``model`` itself stays the one to save and load (FSDP2 shards it in place; DDP wraps it).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"job.parallelism must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+    if strategy != "none" and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"job.parallelism={strategy!r} needs several ranks: launch with torchrun, or use 'none'")
+    if compile:
+        apply_compile(model, compile_backend)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if strategy == "fsdp":
+        apply_fsdp(model, device, bf16)
+        return model
+    if strategy == "ddp":
+        return apply_ddp(model, device)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter for micro-batches before the last of an accumulation."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's sharded parameters, norms) as an ordinary tensor; others unchanged."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def param_digest(model: nn.Module) -> str:
+    """xxh3-128 of every parameter's full value in name order: ranks holding the same model agree on it.
+
+    Under FSDP2 each parameter is gathered in turn (one parameter's memory at a time), so every rank must call this.
+    """
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(full_value(p.detach()).float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm to ``max_norm`` (0 disables clipping) and return the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return float(full_value(norm))
+
+
+def describe(strategy: str, activation_checkpointing: bool, compile: bool) -> str:
+    parts = [strategy if strategy != "none" else "one rank"]
+    if activation_checkpointing:
+        parts.append("activation checkpointing")
+    if compile:
+        parts.append("torch.compile")
+    return ", ".join(parts)
+

@@ -1,0 +1,1 @@
+"""Step 9, post-train: SFT, DPO and RL stages, with the instruction and preference data they learn from."""

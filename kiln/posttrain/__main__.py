@@ -1,0 +1,7 @@
+"""``python -m kiln.posttrain --config job.json``: run any training job, dispatched by its task (pretrain, sft, dpo, rl)."""
+
+import sys
+
+from kiln.posttrain.common import main
+
+main(sys.argv[1:])

@@ -1,0 +1,225 @@
+"""Reinforcement learning with verifiable rewards: GRPO-style group-relative advantages and a KL penalty to a reference.
+
+One process:  python -m kiln.posttrain.rl --config job.json          (RlJob fields; init_from = the DPO or SFT checkpoint)
+Several:      python -m torch.distributed.run --nproc_per_node=2 -m kiln.posttrain.rl --config job.json
+Each step samples ``group_size`` answers per prompt, scores them with an exact checker, and pushes up answers that
+beat their group's mean (Shao et al., 2024). Written here rather than with TRL, whose trainer needs Hugging Face models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kiln.posttrain.instructions import arithmetic_reward, final_number
+from kiln.model.parallel import gradient_sync
+from kiln.posttrain.common import PosttrainJob, PosttrainRun, run_job, complete, decode_completion, read_jsonl_split, token_logps
+from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
+from kiln.train.loop import DistInfo, Reporter
+
+RewardFn = Callable[[str, dict], float]  # (decoded response, item) -> reward
+
+def arithmetic_near_miss(text: str, item: dict) -> float:
+    """How close a wrong final number is: 1 - |error| / 10, floored at 0 (0 for the exact answer or no number)."""
+    got = final_number(text)
+    if got is None or got == str(item["answer"]):
+        return 0.0
+    return max(0.0, 1.0 - abs(int(got) - int(item["answer"])) / 10)
+
+
+# checkable tasks: name -> (instruction kinds it draws prompts from, exact reward, partial credit for a near miss)
+REWARDS: dict[str, tuple[tuple[str, ...], RewardFn, RewardFn]] = {
+    "arithmetic": (("arithmetic",), lambda text, item: arithmetic_reward(text, item["answer"]), arithmetic_near_miss),
+}
+
+
+def make_reward(task: str, partial_credit: float) -> RewardFn:
+    """The training reward: 1 for the exact answer, else ``partial_credit`` times the task's near-miss score
+    (both computed from the checkable answer; 0 gives the exact check alone)."""
+    _, exact, near = REWARDS[task]
+    if partial_credit == 0:
+        return exact
+    return lambda text, item: exact(text, item) or partial_credit * near(text, item)
+
+
+@dataclass
+class RlJob(PosttrainJob):
+    task: str = "rl"
+    reward: str = "arithmetic"  # checkable task (a key of kiln.posttrain.rl.REWARDS)
+    group_size: int = 8  # answers sampled per prompt; advantages are relative within each group
+    max_new_tokens: int = 16  # longest sampled answer, in tokens
+    temperature: float = 1.0  # sampling temperature for the groups
+    partial_credit: float = 0.0  # reward scale for a near miss (arithmetic: within 10 of the answer); 0 is exact only
+    kl_coef: float = 0.05  # weight of the per-token KL penalty to the reference (k3 estimator)
+    eval_items: int = 100  # held-out (split=val) prompts answered greedily at each evaluation
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """rewards (P, G) -> advantages (P, G): each reward minus its group's mean, over the group's std.
+
+    A group whose answers all score the same carries no signal and gets zero advantage.
+    """
+    mean = rewards.mean(dim=1, keepdim=True)  # (P, 1)
+    std = rewards.std(dim=1, keepdim=True) if rewards.size(1) > 1 else torch.zeros_like(mean)  # (P, 1)
+    return (rewards - mean) / (std + eps)
+
+
+def grpo_loss(logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              kl_coef: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token log-probs of the sampled answers under policy and reference (N, T), advantages (N,), mask (N, T).
+
+    One update per batch of samples (on-policy), so GRPO's clipped ratio pi/pi_old is exactly 1 and its gradient
+    is the policy gradient A * grad log pi. The KL to the reference uses the k3 estimator exp(d) - d - 1 with
+    d = log pi_ref - log pi (non-negative, unbiased). Per-token terms are averaged per answer, then over answers.
+    """
+    mask = mask.float()
+    ratio = torch.exp(logp - logp.detach())  # (N, T), equal to 1 with the policy's gradient
+    delta = ref_logp - logp  # (N, T)
+    kl = torch.exp(delta) - delta - 1  # (N, T)
+    per_token = -ratio * advantages[:, None] + kl_coef * kl  # (N, T)
+    lengths = mask.sum(1).clamp(min=1)  # (N,)
+    loss = ((per_token * mask).sum(1) / lengths).mean()
+    kl_mean = float(((kl.detach() * mask).sum(1) / lengths).mean())
+    return loss, {"kl": kl_mean}
+
+
+def answer_rows(enc, prompts: list[str], completions: list[list[list[int]]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sampled answer after its prompt, one row each: x, y (P*G, T) with targets on the answer tokens only."""
+    examples = []
+    for prompt, group in zip(prompts, completions):
+        p = chat_prompt_ids(enc, prompt)
+        examples += [(p + c, [0] * len(p) + [1] * len(c)) for c in group]
+    tokens, mask = pad_rows(examples, seq_len, enc.eot_token)
+    return trim_padding(*to_xy(tokens, mask))
+
+
+def rollout_loss(policy: torch.nn.Module, sampler: torch.nn.Module, reference_logits: Callable[[torch.Tensor], torch.Tensor],
+                 enc, items: list[dict], reward_fn: RewardFn, job: RlJob, generator: torch.Generator | None = None,
+                 device: torch.device | str = "cpu", autocast=contextlib.nullcontext,
+                 checks: dict[str, RewardFn] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sample groups for ``items`` with ``sampler`` (the unwrapped policy), score them, and return the GRPO loss
+    computed through ``policy`` (which may be DDP-wrapped) with the reported statistics (``checks`` adds the mean
+    of other scores of the same samples, e.g. the exact answer alone when the reward also counts format)."""
+    was_training = sampler.training
+    sampler.eval()
+    prompts = [it["prompt"] for it in items]
+    comps = complete(sampler, enc, prompts, job.max_new_tokens, job.temperature, job.group_size, generator, device)
+    sampler.train(was_training)
+    texts = [[decode_completion(enc, c) for c in group] for group in comps]
+    rewards = torch.tensor([[reward_fn(t, it) for t in group] for group, it in zip(texts, items)],
+                           dtype=torch.float32)  # (P, G)
+    adv = group_advantages(rewards).flatten().to(device)  # (P*G,)
+    x, y = answer_rows(enc, prompts, comps, job.seq_len)
+    x, y = x.to(device), y.to(device)
+    ref = token_logps(reference_logits(x), y)  # (N, T)
+    with autocast():
+        logp = token_logps(policy(x), y)  # (N, T)
+    loss, stats = grpo_loss(logp, ref, adv, y != IGNORE, job.kl_coef)
+    stats.update({
+        "reward_mean": float(rewards.mean()),
+        "reward_group_std": float(rewards.std(dim=1).mean()) if job.group_size > 1 else 0.0,
+        "groups_with_signal": float((rewards.std(dim=1) > 0).float().mean()) if job.group_size > 1 else 0.0,
+        "answer_tokens": float((y != IGNORE).sum(1).float().mean()),
+        "loss": float(loss.detach()),
+        **{name: float(sum(fn(t, it) for group, it in zip(texts, items) for t in group) / rewards.numel())
+           for name, fn in (checks or {}).items()},
+    })
+    return loss, stats
+
+
+@torch.no_grad()
+def heldout_reward(model: torch.nn.Module, enc, items: list[dict], reward_fn: RewardFn, max_new_tokens: int,
+                   info: DistInfo) -> float:
+    """Mean reward of greedy answers to ``items``; each rank answers its share, the result is the global mean."""
+    was_training = model.training
+    mine = items[info.rank :: info.world_size]
+    outs = complete(model, enc, [it["prompt"] for it in mine], max_new_tokens, device=info.device) if mine else []
+    model.train(was_training)
+    total = sum(reward_fn(decode_completion(enc, o[0]), it) for o, it in zip(outs, mine))
+    if info.world_size > 1:
+        t = torch.tensor([total, len(mine)], dtype=torch.float64, device=info.device if info.device.type == "cuda" else "cpu")
+        dist.all_reduce(t)
+        total, n = t.tolist()
+        return total / max(n, 1)
+    return total / max(len(mine), 1)
+
+
+def train(job: RlJob, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
+    """Run GRPO to max_steps, resuming from the newest good checkpoint in out_dir; return the summary."""
+    from kiln.tokenizer import load_encoding
+
+    if job.reward not in REWARDS:
+        raise ValueError(f"job.reward {job.reward!r} is not a checkable task; choose from {', '.join(REWARDS)}")
+    if job.group_size < 2:
+        raise ValueError(f"job.group_size must be >= 2 (advantages are relative within a group), got {job.group_size}")
+    if not job.train_files:
+        raise ValueError("job.train_files is empty: give the instruction_data pairs JSONL")
+    kinds, exact_fn, _ = REWARDS[job.reward]
+    reward_fn = make_reward(job.reward, job.partial_credit)
+    enc = load_encoding(job.tokenizer)
+    items = read_jsonl_split(job.train_files[0], "train", kinds)
+    val_items = read_jsonl_split(job.train_files[0], "val", kinds)[: job.eval_items]
+    run = PosttrainRun(job, info, reporter)
+    run.say(f"GRPO on {len(items)} {job.reward} prompts, {job.group_size} answers each, kl_coef {job.kl_coef}; "
+            f"{len(val_items)} held out; {info.world_size} x {info.device.type}, steps {run.step}->{job.max_steps}")
+    t_start = time.time()
+    if run.step == 0:
+        r0 = heldout_reward(run.raw, enc, val_items, exact_fn, job.max_new_tokens, info)
+        run.history.append({"step": 0, "val_reward": r0})
+        run.logger.log({"val_reward": r0}, 0)
+        run.say(f"step 0: held-out reward {r0:.3f}")
+    last_ckpt, stats = None, {}
+    run.model.train()
+    while run.step < job.max_steps:
+        t0 = time.time()
+        # prompts and samples depend only on (seed, step, rank): a resumed run draws what the original would have
+        rng = np.random.default_rng([job.seed, run.step, info.rank])
+        gen = torch.Generator(device=info.device).manual_seed(int(rng.integers(2**62)))
+        acc: dict[str, float] = {}
+        for micro in range(job.grad_accum):
+            batch = [items[i] for i in rng.choice(len(items), size=min(job.micro_batch, len(items)), replace=False)]
+            with gradient_sync(run.ddp, micro == job.grad_accum - 1):
+                loss, s = rollout_loss(run.ddp, run.raw, run.reference_logits, enc, batch, reward_fn, job, gen,
+                                       info.device, run.autocast, checks={"exact_answer": exact_fn})
+                (loss / job.grad_accum).backward()
+            for k, v in s.items():
+                acc[k] = acc.get(k, 0.0) + v / job.grad_accum
+        norm = run.optimizer_step()
+        stats = run.all_mean(acc)
+        metrics = {**stats, "grad_norm": norm, "lr": run.scheduler.get_last_lr()[0], "step_s": time.time() - t0}
+        run.logger.log(metrics, run.step)
+        entry: dict[str, Any] = {"step": run.step, "reward": stats["reward_mean"], "exact_answer": stats["exact_answer"],
+                                 "kl": stats["kl"]}
+        if run.step % job.eval_interval == 0 or run.step == job.max_steps:
+            entry["val_reward"] = heldout_reward(run.raw, enc, val_items, exact_fn, job.max_new_tokens, info)
+            run.logger.log({"val_reward": entry["val_reward"]}, run.step)
+        run.history.append(entry)
+        if run.step % job.log_interval == 0 or run.step == job.max_steps:
+            run.say(f"step {run.step}/{job.max_steps}: reward {stats['reward_mean']:.3f} (exact {stats['exact_answer']:.3f}) "
+                    f"kl {stats['kl']:.4f} "
+                    f"groups with signal {stats['groups_with_signal']:.2f} answer tokens {stats['answer_tokens']:.1f}"
+                    + (f" held-out reward {entry['val_reward']:.3f}" if "val_reward" in entry else ""))
+        if run.step % job.ckpt_interval == 0 or run.step == job.max_steps:
+            last_ckpt = run.save()
+    run.logger.flush()
+    vals = [h["val_reward"] for h in run.history if "val_reward" in h]
+    return run.summary(last_ckpt, t_start, reward=job.reward, group_size=job.group_size, kl_coef=job.kl_coef,
+                       partial_credit=job.partial_credit,
+                       prompts={"train": len(items), "val": len(val_items)},
+                       initial_val_reward=vals[0] if vals else None, final_val_reward=vals[-1] if vals else None,
+                       final_train=stats or None)
+
+
+def main(argv: list[str] | None = None, reporter: Reporter | None = None) -> dict[str, Any]:
+    return run_job(RlJob, train, __doc__, argv, reporter)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

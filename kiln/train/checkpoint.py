@@ -1,0 +1,648 @@
+"""Training checkpoints: atomic folders with a checksum manifest, saved in the background, loaded without unpickling code.
+
+A checkpoint is a folder ``step_NNNNNNN/`` holding ``meta.json`` (step, config, a checksum per file) and either
+``state.pt`` (the full state, written by rank 0) or ``state.pt`` plus ``model/`` (FSDP2 shards written by every
+rank with torch.distributed.checkpoint). Use ``Checkpointer`` from a training loop, ``load_state`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import mmap
+import os
+import pickle
+import random
+import re
+import shutil
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from kiln.common.files import _fsync_dir, atomic_write_json, sha256_file, stable_hash
+
+STEP_DIR = re.compile(r"^step_(\d{7,})$")
+STAGING_PREFIX = ".step_"  # folders being written; a save killed part way leaves one, cleaned up on the next start
+CHECKSUM = "xxh3_128"  # hashes at several GB/s, faster than disks read; sha256 in Python manages about 0.4 GB/s
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, truncated or fails its checksum; the message names the file."""
+
+
+# ---------------------------------------------------------------------------------------------- RNG state
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": _numpy_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    if "numpy" in state:
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_state() -> list:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]  # plain values: weights_only loads them
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---------------------------------------------------------------------------------------------- checksums
+
+
+def file_digest(path: str | os.PathLike, algo: str = CHECKSUM) -> str:
+    """Hex digest of a file's bytes with ``algo`` ("xxh3_128", or "sha256" for older checkpoints).
+
+    xxh3 reads through a memory map, so hashing runs at the disk's read speed (it hashes at several GB/s).
+    """
+    if algo == "sha256":
+        return sha256_file(path)
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return h.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                for i in range(0, len(view), 64 << 20):
+                    h.update(view[i:i + (64 << 20)])
+            finally:
+                view.release()
+    return h.hexdigest()
+
+
+_SAVE_LOCK = threading.Lock()
+
+
+def _write_torch(path: Path, obj: Any, pause_s: float = 0.0) -> str:
+    """torch.save ``obj`` to ``path``, fsync it, return its checksum.
+
+    torch.save's per-record CRC32 is turned off for the write: it costs more than the write itself here, and
+    the file's xxh3 checksum (checked on every load) covers every byte. ``pause_s`` (a testing aid) holds the
+    written, not yet committed file on disk for that long.
+    """
+    with _SAVE_LOCK:
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(obj, path)
+        finally:
+            torch.serialization.set_crc32_options(crc)
+    fd = os.open(path, os.O_RDONLY)
+    failed: list[OSError] = []
+
+    def flush() -> None:
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            failed.append(e)
+
+    try:
+        flusher = threading.Thread(target=flush)  # the disk flushes while the checksum is computed
+        flusher.start()
+        digest = file_digest(path)  # from the page cache, just written
+        flusher.join()
+    finally:
+        os.close(fd)
+    if failed:
+        raise failed[0]
+    if pause_s:
+        time.sleep(pause_s)
+    return digest
+
+
+# ---------------------------------------------------------------------------------------------- folders
+
+
+def step_dir(ckpt_root: Path, step: int) -> Path:
+    return Path(ckpt_root) / f"step_{step:07d}"
+
+
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Checkpoint folders under ``ckpt_root`` that have a meta.json, oldest first."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return []
+    found = [p for p in ckpt_root.iterdir() if STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def step_of(path: Path) -> int:
+    m = STEP_DIR.match(Path(path).name)
+    if not m:
+        raise CheckpointError(f"{path}: not a checkpoint folder (expected step_NNNNNNN)")
+    return int(m.group(1))
+
+
+def prune_checkpoints(ckpt_root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints and those whose step is a multiple of ``keep_every``.
+
+    ``keep_last=0`` keeps everything. Returns the folders removed.
+    """
+    if keep_last <= 0:
+        return []
+    removed = []
+    for old in list_checkpoints(ckpt_root)[:-keep_last]:
+        if keep_every > 0 and step_of(old) % keep_every == 0:
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(old)
+    return removed
+
+
+def clean_staging(ckpt_root: Path) -> list[Path]:
+    """Remove folders left by saves that were killed part way (never a committed checkpoint)."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return []
+    stale = [p for p in ckpt_root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.is_dir()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def _staging(ckpt_root: Path, step: int) -> Path:
+    """The folder a save of ``step`` writes into; a deterministic name so every rank of a sharded save agrees."""
+    return Path(ckpt_root) / f"{STAGING_PREFIX}{step:07d}.partial"
+
+
+def _commit(tmp: Path, final: Path, files: dict[str, str], meta: dict[str, Any]) -> Path:
+    """Write meta.json last, then rename the staging folder into place: the checkpoint appears whole or not at all."""
+    atomic_write_json(tmp / "meta.json", {**meta, "checksum": CHECKSUM, "files": files})
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def _digest_tree(folder: Path, skip: set[str]) -> dict[str, str]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and rel not in skip and rel != "meta.json":
+            out[rel] = file_digest(p)
+    return out
+
+
+def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], meta: dict[str, Any],
+                    extra_files: dict[str, Path] | None = None, keep_last: int = 3, keep_every: int = 0,
+                    pause_s: float = 0.0) -> Path:
+    """Write ``state`` (a dict of tensors and plain values) as checkpoint ``step``, synchronously.
+
+    The folder is written under a temporary name, fsynced, then renamed: a crash mid-save leaves the previous
+    checkpoint intact. ``extra_files`` (for example the tokenizer) are copied in beside it.
+    """
+    ckpt_root = Path(ckpt_root)
+    tmp = _staging(ckpt_root, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        files = {"state.pt": _write_torch(tmp / "state.pt", state, pause_s)}
+        files.update(_copy_extra(tmp, extra_files))
+        final = _commit(tmp, step_dir(ckpt_root, step), files, {**meta, "step": step, "format": "full"})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune_checkpoints(ckpt_root, keep_last, keep_every)
+    return final
+
+
+def _copy_extra(folder: Path, extra_files: dict[str, Path] | None) -> dict[str, str]:
+    out = {}
+    for name, src in (extra_files or {}).items():
+        shutil.copyfile(src, folder / name)
+        out[name] = file_digest(folder / name)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- verify and load
+
+
+def weights_digest(model_state: dict[str, torch.Tensor]) -> str:
+    """xxh3-128 of a model state dict's names, dtypes, shapes and bytes, in name order: equal exactly when the
+    weights are bit-identical, whatever else (optimizer, timings, step bookkeeping) the checkpoint holds."""
+    h = xxhash.xxh3_128()
+    for name in sorted(model_state):
+        t = model_state[name].detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def checkpoint_identity(path: Path) -> str:
+    """A checkpoint's identity for data versions: the digest of its weights when recorded (full checkpoints),
+    else the hash of its checksum manifest (sharded ones). No file is read beyond meta.json."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    if meta.get("weights_digest"):
+        return meta["weights_digest"][:16]
+    return stable_hash(meta["files"])[:16]
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check every file against meta.json; return the meta or raise CheckpointError naming the file."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: no meta.json; this is not a complete Kiln checkpoint")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({e}); delete the folder to fall back to an older checkpoint") from e
+    algo = meta.get("checksum", "sha256")
+    if not meta.get("files"):
+        raise CheckpointError(f"{meta_path}: lists no files; delete the folder to fall back to an older checkpoint")
+    for name, digest in meta["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing from checkpoint")
+        actual = file_digest(f, algo)
+        if actual != digest:
+            raise CheckpointError(
+                f"{f}: checksum mismatch (expected {digest[:16]}…, found {actual[:16]}…): the file is truncated or "
+                "damaged; use an earlier checkpoint"
+            )
+    return meta
+
+
+def _torch_load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Tensors and plain values only (weights_only), memory-mapped: the pages verify_checkpoint just read are
+    used in place rather than copied (copy-on-write, so the file is never changed)."""
+    return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+
+
+def load_state(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verify a checkpoint and load its state with ``weights_only=True``; a sharded one is assembled into one
+    full ``state["model"]`` (optimizer shards are left on disk)."""
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    state = _torch_load(path / "state.pt", map_location)
+    if meta.get("format") == "sharded":
+        from kiln.model.gpt import GPT, GPTConfig
+
+        with torch.device("meta"):
+            template = GPT(GPTConfig(**meta["model"])).state_dict()
+        model = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in template.items()}
+        _dcp_load({"model": model}, path / "model")
+        state["model"] = model
+    return state, meta
+
+
+def latest_good_checkpoint(ckpt_root: Path, log=print, before_step: int | None = None) -> Path | None:
+    """Newest checkpoint (at most ``before_step``) that passes its checksum; damaged ones are reported and skipped."""
+    for path in reversed(list_checkpoints(ckpt_root)):
+        if before_step is not None and step_of(path) > before_step:
+            continue
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as e:
+            log(f"skipping damaged checkpoint: {e}")
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint folder, a checkpoints root, or a training output folder; return a checkpoint."""
+    path = Path(path)
+    if (path / "meta.json").is_file() and (path / "state.pt").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_good_checkpoint(root)
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"{path}: no checkpoint found (expected a step_NNNNNNN folder with meta.json and state.pt); "
+        "materialize the training asset first or pass a checkpoint folder"
+    )
+
+
+def load_for_inference(path: str | Path, map_location: str = "cpu"):
+    """(model in eval mode, its tokenizer, meta) from a checkpoint, a checkpoints root or a run folder."""
+    from kiln.model.gpt import GPT, GPTConfig
+    from kiln.tokenizer import load_encoding
+
+    ckpt = resolve_checkpoint(path)
+    state, meta = load_state(ckpt, map_location)
+    model = GPT(GPTConfig(**meta["model"]))
+    model.load_state_dict(state["model"])
+    model.eval()
+    enc = load_encoding(ckpt / "tokenizer.json")
+    return model, enc, {**meta, "path": str(ckpt)}
+
+
+# ---------------------------------------------------------------------------------------------- safe DCP reading
+
+# torch.distributed.checkpoint keeps its index in a pickle (``.metadata``) and unpickles non-tensor values with
+# weights_only=False. These two subclasses allow only the classes that index is made of, and load values with
+# weights_only=True, so a sharded checkpoint can no more run code on load than a full one.
+_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _DCP_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"sharded checkpoint index refers to {module}.{name}, which a checkpoint never holds; "
+                              "refusing to load it")
+
+
+def _safe_reader(folder: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _IndexUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(folder))
+
+
+def _safe_planner():
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner()
+
+
+_SINGLE_PROCESS_WARNING = "torch.distributed is (disabled|unavailable)"
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every single-process load or save, which is what evaluation and one-rank runs mean to do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        yield
+
+
+def _dcp_load(state: dict[str, Any], folder: Path, process_group=None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    single = not (dist.is_available() and dist.is_initialized())  # one process (a consumer, or a one-rank resume)
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner(), process_group=process_group,
+                     no_dist=single)
+    except (Exception, CheckpointException) as e:  # DCP wraps each rank's error in one long traceback: keep the cause
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        cause = next((ln for ln in reversed(lines) if "Error" in ln.split(":")[0]), lines[-1] if lines else repr(e))
+        raise CheckpointError(f"{folder}: the sharded checkpoint could not be loaded: {cause}") from e
+
+
+# ---------------------------------------------------------------------------------------------- in a training loop
+
+
+def _snapshot(obj: Any, memo: dict | None = None, pool: dict | None = None, where: tuple = ()) -> Any:
+    """A CPU copy of a state dict that training can no longer change; tensors sharing storage (tied weights)
+    stay shared, so the file holds them once. ``pool`` keeps the copies' memory between saves: copying into
+    memory already touched is several times faster than into fresh pages."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), obj.dtype)
+        if key not in memo:
+            spot = (where, tuple(obj.shape), obj.dtype)
+            buf = pool.get(spot) if pool is not None else None
+            if buf is None:
+                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
+                if pool is not None:
+                    pool[spot] = buf
+            memo[key] = buf.copy_(obj.detach())
+        return memo[key]
+    if isinstance(obj, dict):
+        return {k: _snapshot(v, memo, pool, (*where, k)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v, memo, pool, (*where, i)) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return tuple(_snapshot(v, memo, pool, (*where, i)) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
+
+
+class Checkpointer:
+    """Saves and restores a run's whole state (model, optimizer, and the caller's extras: scheduler, loader,
+    RNG of every rank, step) from every rank of a job, one save in flight at a time.
+
+    ``sharded`` (FSDP2): every rank writes its shards with torch.distributed.checkpoint; otherwise rank 0 writes
+    the full state. ``async_save``: the state is copied to CPU memory and written by a background thread while
+    training goes on; ``wait`` blocks until it is committed. Rank 0 alone commits, prunes and logs.
+    """
+
+    def __init__(self, root: Path, rank: int, world_size: int, sharded: bool, async_save: bool, keep_last: int,
+                 keep_every: int = 0, extra_files: dict[str, Path] | None = None, log: Callable[[str], None] = print,
+                 pause_s: float = 0.0):
+        import torch.distributed as dist
+
+        self.root, self.rank, self.world_size = Path(root), rank, world_size
+        self.sharded, self.async_save = sharded, async_save
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.extra_files, self.log, self.pause_s = extra_files or {}, log, pause_s
+        self.distributed = world_size > 1 and dist.is_initialized()
+        # a separate gloo group: background saves then never interleave collectives with training's
+        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: Path | None = None
+        self._pool: dict = {}  # snapshot buffers, reused by every save (one save is in flight at a time)
+        self.committed: list[Path] = []
+        self.blocked_s = 0.0  # seconds the training loop spent waiting on saves
+        if rank == 0:
+            for p in clean_staging(self.root):
+                log(f"removed {p.name}: a save that was interrupted (the checkpoints before it are intact)")
+
+    # -- saving
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Any],
+             meta: dict[str, Any]) -> float:
+        """Start saving checkpoint ``step`` (finishing the previous save first); return seconds blocked."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        t0 = time.perf_counter()
+        self._join()
+        meta = {**meta, "step": step, "format": "sharded" if self.sharded else "full", "saved_at": time.time()}
+        tmp, final = _staging(self.root, step), step_dir(self.root, step)
+        if self.sharded:
+            msd, osd = get_state_dict(model, optimizer)
+            if self.rank == 0:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                (tmp / "model").mkdir(parents=True)
+            self._barrier()
+            extras = _snapshot(extras)
+            future = self._dcp_save({"model": msd, "optim": osd}, tmp / "model")
+            work = lambda: self._finish_sharded(future, tmp, final, extras, meta)  # noqa: E731
+        else:
+            msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+            state = _snapshot({"model": msd, "optimizer": osd, **extras}, pool=self._pool) if self.rank == 0 else None
+            work = lambda: self._write_full(state, tmp, final, meta) if self.rank == 0 else None  # noqa: E731
+        self._pending = final
+        if self.async_save:
+            self._thread = threading.Thread(target=self._run, args=(work,), name=f"kiln-save-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._run(work)
+            self._raise()
+        blocked = time.perf_counter() - t0
+        self.blocked_s += blocked
+        return blocked
+
+    def _dcp_save(self, state: dict[str, Any], folder: Path) -> Future:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        writer = FileSystemWriter(str(folder), sync_files=True)
+        if not self.distributed:  # the background save runs in DCP's own thread, beyond catch_warnings' reach
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        with _single_process_quiet():
+            if self.async_save:
+                out = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                return getattr(out, "upload_completion", out)
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _write_full(self, state: dict[str, Any], tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        meta = {**meta, "weights_digest": weights_digest(state["model"])}
+        files = {"state.pt": _write_torch(tmp / "state.pt", state, self.pause_s)}
+        files.update(_copy_extra(tmp, self.extra_files))
+        self._done(_commit(tmp, final, files, meta))
+
+    def _finish_sharded(self, future: Future, tmp: Path, final: Path, extras: dict[str, Any], meta: dict[str, Any]) -> None:
+        future.result()  # on rank 0 this returns once every rank's shards and the index are on disk
+        if self.rank != 0:
+            return
+        files = {"state.pt": _write_torch(tmp / "state.pt", extras, self.pause_s)}
+        files.update(_copy_extra(tmp, self.extra_files))
+        files.update(_digest_tree(tmp, set(files)))
+        self._done(_commit(tmp, final, files, meta))
+
+    def _done(self, final: Path) -> None:
+        self.committed.append(final)
+        for old in prune_checkpoints(self.root, self.keep_last, self.keep_every):
+            if old in self.committed:
+                self.committed.remove(old)
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # surfaced by wait() on the training thread
+            self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"saving {self._pending} failed: {err!r}") from err
+
+    def wait(self) -> float:
+        """Block until the save in flight (if any) is committed; return seconds blocked. Raises if it failed."""
+        waited = self._join()
+        self.blocked_s += waited
+        return waited
+
+    def _join(self) -> float:
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+        return time.perf_counter() - t0
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    # -- loading
+
+    def latest(self, before_step: int | None = None) -> Path | None:
+        """The newest good checkpoint (rank 0 verifies checksums and tells the others)."""
+        return self.agree(lambda: latest_good_checkpoint(self.root, self.log, before_step))
+
+    def agree(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` computed on rank 0 (which reads and verifies files), received by every rank."""
+        import torch.distributed as dist
+
+        box = [fn() if self.rank == 0 else None]
+        if self.distributed:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Restore model (and optimizer) from checkpoint ``path`` whatever its format and world size, onto this
+        model however it is wrapped; return (extras, meta). Checksums were verified by ``latest``."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        path = Path(path)
+        meta = json.loads((path / "meta.json").read_text())
+        state = _torch_load(path / "state.pt")
+        if meta.get("format") == "sharded":
+            msd, osd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
+            target = {"model": msd} if osd is None else {"model": msd, "optim": osd}
+            _dcp_load(target, path / "model", self.group)
+            if osd is None:
+                set_model_state_dict(model, target["model"])
+            else:
+                set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        else:
+            opts = StateDictOptions(full_state_dict=True)
+            if optimizer is None or "optimizer" not in state:
+                set_model_state_dict(model, state["model"], options=opts)
+            else:
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                               options=opts)
+        extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+        return extras, meta

@@ -1,0 +1,117 @@
+"""Goodput: the share of a run's wall time spent on steps that count, across crashes, restarts and rollbacks.
+
+Rank 0 appends one JSON line per event to ``goodput.jsonl`` in the run folder; ``summarize(path)`` (or
+``python -m kiln.train.goodput RUN_DIR/goodput.jsonl``) splits the wall time into productive steps, redone steps,
+saving, validation, the first start-up, restarting (dead time, later start-ups, rollback restores) and the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def process_start_time() -> float:
+    """When this process started (Unix time), so interpreter and library start-up count as restart time."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of proc(5), counted after the command name: clock ticks since boot
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # to the tick, unlike /proc/stat's btime
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+class GoodputLedger:
+    """One training process's account: ``start`` and ``ready`` once, then cumulative ``beat`` lines.
+
+    Beats carry seconds spent in steps, blocked on saves, in validation and restoring checkpoints (this
+    session), and the lineage step time: the time of the steps that made the current weights, carried in
+    checkpoints so a resumed or rolled-back run knows which earlier work still counts. A no-op unless enabled.
+    """
+
+    def __init__(self, path: Path, enabled: bool, session_start: float | None = None):
+        self.path, self.enabled = Path(path), enabled
+        self.session = f"{os.getpid()}-{time.time():.6f}"
+        self.totals = {"step_s": 0.0, "save_s": 0.0, "eval_s": 0.0, "restore_s": 0.0}
+        self.lineage_s = 0.0
+        self.step = 0
+        self._write({"event": "start", "t": session_start or process_start_time()})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:  # one short line per write: appends stay whole
+            f.write(json.dumps({"session": self.session, **record}) + "\n")
+
+    def ready(self, step: int, lineage_s: float) -> None:
+        """Start-up is over (model built, checkpoint restored): the next thing is a training step."""
+        self.step, self.lineage_s = step, lineage_s
+        self._write({"event": "ready", "t": time.time(), "step": step, "lineage_s": lineage_s})
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.totals[kind] += seconds
+        if kind == "step_s":
+            self.lineage_s += seconds
+
+    def restored(self, step: int, lineage_s: float) -> None:
+        """A rollback replaced the weights with those of ``step``: steps after it no longer count."""
+        self.step, self.lineage_s = step, lineage_s
+
+    def beat(self, step: int, event: str = "beat", **extra: Any) -> None:
+        self.step = step
+        self._write({"event": event, "t": time.time(), "step": step, "lineage_s": self.lineage_s,
+                     **self.totals, **extra})
+
+
+def summarize(path: Path) -> dict[str, Any]:
+    """Split the wall time recorded in a ledger into where it went; ``goodput`` = productive / wall."""
+    sessions: dict[str, dict[str, Any]] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        s = sessions.setdefault(rec["session"], {"start": rec["t"], "ready": None, "last": None})
+        if rec["event"] == "start":
+            s["start"] = rec["t"]
+        elif rec["event"] == "ready":
+            s["ready"] = rec["t"]
+            s["last"] = rec
+        else:
+            s["last"] = rec
+    ordered = sorted(sessions.values(), key=lambda s: s["start"])
+    if not ordered:
+        return {}
+    totals = {"step_s": 0.0, "save_s": 0.0, "eval_s": 0.0, "restore_s": 0.0}
+    startup = restart = 0.0
+    prev_end = None
+    for i, s in enumerate(ordered):
+        last = s["last"] or {"t": s["start"]}
+        ready = s["ready"] if s["ready"] is not None else last["t"]
+        if i == 0:
+            startup = ready - s["start"]
+        else:  # the dead time between a crash and the next start, then that start's own start-up
+            restart += max(0.0, ready - prev_end)
+        prev_end = last["t"]
+        for k in totals:
+            totals[k] += float(last.get(k, 0.0))
+    wall = prev_end - ordered[0]["start"]
+    final = ordered[-1]["last"] or {}
+    productive = float(final.get("lineage_s", 0.0))
+    redone = max(0.0, totals["step_s"] - productive)
+    parts = {"productive_s": productive, "redone_steps_s": redone, "saving_s": totals["save_s"],
+             "validation_s": totals["eval_s"], "startup_s": startup, "restarting_s": restart + totals["restore_s"]}
+    parts["other_s"] = max(0.0, wall - sum(parts.values()))
+    return {"goodput": productive / wall if wall > 0 else 0.0, "wall_s": wall, "sessions": len(ordered),
+            **{k: round(v, 3) for k, v in parts.items()}}
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(summarize(Path(sys.argv[1])), indent=2))
