@@ -1,23 +1,33 @@
-"""Kiln evaluation: an lm-eval model adapter (registered as ``kiln``), local tasks (held-out text, MMLU), the suite
-runner, the n-gram contamination check and checkpoint discovery for per-checkpoint scores.
+"""Kiln evaluation: a registry of eval tasks (one TaskSpec each), an lm-eval model adapter registered as ``kiln``, the
+suite runner, the n-gram contamination check and per-checkpoint scoring. CLI: ``python -m kiln.evaluation.suite``.
 
-Importing this package registers the ``kiln`` lm-eval model; see ``kiln.evaluation.suite`` for the CLI.
+Importing this package registers the ``kiln`` lm-eval model; ``python -m kiln.evaluation.registry`` lists the tasks.
 """
 
 from kiln.evaluation.adapter import KilnLM
 from kiln.evaluation.contamination import DEFAULT_N, check_contamination
 from kiln.evaluation.mmlu import MMLU, build_mmlu_task
+from kiln.evaluation.registry import REGISTRY, TaskRegistry, UnknownTaskError
+from kiln.evaluation.spec import FromDocuments, FromPackage, TaskSpec, TaskSpecError
 from kiln.evaluation.suite import CHANCE, lm_eval_cli, run_suite, sample_generations, score_full_and_clean
-from kiln.evaluation.tasks import TASK_NAMES, NotEnoughDocumentsError, build_tasks, retarget_tasks
+from kiln.evaluation.tasks import TASK_NAMES, NotEnoughDocumentsError, build_suite, build_tasks, retarget_tasks
 
 __all__ = [
     "CHANCE",
     "DEFAULT_N",
+    "FromDocuments",
+    "FromPackage",
     "KilnLM",
     "MMLU",
     "NotEnoughDocumentsError",
+    "REGISTRY",
     "TASK_NAMES",
+    "TaskRegistry",
+    "TaskSpec",
+    "TaskSpecError",
+    "UnknownTaskError",
     "build_mmlu_task",
+    "build_suite",
     "build_tasks",
     "check_contamination",
     "lm_eval_cli",

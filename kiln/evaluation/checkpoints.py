@@ -1,4 +1,4 @@
-"""Training checkpoints as evaluation partitions: find them under a training folder, key them, collect scores by step.
+"""Training checkpoints as evaluation partitions: find and key them, score their suites into MLflow runs, collect by step.
 
 Run: ``python -m kiln.evaluation.checkpoints .kiln/storage/base_model`` lists every checkpoint's partition key.
 """
@@ -6,19 +6,22 @@ Run: ``python -m kiln.evaluation.checkpoints .kiln/storage/base_model`` lists ev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
+from kiln.common.metrics import MetricLogger
+from kiln.evaluation.registry import REGISTRY
+from kiln.evaluation.scores import flat_metrics, primary_metric
+from kiln.evaluation.spec import LOCAL_PREFIX
+from kiln.evaluation.suite import score_full_and_clean
 from kiln.train.checkpoint import CheckpointError, list_checkpoints
 
 _KEY = re.compile(r"^(?P<run>[A-Za-z0-9_.-]+?)-step(?P<step>\d{7,})$")
 SCORES_FILE = "scores.json"
-# The number each task is judged by: length-normalised accuracy for endings (as HellaSwag), accuracy for MMLU and
-# last words, bits per byte for perplexity; other tasks use acc_norm, else acc.
-PRIMARY = {"kiln_continuation": "acc_norm", "kiln_lastword": "acc", "kiln_mmlu": "acc", "kiln_heldout_ppl": "bits_per_byte"}
 
 
 @dataclass(frozen=True)
@@ -86,13 +89,6 @@ def training_run_id(train_root: str | Path, run: str) -> str | None:
         return None
 
 
-def primary_metric(task: str, row: dict[str, Any]) -> str | None:
-    name = PRIMARY.get(task.removesuffix("_clean"))
-    if name is None:
-        name = "acc_norm" if "acc_norm" in row else "acc"
-    return name if isinstance(row.get(name), (int, float)) else None
-
-
 def score_history(results_root: str | Path) -> list[dict[str, Any]]:
     """Every evaluated step of one training run, by step: the newest ``scores.json`` under ``step_NNNNNNN/<version>/``."""
     out = []
@@ -127,6 +123,102 @@ def curves(history: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[floa
                 if not line or line[-1][0] != h["step"]:
                     line.append((h["step"], chance))
     return {"accuracy": acc, "bits_per_byte": bpb}
+
+
+# ---- scoring one checkpoint into MLflow -------------------------------------------------------------------
+
+
+def present_run(client, run_id: str | None, log) -> str | None:
+    """``run_id`` if that run exists in this tracking store (else None: the eval runs are left unnested)."""
+    if not run_id:
+        return None
+    try:
+        client.get_run(run_id)
+        return run_id
+    except Exception:  # MlflowException: recorded by another tracking store
+        log.warning(f"training MLflow run {run_id} is not in this tracking store; eval runs will not be nested under it")
+        return None
+
+
+def runnable_suites(suites: Mapping[str, list[str]], built: Mapping[str, Any], log) -> dict[str, list[str]]:
+    """{suite: its tasks that can run}: local tasks must be in ``built`` (the eval suite); suites left empty are
+    skipped with a warning. A kiln_* task that is not registered is an error naming the suite."""
+    REGISTRY.check_suites(suites)
+    out = {}
+    for suite, wanted in suites.items():
+        tasks = [t for t in wanted if t in built or not t.startswith(LOCAL_PREFIX)]
+        if tasks:
+            out[suite] = tasks
+        else:
+            log.warning(f"suite {suite}: none of {wanted} is in eval_suite; skipped")
+    return out
+
+
+@dataclass
+class CheckpointRuns:
+    """The MLflow runs of one checkpoint's evaluation: one per suite, nested under the training run when it is here."""
+
+    client: Any  # mlflow.tracking.MlflowClient of the tracking store
+    uri: str  # its tracking URI
+    experiment_id: str  # where the runs are created
+    ref: CheckpointRef  # the checkpoint evaluated
+    train_run: str | None  # the training run's id, or None when it is not in this store
+    tags: dict[str, str]  # added to every suite run (orchestrator run, partition, input versions)
+    runs: dict[str, str] = field(default_factory=dict)  # suite -> run id, in creation order
+
+    @contextlib.contextmanager
+    def suite(self, name: str, params: dict[str, Any]) -> Iterator[MetricLogger]:
+        """A run for one suite, FINISHED when the block completes and FAILED when it raises."""
+        ref = self.ref
+        tags = {"kiln.kind": "checkpoint_eval", "kiln.suite": name, "kiln.train.checkpoint": str(ref.path),
+                "kiln.step": str(ref.step), "kiln.training_run": self.train_run or "",
+                "mlflow.runName": f"eval {name} @ step {ref.step}", **self.tags}
+        if self.train_run:
+            tags["mlflow.parentRunId"] = self.train_run
+        run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
+        self.runs[name] = run_id
+        status = "FAILED"
+        try:
+            logger = MetricLogger(self.uri, run_id)
+            logger.log_params(params)
+            yield logger
+            logger.flush()
+            status = "FINISHED"
+        finally:
+            self.client.set_terminated(run_id, status)
+
+    def publish(self, folder: Path, full: dict[str, dict], clean: dict[str, dict]) -> None:
+        """The score-against-step PNGs in ``folder`` to every suite run and the training run, whose own charts also
+        get the scores as ``eval.<task>.<metric>`` at this step."""
+        for target in [*self.runs.values(), *([self.train_run] if self.train_run else [])]:
+            for png in sorted(folder.glob("*_vs_step.png")):
+                self.client.log_artifact(target, str(png), "eval")
+        if self.train_run:
+            logger = MetricLogger(self.uri, self.train_run)
+            logger.log(flat_metrics(full, clean, prefix="eval."), self.ref.step)
+            logger.flush()
+
+
+def score_suites(model, encoding, runs: CheckpointRuns, suites: dict[str, list[str]], task_dirs: list[str | Path],
+                 contamination: dict[str, dict[str, Any]], log, limit: int | None = None,
+                 **kwargs: Any) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Score each suite (from ``runnable_suites``) in its own run; returns (full, clean) over every suite.
+
+    task_dirs: the eval suite's folder and the contamination report's (with the ``_clean`` tasks); contamination:
+    the report's ``tasks``. kwargs go to ``score_full_and_clean``.
+    """
+    full_all: dict[str, dict] = {}
+    clean_all: dict[str, dict] = {}
+    ref = runs.ref
+    for suite, tasks in suites.items():
+        params = {"tasks": tasks, "limit": limit, "checkpoint": str(ref.path), "step": ref.step}
+        with runs.suite(suite, params) as logger:
+            full, clean = score_full_and_clean(model, encoding, task_dirs, tasks, contamination, limit=limit, **kwargs)
+            logger.log(flat_metrics(full, clean), ref.step)
+        full_all.update(full)
+        clean_all.update(clean)
+        log.info(f"{ref.key}: suite {suite} scored ({', '.join(tasks)})")
+    return full_all, clean_all
 
 
 def main(argv: list[str] | None = None) -> int:

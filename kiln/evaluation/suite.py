@@ -16,29 +16,12 @@ from typing import Any
 import tiktoken
 
 from kiln.evaluation.adapter import KilnLM
-from kiln.evaluation.contamination import CLEAN_SUFFIX
-from kiln.evaluation.mmlu import MMLU, MMLU_CHANCE
-from kiln.evaluation.tasks import LOCAL_CHANCE
+from kiln.evaluation.registry import REGISTRY
 from kiln.model.gpt import GPT
 
-# Expected score of a model that knows nothing (uniform guessing); None where no such number exists (perplexity).
-CHANCE: dict[str, float | None] = {
-    **LOCAL_CHANCE,
-    MMLU: MMLU_CHANCE,
-    "hellaswag": 0.25,
-    "arc_easy": 0.25,
-    "arc_challenge": 0.25,
-    "openbookqa": 0.25,
-    "sciq": 0.25,
-    "mmlu": 0.25,
-    "piqa": 0.5,
-    "winogrande": 0.5,
-    "copa": 0.5,
-    "boolq": 0.5,
-    "lambada_openai": 0.0,
-    "lambada_standard": 0.0,
-    "wikitext": None,
-}
+# {task: expected score of a model that knows nothing}, read from the registry when asked; None where no such
+# number exists (perplexity).
+CHANCE = REGISTRY.chance_table()
 
 
 def _clean(v: float) -> float | None:
@@ -57,7 +40,7 @@ def _flatten(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
             if name in ("sample_len", "name") or name in row or not isinstance(value, (int, float)):
                 continue  # alias/name strings, lm-eval's "N/A" stderr, the sample count (kept as "items")
             row[name] = _clean(value)
-        row["chance"] = CHANCE.get(task.removesuffix(CLEAN_SUFFIX))
+        row["chance"] = REGISTRY.chance(task)
         row["items"] = int(n_samples.get(task, {}).get("effective", 0)) or None
         flat[task] = row
     return flat
@@ -101,6 +84,7 @@ def run_suite(
 
     if not tasks:
         raise ValueError("run_suite needs at least one task name")
+    REGISTRY.check_names(tasks, "run_suite")
     dirs = [task_dir] if isinstance(task_dir, (str, Path)) else list(task_dir or [])
     include = [str(Path(d).resolve()) for d in dirs] or None
     tm = TaskManager(include_path=include, include_defaults=include is None)
