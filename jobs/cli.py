@@ -166,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from kiln.release.bundle import checkpoint_lineage, lineage_tree, read_release_info
+    from kiln.release.lineage import checkpoint_lineage, lineage_tree, read_release_info
 
     p, registered = resolve_model_path(args.model, args.tracking_uri)
     try:

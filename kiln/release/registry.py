@@ -1,7 +1,6 @@
 """MLflow model registry for release bundles: a model version per bundle, an alias, scores and lineage as version tags.
 
-Use: ``register_release(uri, "kiln-demo", bundle, scores=..., lineage=..., run_id=...)``, then
-``previous_release(uri, "kiln-demo", "candidate", exclude_version=v.version)`` and ``compare_scores`` for a regression check.
+Use: ``register_unless_regressed(uri, "kiln-demo", bundle, scores, lineage, run_id)``; ``kiln lineage models:/NAME@ALIAS``.
 """
 
 from __future__ import annotations
@@ -198,3 +197,15 @@ def compare_scores(current: dict[str, float], previous: dict[str, float], tolera
         if worse > tolerance:
             out.append(Regression(metric, prev, cur, lower))
     return out
+
+
+def register_unless_regressed(tracking_uri: str, name: str, bundle: str | Path, scores: dict[str, float],
+                              lineage: dict[str, str], run_id: str | None, alias: str = "candidate",
+                              tolerance: float = 0.0) -> tuple[ReleaseVersion, ReleaseVersion | None, list[str]]:
+    """Compare ``scores`` with the release ``alias`` points to, then register the bundle, moving the alias to it
+    only when nothing regressed by more than ``tolerance``. Returns (registered, previous or None, regressions)."""
+    prev = previous_release(tracking_uri, name, alias)
+    regressions = [str(r) for r in compare_scores(scores, prev.scores, tolerance)] if prev else []
+    reg = register_release(tracking_uri, name, bundle, scores=scores, lineage=lineage, run_id=run_id,
+                           alias=alias, set_alias=not regressions)
+    return reg, prev, regressions

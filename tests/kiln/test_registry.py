@@ -22,6 +22,7 @@ from kiln.release.registry import (
     get_release,
     previous_release,
     register_release,
+    register_unless_regressed,
     tag_key,
 )
 from kiln.release.bundle import write_release
@@ -126,6 +127,22 @@ def test_a_regressed_release_is_registered_without_moving_the_alias(tmp_path, tr
     assert get_release(uri, "kiln-e", "candidate").version == "1"
     prev = previous_release(uri, "kiln-e", "candidate", exclude_version=bad.version)
     assert prev.version == "1" and [r.metric for r in compare_scores(bad.scores, prev.scores)] == ["val_loss"]
+
+
+def test_register_unless_regressed_moves_the_alias_only_when_nothing_got_worse(tmp_path, tracking, tiny_tokenizer) -> None:
+    uri, _ = tracking
+    _, tok = tiny_tokenizer
+    first, prev, regressions = register_unless_regressed(uri, "kiln-f", make_bundle(tmp_path, tok, 7), {"val_loss": 2.0},
+                                                         LINEAGE, None, tolerance=0.1)
+    assert (first.version, prev, regressions, first.aliases) == ("1", None, [], ["candidate"])
+    worse, prev, regressions = register_unless_regressed(uri, "kiln-f", make_bundle(tmp_path, tok, 8), {"val_loss": 2.5},
+                                                         LINEAGE, None, tolerance=0.1)
+    assert (worse.version, prev.version, worse.aliases) == ("2", "1", [])
+    assert regressions == ["val_loss: 2 -> 2.5 (lower is better)"] and worse.lineage == LINEAGE
+    assert get_release(uri, "kiln-f", "candidate").version == "1"
+    close, prev, regressions = register_unless_regressed(uri, "kiln-f", make_bundle(tmp_path, tok, 9), {"val_loss": 2.05},
+                                                         LINEAGE, None, tolerance=0.1)
+    assert (close.version, prev.version, regressions, close.aliases) == ("3", "1", [], ["candidate"])
 
 
 def test_a_damaged_bundle_is_not_registered(tmp_path, tracking, tiny_tokenizer) -> None:

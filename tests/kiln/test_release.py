@@ -1,5 +1,5 @@
-"""Tests for kiln.release.bundle: the Hugging Face GPT-2 layout, bit-identical round trip, checksum verification,
-transformers loading the bundle (same logits, same token ids as Kiln), and the lineage tree.
+"""Tests for kiln.release (bundle, hf, lineage, card): the Hugging Face GPT-2 layout, bit-identical round trip, checksum
+verification, transformers loading the bundle (same logits, same token ids as Kiln), the lineage tree and the card.
 
 Run: python -m pytest tests/kiln/test_release.py -q
 """
@@ -18,23 +18,9 @@ from safetensors.torch import load_file
 
 from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.model.gpt import GPT, GPTConfig
-from kiln.release.bundle import (
-    CONV1D,
-    LINEAGE_SECTIONS,
-    ReleaseError,
-    bytes_to_unicode,
-    checkpoint_lineage,
-    from_hf_state_dict,
-    hf_config,
-    hf_tokenizer,
-    lineage_tree,
-    load_release,
-    read_release_info,
-    recover_merges,
-    to_hf_state_dict,
-    verify_release,
-    write_release,
-)
+from kiln.release.bundle import ReleaseError, load_release, verify_release, write_release
+from kiln.release.hf import CONV1D, bytes_to_unicode, from_hf_state_dict, hf_config, hf_tokenizer, recover_merges, to_hf_state_dict
+from kiln.release.lineage import LINEAGE_SECTIONS, checkpoint_lineage, lineage_tree, read_release_info
 from kiln.common.files import sha256_file
 
 CFG = GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -374,3 +360,81 @@ def test_checkpoint_lineage_follows_init_from(tmp_path, checkpoint) -> None:
     tree = lineage_tree(info)
     assert f"checkpoint {sft} (step 3, task sft" in tree and "fine-tuned from:" in tree
     assert "/s/token_shards/dddd4444/train_000.bin" in tree and "/s/instruction_data/77/pairs.jsonl" in tree
+
+
+# ---- the model card and kiln.json sections ------------------------------------------------------------------
+
+UPSTREAM = {  # outputs of the assets release_bundle reads, reduced to the fields the card and kiln.json use
+    "raw_documents": {"version": "aaaa1111", "sources": [{"name": "python-docs", "kind": "pip"}, {"name": "notes", "kind": "local"}],
+                      "stats": {"totals": {"documents": 1234}, "sources": {
+                          "python-docs": {"package": "sphinx", "version": "8.1.0", "sha256": "ab" * 32, "documents": 120,
+                                          "license": "BSD-2-Clause"},
+                          "notes": {"package": None, "version": None, "sha256": None, "documents": 3, "license": "CC-BY-4.0"}}}},
+    "clean_corpus": {"version": "bbbb2222", "report": {
+        "reasons": {"too_short": {"docs": 30, "bytes": 12000}, "near_duplicate": {"docs": 20, "bytes": 2500000}},
+        "kept_docs": 1184, "input_docs": 1234, "kept_bytes": 3456789, "dedup_rate": 0.0162, "config": {"min_words": 20}}},
+    "tokenizer": {"version": "cccc3333", "kind": "bpe", "n_vocab": 300, "bytes_per_token": 4.1049},
+    "token_shards": {"version": "dddd4444", "totals": {"train": {"tokens": 1234567}, "val": {"tokens": 45678}}, "val_permille": 20},
+    "training_plan": {"params": 1234567, "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 320},
+                      "parallelism": "ddp", "world_size": 2, "hardware": {"device": "cpu"}, "tokens_per_step": 4096,
+                      "tokens_per_param": 0.123, "micro_batch": 4, "grad_accum": 2, "memory_gb": {"x": 1.0}},
+    "base_model": {"version": "eeee5555", "steps": 30, "tokens": 122880, "initial_val_loss": 5.7, "final_val_loss": 3.21,
+                   "mlflow_run_id": "run-base", "wall_s": 12.5, "checkpoint": "/s/base/step_30"},
+    "eval_scores": {"version": "ffff6666", "val_bits_per_byte": 1.8765, "uniform_loss": 5.70378, "tasks": {
+        "kiln_continuation": {"acc": 0.41, "acc_stderr": 0.01, "acc_norm": 0.4, "chance": 0.25, "items": 40, "contaminated": 0}}},
+    "instruction_data": {"version": "iiii", "counts": {"train": 80}, "decontamination": {"ngram_words": 13, "pairs_sharing_eval_ngrams": 2}},
+    "preference_data": {"version": "qqqq", "counts": {"train": 40}},
+    "sft_model": {"version": "9999aaaa", "steps": 20, "mlflow_run_id": "run-sft"},
+    "dpo_model": {"version": "dpo1", "steps": 10, "beta": 0.1, "lora": {"enabled": False}, "mlflow_run_id": "run-dpo"},
+    "rl_model": {"version": "rl1", "steps": 8, "group_size": 4, "kl_coef": 0.05, "reward": "arithmetic", "partial_credit": 0.5,
+                 "initial_val_reward": 0.1, "final_val_reward": 0.25, "lora": {"enabled": True}, "mlflow_run_id": "run-rl"},
+}
+
+
+def test_model_card_tells_the_lineage_section_by_section() -> None:
+    import datetime as dt
+
+    from kiln.release.card import model_card
+
+    stages = [{"measure": "response_loss", "base": 2.0, "sft": 1.5, "dpo": 1.4, "rl": 1.4}]
+    card = model_card("kiln-test", "Apache-2.0", UPSTREAM, stages)
+    assert card.startswith(f"# kiln-test\n\nA GPT-2-style language model trained with Kiln from public text. Released "
+                           f"{dt.date.today().isoformat()} under Apache-2.0.\n\n## Model\n1,234,567 parameters; 2 layers")
+    heads = [line for line in card.splitlines() if line.startswith("## ")]
+    assert heads == ["## Model", "## Training data (lineage)", "## Training", "## Evaluation", "## Post-training", "## Limits",
+                     "## Data licences"]
+    for needle in ("(bpe tokenizer, 300 tokens,\n4.10 bytes/token on held-out text)",
+                   "| python-docs | sphinx | 8.1.0 | abababababababab | 120 | BSD-2-Clause |\n| notes | local |  |  | 3 | CC-BY-4.0 |\n\n",
+                   "kept 1,184 of 1,234 documents\n(3.46 MB); dedup rate 1.6%. Filter settings:\n`{\"min_words\": 20}`",
+                   "| near_duplicate | 20 | 2.5 |", "1,234,567 train tokens,\n45,678 validation tokens (fixed split, 20/1000",
+                   "ddp on 2 x cpu; 30 steps of 4,096 tokens\n(122,880 tokens, 0.12 tokens/parameter); micro-batch 4 x accumulation 2.",
+                   "Validation loss 5.7000 -> 3.2100 nats/token (a uniform guess scores 5.7038).",
+                   "Validation bits per byte 1.8765.", "| task | acc | acc_norm | chance | items | contaminated |\n",
+                   "| kiln_continuation | 0.41 | 0.4 | 0.25 | 40 | 0 |\n\n## Post-training",
+                   "Pairs sharing a 13-word run\n   with an evaluation item were removed (2)",
+                   "Direct Preference Optimization (10 steps, beta 0.1) on preference data version `qqqq`",
+                   "rate 0.100 -> 0.250.\n Adapters (LoRA) were trained and merged into these weights.\n",
+                   "| measure | base | sft | dpo | rl |\n|---|---|---|---|---|\n| response_loss | 2 | 1.5 | 1.4 | 1.4 |\n\n- `"):
+        assert needle in card, needle
+    assert "acc_stderr" not in card
+    assert card.endswith("\n\n## Data licences\nBSD-2-Clause, CC-BY-4.0. The weights are derived from data under these licences.\n")
+
+
+def test_release_sections_record_every_upstream_version_and_run() -> None:
+    from kiln.release.lineage import LINEAGE_ASSETS, lineage_versions, release_sections
+
+    scores = {"val_bits_per_byte": 1.8765, "kiln_continuation.acc": 0.41}
+    info = release_sections("kiln-test", "Apache-2.0", UPSTREAM, scores, {"release_bundle": {"name": "kiln-test"}})
+    assert set(info) <= set(LINEAGE_SECTIONS) | {"name", "license"}
+    assert info["lineage"] == lineage_versions(UPSTREAM) and list(info["lineage"]) == list(LINEAGE_ASSETS)
+    assert "training_plan" not in info["lineage"] and info["lineage"]["rl_model"] == "rl1"
+    assert info["mlflow_runs"] == {"base_model": "run-base", "sft_model": "run-sft", "dpo_model": "run-dpo", "rl_model": "run-rl"}
+    assert info["sources"] == [{"name": "python-docs", "kind": "pip", "documents": 120}, {"name": "notes", "kind": "local", "documents": 3}]
+    assert info["corpus"] == {"input_docs": 1234, "kept_docs": 1184, "kept_bytes": 3456789, "dedup_rate": 0.0162,
+                              "removed": {"too_short": 30, "near_duplicate": 20}}
+    assert info["plan"] == {k: v for k, v in UPSTREAM["training_plan"].items() if k not in ("tokens_per_param", "memory_gb")}
+    assert info["training"] == {"base_model": {"version": "eeee5555", "steps": 30, "tokens": 122880, "initial_val_loss": 5.7,
+                                               "final_val_loss": 3.21, "wall_s": 12.5, "checkpoint": "/s/base/step_30"}}
+    assert info["post_training"] == [{"stage": "sft", "version": "9999aaaa", "steps": 20}, {"stage": "dpo", "version": "dpo1", "steps": 10},
+                                     {"stage": "rl", "version": "rl1", "steps": 8}]
+    assert info["eval"] == {**scores, "uniform_loss": 5.70378} and info["tokens"] == {"train": 1234567, "val": 45678}

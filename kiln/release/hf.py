@@ -1,0 +1,204 @@
+"""Hugging Face formats of a Kiln model: GPT-2 weights (Conv1D layout), config, and the tokenizer with Kiln's ids.
+
+Use: ``to_hf_state_dict(state)``, ``hf_tokenizer(enc).encode(text).ids``; ``write_release`` writes them into a bundle.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.common.files import atomic_path, atomic_write_json, atomic_write_text
+from kiln.model.gpt import GPTConfig
+
+# Hugging Face's GPT-2 stores these projections as Conv1D, whose weight is the transpose of nn.Linear's.
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# The chat layout Kiln's SFT trains on (kiln.posttrain.sft.encode_example), as a Jinja template for apply_chat_template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<|endoftext|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Text the exported tokenizer must split exactly as tiktoken does before a bundle is written (a cheap guard;
+# the tests compare far more text).
+PROBE_TEXTS = (
+    "Hello world. The quick brown fox jumps over the lazy dog!",
+    "def f(x):\n    return x ** 2  # square\n\n\n\tindented\r\n",
+    "   spaces   and trailing   \n\n  ",
+    "naïve café — “quotes” … 日本語 中文 한국어 Ελληνικά русский العربية 😀👍🏽",
+    "I'm you're he'll we've THEY'D 1234567 3.14159 1,000,000",
+    "<|user|>2+2?<|assistant|>4<|endoftext|>",
+)
+
+
+class ReleaseError(ValueError):
+    """A bundle is incomplete or damaged, or its files cannot be made to match Kiln; the message names the file."""
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Kiln parameter names already follow GPT2LMHeadModel; transpose Conv1D weights, drop the tied head."""
+    out = {}
+    for name, t in state.items():
+        if name == "lm_head.weight":
+            continue  # tied to transformer.wte.weight
+        t = t.detach().to(torch.float32)
+        out[name] = (t.t() if name.endswith(CONV1D) else t).contiguous()
+    return out
+
+
+def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {name: (t.t() if name.endswith(CONV1D) else t).contiguous() for name, t in state.items()}
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
+    if not cfg.bias:
+        raise ValueError("Hugging Face GPT-2 needs biases: release a model trained with model.bias=true")
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+# ---- tokenizer files for transformers -------------------------------------------------------------------
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map that byte-level BPE vocabularies are written in.
+
+    Printable Latin-1 bytes map to themselves, the other 68 to U+0100 onwards, in byte order.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {b: chr(b) for b in keep}
+    for n, b in enumerate(b for b in range(256) if b not in out):
+        out[b] = chr(256 + n)
+    return out
+
+
+def _split_below(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """tiktoken's merge loop on ``token``'s bytes using only ranks below ``max_rank``."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        best: tuple[int, int] | None = None  # (position, rank) of the lowest-ranked adjacent pair
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < max_rank and (best is None or r < best[1]):
+                best = (i, r)
+        if best is None:
+            return parts
+        i = best[0]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+
+
+def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The BPE merge list behind tiktoken ranks, in rank order.
+
+    A multi-byte token's merge is the last step of encoding it with the lower ranks alone, which always
+    leaves exactly two parts for a vocabulary that BPE training produced. Written by hand because
+    ``tokenizers`` has no tiktoken import and transformers' converter is a test-only dependency here.
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) == 1:
+            continue
+        parts = _split_below(ranks, token, rank)
+        if len(parts) != 2:
+            raise ReleaseError(f"token {token!r} (rank {rank}) is not the merge of two lower-ranked tokens "
+                               f"(lower ranks leave {len(parts)} parts); the vocabulary is not a BPE merge sequence")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def hf_tokenizer(enc):
+    """A ``tokenizers.Tokenizer`` that gives exactly ``enc.encode(text, allowed_special="all")``.
+
+    Byte-level BPE with the merges recovered from the ranks; the split is the encoding's own regex (Oniguruma
+    supports its possessive quantifiers); whole pieces found in the vocabulary are taken as one token before
+    any merge (``ignore_merges``), as tiktoken does; special tokens keep Kiln's ids.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    b2u = bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(b2u[b] for b in token)
+
+    ranks: dict[bytes, int] = enc._mergeable_ranks
+    vocab = {text(t): r for t, r in ranks.items()}
+    merges = [(text(a), text(b)) for a, b in recover_merges(ranks)]
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(enc._pat_str), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    specials = sorted(enc._special_tokens.items(), key=lambda kv: kv[1])
+    if [i for _, i in specials] != list(range(len(ranks), len(ranks) + len(specials))):
+        raise ReleaseError(f"special tokens {dict(specials)} do not follow the {len(ranks)} mergeable ranks; "
+                           "Hugging Face tokenizers number added tokens after the vocabulary")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _ in specials])
+    return tok
+
+
+def check_hf_tokenizer(enc, tok, texts=PROBE_TEXTS) -> None:
+    """Raise ReleaseError naming the first text that ``tok`` splits differently from ``enc``."""
+    for t in texts:
+        want, got = enc.encode(t, allowed_special="all"), tok.encode(t).ids
+        if want != got:
+            raise ReleaseError(f"Hugging Face tokenizer differs from Kiln's on {t!r}: {got[:12]} vs {want[:12]}")
+
+
+def uses_gpt2_split(enc) -> bool:
+    """True when ``enc`` splits text with GPT-2's pattern, which GPT2Tokenizer's vocab.json/merges.txt reproduce."""
+    from kiln.tokenizer import GPT2_PAT_STR
+
+    return enc._pat_str == GPT2_PAT_STR
+
+
+def write_hf_tokenizer(enc, out_dir: Path, model_max_length: int) -> list[str]:
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json (and vocab.json + merges.txt when exact).
+
+    ``transformers.AutoTokenizer.from_pretrained(out_dir)`` then tokenizes as ``enc`` does. vocab.json and
+    merges.txt are written only for GPT-2's split pattern: the classic GPT2Tokenizer hard-codes that pattern,
+    so with any other it would tokenize differently. Returns the names written.
+    """
+    tok = hf_tokenizer(enc)
+    check_hf_tokenizer(enc, tok)
+    eot = "<|endoftext|>"
+    if enc._special_tokens.get(eot) != enc.eot_token:
+        raise ReleaseError(f"encoding {enc.name} has no {eot} token; Kiln encodings always have one")
+    with atomic_path(out_dir / "tokenizer.json") as tmp:
+        tok.save(str(tmp), pretty=True)
+    extra = [t for t, _ in sorted(enc._special_tokens.items(), key=lambda kv: kv[1]) if t != eot]
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": True} for t, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1])}
+    atomic_write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+        "bos_token": eot, "eos_token": eot, "unk_token": eot, "pad_token": eot,
+        "additional_special_tokens": extra, "extra_special_tokens": extra,
+        "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False, "added_tokens_decoder": added, "chat_template": CHAT_TEMPLATE,
+    })
+    atomic_write_json(out_dir / "special_tokens_map.json", {
+        "bos_token": eot, "eos_token": eot, "unk_token": eot, "pad_token": eot, "additional_special_tokens": extra,
+    })
+    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    if uses_gpt2_split(enc):
+        doc = json.loads(tok.to_str())["model"]
+        atomic_write_text(out_dir / "vocab.json", json.dumps(doc["vocab"], ensure_ascii=False) + "\n")
+        merges = [m if isinstance(m, str) else " ".join(m) for m in doc["merges"]]
+        atomic_write_text(out_dir / "merges.txt", "#version: 0.2\n" + "\n".join(merges) + "\n")
+        names += ["vocab.json", "merges.txt"]
+    return names
