@@ -1,7 +1,6 @@
-"""Kiln evaluation: a registry of eval tasks (one TaskSpec each), an lm-eval model adapter registered as ``kiln``, the
-suite runner, the n-gram contamination check and per-checkpoint scoring. CLI: ``python -m kiln.evaluation.suite``.
+"""Kiln evaluation: the eval task registry, the lm-eval adapter (importing registers model ``kiln``), suite, contamination.
 
-Importing this package registers the ``kiln`` lm-eval model; ``python -m kiln.evaluation.registry`` lists the tasks.
+Run: ``python -m kiln.evaluation.registry`` lists the tasks; ``python -m kiln.evaluation.suite --model kiln ...`` scores.
 """
 
 from kiln.evaluation.adapter import KilnLM

@@ -1,7 +1,6 @@
-"""Run an lm-eval suite on a Kiln model and flatten the scores; draw sample generations.
+"""Run an lm-eval suite on a Kiln model and flatten the scores; draw sample generations (``run_suite(model, enc, dir, tasks)``).
 
-In code: ``run_suite(model, enc, task_dir, ["kiln_continuation"])``. CLI: ``python -m kiln.evaluation.suite --model kiln
---model_args checkpoint=PATH --tasks kiln_continuation --include_path TASK_DIR`` (lm-eval's CLI, ``kiln`` registered).
+Run: ``python -m kiln.evaluation.suite --model kiln --model_args checkpoint=PATH --tasks T --include_path TASK_DIR``.
 """
 
 from __future__ import annotations
