@@ -1,4 +1,4 @@
-"""Tests for kiln.clean.pipeline: each quality rule, exact and MinHash dedup, HTML, report accounting, errors, config.
+"""Tests for the cleaning step (kiln.clean): each quality rule, exact and MinHash dedup, HTML, report accounting, errors, config.
 
 Run: python -m pytest tests/kiln/test_clean.py -q
 """
@@ -15,17 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.clean.pipeline import (
-    CleanConfig,
-    CleanReport,
-    Doc,
-    EmptyCorpusError,
-    Filter,
-    clean,
-    default_filters,
-    normalize_text,
-    text_signals,
-)
+from kiln.clean.config import CleanConfig, default_filters
+from kiln.clean.report import CleanReport, EmptyCorpusError
+from kiln.clean.run import clean
+from kiln.common.text import normalize_text
+from kiln.filters.base import Doc, Filter
+from kiln.filters.gopher_quality import text_signals
 from kiln.common.config import ConfigError
 from kiln.clean.dedup import shingles
 
@@ -309,5 +304,5 @@ def test_num_perm_must_equal_bands_times_rows() -> None:
 
 
 def test_clean_does_not_import_dagster() -> None:
-    code = "import sys, kiln.clean.pipeline, kiln.clean.extract; assert 'dagster' not in sys.modules"
+    code = "import sys, kiln.clean.run, kiln.clean.extract; assert 'dagster' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
