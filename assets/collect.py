@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 from dagster import (
     AssetExecutionContext,
     Config,
@@ -23,9 +22,12 @@ from dagster import (
 from pydantic import Field
 
 from assets._common import commit_output, md_table, mlflow_meta
-from kiln.clean import pipeline as kclean
+from kiln.clean import corpus as kcorpus
+from kiln.clean import report as kreport
+from kiln.clean import shard as kshard
+from kiln.clean.config import CleanConfig
 from kiln.sources import readers as ksources
-from kiln.common.files import atomic_write_json, staging_dir
+from kiln.common.files import staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
@@ -86,8 +88,8 @@ def _shard_key(shard: dict) -> str:
 
 @op(out=DynamicOut(dict), description="Split raw_documents into shards of whole row groups (never mixing sources) and validate the clean config.")
 def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict):
-    cfg = kclean.CleanConfig.from_dict(config.clean, "clean_corpus.clean")
-    shards = kclean.plan_shards(raw_documents["path"], cfg.shard_docs)
+    cfg = CleanConfig.from_dict(config.clean, "clean_corpus.clean")
+    shards = kshard.plan_shards(raw_documents["path"], cfg.shard_docs)
     context.log.info(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
     for shard in shards:
         yield DynamicOutput({"raw": raw_documents["path"], "shard": shard, "clean": config.clean},
@@ -96,11 +98,11 @@ def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, ra
 
 @op(description="The per-document stage on one shard: extraction, Unicode repair, language ID, quality rules, PII, MinHash signatures; reused when the shard's rows and the stage config are unchanged.")
 def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, job: dict) -> dict:
-    cfg = kclean.CleanConfig.from_dict(job["clean"], "clean_corpus.clean")
+    cfg = CleanConfig.from_dict(job["clean"], "clean_corpus.clean")
     shard = job["shard"]
-    out_dir = storage.path("clean_shards", kclean.shard_stage_key(shard, cfg))
+    out_dir = storage.path("clean_shards", kshard.shard_stage_key(shard, cfg))
     cached = (out_dir / "report.json").is_file()
-    result = kclean.clean_shard(job["raw"], shard, out_dir, cfg)
+    result = kshard.clean_shard(job["raw"], shard, out_dir, cfg)
     rep = result["report"]
     context.log.info(f"shard {shard['index']} ({shard['source']}): {rep['input_docs']} docs, "
                      f"{rep['input_docs'] - rep['dropped_docs']} passed the document rules"
@@ -108,64 +110,44 @@ def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, job: 
     return {**result, "cached": cached}
 
 
-def _examples_md(reasons: dict[str, dict]) -> str:
-    parts = []
-    for reason, v in reasons.items():
-        parts.append(f"### {reason}: {v['docs']:,} documents, {v['bytes'] / 1e6:.3f} MB")
-        for ex in v["examples"]:
-            lines = "\n".join(f"    {line}" for line in ex.get("lines") or [ex["snippet"]])
-            parts.append(f"`{ex['id']}`\n\n{lines}\n")
-    return "\n".join(parts) or "_nothing removed_"
+def _corpus_metadata(rep: dict, shards: list[dict]) -> dict[str, Any]:
+    """clean_corpus's materialization metadata: counts, what each rule removed, stage times, classifier, mix."""
+    mix = kreport.mix_rows(rep)
+    return {
+        "kept_documents": rep["kept_docs"], "kept_bytes": rep["kept_bytes"],
+        "dropped_documents": rep["dropped_docs"], "dropped_bytes": rep["dropped_bytes"],
+        "dedup_rate": rep["dedup_rate"], "removed_by_rule": md_table(kreport.rule_rows(rep)),
+        "removed_examples": MetadataValue.md(kreport.examples_markdown(rep["reasons"])),
+        "per_source": md_table(kreport.source_rows(rep)),
+        "stage_time": md_table(kreport.stage_rows(rep)), "shards": len(shards),
+        "shards_reused": sum(1 for s in shards if s.get("cached")),
+        "mb_per_s_per_core": kreport.mb_per_s_per_core(rep),  # input MB over summed stage seconds
+        "quality_model": MetadataValue.json(rep["quality_model"]),
+        "token_outliers": MetadataValue.json(rep["token_outliers"]),
+        "mix": md_table(mix) if mix else MetadataValue.md("_natural mix (clean.mix.weights empty)_"),
+    }
 
 
 @op(description="The corpus stage: URL, exact and MinHash dedup, line dedup, token outliers, the trained quality classifier and the source mix; writes the clean corpus and the removal report.")
 def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict, shards: list[dict],
                        storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    cfg = kclean.CleanConfig.from_dict(config.clean, "clean_corpus.clean")
+    cfg = CleanConfig.from_dict(config.clean, "clean_corpus.clean")
     with mlflow.asset_run(context, params={"clean": cfg.__dict__}, tags={"input.raw_documents": raw_documents["version"]},
                           reuse={"clean": config.clean, "raw_documents": raw_documents["version"]}) as run, \
             staging_dir(storage.path("clean_corpus")) as stage:
         if run.reused is not None:
             return run.reused
-        try:
-            report = kclean.merge_shards(shards, stage / "corpus.parquet", stage / "removed.parquet", cfg,
-                                         progress=context.log.info, artifacts_dir=stage)
-        except kclean.EmptyCorpusError as e:
-            raise kclean.EmptyCorpusError(e.report, Path(raw_documents["path"]), kclean.rule_keys(cfg)) from None
-        report.shards = len(shards)
+        report = kcorpus.write_clean_corpus(shards, stage, cfg, raw_documents["path"], progress=context.log.info)
         rep = report.to_dict()
-        atomic_write_json(stage / "report.json", rep)
-        (stage / "removed_examples.md").write_text(_examples_md(rep["reasons"]), encoding="utf-8")
         final, version = commit_output(stage, storage.path("clean_corpus"), volatile=("report.json",))  # timings
-        run.log_metrics({"kept_docs": rep["kept_docs"], "dropped_docs": rep["dropped_docs"], "kept_bytes": rep["kept_bytes"],
-                         "dedup_rate": rep["dedup_rate"], **{f"removed_docs.{r}": v["docs"] for r, v in rep["reasons"].items()}})
+        run.log_metrics(kreport.report_metrics(rep))
         for name in ("report.json", "removed_examples.md", "quality_model.pt"):
             if (final / name).is_file():
                 run.log_artifact(final / name)
-        rules = [{"rule": r["rule"], "action": r["action"], "documents": r["documents"], "MB": r["bytes"] / 1e6,
-                  "example": (rep["reasons"].get(r["rule"], {}).get("examples") or [{"snippet": ""}])[0]["snippet"][:90]}
-                 for r in report.table()]
-        total_s = sum(rep["stage_seconds"].values()) or 1.0
-        stages = [{"stage": k, "seconds": v, "share": f"{v / total_s:.1%}"}
-                  for k, v in sorted(rep["stage_seconds"].items(), key=lambda kv: -kv[1])]
-        mix = [{"group": g, **{k: v for k, v in info.items() if k != "sources"}, "sources": ", ".join(info["sources"])}
-               for g, info in rep["mix"].get("groups", {}).items()]
-        cached = sum(1 for s in shards if s.get("cached"))
         value = {"path": str(final / "corpus.parquet"), "removed": str(final / "removed.parquet"), "version": version,
                  "report": rep}
-        return run.output(value, version, {
-            "kept_documents": rep["kept_docs"], "kept_bytes": rep["kept_bytes"],
-            "dropped_documents": rep["dropped_docs"], "dropped_bytes": rep["dropped_bytes"],
-            "dedup_rate": rep["dedup_rate"], "removed_by_rule": md_table(rules),
-            "removed_examples": MetadataValue.md(_examples_md(rep["reasons"])),
-            "per_source": md_table([{"source": s, **v} for s, v in rep["sources"].items()]),
-            "stage_time": md_table(stages), "shards": len(shards), "shards_reused": cached,
-            "mb_per_s_per_core": round(rep["input_bytes"] / 1e6 / total_s, 3),  # input MB over summed stage seconds
-            "quality_model": MetadataValue.json(rep["quality_model"]),
-            "token_outliers": MetadataValue.json(rep["token_outliers"]),
-            "mix": md_table(mix) if mix else MetadataValue.md("_natural mix (clean.mix.weights empty)_"),
-            "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
-        })
+        return run.output(value, version, {**_corpus_metadata(rep, shards), "path": MetadataValue.path(value["path"]),
+                                           **mlflow_meta(run)})
 
 
 @config_mapping(config_schema=CleanCorpusConfig.to_config_schema())
@@ -183,10 +165,3 @@ def clean_corpus(raw_documents):
     results = plan_clean_shards(raw_documents).map(clean_shard).collect()
     return merge_clean_shards(raw_documents, results)
 
-
-def corpus_texts(path: str, columns=("id", "text")):
-    """Yield (id, text) from a clean corpus Parquet file, one row group at a time."""
-    pf = pq.ParquetFile(path)
-    for i in range(pf.num_row_groups):
-        t = pf.read_row_group(i, columns=list(columns))
-        yield from zip(t.column("id").to_pylist(), t.column("text").to_pylist())

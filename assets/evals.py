@@ -21,7 +21,7 @@ from dagster import (
 from pydantic import Field
 
 from assets._common import commit_output, data_version, line_plot, md_table, mlflow_meta
-from assets.collect import corpus_texts
+from kiln.clean.corpus import corpus_texts
 from assets.training import base_model
 from kiln.common.files import atomic_path, atomic_write_json, commit_dir, manifest_of_dir, stable_hash, staging_dir
 from kiln.evaluation import checkpoints as kckpt

@@ -10,7 +10,7 @@ from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import commit_output, md_table, mlflow_meta
-from assets.collect import corpus_texts
+from kiln.clean.corpus import corpus_texts
 from kiln import shards as kshards
 from kiln import tokenizer as ktok
 from kiln.common.files import staging_dir

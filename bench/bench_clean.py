@@ -26,11 +26,11 @@ import pyarrow.parquet as pq  # noqa: E402
 CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
-import kiln.clean.pipeline, kiln.clean.quality, torch, ftfy, resiliparse.extract.html2text  # imports first: baseline memory
+import kiln.clean.run, kiln.clean.config, kiln.clean.quality, torch, ftfy, resiliparse.extract.html2text  # imports first: baseline memory
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 cpu0, t0 = time.process_time(), time.perf_counter()
-report = kiln.clean.pipeline.clean({raw!r}, {out!r} + "/c.parquet", {out!r} + "/r.parquet", kiln.clean.pipeline.CleanConfig(),
-                          work_dir={out!r})
+report = kiln.clean.run.clean({raw!r}, {out!r} + "/c.parquet", {out!r} + "/r.parquet", kiln.clean.config.CleanConfig(),
+                           work_dir={out!r})
 cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({{"base_kib": base, "peak_kib": peak, "cpu_s": cpu, "wall_s": wall, "report": report.to_dict()}}))

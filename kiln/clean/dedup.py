@@ -1,7 +1,7 @@
 """Deduplication: URL, exact content hash, line-level across the corpus, and MinHash-LSH near-duplicates with
 datasketch, its index in memory or on a Redis server (datasketch's Redis storage).
 
-Used by kiln.clean.pipeline; the first document of a cluster (in input order) is kept. Try the near-dup index alone:
+Used by kiln.clean.corpus; the first document of a cluster (in input order) is kept. Try the near-dup index alone:
 ``python -c "from kiln.clean.dedup import *; d = MinHashDeduper(MinHashConfig()); print(d.check(['a', 'b'], d.signatures(['x y z'] * 2)))"``.
 """
 
@@ -21,8 +21,8 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 
-from kiln.common.config import ConfigError
-from kiln.filters.base import check_types, ngram_hashes
+from kiln.common.config import ConfigError, check_types
+from kiln.common.text import ngram_hashes
 
 BACKENDS = ("memory", "redis")
 

@@ -1,6 +1,6 @@
 """Main-text and title extraction from raw HTML, boilerplate (navigation, header, footer, sidebars) removed.
 
-Used by kiln.clean.pipeline; try one page with
+Used by kiln.clean.shard; try one page with
 `python -c "import sys, kiln.clean.extract as e; print(e.html_to_text(open(sys.argv[1]).read()))" page.html`.
 
 Why resiliparse (pinned `resiliparse==2.0.0`, Apache-2.0) and not hand-written rules or another library:

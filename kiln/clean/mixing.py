@@ -1,7 +1,7 @@
 """Source mixing: target shares of the clean corpus per group of sources (web text, books, code, ...), met by
 deterministic down-sampling, recorded in the clean report and so in lineage.
 
-Used by kiln.clean.pipeline; ``plan_mix({"owt": 3e6, "wiki": 1e6}, MixConfig(weights={"owt": 0.5, "wiki": 0.5}))``.
+Used by kiln.clean.corpus; ``plan_mix({"owt": 3e6, "wiki": 1e6}, MixConfig(weights={"owt": 0.5, "wiki": 0.5}))``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from kiln.filters.base import check_types
+from kiln.common.config import check_types
 
 EMAIL = re.compile(
     r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}\b"

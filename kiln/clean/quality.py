@@ -2,7 +2,7 @@
 random web text from the same corpus, as Llama 3 and DCLM do with larger models) and a token-distribution outlier
 score (KL divergence of a document's word distribution from the corpus's, as in Llama 3).
 
-Used by kiln.clean.pipeline; train one by hand with ``train_classifier(pos_texts, neg_texts, QualityModelConfig())``.
+Used by kiln.clean.corpus; train one by hand with ``train_classifier(pos_texts, neg_texts, QualityModelConfig())``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from kiln.common.config import ConfigError
-from kiln.filters.base import check_types
+from kiln.common.config import ConfigError, check_types
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 

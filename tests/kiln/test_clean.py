@@ -1,4 +1,4 @@
-"""Tests for kiln.clean.pipeline: each quality rule, exact and MinHash dedup, HTML, report accounting, errors, config.
+"""Tests for the cleaning step (kiln.clean): each quality rule, exact and MinHash dedup, HTML, report accounting, errors, config.
 
 Run: python -m pytest tests/kiln/test_clean.py -q
 """
@@ -15,17 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.clean.pipeline import (
-    CleanConfig,
-    CleanReport,
-    Doc,
-    EmptyCorpusError,
-    Filter,
-    clean,
-    default_filters,
-    normalize_text,
-    text_signals,
-)
+from kiln.clean.config import CleanConfig, default_filters
+from kiln.clean.report import CleanReport, EmptyCorpusError
+from kiln.clean.run import clean
+from kiln.common.text import normalize_text
+from kiln.filters.base import Doc, Filter
+from kiln.filters.gopher_quality import text_signals
 from kiln.common.config import ConfigError
 from kiln.clean.dedup import shingles
 
@@ -309,5 +304,28 @@ def test_num_perm_must_equal_bands_times_rows() -> None:
 
 
 def test_clean_does_not_import_dagster() -> None:
-    code = "import sys, kiln.clean.pipeline, kiln.clean.extract; assert 'dagster' not in sys.modules"
+    code = "import sys, kiln.clean.run, kiln.clean.extract; assert 'dagster' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_the_generated_config_pickles_for_worker_processes() -> None:
+    import pickle
+
+    cfg = CleanConfig.from_dict({"min_words": 20, "c4": {"min_sentences": 2}, "minhash": {"enabled": False}})
+    again = pickle.loads(pickle.dumps(cfg))
+    assert type(again) is CleanConfig and again == cfg and again.c4.min_sentences == 2
+    assert again.shard_stage_hash() == cfg.shard_stage_hash()
+
+
+@pytest.mark.slow
+def test_worker_processes_write_the_same_bytes_as_one(tmp_path: Path) -> None:
+    docs = [{"text": PROSE, "source": "a"}, {"text": OTHER_PROSE, "source": "b"}, {"text": "short", "source": "b"},
+            {"text": PROSE, "source": "c"}]
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        out.mkdir()
+        raw = write_raw(out / "raw.parquet", docs)
+        clean(raw, out / "clean.parquet", out / "removed.parquet", CleanConfig(shard_docs=1, workers=workers))
+        outs.append([(out / n).read_bytes() for n in ("clean.parquet", "removed.parquet")])
+    assert outs[0] == outs[1]

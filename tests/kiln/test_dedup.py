@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.clean.pipeline import CleanConfig, clean
+from kiln.clean.config import CleanConfig
+from kiln.clean.run import clean
 from kiln.common.config import ConfigError
 from kiln.clean.dedup import LineDedupConfig, LineDeduper, MinHashConfig, MinHashDeduper, url_key
 from textgen import prose

@@ -1,4 +1,4 @@
-"""Tests for kiln.filters.base: every rule's keep and drop case with its exact reason string, and per-source exemptions.
+"""Tests for the filters of kiln.filters: every rule's keep and drop case with its exact reason string, and per-source exemptions.
 
 Run: python -m pytest tests/kiln/test_filters.py -q
 """
@@ -9,27 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from kiln.clean.pipeline import CleanConfig, clean, default_filters, normalize_text
+from kiln.clean.config import CleanConfig, default_filters
+from kiln.clean.run import clean
 from kiln.common.config import ConfigError
-from kiln.filters.base import (
-    C4Config,
-    C4Filter,
-    C4LineCleaner,
-    DirtyWordsConfig,
-    DirtyWordsFilter,
-    Doc,
-    FineWebConfig,
-    FineWebFilter,
-    GopherRepetition,
-    LanguageConfig,
-    LanguageFilter,
-    Olmo2Config,
-    Olmo2Filter,
-    RepetitionConfig,
-    UrlFilter,
-    UrlFilterConfig,
-    longest_repeat_run,
-)
+from kiln.common.text import normalize_text
+from kiln.filters.base import Doc
+from kiln.filters.c4 import C4Config, C4Filter, C4LineCleaner
+from kiln.filters.dirty_words import DirtyWordsConfig, DirtyWordsFilter
+from kiln.filters.fineweb import FineWebConfig, FineWebFilter
+from kiln.filters.gopher_repetition import GopherRepetition, RepetitionConfig
+from kiln.filters.language import LanguageConfig, LanguageFilter
+from kiln.filters.olmo2 import Olmo2Config, Olmo2Filter, longest_repeat_run
+from kiln.filters.url import UrlFilter, UrlFilterConfig
 from textgen import prose
 
 SENTENCES = [s + "." for s in prose(7, 12).replace("\n\n", " ").split(". ")]
@@ -208,7 +199,7 @@ def test_signals_do_not_depend_on_the_python_hash_seed() -> None:
     import sys
 
     code = ("import json, sys; sys.path.insert(0, 'tests/kiln'); from textgen import prose; "
-            "from kiln.clean.pipeline import CleanConfig, default_filters; from kiln.filters.base import Doc; "
+            "from kiln.clean.config import CleanConfig, default_filters; from kiln.filters.base import Doc; "
             "d = Doc('d', 's', '', prose(3) + ' river bank river bank', 'text/plain', '', 0); "
             "[f.reason(d) for f in default_filters(CleanConfig())]; "
             "print(json.dumps({k: v for k, v in d.signals.items() if not k.startswith('_')}, sort_keys=True))")

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.clean.pipeline import CleanConfig, clean
+from kiln.clean.config import CleanConfig
+from kiln.clean.run import clean
 from kiln.common.config import ConfigError
 from kiln.clean.mixing import MixConfig, keep_sample, plan_mix
 from kiln.clean.pii import PiiConfig, PiiScrubber

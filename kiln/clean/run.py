@@ -1,0 +1,93 @@
+"""``clean()``: the whole cleaning step in one call, for scripts, tests and benchmarks: every shard through the
+per-document stage (``cfg.workers`` processes), then the corpus stage. Dagster runs the same two stages as ops.
+
+``python -c "from kiln.clean.run import clean; print(clean('raw.parquet', 'clean.parquet', 'removed.parquet').kept_docs)"``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Iterable
+
+from kiln.clean.config import CleanConfig, CleanSettings, rule_keys
+from kiln.clean.corpus import merge_shards
+from kiln.clean.report import CleanReport, EmptyCorpusError
+from kiln.clean.shard import Progress, clean_shard, open_raw, plan_shards
+from kiln.filters.base import Filter
+
+
+def _clean_shard_job(args: tuple) -> dict[str, Any]:
+    return clean_shard(*args)
+
+
+def _progress(results: Iterable[dict[str, Any]], cfg: CleanSettings, say: Progress,
+              t0: float) -> list[dict[str, Any]]:
+    """The shard results as they come, with a progress message about every ``cfg.progress_every`` documents."""
+    done, done_docs, next_progress = [], 0, cfg.progress_every
+    for r in results:
+        done.append(r)
+        done_docs += r["report"]["input_docs"]
+        if done_docs >= next_progress:
+            while next_progress <= done_docs:
+                next_progress += cfg.progress_every
+            dt = max(time.perf_counter() - t0, 1e-9)
+            nbytes = sum(x["report"]["input_bytes"] for x in done)
+            say(f"clean: {done_docs} docs read, {done_docs - sum(x['report']['dropped_docs'] for x in done)} "
+                f"passed the document rules, {done_docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s")
+    return done
+
+
+def _clean_shards(jobs: list[tuple], cfg: CleanSettings, parallel: bool, say: Progress,
+                  t0: float) -> list[dict[str, Any]]:
+    if parallel and cfg.workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(min(cfg.workers, len(jobs)), mp_context=get_context("spawn")) as pool:
+            return _progress(pool.map(_clean_shard_job, jobs), cfg, say, t0)
+    return _progress((clean_shard(*job) for job in jobs), cfg, say, t0)
+
+
+def clean(
+    in_path: str | Path,
+    out_path: str | Path,
+    removed_path: str | Path,
+    cfg: CleanSettings | None = None,
+    progress: Progress | None = None,
+    filters: list[Filter] | None = None,
+    work_dir: str | Path | None = None,
+    artifacts_dir: str | Path | None = None,
+) -> CleanReport:
+    """Clean ``in_path`` in one call: every shard through ``clean_shard`` (``cfg.workers`` processes), then
+    ``merge_shards``. Writes kept docs (input order, clean text, signal columns) to ``out_path`` and dropped ones
+    (id, source, url, reason, bytes, detail, duplicate_of) to ``removed_path``, both atomically. Raises
+    EmptyCorpusError, writing neither file, when no document is kept. ``filters`` replaces the document rules.
+    """
+    in_path, cfg = Path(in_path), cfg or CleanConfig()
+    say = progress or (lambda _m: None)
+    t0 = time.perf_counter()
+    shards = plan_shards(in_path, cfg.shard_docs)
+    tmp = Path(tempfile.mkdtemp(prefix="kiln-shards-", dir=work_dir))
+    try:
+        jobs = [(in_path, s, tmp / f"shard-{s['index']:05d}", cfg, filters) for s in shards]
+        results = _clean_shards(jobs, cfg, filters is None, say, t0)
+        if not shards:
+            with open_raw(in_path):
+                pass
+        if not results:
+            raise EmptyCorpusError(CleanReport(config=dataclasses.asdict(cfg)), in_path, rule_keys(cfg))
+        report = merge_shards(results, out_path, removed_path, cfg, progress, work_dir, artifacts_dir)
+    except EmptyCorpusError as e:
+        raise EmptyCorpusError(e.report, in_path, rule_keys(cfg)) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dt = max(time.perf_counter() - t0, 1e-9)
+    report.seconds = round(dt, 3)
+    report.docs_per_s = round(report.input_docs / dt, 1)
+    report.mb_per_s = round(report.input_bytes / dt / 1e6, 3)
+    say(f"clean: done, {report.input_docs} docs read, {report.kept_docs} kept, "
+        f"{report.docs_per_s:.0f} docs/s, {report.mb_per_s:.2f} MB/s")
+    return report

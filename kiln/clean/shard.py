@@ -1,0 +1,251 @@
+"""The per-document stage of cleaning, one shard at a time: extraction, Unicode repair, normalisation, C4 line
+removal, the registered filters, PII scrubbing and MinHash signatures. Dagster runs one op per shard in parallel.
+
+``clean_shard(raw, plan_shards(raw, 4000)[0], "out/", CleanConfig())`` writes kept.parquet, removed.parquet and
+report.json into ``out/`` (reused when already complete).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kiln.clean.config import CleanSettings, default_filters
+from kiln.clean.dedup import signatures
+from kiln.clean.extract import extract_and_title
+from kiln.clean.pii import PiiScrubber
+from kiln.clean.report import CleanReport
+from kiln.clean.schema import CONTENT_TYPES, INPUT_COLUMNS, REMOVED_SCHEMA, STAGE_SIGNALS, shard_schema, signal_types
+from kiln.clean.text import fix_unicode
+from kiln.common.files import atomic_path, atomic_write_json, stable_hash
+from kiln.common.text import normalize_text
+from kiln.filters import registry
+from kiln.filters.base import Doc, Filter, ThresholdFilter, matches_any
+from kiln.filters.c4 import C4LineCleaner
+from kiln.filters.registry import RegistryError
+
+Progress = Callable[[str], None]  # gets a one-line message; a logger's .info fits
+
+
+def open_raw(in_path: Path) -> pq.ParquetFile:
+    """The raw corpus Parquet, checked for the columns cleaning reads (ValueError naming the file if one is missing)."""
+    pf = pq.ParquetFile(in_path)
+    missing = [c for c in INPUT_COLUMNS if c not in pf.schema_arrow.names]
+    if missing:
+        raise ValueError(
+            f"{in_path}: missing column(s) {missing}; a raw corpus needs {INPUT_COLUMNS} "
+            f"(has {pf.schema_arrow.names})."
+        )
+    return pf
+
+
+def plan_shards(in_path: str | Path, shard_docs: int) -> list[dict[str, Any]]:
+    """Split the raw Parquet into shards of about ``shard_docs`` consecutive rows that never mix sources.
+
+    Each shard is {"index", "source", "segments": [[row group, start, stop], ...], "docs", "key"}; ``key`` hashes
+    the shard's rows (ids and sizes), so a shard whose documents did not change keeps its key when sources are
+    added or removed around it.
+    """
+    in_path = Path(in_path)
+    shards: list[dict[str, Any]] = []
+    with open_raw(in_path) as pf:
+        for rg in range(pf.num_row_groups):
+            t = pf.read_row_group(rg, columns=["source", "id", "bytes"])
+            sources, ids, sizes = (t.column(c).to_pylist() for c in ("source", "id", "bytes"))
+            start = 0
+            while start < len(ids):
+                last = shards[-1] if shards else None
+                if last is None or last["source"] != sources[start] or last["docs"] >= shard_docs:
+                    last = {"index": len(shards), "source": sources[start], "segments": [], "docs": 0, "_h": []}
+                    shards.append(last)
+                stop = start
+                while stop < len(ids) and sources[stop] == sources[start] and last["docs"] + stop - start < shard_docs:
+                    stop += 1
+                last["segments"].append([rg, start, stop])
+                last["docs"] += stop - start
+                last["_h"].append([ids[start:stop], sizes[start:stop]])
+                start = stop
+    for s in shards:
+        s["key"] = stable_hash(s.pop("_h"))[:16]
+    return shards
+
+
+def shard_stage_key(shard: dict[str, Any], cfg: CleanSettings) -> str:
+    """Cache key of one shard's output: its rows' hash and the per-document stage's config and code version."""
+    return stable_hash([shard["key"], cfg.shard_stage_hash()])[:20]
+
+
+def _to_doc(row: dict[str, Any], where: str) -> Doc:
+    doc_id = row["id"]
+    if doc_id is None:
+        raise ValueError(f"{where} has no id; every raw document needs one.")
+    ctype = row["content_type"]
+    if ctype not in CONTENT_TYPES:
+        raise ValueError(f"{where}: record id={doc_id!r}: content_type {ctype!r} is not one of {CONTENT_TYPES}.")
+    text = row["text"] or ""
+    size = row["bytes"] if row["bytes"] is not None else len(text.encode())
+    return Doc(doc_id, row["source"] or "", row["url"] or "", text, ctype, row["license"] or "", size)
+
+
+class Timer:
+    """CPU seconds of this process per stage (wall time would count the waits of a busy machine)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.t = time.process_time()
+
+    def lap(self, stage: str) -> None:
+        now = time.process_time()
+        self.seconds[stage] += now - self.t
+        self.t = now
+
+
+class ShardCleaner:
+    """The per-document stage: extract, repair, normalise, C4 line removal, document rules, PII, MinHash signature."""
+
+    def __init__(self, cfg: CleanSettings, filters: list[Filter] | None = None) -> None:
+        self.cfg = cfg
+        self.filters = default_filters(cfg) if filters is None else filters
+        self.lines = C4LineCleaner(cfg.c4)
+        self.pii = PiiScrubber(cfg.pii)
+        self.columns = frozenset(signal_types())
+        self.declared = registry.declared_signals() | STAGE_SIGNALS.keys()
+
+    def _exempt(self, doc: Doc) -> list[str]:
+        return [r for pattern, rules in self.cfg.exempt.items() if matches_any(doc.source, [pattern]) for r in rules]
+
+    def judge(self, doc: Doc, report: CleanReport, timer: Timer) -> tuple[str, str] | None:
+        """Run one document through the stage in place; returns (reason, detail) when it is dropped."""
+        raw = doc.text
+        if doc.content_type == "text/html":
+            doc.text, doc.title = extract_and_title(raw)
+        timer.lap("extract")
+        if self.cfg.fix_unicode and doc.text:
+            doc.text = fix_unicode(doc.text)
+        doc.text = normalize_text(doc.text)
+        timer.lap("unicode")
+        if not doc.text:
+            return "extract:empty", f"{doc.content_type} of {doc.input_bytes} bytes has no main text"
+        doc.text, edits = self.lines.clean(doc.text)
+        for rule, (n, nbytes) in edits.items():
+            report.edit(rule, n, nbytes)
+        timer.lap("c4_lines")
+        if not doc.text:
+            return "extract:empty", "no line left after C4 line removal"
+        verdict = self._filter(doc, timer)
+        if verdict is not None:
+            return verdict
+        text, counts = self.pii.scrub(doc.text)
+        n = sum(counts.values())
+        if n:
+            doc.text = text
+            doc.reset()
+            for kind, c in counts.items():
+                if c:
+                    report.edit(f"pii:{kind}", c, 0)
+        doc.signals["pii_replacements"] = n
+        timer.lap("pii")
+        return None
+
+    def _filter(self, doc: Doc, timer: Timer) -> tuple[str, str] | None:
+        """The document rules in order, less the ones exempt for the document's source; the first that drops wins."""
+        exempt = self._exempt(doc)
+        for f in self.filters:
+            if isinstance(f, ThresholdFilter) and exempt:
+                rules, f.rules = f.rules, [r for r in f.rules if not matches_any(r.reason, exempt)]
+                try:
+                    reason = f.reason(doc)
+                finally:
+                    f.rules = rules
+            else:
+                reason = f.reason(doc)
+            timer.lap(f"filter:{f.name}")
+            self._check_signals(f, doc)
+            if reason and not matches_any(reason, exempt):
+                return reason, f.detail(doc)
+        return None
+
+    def _check_signals(self, f: Filter, doc: Doc) -> None:
+        extra = doc.signals.keys() - self.declared
+        if extra and (bad := sorted(k for k in extra if not k.startswith("_"))):
+            raise RegistryError(
+                f"filter {f.name!r} wrote signal(s) {bad} (document {doc.id!r}) that no line of kiln.filters.registry "
+                f"declares: add them to the filter's signals= (an Arrow type keeps one as a kept-corpus column, None "
+                f"leaves it out), or name a scratch value with a leading '_'.")
+
+    def run(self, docs: list[Doc], report: CleanReport, timer: Timer) -> tuple[list[dict], list[dict]]:
+        kept_docs, removed = [], []
+        for doc in docs:
+            raw = doc.text
+            verdict = self.judge(doc, report, timer)
+            report.input_docs += 1
+            report.input_bytes += doc.input_bytes
+            if verdict is None:
+                kept_docs.append(doc)
+            else:
+                report.drop(doc.id, doc.source, doc.input_bytes, verdict[0], doc.text or raw,
+                            self.cfg.examples_per_reason)
+                removed.append(removed_row(doc, verdict[0], verdict[1], None))
+        sigs: list[bytes | None] = [None] * len(kept_docs)
+        if self.cfg.minhash.enabled and kept_docs:
+            sigs = [s.astype(np.uint32).tobytes() for s in signatures([d.text for d in kept_docs], self.cfg.minhash)]
+        timer.lap("minhash_signatures")
+        kept = [self._kept_row(d, sig) for d, sig in zip(kept_docs, sigs)]
+        return kept, removed
+
+    def _kept_row(self, doc: Doc, sig: bytes | None) -> dict[str, Any]:
+        signals = {k: v for k, v in doc.signals.items() if k in self.columns}
+        return {"id": doc.id, "source": doc.source, "url": doc.url, "text": doc.text, "content_type": doc.content_type,
+                "bytes": len(doc.text.encode()), "license": doc.license, "title": doc.title,
+                "input_bytes": doc.input_bytes, "minhash": sig, **signals}
+
+
+def removed_row(doc: Doc | dict, reason: str, detail: str, duplicate_of: str | None) -> dict[str, Any]:
+    """A row of removed.parquet for a document (or a shard row) dropped with ``reason``."""
+    get = (lambda k: doc[k]) if isinstance(doc, dict) else (lambda k: getattr(doc, k))  # noqa: E731
+    size = doc["input_bytes"] if isinstance(doc, dict) else doc.input_bytes
+    return {"id": get("id"), "source": get("source"), "url": get("url"), "reason": reason, "bytes": size,
+            "detail": detail, "duplicate_of": duplicate_of}
+
+
+def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path, cfg: CleanSettings,
+                filters: list[Filter] | None = None) -> dict[str, Any]:
+    """Run the per-document stage over one shard; writes ``kept.parquet``, ``removed.parquet`` and
+    ``report.json`` into ``out_dir`` (atomically; an existing complete shard is reused) and returns the result."""
+    in_path, out_dir = Path(in_path), Path(out_dir)
+    done = out_dir / "report.json"
+    if done.is_file() and filters is None:
+        return json.loads(done.read_text())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report, timer = CleanReport(), Timer()
+    cleaner = ShardCleaner(cfg, filters)
+    schema = shard_schema()
+    with open_raw(in_path) as pf, atomic_path(out_dir / "kept.parquet") as kept_tmp, \
+            atomic_path(out_dir / "removed.parquet") as rm_tmp:
+        with pq.ParquetWriter(kept_tmp, schema) as kept_w, pq.ParquetWriter(rm_tmp, REMOVED_SCHEMA) as rm_w:
+            for rg, first, stop in shard["segments"]:
+                rows = pf.read_row_group(rg, columns=INPUT_COLUMNS).slice(first, stop - first)
+                row_no = first
+                for batch in rows.to_batches(max_chunksize=cfg.batch_size):
+                    docs = [_to_doc(row, f"{in_path}: row group {rg}, row {row_no + i}")
+                            for i, row in enumerate(batch.to_pylist())]
+                    row_no += len(docs)
+                    timer.lap("read")
+                    kept, removed = cleaner.run(docs, report, timer)
+                    kept_w.write_table(pa.Table.from_pylist(kept, schema=schema))
+                    rm_w.write_table(pa.Table.from_pylist(removed, schema=REMOVED_SCHEMA))
+                    timer.lap("write")
+    report.stage_seconds = {k: round(v, 4) for k, v in timer.seconds.items()}
+    result = {"shard": {k: v for k, v in shard.items()}, "dir": str(out_dir),
+              "kept": str(out_dir / "kept.parquet"), "removed": str(out_dir / "removed.parquet"),
+              "report": report.to_dict()}
+    if filters is None:
+        atomic_write_json(done, result)
+    return result
