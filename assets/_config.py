@@ -18,7 +18,7 @@ import typing
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from dagster import Config
-from pydantic import ConfigDict, Field, create_model
+from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validator
 
 from kiln.common.config import ConfigError, from_dict
 
@@ -32,6 +32,27 @@ class DataclassConfig(Config):
     core: ClassVar[type]  # the dataclass this class mirrors
     unset_mode: ClassVar[bool] = False  # every field defaults to None, meaning "not set"
     core_defaults: ClassVar[dict[str, Any]] = {}  # the dataclass's own defaults, nested blocks as dicts
+    _unknown: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_unknown_keys(cls, data: Any, handler):
+        """Keys given in Python (tests, direct invocation) that are no field are kept aside and handed on by
+        to_dict, so from_dict refuses them with its usual message (where, the key, the closest field). Run
+        config never gets here with one: Dagster's validation refuses it first, naming the path."""
+        unknown = {}
+        if isinstance(data, dict):
+            unknown = {k: v for k, v in data.items() if k not in cls.model_fields}
+            data = {k: v for k, v in data.items() if k not in unknown}
+        made = handler(data)
+        if unknown:
+            made._unknown = unknown
+        return made
+
+    def _convert_to_config_dictionary(self) -> dict[str, Any]:
+        """Dagster's run-config form of this block (direct invocation and RunConfig objects pass through it): with
+        any unknown keys, so that Dagster's validation refuses them naming the path instead of dropping them."""
+        return {**super()._convert_to_config_dictionary(), **self._unknown}
 
     def to_dict(self, changed_only: bool = False) -> dict[str, Any]:
         """The fields as a plain dict; nested blocks as dicts. In unset mode, only the fields that were set.
@@ -66,7 +87,7 @@ def _plain(config: DataclassConfig, defaults: dict[str, Any] | None) -> dict[str
             value = copy.deepcopy(value)
         if keep:
             out[name] = value
-    return out
+    return {**out, **copy.deepcopy(config._unknown)}
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -96,28 +117,33 @@ def _class_node(klass: type) -> tuple[ast.ClassDef, dict[int, str], set[int]] | 
 
 
 def _own_comments(klass: type) -> tuple[dict[str, str], str | None]:
-    """({field: its trailing comment, else the comment lines just above it}, docstring) of one class body."""
+    """({field: its trailing comment, else the string just below it, else the comment lines just above it},
+    docstring) of one class body."""
     parsed = _class_node(klass)
     if parsed is None:
         return {}, None
     node, comments, alone = parsed
     docs = {}
-    for stmt in node.body:
+    for stmt, after in zip(node.body, [*node.body[1:], None]):
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
         trailing = [comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1) if n in comments and n not in alone]
+        below = (after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                 and isinstance(after.value.value, str) else "")
         above, n = [], stmt.lineno - 1
         while n in alone:
             above.insert(0, comments[n])
             n -= 1
-        if trailing or above:
-            docs[stmt.target.id] = trailing[0] if trailing else " ".join(above)
+        found = trailing[0] if trailing else " ".join(inspect.cleandoc(below).split()) or " ".join(above)
+        if found:
+            docs[stmt.target.id] = found
     return docs, ast.get_docstring(node)
 
 
 def field_docs(cls: type) -> dict[str, str]:
     """{field: one-line doc} of a dataclass: ``field(metadata={"doc": ...})``, else the field's trailing
-    ``# comment``, else the comment lines just above it, looked up in the class that declares the field."""
+    ``# comment``, else the string literal just below it (an attribute docstring), else the comment lines just
+    above it; looked up in the class that declares the field."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if "__dataclass_fields__" in vars(klass):

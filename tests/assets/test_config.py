@@ -116,7 +116,7 @@ def test_clean_schema_has_the_inherited_gopher_keys_on_top_and_nested_sections()
     assert fields["language"].config_type.fields["allowed"].default_value == ["en"]
 
 
-def test_field_docs_take_metadata_first_then_trailing_then_leading_comments():
+def test_field_docs_take_metadata_then_trailing_comment_then_attribute_docstring_then_leading_comments():
     @dataclass
     class Made:
         a: int = 1  # trailing
@@ -124,8 +124,12 @@ def test_field_docs_take_metadata_first_then_trailing_then_leading_comments():
         # and line two
         b: str = "x"
         c: float = field(default=0.5, metadata={"doc": "from metadata"})  # not this
+        d: bool = False
+        """An attribute docstring,
+        on two lines."""
 
-    assert field_docs(Made) == {"a": "trailing", "b": "leading, line one and line two", "c": "from metadata"}
+    assert field_docs(Made) == {"a": "trailing", "b": "leading, line one and line two", "c": "from metadata",
+                                "d": "An attribute docstring, on two lines."}
     generated = dataclasses.make_dataclass("Gen", [("k", int, field(default=3, metadata={"doc": "generated"}))])
     assert schema_of(generated).to_fields_dict()["k"].description == "generated"
 
@@ -151,6 +155,18 @@ def test_defaults_overrides_include_exclude_and_bad_arguments():
         schema_of(dataclasses.make_dataclass("Odd", [("when", set, field(default_factory=set))]))
 
 
+def test_source_spec_required_fields_and_attribute_docstrings():
+    from kiln.sources.readers import SourceSpec, specs_from_dicts
+
+    fields = schema_of(SourceSpec).to_fields_dict()
+    assert [k for k, f in fields.items() if f.is_required] == ["name", "kind", "format", "license"]
+    assert fields["kind"].description.startswith('Where the files come from: "pip" (PyPI package)')
+    assert fields["include"].config_type.key == "Noneable.Array.StringSourceType"
+    given = {"name": "mine", "kind": "local", "path": "/data/*.jsonl", "format": "jsonl", "license": "CC0"}
+    typed = schema_of(SourceSpec)(**given)
+    assert specs_from_dicts([typed.to_dict()], "s") == specs_from_dicts([given], "s")
+
+
 # ---------------------------------------------------------------------------------------------------- validation
 
 
@@ -161,8 +177,26 @@ def test_a_typo_in_a_nested_block_is_refused_by_dagster_naming_the_field():
         validate_run_config(job, {"ops": {"probe": {"config": {"clean": {"minhash": {"bandz": 3}}}}}})
     with pytest.raises(DagsterInvalidConfigError, match=r'unexpected config entry "n_layr" at path root:ops:probe:config:model'):
         validate_run_config(job, {"ops": {"probe": {"config": {"model": {"n_layr": 3}}}}})
-    with pytest.raises(Exception, match="n_layr"):  # built in Python, unknown keys are errors too
-        schema_of(GPTConfig, optional=True)(n_layr=3)
+
+def test_unknown_keys_given_in_python_are_refused_by_from_dict_with_its_message():
+    model = schema_of(GPTConfig, optional=True)(n_layr=3)  # direct invocation and tests: no Dagster validation
+    with pytest.raises(ConfigError, match=r"training_plan.model: unknown key 'n_layr'. Did you mean 'n_layer'\?"):
+        model.to_dataclass("training_plan.model")
+    assert model.to_dict() == {"n_layr": 3}
+    clean = schema_of(CleanConfig)(minhash={"bandz": 3})
+    with pytest.raises(ConfigError, match=r"clean_corpus.clean.minhash: unknown key 'bandz'. Did you mean 'bands'\?"):
+        clean.to_dataclass("clean_corpus.clean")
+    probe_config = ProbeConfig(model={"n_layers": 2})
+    with pytest.raises(ConfigError, match=r"m: unknown key 'n_layers'"):
+        probe_config.model.to_dataclass("m")
+    SEEN.clear()
+    probe(ProbeConfig(model={"n_layer": 2}, clean={"minhash": {"bands": 7, "rows": 16}}))  # direct invocation, valid
+    assert SEEN[-1].model.to_dict() == {"n_layer": 2} and SEEN[-1].clean.to_dataclass().minhash.bands == 7
+    # invoking the asset directly hands the config to Dagster's validation, which refuses the key (never drops it)
+    with pytest.raises(DagsterInvalidConfigError, match=r'unexpected config entry "n_layers" at path root:config:model'):
+        probe(probe_config)
+    with pytest.raises(DagsterInvalidConfigError, match=r'unexpected config entry "bandz" at path root:config:clean:minhash'):
+        probe(ProbeConfig(clean={"minhash": {"bandz": 3}}))
 
 
 def test_a_string_where_an_int_belongs_is_refused():
