@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from dagster import Config, DagsterInvalidConfigError, asset, define_asset_job, materialize, validate_run_config
+from dagster import (
+    Config,
+    DagsterInvalidConfigError,
+    Definitions,
+    asset,
+    define_asset_job,
+    materialize,
+    validate_run_config,
+)
 from dagster._core.snap import JobSnap
 from pydantic import Field
 
@@ -53,19 +61,16 @@ def snap_fields(snap, key: str) -> dict:
     return {f.name: f for f in snap.config_schema_snapshot.get_config_snap(key).fields}
 
 
+def probe_job():
+    return Definitions(assets=[probe], jobs=[define_asset_job("probe_job")]).resolve_job_def("probe_job")
+
+
 def probe_config_fields() -> tuple[JobSnap, dict]:
     """(job snapshot, the probe op's config fields) as the webserver serves them to the launchpad."""
-    job = define_asset_job("probe_job").resolve(asset_graph=_graph())
-    snap = JobSnap.from_job_def(job)
+    snap = JobSnap.from_job_def(probe_job())
     root = snap_fields(snap, snap.mode_def_snaps[0].root_config_key)
     ops = snap_fields(snap, root["ops"].type_key)
     return snap, snap_fields(snap, snap_fields(snap, ops["probe"].type_key)["config"].type_key)
-
-
-def _graph():
-    from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
-
-    return AssetGraph.from_assets([probe])
 
 
 # ---------------------------------------------------------------------------------------------------- fields
@@ -171,7 +176,7 @@ def test_source_spec_required_fields_and_attribute_docstrings():
 
 
 def test_a_typo_in_a_nested_block_is_refused_by_dagster_naming_the_field():
-    job = define_asset_job("probe_job").resolve(asset_graph=_graph())
+    job = probe_job()
     with pytest.raises(DagsterInvalidConfigError, match=r'unexpected config entry "bandz" at path '
                                                          r"root:ops:probe:config:clean:minhash"):
         validate_run_config(job, {"ops": {"probe": {"config": {"clean": {"minhash": {"bandz": 3}}}}}})
@@ -200,7 +205,7 @@ def test_unknown_keys_given_in_python_are_refused_by_from_dict_with_its_message(
 
 
 def test_a_string_where_an_int_belongs_is_refused():
-    job = define_asset_job("probe_job").resolve(asset_graph=_graph())
+    job = probe_job()
     with pytest.raises(DagsterInvalidConfigError, match=r'root:ops:probe:config:batch:seq_len. Value "long"'):
         validate_run_config(job, {"ops": {"probe": {"config": {"batch": {"seq_len": "long"}}}}})
     with pytest.raises(DagsterInvalidConfigError, match=r"config:optim:lr"):
