@@ -1,14 +1,22 @@
-"""Helpers shared by the asset modules: content-addressed outputs, metadata formatting, plots."""
+"""Helpers shared by the asset modules: the output pattern (MLflow run, reuse, staging, commit, Output), metadata, plots.
 
+An asset body: ``with asset_output(context, mlflow, parent=storage.path("x"), config=config) as out:`` (see asset_output).
+"""
 
 import base64
+import contextlib
 import io
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
-from dagster import DataVersion, MetadataValue
+from dagster import DataVersion, MetadataValue, Output
 
-from kiln.common.files import commit_dir, manifest_of_dir, stable_hash
+from kiln.common.files import commit_dir, manifest_of_dir, stable_hash, staging_dir
+
+
+def content_version(staged: Path, volatile: tuple[str, ...] = ()) -> str:
+    """The data version of a folder: a hash of its files' sizes and sha256s, those named in ``volatile`` left out."""
+    return stable_hash({k: v for k, v in manifest_of_dir(staged).items() if k not in volatile})[:16]
 
 
 def commit_output(staged: Path, parent: Path, volatile: tuple[str, ...] = ()) -> tuple[Path, str]:
@@ -16,9 +24,103 @@ def commit_output(staged: Path, parent: Path, volatile: tuple[str, ...] = ()) ->
 
     Files named in ``volatile`` (reports holding timings) are kept but left out of the hash, so the same data
     gets the same version however long it took; when that folder exists already, it is kept as it is."""
-    manifest = {k: v for k, v in manifest_of_dir(staged).items() if k not in volatile}
-    version = stable_hash(manifest)[:16]
+    version = content_version(staged, volatile)
     return commit_dir(staged, parent / version), version
+
+
+class AssetOutput:
+    """What an asset body writes its output through (made by asset_output): ``reused``, ``stage``, ``commit``,
+    ``result``, and the MLflow child run's ``log_metrics``, ``log_artifact``, ``set_tags``, ``run_id``."""
+
+    def __init__(self, run, parent: Path | None, stage: Path | None):
+        self.run = run  # resources.tracking.AssetRun, or None without MLflow
+        self.reused: Output | None = run.reused if run is not None else None  # return it when set
+        self.parent = parent
+        self._stage = stage
+        self.final: Path | None = None  # the committed folder
+        self.version: str | None = None  # its data version
+
+    @property
+    def stage(self) -> Path:
+        """The staging folder (deleted at the end unless committed)."""
+        if self._stage is None:
+            raise RuntimeError("no staging folder: return out.reused first when it is set, and give asset_output "
+                               "parent= for an asset that writes a folder")
+        return self._stage
+
+    def commit(self, volatile: tuple[str, ...] = (), folder: Path | None = None, into: Path | None = None) -> Path:
+        """Move the staged folder to ``<into or parent>/<content hash>``, or to ``folder`` when the caller keys it
+        (e.g. by its inputs); the content hash, without the ``volatile`` files (timings), is the data version."""
+        self.version = content_version(self.stage, volatile)
+        self.final = commit_dir(self.stage, folder if folder is not None else (into or self.parent) / self.version)
+        return self.final
+
+    def result(self, value: Any, metadata: dict[str, Any] | None = None, version: str | None = None) -> Output:
+        """The Output: ``value``, the data version (the commit's, or ``version`` for an asset without a folder),
+        ``metadata`` plus the MLflow run's link; recorded in MLflow so an identical later run reuses it."""
+        version = version or self.version
+        if version is None:
+            raise ValueError("AssetOutput.result: no data version; commit() the staged folder or pass version=")
+        if self.run is None:
+            return Output(value, data_version=DataVersion(version), metadata=dict(metadata or {}))
+        return self.run.output(value, version, {**(metadata or {}), **mlflow_meta(self.run)})
+
+    @property
+    def run_id(self) -> str:
+        return self.run.run_id
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.run.tracking_uri
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        self.run.log_metrics(metrics, step)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.run.log_artifact(path, artifact_path)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.run.set_tags(tags)
+
+
+def _version_of(v: Any) -> Any:
+    return v["version"] if isinstance(v, dict) else v
+
+
+@contextlib.contextmanager
+def asset_output(context, mlflow, *, parent: Path | None = None, config=None, inputs: dict[str, Any] | None = None,
+                 params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None,
+                 reuse: dict[str, Any] | None = None) -> Iterator[AssetOutput]:
+    """The MLflow child run of the asset being materialized, with reuse, and a staging folder under ``parent``::
+
+        with asset_output(context, mlflow, parent=storage.path("tokenizer"), config=config,
+                          inputs={"clean_corpus": clean_corpus}) as out:
+            if out.reused:
+                return out.reused
+            write(out.stage / "tokenizer.json")
+            final = out.commit()
+            return out.result({"path": str(final / "tokenizer.json"), "version": out.version}, {"n_vocab": n})
+
+    config: the asset's Config; logged as params and part of the reuse key (as ``config``).
+    inputs: {name: upstream output or its data version}; tagged ``input.<name>`` and part of the reuse key.
+    params, tags, reuse: logged params (default: the config), more tags, more reuse-key entries. With none of
+    config, inputs, reuse the output is never reused. ``mlflow`` None: no MLflow run, no reuse.
+    No staging folder is made when ``parent`` is None or an earlier run is reused."""
+    given = {k: _version_of(v) for k, v in (inputs or {}).items() if v is not None}
+    if mlflow is None:
+        runs = contextlib.nullcontext(None)
+    else:
+        dump = config.model_dump() if config is not None else None
+        key = {**({"config": dump} if config is not None else {}), **given, **(reuse or {})}
+        runs = mlflow.asset_run(context, params=params if params is not None else dump,
+                                tags={**{f"input.{k}": v for k, v in given.items()}, **(tags or {})},
+                                reuse=key if (config is not None or inputs or reuse is not None) else None)
+    with runs as run:
+        if run is not None and run.reused is not None:
+            yield AssetOutput(run, parent, None)
+            return
+        with staging_dir(parent) if parent is not None else contextlib.nullcontext(None) as stage:
+            yield AssetOutput(run, parent, stage)
 
 
 def data_version(version: str) -> DataVersion:

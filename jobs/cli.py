@@ -1,10 +1,6 @@
-"""The ``kiln`` command line: run the pipeline with a preset, sample from a model, show a model's lineage.
+"""The ``kiln`` command line: run the pipeline with a preset; sample from, plan or trace the lineage of a model.
 
-kiln run --preset demo            materialize every asset with conf/presets/demo.yaml
-kiln run --preset smoke --select eval_scores,release_bundle
-kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
-kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
-kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
+Run ``kiln --help`` (or ``python -m jobs.cli --help``) for the commands; USAGE below shows examples.
 """
 
 from __future__ import annotations
@@ -21,6 +17,14 @@ import yaml
 
 PROJECT = Path(__file__).resolve().parent.parent
 PRESETS = PROJECT / "conf" / "presets"
+USAGE = """The ``kiln`` command line: run the pipeline with a preset, sample from a model, show a model's lineage.
+
+kiln run --preset demo            materialize every asset with conf/presets/demo.yaml
+kiln run --preset smoke --select eval_scores,release_bundle
+kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
+kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
+kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
+"""
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
@@ -221,7 +225,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="kiln", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialize assets with a preset")
     run.add_argument("--preset", default="demo", help="name under conf/presets (smoke, demo, gpt2-124m-1gpu, ...) or a YAML path")

@@ -1,6 +1,6 @@
-"""The storage root every asset writes under: a local folder by default, or any fsspec URL (s3://bucket/prefix) holding the durable copy.
+"""The storage root every asset writes under: a local folder, or an fsspec URL (s3://bucket/prefix) for the durable copy.
 
-Configure it in run config (``resources: {storage: {config: {root: s3://bucket/kiln}}}``) or in jobs/definitions.py.
+Set it in run config (``resources: {storage: {config: {root: s3://bucket/kiln}}}``) or in jobs/definitions.py.
 """
 
 from __future__ import annotations

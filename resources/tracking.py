@@ -1,4 +1,7 @@
-"""MLflow tracking: one parent run per Dagster run, one child run per asset materialization."""
+"""MLflow tracking: one parent run per Dagster run, one child run per asset materialization, and run reuse.
+
+Assets open their child run through assets._common.asset_output; set ``resources.mlflow.config.tracking_uri`` to share a server.
+"""
 
 from __future__ import annotations
 

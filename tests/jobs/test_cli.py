@@ -28,6 +28,16 @@ def test_preset_with_bad_top_level_key(tmp_path):
         load_preset(str(bad))
 
 
+def test_help_lists_the_commands_with_examples(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kiln [-h] {run,generate,config,plan,lineage} ...")
+    assert "kiln run --preset smoke --select eval_scores,release_bundle" in out
+    assert "kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware" in out
+
+
 def test_run_rejects_unknown_asset(tmp_path):
     with pytest.raises(SystemExit, match="unknown asset"):
         main(["run", "--preset", "smoke", "--select", "tokenizr", "--home", str(tmp_path)])
