@@ -9,8 +9,7 @@ from dagster import AssetCheckResult, AssetExecutionContext, Config, MetadataVal
 from pydantic import Field
 
 from assets._common import commit_output, md_table, mlflow_meta
-from assets.alignment import stage_rows
-from kiln.posttrain.common import MEASURES
+from kiln.posttrain.measures import MEASURES, stage_rows
 from kiln.release.registry import compare_scores, flat_scores, previous_release, register_release
 from kiln.release.bundle import write_release
 from kiln.common.files import staging_dir

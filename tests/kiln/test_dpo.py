@@ -20,7 +20,7 @@ from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.posttrain.dpo import PairLoader, dpo_loss, encode_preferences, pair_batch
 from kiln.posttrain.instructions import build_pairs, write_jsonl
 from kiln.model.gpt import GPT, GPTConfig
-from kiln.posttrain.common import score_responses, sequence_logps, token_logps
+from kiln.posttrain.logprobs import score_responses, sequence_logps, token_logps
 from kiln.posttrain.preferences import build_preferences
 from kiln.posttrain.sft import IGNORE, encode_example
 
