@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable
 
 import torch.distributed as dist
 
-TASKS = {"pretrain": "kiln.train.loop", "sft": "kiln.train.loop", "dpo": "kiln.posttrain.dpo", "rl": "kiln.posttrain.rl"}  # task -> module with main()
+# job task -> the module whose main() runs it
+TASKS = {"pretrain": "kiln.train.loop", "sft": "kiln.train.loop", "dpo": "kiln.posttrain.dpo", "rl": "kiln.posttrain.rl"}
 
 
 def entry_point(argv: list[str]) -> Callable[..., dict[str, Any]]:

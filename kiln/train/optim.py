@@ -46,5 +46,6 @@ def make_optimizer(model: torch.nn.Module, opt: OptimConfig, device: torch.devic
     )
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, opt: OptimConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(optimizer: torch.optim.Optimizer, opt: OptimConfig, max_steps: int):
+    """The lr_lambda schedule as a LambdaLR: step it once per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opt, max_steps))

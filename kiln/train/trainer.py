@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,8 +23,8 @@ from kiln.common.files import atomic_write_json
 from kiln.model.gpt import GPT, GPTConfig, flops_per_token
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, parallelize
-from kiln.train.checkpoint import (Checkpointer, list_checkpoints, load_state, resolve_checkpoint, rng_state,
-                                   set_rng_state, step_of)
+from kiln.train.checkpoint import (Checkpointer, CheckpointError, list_checkpoints, load_state, resolve_checkpoint,
+                                   rng_state, set_rng_state, step_of)
 from kiln.train.dist import DistInfo, all_gather, all_mean, rank_digests
 from kiln.train.goodput import GoodputLedger, summarize
 from kiln.train.job import TrainJob
@@ -369,6 +370,9 @@ class Trainer:
         self.ledger.add("save_s", self.ckpt.save(step, self.raw, self.optimizer, extras, meta, weights))
 
     def restore(self, path: Path, rolling_back: bool = False) -> None:
+        if "job" not in json.loads((Path(path) / "meta.json").read_text()):  # DPO and RL saved less before the Trainer
+            raise CheckpointError(f"{path}: an older DPO/RL checkpoint, which a run cannot resume from; move "
+                                  f"{Path(path).parent} aside to train this stage again")
         extras, _ = self.ckpt.load(path, self.raw, self.optimizer, part="lora" if self.stage.lora.enabled else "model")
         self.scheduler.load_state_dict(extras["scheduler"])
         self.stage.load_state_dict(extras["loader"])
