@@ -213,3 +213,40 @@ def test_an_older_dpo_checkpoint_is_named_rather_than_resumed(tmp_path, tiny_tok
     old = tiny_checkpoint(tmp_path / "job" / "run" / "checkpoints", tok_path, model)  # meta as DPO wrote it: no "job"
     with pytest.raises(CheckpointError, match=rf"{old}: an older DPO/RL checkpoint, which a run cannot resume from"):
         main(["--config", str(job), "--device", "cpu"])
+
+
+class _Quiet:
+    def log(self, message: str) -> None:
+        pass
+
+
+def test_a_lora_dpo_run_resumes_after_a_crash_bit_identically(tmp_path, tiny_tokenizer, model_dict,
+                                                              preference_file) -> None:
+    """Adapters, optimizer, data order and dropout's RNG come back from the step-3 checkpoint exactly."""
+    from kiln.posttrain.dpo import main
+    from kiln.train.checkpoint import load_state
+    from tests.faults import injector
+
+    _, tok_path = tiny_tokenizer
+    init = tiny_checkpoint(tmp_path / "init", tok_path, model_dict)  # dropout 0.1: the RNG state matters
+    kw = dict(lora={"enabled": True, "rank": 4, "dropout": 0.1}, micro_batch=4, grad_accum=2, max_steps=8,
+              eval_interval=4, eval_pairs=8, keep_last=3)
+    args = lambda name: ["--config", str(dpo_job(tmp_path / name, tok_path, model_dict, init, preference_file, **kw)),  # noqa: E731
+                         "--device", "cpu"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = main(args("ref"), _Quiet())
+        with pytest.raises(RuntimeError, match="injected failure at step 5"):
+            main(args("crash"), _Quiet(), [injector(fail_at_step=5)])
+        res = main(args("crash"), _Quiet(), [injector(fail_at_step=5)])
+    finally:
+        torch.set_num_threads(threads)
+    assert Path(res["resumed_from"]).name == "step_0000003" and res["steps"] == 8
+    assert res["history"] == ref["history"] and res["final_train"] == ref["final_train"]
+    a, _ = load_state(Path(ref["checkpoint"]))
+    b, _ = load_state(Path(res["checkpoint"]))
+    for part in ("model", "lora"):  # merged weights for readers, adapters for resuming
+        assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert all(k.endswith(("lora_A", "lora_B")) for k in a["lora"]) and "lora" not in "".join(a["model"])
+    assert a["loader"] == b["loader"] and a["run"]["data_batches"] == b["run"]["data_batches"] == 8
