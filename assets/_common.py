@@ -167,3 +167,22 @@ def line_plot(series: dict[str, list[tuple[float, float]]], title: str, xlabel: 
 
 def mlflow_meta(run) -> dict[str, Any]:
     return {"mlflow_run": MetadataValue.url(run.url), "mlflow_run_id": run.run_id}
+
+
+def report_metadata(report: dict[str, Any], run) -> dict[str, Any]:
+    """Dagster metadata from a kiln report (kiln.train.launch: Table, Plot, FilePath, plain values): tables as
+    markdown, plots as PNGs (saved and logged to the MLflow ``run``), paths as paths, None left out; then the run's link."""
+    from kiln.train.launch import FilePath, Plot, Table
+
+    meta: dict[str, Any] = {}
+    for key, v in report.items():
+        if isinstance(v, Table):
+            meta[key] = md_table(v.rows, v.columns)
+        elif isinstance(v, Plot):
+            meta[key] = line_plot(v.series, v.title, v.xlabel, v.ylabel, save_to=v.file)
+            run.log_artifact(v.file)
+        elif isinstance(v, FilePath):
+            meta[key] = MetadataValue.path(v.path)
+        elif v is not None:
+            meta[key] = v
+    return {**meta, **mlflow_meta(run)}

@@ -79,7 +79,7 @@ def raw_documents(context: AssetExecutionContext, config: RawDocumentsConfig, st
 
 
 class CleanCorpusConfig(Config):
-    clean: dict[str, Any] = Field(default_factory=dict, description="kiln.clean.pipeline.CleanConfig fields (rules, dedup, PII, classifier, mix); unknown keys are errors.")
+    clean: dict[str, Any] = Field(default_factory=dict, description="kiln.clean.config.CleanConfig fields (rules, dedup, PII, classifier, mix); unknown keys are errors.")
 
 
 def _shard_key(shard: dict) -> str:

@@ -22,7 +22,6 @@ from pydantic import Field
 
 from assets._common import commit_output, data_version, line_plot, md_table, mlflow_meta
 from kiln.clean.corpus import corpus_texts
-from assets.training import base_model
 from kiln.common.files import atomic_path, atomic_write_json, commit_dir, manifest_of_dir, stable_hash, staging_dir
 from kiln.evaluation import checkpoints as kckpt
 from kiln.evaluation.contamination import DEFAULT_N, check_contamination, report_tables, training_sources, worst_task
@@ -256,7 +255,7 @@ def _checkpoint_runs(context, mlflow: MlflowResource, train_root: Path, ref: kck
     return kckpt.CheckpointRuns(client, mlflow.resolved_uri(), mlflow.experiment_id(client), ref, train_run, tags)
 
 
-@asset(partitions_def=checkpoint_partitions, deps=[base_model], code_version="1", group_name="evaluation")
+@asset(partitions_def=checkpoint_partitions, deps=["base_model"], code_version="1", group_name="evaluation")
 def checkpoint_evals(context: AssetExecutionContext, config: CheckpointEvalsConfig, eval_suite: dict,
                      contamination_report: dict, storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
     """Scores of one training checkpoint (one partition per checkpoint, added by new_checkpoint_sensor): every suite on all and on contamination-clean items beside chance, sample generations, score-against-step plots, and one MLflow run per suite nested under the training run."""

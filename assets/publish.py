@@ -8,7 +8,7 @@ from dagster import AssetCheckResult, AssetExecutionContext, Config, MetadataVal
 from pydantic import Field
 
 from assets._common import commit_output, md_table, mlflow_meta
-from assets.alignment import stage_rows
+from kiln.posttrain.measures import stage_rows
 from kiln.common.files import staging_dir
 from kiln.release.bundle import write_release
 from kiln.release.card import model_card

@@ -1,19 +1,15 @@
 """Steps 4-7 as assets: the training plan and the pretrained base model (a torchrun job through Pipes)."""
 
 
-from pathlib import Path
 from typing import Any
 
 from dagster import AssetExecutionContext, Backoff, Config, MetadataValue, Output, RetryPolicy, asset
 from pydantic import Field
 
-from assets._common import line_plot, md_table, mlflow_meta
-from kiln.common.config import from_dict
-from kiln.train.checkpoint import checkpoint_identity
-from kiln.plan import plan_from_config
-from kiln.train.spikes import SpikeConfig
+from assets._common import md_table, mlflow_meta, report_metadata
 from kiln.common.files import stable_hash
-from kiln.train.loop import OptimConfig
+from kiln.plan import plan_from_config
+from kiln.train.launch import RunSpec, pretrain_report
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
@@ -64,7 +60,7 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
 
 
 class BaseModelConfig(Config):
-    optim: dict[str, Any] = Field(default_factory=dict, description="kiln.train.loop.OptimConfig fields: lr, warmup_steps, weight_decay, grad_clip ...")
+    optim: dict[str, Any] = Field(default_factory=dict, description="kiln.train.optim.OptimConfig fields: lr, warmup_steps, weight_decay, grad_clip ...")
     eval_interval: int = Field(default=100, description="Steps between validation-loss passes.")
     eval_batches: int = Field(default=16, description="Micro-batches per validation pass.")
     ckpt_interval: int = Field(default=200, description="Steps between checkpoints (the last step is always saved).")
@@ -76,60 +72,6 @@ class BaseModelConfig(Config):
     seed: int = Field(default=1337, description="Seed for initial weights and data order.")
 
 
-def run_training(context, task: str, job_fields: dict[str, Any], plan: dict, key_inputs: dict[str, Any],
-                 storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource, tokenizer_path: str):
-    """Shared by pretraining and SFT: key the run folder by its inputs (so a rerun resumes), launch, summarise."""
-    where = context.asset_key.to_user_string()
-    from_dict(OptimConfig, job_fields.get("optim", {}), f"{where}.optim")
-    from_dict(SpikeConfig, job_fields.get("spikes", {}), f"{where}.spikes")
-    key = stable_hash({"task": task, **key_inputs, **job_fields, "plan": plan})[:16]
-    out_dir = storage.path(where, key)
-    with mlflow.asset_run(context, params={**job_fields, "plan": {k: plan[k] for k in ("micro_batch", "grad_accum", "world_size")}},
-                          tags={f"input.{k}": v for k, v in key_inputs.items() if isinstance(v, str)},
-                          reuse={"key": key}) as run:
-        if run.reused is not None:
-            return run.reused
-        job = {
-            "task": task, "out_dir": str(out_dir), "tokenizer": tokenizer_path, "model": plan["model"],
-            "seq_len": plan["seq_len"], "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"],
-            "parallelism": plan.get("parallelism", "auto"), "activation_checkpointing": plan.get("activation_checkpointing", False),
-            "compile": plan.get("compile", False),
-            "mlflow_tracking_uri": run.tracking_uri, "mlflow_run_id": run.run_id, **job_fields,
-        }
-        device = plan["hardware"]["device"]
-        peak = plan["hardware"].get("peak_tflops")
-        if peak:
-            job["peak_flops"] = peak * 1e12
-        result = torchrun.launch(context, job, plan["hardware"]["nproc_per_node"], device)
-        ckpt = Path(result["checkpoint"])
-        version = checkpoint_identity(ckpt)
-        hist = result["history"]
-        curve = result.get("curve") or [(h["step"], h["train_loss"]) for h in hist if h.get("train_loss") is not None]
-        plot = line_plot({"train loss": [tuple(p) for p in curve],
-                          "val loss": [(h["step"], h["val_loss"]) for h in hist if h.get("val_loss") is not None]},
-                         f"{task} loss", "step", "cross-entropy (nats/token)", save_to=out_dir / "loss.png")
-        run.log_artifact(out_dir / "loss.png")
-        run.set_tags({"checkpoint": str(ckpt)})
-        goodput = result.get("goodput") or {}
-        meta = {
-            "checkpoint": MetadataValue.path(str(ckpt)), "steps": result["steps"], "tokens": result["tokens"],
-            "initial_val_loss": result["initial_val_loss"], "final_val_loss": result["final_val_loss"],
-            "final_train_loss": result["final_train_loss"], "wall_s": round(result["wall_s"], 1),
-            "resumed_from": str(result["resumed_from"]), "world_size": result["world_size"], "device": result["device"],
-            "parallelism": result.get("parallelism", "none"), "tokens_per_s": result.get("tokens_per_s"),
-            "mfu": result.get("mfu"), "peak_memory_gb": round(result.get("peak_memory_gb") or 0.0, 3),
-            "loss_curve": plot, "validation": md_table(hist),
-            "checkpoints": md_table([{k: c[k] for k in ("step", "val_loss", "format", "bytes", "path")}
-                                     for c in result.get("checkpoints", [])]),
-            "goodput": goodput.get("goodput"),
-            "goodput_breakdown": md_table([{"where": k.removesuffix("_s"), "seconds": v} for k, v in goodput.items()
-                                           if k.endswith("_s")]),
-            "spike_events": md_table(result.get("events", [])), **mlflow_meta(run),
-        }
-        value = {**result, "out_dir": str(out_dir), "version": version, "mlflow_run_id": run.run_id}
-        return run.output(value, version, {k: v for k, v in meta.items() if v is not None})
-
-
 @asset(code_version="2", group_name="training", retry_policy=TRAINING_RETRY)
 def base_model(context: AssetExecutionContext, config: BaseModelConfig, training_plan: dict, token_shards: dict,
                tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
@@ -139,6 +81,10 @@ def base_model(context: AssetExecutionContext, config: BaseModelConfig, training
               "eval_batches": config.eval_batches, "ckpt_interval": config.ckpt_interval, "keep_last": config.keep_last,
               "keep_every": config.keep_every, "async_save": config.async_save, "spikes": config.spikes,
               "log_interval": config.log_interval, "seed": config.seed}
-    return run_training(context, "pretrain", fields, training_plan,
-                        {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]},
-                        storage, torchrun, mlflow, tokenizer["path"])
+    spec = RunSpec("pretrain", fields, training_plan,
+                   {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}, tokenizer["path"])
+    with torchrun.training_run(context, spec, storage, mlflow) as job:
+        if job.reused is not None:
+            return job.reused
+        result = job.launch()
+        return job.output(report_metadata(pretrain_report(result, job.out_dir), job.run))

@@ -1,6 +1,6 @@
 """Benchmark: checkpoint save and load throughput against this disk's own write and read bandwidth, measured in the
 same run; how long training is blocked by a background save versus a synchronous one; and (--goodput) the goodput
-of a real kiln.train.loop run under torchrun with three injected SIGKILLs.
+of a real training run under torchrun with three injected SIGKILLs (tests/faults.py).
 
 Run: python bench/bench_checkpoint.py [--layers 8] [--width 512] [--repeat 3] [--goodput] [--dir /path/on/the/disk]
 Reads are measured cold: each file is dropped from the page cache (posix_fadvise DONTNEED) before it is read.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from kiln.train.checkpoint import Checkpointer, load_state, save_checkpoint  # noqa: E402
 from kiln.model.gpt import GPT, GPTConfig, padded_vocab  # noqa: E402
-from kiln.train.loop import OptimConfig, make_optimizer  # noqa: E402
+from kiln.train.optim import OptimConfig, make_optimizer  # noqa: E402
 
 CHUNK = 8 << 20
 
@@ -136,10 +136,14 @@ def bench_goodput(work: Path, steps: int, kills: list[int]) -> dict:
            "optim": {"lr": 2e-3, "warmup_steps": 20}, "train_files": [str(p) for p in shard_paths(work / "shards", "train")],
            "val_files": [str(p) for p in shard_paths(work / "shards", "val")], "seq_len": 128, "micro_batch": 8,
            "max_steps": steps, "eval_interval": 50, "eval_batches": 4, "ckpt_interval": 25, "keep_last": 2,
-           "log_interval": 50, "kill_at_steps": kills}
+           "log_interval": 50}
     (work / "job.json").write_text(json.dumps(job))
-    cmd = TorchrunResource(max_restarts=len(kills)).command(1, work / "job.json", "cpu")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    from tests.faults import Faults
+
+    faults = Faults(kill_at_steps=kills).write(work / "faults.json")
+    cmd = TorchrunResource(max_restarts=len(kills)).command(1, work / "job.json", "cpu", worker="tests.faults")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           "KILN_FAULTS": str(faults)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])

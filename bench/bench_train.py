@@ -1,8 +1,8 @@
-"""Benchmark: kiln.train.loop's training step (tokens/s, achieved FLOP/s, MFU) against a matmul peak measured in the same run.
+"""Benchmark: the Trainer's training step (tokens/s, achieved FLOP/s, MFU) against a matmul peak measured in the same run.
 
 CPU (the issue's setting): python bench/bench_train.py            # 4 layers x 4 heads x 128 wide, T=64, B=12, fp32, 2 threads
 GPU (bench/gpu.sh):        python bench/bench_train.py --device cuda --preset gpt2 --seq-len 1024 --micro-batch 16 --steps 100
-The step is Kiln's own (kiln.train.loop.accumulate_gradients, clipping, fused AdamW, the cosine schedule) on random
+The step is Kiln's own (kiln.train.trainer.accumulate_gradients, clipping, fused AdamW, the cosine schedule) on random
 tokens, so data loading is not measured. FLOPs per token are PaLM's 6N + 12 L C T (kiln.model.gpt.flops_per_token).
 """
 
@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.model.gpt import GPT, GPTConfig, flops_per_token, preset_fields  # noqa: E402
 from kiln.model.parallel import clip_grad_norm, parallelize  # noqa: E402
 from kiln.plan import gpu_peak_tflops, measure_matmul_peak  # noqa: E402
-from kiln.train.loop import OptimConfig, accumulate_gradients, lr_lambda, make_optimizer  # noqa: E402
+from kiln.train.optim import OptimConfig, lr_lambda, make_optimizer  # noqa: E402
+from kiln.train.trainer import accumulate_gradients  # noqa: E402
 
 
 class RandomTokens:
@@ -101,9 +102,14 @@ def main(argv: list[str] | None = None) -> dict:
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
+    def lm_loss(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        with autocast():
+            return step_model(*batch), {}  # the chunked head's mean cross-entropy
+
     def step() -> float:
         t0 = time.perf_counter()
-        accumulate_gradients(step_model, loader, a.grad_accum, device, autocast)  # syncs for the loss
+        batches = (loader.next_batch() for _ in range(a.grad_accum))
+        accumulate_gradients(step_model, batches, lm_loss, a.grad_accum, device)  # syncs for the loss
         clip_grad_norm(step_model, opt_cfg.grad_clip)
         optimizer.step()
         scheduler.step()

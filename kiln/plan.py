@@ -11,7 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kiln.common.config import from_dict
-from kiln.model.gpt import CE_CHUNK_BYTES, GPTConfig, flops_per_token, padded_vocab, preset_fields
+from kiln.model.gpt import GPTConfig, flops_per_token, padded_vocab, preset_fields
+from kiln.model.loss import CE_CHUNK_BYTES
 
 GIB = 1024**3
 
@@ -204,7 +205,7 @@ def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_preci
     else:
         act = tokens * L * per_layer
     act += tokens * 3 * stream  # embeddings sum, final norm input and output
-    # the chunked head (kiln.model.gpt.LinearCrossEntropy): one chunk of fp32 logits and its cast for the gradient
+    # the chunked head (kiln.model.loss.LinearCrossEntropy): one chunk of fp32 logits and its cast for the gradient
     # matmuls, plus the head's gradients, computed in the forward pass and kept until backward
     chunk = max(16, CE_CHUNK_BYTES["cuda" if mixed_precision else "cpu"] // (4 * cfg.vocab_size))
     logits = min(tokens, chunk) * cfg.vocab_size * (6 if mixed_precision else 8) + cfg.vocab_size * c * 4 + tokens * c * 4

@@ -1,31 +1,17 @@
 """torchrun entry point that reports to Dagster through Pipes from rank 0 only.
 
 python -m torch.distributed.run --nproc_per_node=2 -m resources.pipes_worker --config job.json
-The job's task picks the module (kiln.train.loop, kiln.posttrain.dpo or kiln.posttrain.rl; see kiln.posttrain.common.ENTRY_POINTS).
+The job's task picks the training module (kiln.train.entry.TASKS); every rank runs it, rank 0 alone reports.
 It imports ``dagster_pipes`` (the small protocol package), never ``dagster`` itself.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from pathlib import Path
-from typing import Any, Callable
+from typing import Iterable
 
-
-def entry_point(argv: list[str]) -> Callable[..., dict[str, Any]]:
-    """kiln.train.loop's main for pretraining and SFT; other tasks through kiln.posttrain.common.ENTRY_POINTS. kiln.train.loop is
-    imported directly because kiln.posttrain.common loads MLflow at import, seconds on every worker (re)start."""
-    path = argv[argv.index("--config") + 1] if "--config" in argv else None
-    task = json.loads(Path(path).read_text()).get("task", "pretrain") if path else "pretrain"
-    if task in ("pretrain", "sft"):
-        from kiln.train.loop import main
-
-        return main
-    from kiln.posttrain.common import entry_point as posttrain_entry_point
-
-    return posttrain_entry_point(argv)
+from kiln.train.entry import entry_point
 
 
 class PipesReporter:
@@ -41,16 +27,17 @@ class PipesReporter:
         print(message, flush=True)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], callbacks: Iterable = ()) -> None:
+    """Run the job named by ``--config``; ``callbacks`` (kiln.train.trainer.Callback) go to its Trainer."""
     run_job = entry_point(argv)
     if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
         from dagster_pipes import open_dagster_pipes
 
         with open_dagster_pipes() as pipes:
-            summary = run_job(argv, PipesReporter(pipes))
+            summary = run_job(argv, PipesReporter(pipes), callbacks)
             pipes.report_custom_message({"final_val_loss": summary.get("final_val_loss"), "steps": summary.get("steps")})
     else:
-        run_job(argv)
+        run_job(argv, None, callbacks)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ The same torchrun command also runs under Slurm (``launcher: slurm`` submits ``s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dagster import (
     ConfigurableResource,
@@ -30,7 +31,11 @@ from dagster import (
 from pydantic import Field
 
 from kiln.common.files import atomic_write_json, atomic_write_text
+from kiln.train.checkpoint import checkpoint_identity
+from kiln.train.launch import RunSpec
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+WORKER_MODULE = "resources.pipes_worker"  # what every torchrun worker runs (tests swap in tests.faults)
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
 RDZV_PORT = 29500
 
@@ -86,7 +91,7 @@ def check_local_devices(device: str, nproc_per_node: int) -> None:
     with CUDA's own less helpful error)."""
     if device != "cuda":
         return
-    from kiln.train.loop import cuda_problem
+    from kiln.train.dist import cuda_problem
 
     problem = cuda_problem(nproc_per_node)
     if problem:
@@ -113,11 +118,12 @@ class TorchrunResource(ConfigurableResource):
 
     def command(self, nproc_per_node: int, job_path: Path | str, device: str, run_id: str = "kiln",
                 python: str | None = None, rdzv_endpoint: str | None = None, node_rank: int | None = None,
-                rdzv_id: str | None = None) -> list[str]:
+                rdzv_id: str | None = None, worker: str | None = None) -> list[str]:
         """The exact torchrun command line (the same one an sbatch script or a Kubernetes Job runs).
 
         Several nodes use c10d rendezvous: ranks are assigned by the rendezvous, so ``node_rank`` is informative
-        only, and cluster launchers (Slurm, Kubernetes) leave it out by passing ``node_rank=-1``.
+        only, and cluster launchers (Slurm, Kubernetes) leave it out by passing ``node_rank=-1``. The workers run
+        the module ``worker`` (default WORKER_MODULE).
         """
         endpoint = self.rdzv_endpoint if rdzv_endpoint is None else rdzv_endpoint
         cmd = [python or self.python or sys.executable, "-m", "torch.distributed.run",
@@ -130,7 +136,7 @@ class TorchrunResource(ConfigurableResource):
             cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rdzv_id or self.rdzv_id or run_id}"]
         else:
             cmd += ["--standalone"]
-        return cmd + ["-m", "resources.pipes_worker", "--config", str(job_path), "--device", device,
+        return cmd + ["-m", worker or WORKER_MODULE, "--config", str(job_path), "--device", device,
                       "--timeout-s", str(self.pg_timeout_s)]
 
     # -- Slurm
@@ -236,65 +242,15 @@ class TorchrunResource(ConfigurableResource):
         job_path = out / "job.json"
         atomic_write_json(job_path, job)
         (out / "result.json").unlink(missing_ok=True)
-        project_root = Path(__file__).resolve().parent.parent
         log_path = out / "train.log"
-        if self.launcher == "slurm":
-            script = out / "launch.sbatch"
-            atomic_write_text(script, self.slurm_script(
-                str(job_path), nproc_per_node, device, str(project_root), context.run.run_id, self.slurm_partition,
-                self.slurm_account, self.slurm_cpus_per_node, python=self.python or sys.executable, output=str(log_path)))
-            cmd = ["sbatch", "--wait", str(script)]
-            # the workers run on other machines: Pipes goes through files in the (shared) run folder
-            pipes = out / ".pipes"
-            pipes.mkdir(exist_ok=True)
-            injector, reader = (PipesFileContextInjector(str(pipes / "context.json")),
-                                PipesFileMessageReader(str(pipes / "messages.jsonl")))
-            own_log = out / "sbatch.log"
-        elif self.launcher == "local":
-            check_local_devices(device, nproc_per_node)
-            cmd = self.command(nproc_per_node, job_path, device, context.run.run_id)
-            injector, reader, own_log = PipesTempFileContextInjector(), PipesTempFileMessageReader(), log_path
-        else:
-            raise Failure(f"torchrun.launcher must be 'local' or 'slurm', not {self.launcher!r} "
-                          "(for Kubernetes see deploy/README.md)")
+        cmd, injector, reader, own_log = self._plan_launch(context, out, job_path, nproc_per_node, device)
         context.log.info("launching: " + " ".join(cmd))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(project_root), os.environ.get("PYTHONPATH")])),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
         start = time.time()
-        timed_out = False
-        tail: list[str] = []
         with open_pipes_session(context=context, context_injector=injector, message_reader=reader) as session:
             env.update(session.get_bootstrap_env_vars())
-            with open(own_log, "a", encoding="utf-8") as log:
-                proc = subprocess.Popen(cmd, cwd=project_root, env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-                def pump() -> None:
-                    for line in proc.stdout:  # type: ignore[union-attr]
-                        log.write(line)
-                        log.flush()
-                        tail.append(line)
-                        del tail[:-400]
-
-                reader_thread = threading.Thread(target=pump, daemon=True)
-                reader_thread.start()
-                try:
-                    rc = proc.wait(timeout=self.timeout_s)
-                except subprocess.TimeoutExpired:  # hung or too slow: stop everything now (checkpoints are atomic)
-                    self._cancel(tail)
-                    kill_tree(proc.pid)
-                    rc = proc.wait()
-                    timed_out = True
-                except BaseException:  # the Dagster run was stopped: let torchrun stop its workers, then make sure
-                    self._cancel(tail)
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    try:
-                        proc.wait(timeout=30)
-                    finally:
-                        kill_tree(proc.pid)
-                    raise
-                finally:
-                    reader_thread.join(timeout=30)  # the log stays open until the last line is written
+            rc, timed_out, tail = self._run(cmd, env, own_log)
         if own_log != log_path and log_path.exists():  # the job's own output, written on the cluster
             tail = log_path.read_text(errors="replace").splitlines(keepends=True)[-400:]
         if timed_out:
@@ -311,6 +267,74 @@ class TorchrunResource(ConfigurableResource):
             raise Failure(f"training finished but wrote no {result_path}; see {log_path}")
         return json.loads(result_path.read_text())
 
+    def _plan_launch(self, context, out: Path, job_path: Path, nproc_per_node: int, device: str):
+        """(command, Pipes context injector, message reader, log file) for this resource's launcher."""
+        if self.launcher == "slurm":
+            script = out / "launch.sbatch"
+            atomic_write_text(script, self.slurm_script(
+                str(job_path), nproc_per_node, device, str(PROJECT_ROOT), context.run.run_id, self.slurm_partition,
+                self.slurm_account, self.slurm_cpus_per_node, python=self.python or sys.executable,
+                output=str(out / "train.log")))
+            # the workers run on other machines: Pipes goes through files in the (shared) run folder
+            pipes = out / ".pipes"
+            pipes.mkdir(exist_ok=True)
+            return (["sbatch", "--wait", str(script)], PipesFileContextInjector(str(pipes / "context.json")),
+                    PipesFileMessageReader(str(pipes / "messages.jsonl")), out / "sbatch.log")
+        if self.launcher == "local":
+            check_local_devices(device, nproc_per_node)
+            return (self.command(nproc_per_node, job_path, device, context.run.run_id), PipesTempFileContextInjector(),
+                    PipesTempFileMessageReader(), out / "train.log")
+        raise Failure(f"torchrun.launcher must be 'local' or 'slurm', not {self.launcher!r} "
+                      "(for Kubernetes see deploy/README.md)")
+
+    def _run(self, cmd: list[str], env: dict[str, str], own_log: Path) -> tuple[int, bool, list[str]]:
+        """Run ``cmd``, appending its output to ``own_log``; (exit code, whether it timed out, its last lines)."""
+        tail: list[str] = []
+        timed_out = False
+        with open(own_log, "a", encoding="utf-8") as log:
+            proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+            def pump() -> None:
+                for line in proc.stdout:  # type: ignore[union-attr]
+                    log.write(line)
+                    log.flush()
+                    tail.append(line)
+                    del tail[:-400]
+
+            reader_thread = threading.Thread(target=pump, daemon=True)
+            reader_thread.start()
+            try:
+                rc = proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:  # hung or too slow: stop everything now (checkpoints are atomic)
+                self._cancel(tail)
+                kill_tree(proc.pid)
+                rc = proc.wait()
+                timed_out = True
+            except BaseException:  # the Dagster run was stopped: let torchrun stop its workers, then make sure
+                self._cancel(tail)
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                finally:
+                    kill_tree(proc.pid)
+                raise
+            finally:
+                reader_thread.join(timeout=30)  # the log stays open until the last line is written
+        return rc, timed_out, tail
+
+    # -- a training asset's run
+
+    @contextlib.contextmanager
+    def training_run(self, context, spec: RunSpec, storage, mlflow) -> Iterator[TrainingLaunch]:
+        """The MLflow run of a training asset, its run folder keyed by ``spec`` (so a rerun resumes): the handle
+        holds an identical earlier run's Output in ``reused``, or ``launch()`` runs the job."""
+        where = context.asset_key.to_user_string()
+        spec.check(where)
+        out_dir = storage.path(where, spec.key)
+        with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(), reuse={"key": spec.key, **spec.reuse}) as run:
+            yield TrainingLaunch(self, context, spec, out_dir, run)
+
     def _cancel(self, sbatch_lines: list[str]) -> None:
         """Cancel the Slurm job sbatch submitted (its id is on sbatch's first line); nothing for local runs."""
         if self.launcher != "slurm":
@@ -318,3 +342,29 @@ class TorchrunResource(ConfigurableResource):
         ids = [m.group(1) for ln in sbatch_lines if (m := re.search(r"Submitted batch job (\d+)", ln))]
         if ids:
             subprocess.run(["scancel", ids[0]], check=False, capture_output=True, timeout=60)
+
+
+class TrainingLaunch:
+    """One training job inside its asset's MLflow run (made by ``TorchrunResource.training_run``)."""
+
+    def __init__(self, torchrun: TorchrunResource, context, spec: RunSpec, out_dir: Path, run):
+        self.torchrun, self.context, self.spec, self.out_dir, self.run = torchrun, context, spec, out_dir, run
+        self.reused = run.reused  # the Output of an identical earlier run, to return as it is
+        self.result: dict[str, Any] = {}
+
+    def launch(self) -> dict[str, Any]:
+        """Write the job file, run it to the end, tag the MLflow run with its checkpoint; return result.json."""
+        hardware = self.spec.plan["hardware"]
+        job = self.spec.job(self.out_dir, self.run.tracking_uri, self.run.run_id)
+        self.result = self.torchrun.launch(self.context, job, hardware["nproc_per_node"], hardware["device"])
+        self.run.set_tags({"checkpoint": self.result["checkpoint"]})
+        return self.result
+
+    def value(self, **extra: Any) -> dict[str, Any]:
+        """The asset's value: result.json, the run folder, the data version (the final weights' identity)."""
+        version = checkpoint_identity(Path(self.result["checkpoint"]))
+        return {**self.result, "out_dir": str(self.out_dir), "version": version, "mlflow_run_id": self.run.run_id, **extra}
+
+    def output(self, metadata: dict[str, Any], **extra: Any):
+        value = self.value(**extra)
+        return self.run.output(value, value["version"], metadata)

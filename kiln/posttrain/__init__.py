@@ -1,1 +1,2 @@
-"""Step 9, post-train: SFT, DPO and RL stages, with the instruction and preference data they learn from."""
+"""Step 9, post-train: the SFT, DPO and RL stages of the shared trainer, the instruction and preference data they
+learn from, sampling, log-probabilities and the held-out measures. Run a job with ``python -m kiln.posttrain --config job.json``."""

@@ -2,6 +2,6 @@
 
 import sys
 
-from kiln.posttrain.common import main
+from kiln.train.entry import main
 
 main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Direct Preference Optimization (Rafailov et al., 2023) against a frozen reference model, as a training job.
+"""Direct Preference Optimization (Rafailov et al., 2023) against a frozen reference model, as a training stage.
 
 One process:  python -m kiln.posttrain.dpo --config job.json          (DpoJob fields; init_from = the SFT checkpoint)
 Several:      python -m torch.distributed.run --nproc_per_node=2 -m kiln.posttrain.dpo --config job.json
@@ -9,18 +9,20 @@ the loss itself is a few lines over summed response log-probabilities.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kiln.model.parallel import gradient_sync
-from kiln.posttrain.common import PosttrainJob, PosttrainRun, run_job, read_jsonl_split, sequence_logps
+from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
+from kiln.posttrain.logprobs import sequence_logps
 from kiln.posttrain.sft import PackedLoader, encode_example, pad_rows, to_xy, trim_padding
-from kiln.train.loop import DistInfo, Reporter
+from kiln.train.dist import DistInfo, all_mean
+from kiln.train.entry import run_job
+from kiln.train.telemetry import Reporter
+from kiln.train.trainer import StepReport, Trainer
 
 
 @dataclass
@@ -83,98 +85,96 @@ def pair_stats(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float,
     return {"loss_tensor": loss, "loss": float(loss.detach()), **stats}
 
 
-@torch.no_grad()
-def evaluate_pairs(run: PosttrainRun, tokens: np.ndarray, mask: np.ndarray, job: DpoJob) -> dict[str, float]:
-    """Mean DPO statistics over held-out pairs; each rank scores its own share, then the means are averaged."""
-    run.raw.eval()
-    rows = np.arange(run.info.rank, len(tokens), run.info.world_size)
-    totals: dict[str, float] = {}
-    n = 0
-    for i in range(0, len(rows), job.micro_batch):
-        idx = rows[i : i + job.micro_batch]
-        x, y = pair_batch(tokens[idx], mask[idx])
-        x, y = x.to(run.info.device), y.to(run.info.device)
-        with run.autocast():
-            logps = sequence_logps(run.raw(x), y)  # (2B,)
-        stats = pair_stats(logps, sequence_logps(run.reference_logits(x), y), job.beta, job.label_smoothing)
-        for k, v in stats.items():
-            if k != "loss_tensor":
-                totals[k] = totals.get(k, 0.0) + v * len(idx)
-        n += len(idx)
-    run.raw.train()
-    means = {k: v / max(n, 1) for k, v in totals.items()}
-    return run.all_mean(means)
 
 
-def train(job: DpoJob, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
-    """Run DPO to max_steps, resuming from the newest good checkpoint in out_dir; return the summary."""
-    from kiln.tokenizer import load_encoding
+class DpoStage(PosttrainStage):
+    """Preference pairs in a seeded order; the DPO loss against the reference; held-out pair statistics."""
 
-    if not job.train_files:
-        raise ValueError("job.train_files is empty: give the preference_data pairs JSONL")
-    enc = load_encoding(job.tokenizer)
-    train_rows = read_jsonl_split(job.train_files[0], "train")
-    val_rows = read_jsonl_split(job.train_files[0], "val")[: job.eval_pairs]
-    tt, tm = encode_preferences(enc, train_rows, job.seq_len)
-    vt, vm = encode_preferences(enc, val_rows, job.seq_len)
-    if len(train_rows) < job.micro_batch * info.world_size:
-        raise ValueError(f"{job.train_files[0]}: {len(train_rows)} training pairs cannot fill one batch of "
-                         f"{job.micro_batch} x {info.world_size} ranks; lower micro_batch or add preference data")
-    run = PosttrainRun(job, info, reporter)
-    loader = PairLoader(tt, tm, job.micro_batch, info.rank, info.world_size, job.seed)
-    if run.extra_state.get("loader"):
-        loader.load_state_dict(run.extra_state["loader"])
-    run.say(f"DPO on {len(train_rows)} pairs (beta {job.beta}), {len(val_rows)} held out; "
-            f"{info.world_size} x {info.device.type}, steps {run.step}->{job.max_steps}")
-    t_start = time.time()
-    first = None
-    if run.step == 0:
-        first = evaluate_pairs(run, vt, vm, job)
-        run.history.append({"step": 0, **{f"val_{k}": v for k, v in first.items()}})
-        run.logger.log({f"val_{k}": v for k, v in first.items()}, 0)
-    last_ckpt, train_stats = None, {}
-    run.model.train()
-    while run.step < job.max_steps:
-        t0 = time.time()
-        acc: dict[str, float] = {}
-        for micro in range(job.grad_accum):
-            x, y = loader.next_batch()
-            x, y = x.to(info.device), y.to(info.device)
-            ref = sequence_logps(run.reference_logits(x), y)  # (2B,)
-            with gradient_sync(run.ddp, micro == job.grad_accum - 1), run.autocast():
-                stats = pair_stats(sequence_logps(run.ddp(x), y), ref, job.beta, job.label_smoothing)
-            (stats.pop("loss_tensor") / job.grad_accum).backward()
+    def __init__(self, job: DpoJob, info: DistInfo):
+        from kiln.tokenizer import load_encoding
+
+        if not job.train_files:
+            raise ValueError("job.train_files is empty: give the preference_data pairs JSONL")
+        enc = load_encoding(job.tokenizer)
+        self.train_rows = read_jsonl_split(job.train_files[0], "train")
+        self.val_rows = read_jsonl_split(job.train_files[0], "val")[: job.eval_pairs]
+        tt, tm = encode_preferences(enc, self.train_rows, job.seq_len)
+        self.vt, self.vm = encode_preferences(enc, self.val_rows, job.seq_len)
+        if len(self.train_rows) < job.micro_batch * info.world_size:
+            raise ValueError(f"{job.train_files[0]}: {len(self.train_rows)} training pairs cannot fill one batch of "
+                             f"{job.micro_batch} x {info.world_size} ranks; lower micro_batch or add preference data")
+        super().__init__(job, info)
+        self.loader = PairLoader(tt, tm, job.micro_batch, info.rank, info.world_size, job.seed)
+
+    def describe(self, trainer: Trainer) -> str:
+        return (f"DPO on {len(self.train_rows)} pairs (beta {self.job.beta}), {len(self.val_rows)} held out; "
+                f"{self.info.world_size} x {self.info.device.type}, steps {trainer.run.step}->{self.job.max_steps}")
+
+    def batches(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(self.job.grad_accum):
+            yield self.loader.next_batch()
+
+    def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        x, y = (t.to(trainer.info.device) for t in batch)  # (2B, T): chosen rows, then rejected rows
+        ref = sequence_logps(self.reference_logits(x), y)  # (2B,)
+        with trainer.autocast():
+            stats = pair_stats(sequence_logps(trainer.model(x), y), ref, self.job.beta, self.job.label_smoothing)
+        return stats.pop("loss_tensor"), stats
+
+    @torch.no_grad()
+    def validate(self, trainer: Trainer) -> dict[str, float]:
+        """Mean DPO statistics over held-out pairs; each rank scores its own share, then the means are averaged."""
+        raw, job = trainer.raw, self.job
+        raw.eval()
+        rows = np.arange(self.info.rank, len(self.vt), self.info.world_size)
+        totals: dict[str, float] = {}
+        n = 0
+        for i in range(0, len(rows), job.micro_batch):
+            idx = rows[i : i + job.micro_batch]
+            x, y = pair_batch(self.vt[idx], self.vm[idx])
+            x, y = x.to(self.info.device), y.to(self.info.device)
+            with trainer.autocast():
+                logps = sequence_logps(raw(x), y)  # (2B,)
+            stats = pair_stats(logps, sequence_logps(self.reference_logits(x), y), job.beta, job.label_smoothing)
             for k, v in stats.items():
-                acc[k] = acc.get(k, 0.0) + v / job.grad_accum
-        norm = run.optimizer_step()
-        train_stats = run.all_mean(acc)
-        metrics = {**train_stats, "grad_norm": norm, "lr": run.scheduler.get_last_lr()[0], "step_s": time.time() - t0}
-        run.logger.log(metrics, run.step)
-        val = None
-        if run.step % job.eval_interval == 0 or run.step == job.max_steps:
-            val = evaluate_pairs(run, vt, vm, job)
-            run.history.append({"step": run.step, **{f"train_{k}": train_stats[k] for k in ("loss", "reward_accuracy", "reward_margin")},
-                                **{f"val_{k}": v for k, v in val.items()}})
-            run.logger.log({f"val_{k}": v for k, v in val.items()}, run.step)
-        if run.step % job.log_interval == 0 or run.step == job.max_steps:
-            run.say(f"step {run.step}/{job.max_steps}: loss {train_stats['loss']:.4f} reward acc {train_stats['reward_accuracy']:.2f} "
-                    f"margin {train_stats['reward_margin']:.3f} chosen {train_stats['chosen_logp']:.2f} "
-                    f"rejected {train_stats['rejected_logp']:.2f} grad_norm {norm:.2f}")
-        if run.step % job.ckpt_interval == 0 or run.step == job.max_steps:
-            last_ckpt = run.save({"loader": loader.state_dict()})
-    run.logger.flush()
-    vals = [h for h in run.history if "val_loss" in h]
-    return run.summary(last_ckpt, t_start, pairs={"train": len(train_rows), "val": len(val_rows)}, beta=job.beta,
-                       initial_val=_strip(vals[0]) if vals else None, final_val=_strip(vals[-1]) if vals else None,
-                       final_train=train_stats or None, final_val_loss=vals[-1]["val_loss"] if vals else None)
+                if k != "loss_tensor":
+                    totals[k] = totals.get(k, 0.0) + v * len(idx)
+            n += len(idx)
+        raw.train()
+        means = all_mean({k: v / max(n, 1) for k, v in totals.items()}, self.info)
+        return {f"val_{k}": v for k, v in means.items()}
+
+    def history_row(self, step: int, train: dict[str, float], val: dict[str, float] | None) -> dict | None:
+        if val is None:
+            return None
+        return {"step": step, **{f"train_{k}": train[k] for k in ("loss", "reward_accuracy", "reward_margin")}, **val}
+
+    def progress(self, r: StepReport) -> str:
+        t = r.train
+        return (f"step {r.step}/{r.max_steps}: loss {t['loss']:.4f} reward acc {t['reward_accuracy']:.2f} "
+                f"margin {t['reward_margin']:.3f} chosen {t['chosen_logp']:.2f} "
+                f"rejected {t['rejected_logp']:.2f} grad_norm {r.metrics['grad_norm']:.2f}")
+
+    def summary(self, trainer: Trainer) -> dict[str, Any]:
+        vals = [h for h in trainer.run.history if "val_loss" in h]
+        return {**super().summary(trainer), "pairs": {"train": len(self.train_rows), "val": len(self.val_rows)},
+                "beta": self.job.beta, "initial_val": _strip(vals[0]) if vals else None,
+                "final_val": _strip(vals[-1]) if vals else None, "final_train": trainer.last_stats or None,
+                "final_val_loss": vals[-1]["val_loss"] if vals else None}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
 
 
 def _strip(h: dict) -> dict:
     return {k[4:]: v for k, v in h.items() if k.startswith("val_")}
 
 
-def main(argv: list[str] | None = None, reporter: Reporter | None = None) -> dict[str, Any]:
-    return run_job(DpoJob, train, __doc__, argv, reporter)
+def main(argv: list[str] | None = None, reporter: Reporter | None = None, callbacks: Iterable = ()) -> dict[str, Any]:
+    return run_job(DpoJob, DpoStage, __doc__, argv, reporter, callbacks)
 
 
 if __name__ == "__main__":

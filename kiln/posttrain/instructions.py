@@ -160,3 +160,32 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def training_pages(raw_documents: str | Path, val_permille: int) -> tuple[int, list[tuple[str, str]]]:
+    """(HTML pages in the raw documents parquet, the (id, html) of those in the train split): held-out pages are
+    evaluation material (the split is kiln.shards.split_of, the token shards' own)."""
+    import pyarrow.parquet as pq
+
+    from kiln.shards import split_of as doc_split
+
+    t = pq.read_table(raw_documents, columns=["id", "text", "content_type"])
+    html = [(i, x) for i, x, c in zip(t.column("id").to_pylist(), t.column("text").to_pylist(),
+                                      t.column("content_type").to_pylist()) if c == "text/html"]
+    return len(html), [(i, x) for i, x in html if doc_split(i, val_permille) == "train"]
+
+
+def split_counts(rows: list[dict], key: str) -> dict[str, dict[str, int]]:
+    """{value of ``key``: {"train": n, "val": n}} in first-seen order."""
+    counts: dict[str, dict[str, int]] = {}
+    for r in rows:
+        counts.setdefault(r[key], {"train": 0, "val": 0})[r["split"]] += 1
+    return counts
+
+
+def first_of_each(rows: list[dict], key: str) -> list[dict]:
+    """The first row of each value of ``key``, in first-seen order (examples for a metadata table)."""
+    seen: dict[str, dict] = {}
+    for r in rows:
+        seen.setdefault(r[key], r)
+    return list(seen.values())

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.instructions import arithmetic_reward, final_number
-from kiln.model.parallel import gradient_sync
-from kiln.posttrain.common import PosttrainJob, PosttrainRun, run_job, complete, decode_completion, read_jsonl_split, token_logps
+from kiln.posttrain.logprobs import token_logps
+from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
-from kiln.train.loop import DistInfo, Reporter
+from kiln.train.dist import DistInfo
+from kiln.train.entry import run_job
+from kiln.train.telemetry import Reporter
+from kiln.train.trainer import StepReport, Trainer
 
 RewardFn = Callable[[str, dict], float]  # (decoded response, item) -> reward
 
@@ -59,6 +62,8 @@ class RlJob(PosttrainJob):
     partial_credit: float = 0.0  # reward scale for a near miss (arithmetic: within 10 of the answer); 0 is exact only
     kl_coef: float = 0.05  # weight of the per-token KL penalty to the reference (k3 estimator)
     eval_items: int = 100  # held-out (split=val) prompts answered greedily at each evaluation
+    # the GRPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
+    spikes: dict = field(default_factory=lambda: {"enabled": False})
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -151,74 +156,74 @@ def heldout_reward(model: torch.nn.Module, enc, items: list[dict], reward_fn: Re
     return total / max(len(mine), 1)
 
 
-def train(job: RlJob, info: DistInfo, reporter: Reporter) -> dict[str, Any]:
-    """Run GRPO to max_steps, resuming from the newest good checkpoint in out_dir; return the summary."""
-    from kiln.tokenizer import load_encoding
+class RlStage(PosttrainStage):
+    """Prompts drawn by (seed, batch, rank), groups of sampled answers scored by an exact checker, the GRPO loss;
+    the held-out measure is the greedy answers' exact reward."""
 
-    if job.reward not in REWARDS:
-        raise ValueError(f"job.reward {job.reward!r} is not a checkable task; choose from {', '.join(REWARDS)}")
-    if job.group_size < 2:
-        raise ValueError(f"job.group_size must be >= 2 (advantages are relative within a group), got {job.group_size}")
-    if not job.train_files:
-        raise ValueError("job.train_files is empty: give the instruction_data pairs JSONL")
-    kinds, exact_fn, _ = REWARDS[job.reward]
-    reward_fn = make_reward(job.reward, job.partial_credit)
-    enc = load_encoding(job.tokenizer)
-    items = read_jsonl_split(job.train_files[0], "train", kinds)
-    val_items = read_jsonl_split(job.train_files[0], "val", kinds)[: job.eval_items]
-    run = PosttrainRun(job, info, reporter)
-    run.say(f"GRPO on {len(items)} {job.reward} prompts, {job.group_size} answers each, kl_coef {job.kl_coef}; "
-            f"{len(val_items)} held out; {info.world_size} x {info.device.type}, steps {run.step}->{job.max_steps}")
-    t_start = time.time()
-    if run.step == 0:
-        r0 = heldout_reward(run.raw, enc, val_items, exact_fn, job.max_new_tokens, info)
-        run.history.append({"step": 0, "val_reward": r0})
-        run.logger.log({"val_reward": r0}, 0)
-        run.say(f"step 0: held-out reward {r0:.3f}")
-    last_ckpt, stats = None, {}
-    run.model.train()
-    while run.step < job.max_steps:
-        t0 = time.time()
-        # prompts and samples depend only on (seed, step, rank): a resumed run draws what the original would have
-        rng = np.random.default_rng([job.seed, run.step, info.rank])
-        gen = torch.Generator(device=info.device).manual_seed(int(rng.integers(2**62)))
-        acc: dict[str, float] = {}
-        for micro in range(job.grad_accum):
-            batch = [items[i] for i in rng.choice(len(items), size=min(job.micro_batch, len(items)), replace=False)]
-            with gradient_sync(run.ddp, micro == job.grad_accum - 1):
-                loss, s = rollout_loss(run.ddp, run.raw, run.reference_logits, enc, batch, reward_fn, job, gen,
-                                       info.device, run.autocast, checks={"exact_answer": exact_fn})
-                (loss / job.grad_accum).backward()
-            for k, v in s.items():
-                acc[k] = acc.get(k, 0.0) + v / job.grad_accum
-        norm = run.optimizer_step()
-        stats = run.all_mean(acc)
-        metrics = {**stats, "grad_norm": norm, "lr": run.scheduler.get_last_lr()[0], "step_s": time.time() - t0}
-        run.logger.log(metrics, run.step)
-        entry: dict[str, Any] = {"step": run.step, "reward": stats["reward_mean"], "exact_answer": stats["exact_answer"],
-                                 "kl": stats["kl"]}
-        if run.step % job.eval_interval == 0 or run.step == job.max_steps:
-            entry["val_reward"] = heldout_reward(run.raw, enc, val_items, exact_fn, job.max_new_tokens, info)
-            run.logger.log({"val_reward": entry["val_reward"]}, run.step)
-        run.history.append(entry)
-        if run.step % job.log_interval == 0 or run.step == job.max_steps:
-            run.say(f"step {run.step}/{job.max_steps}: reward {stats['reward_mean']:.3f} (exact {stats['exact_answer']:.3f}) "
-                    f"kl {stats['kl']:.4f} "
-                    f"groups with signal {stats['groups_with_signal']:.2f} answer tokens {stats['answer_tokens']:.1f}"
-                    + (f" held-out reward {entry['val_reward']:.3f}" if "val_reward" in entry else ""))
-        if run.step % job.ckpt_interval == 0 or run.step == job.max_steps:
-            last_ckpt = run.save()
-    run.logger.flush()
-    vals = [h["val_reward"] for h in run.history if "val_reward" in h]
-    return run.summary(last_ckpt, t_start, reward=job.reward, group_size=job.group_size, kl_coef=job.kl_coef,
-                       partial_credit=job.partial_credit,
-                       prompts={"train": len(items), "val": len(val_items)},
-                       initial_val_reward=vals[0] if vals else None, final_val_reward=vals[-1] if vals else None,
-                       final_train=stats or None)
+    def __init__(self, job: RlJob, info: DistInfo):
+        from kiln.tokenizer import load_encoding
+
+        if job.reward not in REWARDS:
+            raise ValueError(f"job.reward {job.reward!r} is not a checkable task; choose from {', '.join(REWARDS)}")
+        if job.group_size < 2:
+            raise ValueError(f"job.group_size must be >= 2 (advantages are relative within a group), got {job.group_size}")
+        if not job.train_files:
+            raise ValueError("job.train_files is empty: give the instruction_data pairs JSONL")
+        kinds, self.exact_fn, _ = REWARDS[job.reward]
+        self.reward_fn = make_reward(job.reward, job.partial_credit)
+        self.enc = load_encoding(job.tokenizer)
+        self.items = read_jsonl_split(job.train_files[0], "train", kinds)
+        self.val_items = read_jsonl_split(job.train_files[0], "val", kinds)[: job.eval_items]
+        super().__init__(job, info)
+
+    def describe(self, trainer: Trainer) -> str:
+        job = self.job
+        return (f"GRPO on {len(self.items)} {job.reward} prompts, {job.group_size} answers each, kl_coef {job.kl_coef}; "
+                f"{len(self.val_items)} held out; {self.info.world_size} x {self.info.device.type}, "
+                f"steps {trainer.run.step}->{job.max_steps}")
+
+    def batches(self, index: int) -> Iterator[tuple[list[dict], torch.Generator]]:
+        # prompts and samples depend only on (seed, batch, rank): a resumed run draws what the original would have
+        job = self.job
+        rng = np.random.default_rng([job.seed, index, self.info.rank])
+        gen = torch.Generator(device=self.info.device).manual_seed(int(rng.integers(2**62)))
+        for _ in range(job.grad_accum):
+            yield [self.items[i] for i in rng.choice(len(self.items), size=min(job.micro_batch, len(self.items)),
+                                                     replace=False)], gen
+
+    def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        items, gen = batch
+        return rollout_loss(trainer.model, trainer.raw, self.reference_logits, self.enc, items, self.reward_fn, self.job,
+                            gen, trainer.info.device, trainer.autocast, checks={"exact_answer": self.exact_fn})
+
+    def validate(self, trainer: Trainer) -> dict[str, float]:
+        return {"val_reward": heldout_reward(trainer.raw, self.enc, self.val_items, self.exact_fn,
+                                             self.job.max_new_tokens, self.info)}
+
+    def history_row(self, step: int, train: dict[str, float], val: dict[str, float] | None) -> dict:
+        return {"step": step, "reward": train["reward_mean"], "exact_answer": train["exact_answer"], "kl": train["kl"],
+                **(val or {})}
+
+    def start_line(self, val: dict[str, float]) -> str:
+        return f"step 0: held-out reward {val['val_reward']:.3f}"
+
+    def progress(self, r: StepReport) -> str:
+        t = r.train
+        return (f"step {r.step}/{r.max_steps}: reward {t['reward_mean']:.3f} (exact {t['exact_answer']:.3f}) "
+                f"kl {t['kl']:.4f} groups with signal {t['groups_with_signal']:.2f} answer tokens {t['answer_tokens']:.1f}"
+                + (f" held-out reward {r.val['val_reward']:.3f}" if r.val else ""))
+
+    def summary(self, trainer: Trainer) -> dict[str, Any]:
+        job = self.job
+        vals = [h["val_reward"] for h in trainer.run.history if "val_reward" in h]
+        return {**super().summary(trainer), "reward": job.reward, "group_size": job.group_size, "kl_coef": job.kl_coef,
+                "partial_credit": job.partial_credit, "prompts": {"train": len(self.items), "val": len(self.val_items)},
+                "initial_val_reward": vals[0] if vals else None, "final_val_reward": vals[-1] if vals else None,
+                "final_train": trainer.last_stats or None}
 
 
-def main(argv: list[str] | None = None, reporter: Reporter | None = None) -> dict[str, Any]:
-    return run_job(RlJob, train, __doc__, argv, reporter)
+def main(argv: list[str] | None = None, reporter: Reporter | None = None, callbacks: Iterable = ()) -> dict[str, Any]:
+    return run_job(RlJob, RlStage, __doc__, argv, reporter, callbacks)
 
 
 if __name__ == "__main__":

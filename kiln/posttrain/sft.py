@@ -1,7 +1,7 @@
-"""Supervised fine-tuning data: the chat template, prompt-masked packing, and a resumable loader.
+"""Supervised fine-tuning: the chat template, prompt-masked packing, a resumable loader, and the SFT stage.
 
 Examples are ``<|user|>prompt<|assistant|>response<|endoftext|>``; loss falls on the response only.
-Used by ``python -m kiln.train`` (task "sft") and by the DPO and RL jobs (``kiln.posttrain.dpo``, ``kiln.posttrain.rl``).
+``python -m kiln.train --config job.json`` with task "sft" runs SftStage; the DPO and RL stages reuse the template.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import torch
+
+from kiln.train.dist import DistInfo
+from kiln.train.job import JobConfig
+from kiln.train.pretrain import NextTokenStage
 
 IGNORE = -100  # target value cross-entropy skips
 
@@ -157,3 +161,24 @@ class PackedLoader:
 def iter_packed_eval(tokens: np.ndarray, mask: np.ndarray, batch_size: int, max_batches: int) -> Iterator:
     for i in range(0, min(len(tokens), batch_size * max_batches), batch_size):
         yield to_xy(tokens[i : i + batch_size], mask[i : i + batch_size])
+
+
+class SftStage(NextTokenStage):
+    """Next-token training on packed instruction pairs (the ``train`` split of train_files[0]), loss on responses
+    only; validated on the pairs of its ``val`` split."""
+
+    def __init__(self, job: JobConfig, info: DistInfo):
+        from kiln.tokenizer import load_encoding
+
+        enc = load_encoding(job.tokenizer)
+
+        def packed(split: str) -> tuple[np.ndarray, np.ndarray]:
+            rows = read_pairs(job.train_files[0], split)
+            if not rows:
+                raise ValueError(f"{job.train_files[0]}: no '{split}' instruction pairs")
+            return pack((encode_example(enc, r["prompt"], r["response"]) for r in rows), job.seq_len, enc.eot_token)
+
+        tt, tm = packed("train")
+        vt, vm = packed("val")
+        super().__init__(job, info, PackedLoader(tt, tm, job.micro_batch, info.rank, info.world_size, job.seed),
+                         lambda: iter_packed_eval(vt, vm, job.micro_batch, job.eval_batches))

@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any, Mapping
 
-from kiln.posttrain.common import MEASURES
+from kiln.posttrain.measures import MEASURES
 
 
 def table(rows: list[dict]) -> str:

@@ -1,7 +1,7 @@
-"""``python -m kiln.train --config job.json``: run a training job (pretraining or SFT) on this process or under torchrun."""
+"""``python -m kiln.train --config job.json``: run a training job (any task) on this process or under torchrun."""
 
 import sys
 
-from kiln.train.loop import main
+from kiln.train.entry import main
 
 main(sys.argv[1:])

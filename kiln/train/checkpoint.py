@@ -96,12 +96,12 @@ def file_digest(path: str | os.PathLike, algo: str = CHECKSUM) -> str:
 _SAVE_LOCK = threading.Lock()
 
 
-def _write_torch(path: Path, obj: Any, pause_s: float = 0.0) -> str:
+def _write_torch(path: Path, obj: Any, on_write: Callable[[Path], None] | None = None) -> str:
     """torch.save ``obj`` to ``path``, fsync it, return its checksum.
 
     torch.save's per-record CRC32 is turned off for the write: it costs more than the write itself here, and
-    the file's xxh3 checksum (checked on every load) covers every byte. ``pause_s`` (a testing aid) holds the
-    written, not yet committed file on disk for that long.
+    the file's xxh3 checksum (checked on every load) covers every byte. ``on_write(path)`` is called once the
+    file is on disk, before the checkpoint holding it is committed.
     """
     with _SAVE_LOCK:
         crc = torch.serialization.get_crc32_options()
@@ -128,8 +128,8 @@ def _write_torch(path: Path, obj: Any, pause_s: float = 0.0) -> str:
         os.close(fd)
     if failed:
         raise failed[0]
-    if pause_s:
-        time.sleep(pause_s)
+    if on_write is not None:
+        on_write(path)
     return digest
 
 
@@ -208,8 +208,7 @@ def _digest_tree(folder: Path, skip: set[str]) -> dict[str, str]:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], meta: dict[str, Any],
-                    extra_files: dict[str, Path] | None = None, keep_last: int = 3, keep_every: int = 0,
-                    pause_s: float = 0.0) -> Path:
+                    extra_files: dict[str, Path] | None = None, keep_last: int = 3, keep_every: int = 0) -> Path:
     """Write ``state`` (a dict of tensors and plain values) as checkpoint ``step``, synchronously.
 
     The folder is written under a temporary name, fsynced, then renamed: a crash mid-save leaves the previous
@@ -221,7 +220,7 @@ def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], meta: dic
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        files = {"state.pt": _write_torch(tmp / "state.pt", state, pause_s)}
+        files = {"state.pt": _write_torch(tmp / "state.pt", state)}
         files.update(_copy_extra(tmp, extra_files))
         final = _commit(tmp, step_dir(ckpt_root, step), files, {**meta, "step": step, "format": "full"})
     except BaseException:
@@ -468,17 +467,18 @@ class Checkpointer:
     ``sharded`` (FSDP2): every rank writes its shards with torch.distributed.checkpoint; otherwise rank 0 writes
     the full state. ``async_save``: the state is copied to CPU memory and written by a background thread while
     training goes on; ``wait`` blocks until it is committed. Rank 0 alone commits, prunes and logs.
+    ``on_write(path)`` is called with each state file once it is written, before its checkpoint is committed.
     """
 
     def __init__(self, root: Path, rank: int, world_size: int, sharded: bool, async_save: bool, keep_last: int,
                  keep_every: int = 0, extra_files: dict[str, Path] | None = None, log: Callable[[str], None] = print,
-                 pause_s: float = 0.0):
+                 on_write: Callable[[Path], None] | None = None):
         import torch.distributed as dist
 
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.sharded, self.async_save = sharded, async_save
         self.keep_last, self.keep_every = keep_last, keep_every
-        self.extra_files, self.log, self.pause_s = extra_files or {}, log, pause_s
+        self.extra_files, self.log, self.on_write = extra_files or {}, log, on_write
         self.distributed = world_size > 1 and dist.is_initialized()
         # a separate gloo group: background saves then never interleave collectives with training's
         self.group = dist.new_group(backend="gloo") if self.distributed else None
@@ -495,8 +495,12 @@ class Checkpointer:
     # -- saving
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Any],
-             meta: dict[str, Any]) -> float:
-        """Start saving checkpoint ``step`` (finishing the previous save first); return seconds blocked."""
+             meta: dict[str, Any], weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> float:
+        """Start saving checkpoint ``step`` (finishing the previous save first); return seconds blocked.
+
+        ``weights`` (full checkpoints; called on rank 0) gives the state stored as "model" in place of the model's
+        own: a LoRA run stores its merged weights there, so every reader gets plain GPT weights.
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         t0 = time.perf_counter()
@@ -515,7 +519,9 @@ class Checkpointer:
             work = lambda: self._finish_sharded(future, tmp, final, extras, meta)  # noqa: E731
         else:
             msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-            state = _snapshot({"model": msd, "optimizer": osd, **extras}, pool=self._pool) if self.rank == 0 else None
+            state = None
+            if self.rank == 0:
+                state = _snapshot({"model": weights() if weights else msd, "optimizer": osd, **extras}, pool=self._pool)
             work = lambda: self._write_full(state, tmp, final, meta) if self.rank == 0 else None  # noqa: E731
         self._pending = final
         if self.async_save:
@@ -549,7 +555,7 @@ class Checkpointer:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         meta = {**meta, "weights_digest": weights_digest(state["model"])}
-        files = {"state.pt": _write_torch(tmp / "state.pt", state, self.pause_s)}
+        files = {"state.pt": _write_torch(tmp / "state.pt", state, self.on_write)}
         files.update(_copy_extra(tmp, self.extra_files))
         self._done(_commit(tmp, final, files, meta))
 
@@ -557,7 +563,7 @@ class Checkpointer:
         future.result()  # on rank 0 this returns once every rank's shards and the index are on disk
         if self.rank != 0:
             return
-        files = {"state.pt": _write_torch(tmp / "state.pt", extras, self.pause_s)}
+        files = {"state.pt": _write_torch(tmp / "state.pt", extras, self.on_write)}
         files.update(_copy_extra(tmp, self.extra_files))
         files.update(_digest_tree(tmp, set(files)))
         self._done(_commit(tmp, final, files, meta))
@@ -614,10 +620,13 @@ class Checkpointer:
             dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, part: str = "model"
              ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore model (and optimizer) from checkpoint ``path`` whatever its format and world size, onto this
-        model however it is wrapped; return (extras, meta). Checksums were verified by ``latest``."""
+        model however it is wrapped; return (extras, meta). Checksums were verified by ``latest``.
+
+        ``part`` names the entry holding the model's trained state: "model", or "lora" for a LoRA run's adapters
+        (loaded onto its frozen base; full checkpoints only)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -638,11 +647,11 @@ class Checkpointer:
             else:
                 set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
         else:
-            opts = StateDictOptions(full_state_dict=True)
+            opts = StateDictOptions(full_state_dict=True, strict=part == "model")
             if optimizer is None or "optimizer" not in state:
-                set_model_state_dict(model, state["model"], options=opts)
+                set_model_state_dict(model, state[part], options=opts)
             else:
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                set_state_dict(model, optimizer, model_state_dict=state[part], optim_state_dict=state["optimizer"],
                                options=opts)
         extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
         return extras, meta

@@ -22,12 +22,12 @@ from dagster._core.snap import JobSnap
 from pydantic import Field
 
 from assets._config import DataclassConfig, field_docs, schema_of
-from kiln.clean.pipeline import CleanConfig
+from kiln.clean.config import CleanConfig
 from kiln.common.config import ConfigError, from_dict
 from kiln.model.gpt import GPTConfig
 from kiln.model.lora import LoRAConfig
 from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig
-from kiln.train.loop import OptimConfig
+from kiln.train.optim import OptimConfig
 from kiln.train.spikes import SpikeConfig
 
 CORE = [CleanConfig, HardwareConfig, BatchConfig, ParallelConfig, GPTConfig, OptimConfig, SpikeConfig, LoRAConfig]
@@ -318,7 +318,7 @@ PROBE_FILE = '''
 from dagster import Config, Definitions, asset, define_asset_job
 from pydantic import Field
 from assets._config import schema_of
-from kiln.clean.pipeline import CleanConfig
+from kiln.clean.config import CleanConfig
 from kiln.model.gpt import GPTConfig
 
 class ProbeConfig(Config):

@@ -16,11 +16,11 @@ import pytest
 import torch
 from dagster import AssetKey, DagsterInstance, FilesystemIOManager, asset, materialize
 
-from assets.alignment import dpo_model, heldout_suite, instruction_data, preference_data, rl_model, stage_rows
+from assets.alignment import dpo_model, instruction_data, preference_data, rl_model
 from kiln.train.checkpoint import save_checkpoint
 from kiln.evaluation.tasks import build_tasks
 from kiln.model.gpt import GPT, GPTConfig
-from kiln.posttrain.common import MEASURES
+from kiln.posttrain.measures import MEASURES, heldout_suite, stage_rows
 from kiln.shards import split_of
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource

@@ -301,7 +301,7 @@ def test_identity_follows_the_weights_not_the_bookkeeping(tmp_path) -> None:
 def test_background_save_is_a_snapshot_and_blocks_only_for_the_copy(tmp_path) -> None:
     m, opt = trained(1)
     expected = {k: v.clone() for k, v in m.state_dict().items()}
-    ck = checkpointer(tmp_path, pause_s=0.5)  # the write itself takes over half a second
+    ck = checkpointer(tmp_path, on_write=lambda path: time.sleep(0.5))  # the write itself takes over half a second
     blocked = ck.save(1, m, opt, {"step": 1}, {})
     assert blocked < 0.4 and list_checkpoints(tmp_path) == []  # training goes on while it is written
     with torch.no_grad():

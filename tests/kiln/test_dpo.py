@@ -20,7 +20,7 @@ from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.posttrain.dpo import PairLoader, dpo_loss, encode_preferences, pair_batch
 from kiln.posttrain.instructions import build_pairs, write_jsonl
 from kiln.model.gpt import GPT, GPTConfig
-from kiln.posttrain.common import score_responses, sequence_logps, token_logps
+from kiln.posttrain.logprobs import score_responses, sequence_logps, token_logps
 from kiln.posttrain.preferences import build_preferences
 from kiln.posttrain.sft import IGNORE, encode_example
 
@@ -152,3 +152,101 @@ def test_dpo_job_raises_preference_accuracy_on_its_training_pairs(tmp_path, tiny
     proc = run_module("kiln.posttrain.dpo", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 40
+
+
+def dpo_job(tmp_path: Path, tok_path: Path, model: dict, init: Path, data: Path, **overrides) -> Path:
+    job = {"task": "dpo", "out_dir": str(tmp_path / "run"), "tokenizer": str(tok_path), "model": model,
+           "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0}, "train_files": [str(data)],
+           "init_from": str(init), "seq_len": 31, "micro_batch": 8, "max_steps": 6, "eval_interval": 3,
+           "eval_pairs": 12, "log_interval": 3, "beta": 0.5, "ckpt_interval": 3, **overrides}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    return tmp_path / "job.json"
+
+
+@pytest.fixture
+def preference_file(tmp_path) -> Path:
+    data = tmp_path / "prefs.jsonl"
+    write_jsonl(build_preferences(build_pairs([], n_arithmetic=60, seed=5, val_permille=250, max_doc_pairs=0), seed=0), data)
+    return data
+
+
+@pytest.mark.slow
+def test_dpo_on_two_gloo_processes_follows_one_process(tmp_path, tiny_tokenizer, model_dict, preference_file) -> None:
+    """DDP through the shared harness: 2 ranks x 4 pairs give the 1 x 8 curve, identical replicas, a checkpoint
+    whose data version follows its weights."""
+    from kiln.train.checkpoint import checkpoint_identity, load_state, verify_checkpoint, weights_digest
+    from tests.conftest import subprocess_env
+
+    _, tok_path = tiny_tokenizer
+    model = {**model_dict, "dropout": 0.0}
+    init = tiny_checkpoint(tmp_path / "init", tok_path, model)
+    one = dpo_job(tmp_path / "one", tok_path, model, init, preference_file)
+    two = dpo_job(tmp_path / "two", tok_path, model, init, preference_file, micro_batch=4)
+    assert run_module("kiln.posttrain", one).returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "kiln.posttrain", "--config", str(two), "--device", "cpu"], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ref, res = (json.loads((p.parent / "run" / "result.json").read_text()) for p in (one, two))
+    assert res["world_size"] == 2 and res["parallelism"] == "ddp" and len(set(res["rank_param_digests"])) == 1
+    assert [h["step"] for h in res["history"]] == [0, 3, 6]
+    for key in ("val_loss", "val_reward_margin", "train_loss"):
+        assert [h.get(key) for h in res["history"]] == pytest.approx([h.get(key) for h in ref["history"]], abs=1e-4), key
+    meta = verify_checkpoint(Path(res["checkpoint"]))
+    assert meta["task"] == "dpo" and meta["format"] == "full" and meta["world_size"] == 2
+    state, _ = load_state(Path(res["checkpoint"]))
+    assert meta["weights_digest"] == weights_digest(state["model"])
+    assert checkpoint_identity(Path(res["checkpoint"])) == meta["weights_digest"][:16]
+    assert res["goodput"]["sessions"] == 1 and 0 < res["goodput"]["goodput"] < 1
+
+
+def test_an_older_dpo_checkpoint_is_named_rather_than_resumed(tmp_path, tiny_tokenizer, model_dict,
+                                                              preference_file) -> None:
+    from kiln.posttrain.dpo import main
+    from kiln.train.checkpoint import CheckpointError
+
+    _, tok_path = tiny_tokenizer
+    model = {**model_dict, "dropout": 0.0}
+    init = tiny_checkpoint(tmp_path / "init", tok_path, model)
+    job = dpo_job(tmp_path / "job", tok_path, model, init, preference_file)
+    old = tiny_checkpoint(tmp_path / "job" / "run" / "checkpoints", tok_path, model)  # meta as DPO wrote it: no "job"
+    with pytest.raises(CheckpointError, match=rf"{old}: an older DPO/RL checkpoint, which a run cannot resume from"):
+        main(["--config", str(job), "--device", "cpu"])
+
+
+class _Quiet:
+    def log(self, message: str) -> None:
+        pass
+
+
+def test_a_lora_dpo_run_resumes_after_a_crash_bit_identically(tmp_path, tiny_tokenizer, model_dict,
+                                                              preference_file) -> None:
+    """Adapters, optimizer, data order and dropout's RNG come back from the step-3 checkpoint exactly."""
+    from kiln.posttrain.dpo import main
+    from kiln.train.checkpoint import load_state
+    from tests.faults import injector
+
+    _, tok_path = tiny_tokenizer
+    init = tiny_checkpoint(tmp_path / "init", tok_path, model_dict)  # dropout 0.1: the RNG state matters
+    kw = dict(lora={"enabled": True, "rank": 4, "dropout": 0.1}, micro_batch=4, grad_accum=2, max_steps=8,
+              eval_interval=4, eval_pairs=8, keep_last=3)
+    args = lambda name: ["--config", str(dpo_job(tmp_path / name, tok_path, model_dict, init, preference_file, **kw)),  # noqa: E731
+                         "--device", "cpu"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = main(args("ref"), _Quiet())
+        with pytest.raises(RuntimeError, match="injected failure at step 5"):
+            main(args("crash"), _Quiet(), [injector(fail_at_step=5)])
+        res = main(args("crash"), _Quiet(), [injector(fail_at_step=5)])
+    finally:
+        torch.set_num_threads(threads)
+    assert Path(res["resumed_from"]).name == "step_0000003" and res["steps"] == 8
+    assert res["history"] == ref["history"] and res["final_train"] == ref["final_train"]
+    a, _ = load_state(Path(ref["checkpoint"]))
+    b, _ = load_state(Path(res["checkpoint"]))
+    for part in ("model", "lora"):  # merged weights for readers, adapters for resuming
+        assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert all(k.endswith(("lora_A", "lora_B")) for k in a["lora"]) and "lora" not in "".join(a["model"])
+    assert a["loader"] == b["loader"] and a["run"]["data_batches"] == b["run"]["data_batches"] == 8

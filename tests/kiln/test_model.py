@@ -142,7 +142,7 @@ def test_flops_per_token() -> None:
 def test_chunked_loss_equals_cross_entropy_of_the_logits(monkeypatch, chunk_bytes) -> None:
     import torch.nn.functional as F
 
-    import kiln.model.gpt as km
+    import kiln.model.loss as km
 
     monkeypatch.setitem(km.CE_CHUNK_BYTES, "cpu", chunk_bytes)  # 4 KiB: chunks of 16 tokens, with a ragged last one
     a, b = make(), make()
@@ -165,7 +165,7 @@ def test_chunked_loss_under_bf16_autocast_matches_autocast_cross_entropy(monkeyp
     """The CUDA training path (bf16 autocast: bf16 matmuls, fp32 softmax and gradient sums), run on CPU's autocast."""
     import torch.nn.functional as F
 
-    import kiln.model.gpt as km
+    import kiln.model.loss as km
 
     monkeypatch.setitem(km.CE_CHUNK_BYTES, "cpu", chunk_bytes)
     a, b = make(), make()

@@ -19,7 +19,7 @@ import torch
 from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.posttrain.instructions import arithmetic, build_pairs, final_number, write_jsonl
 from kiln.model.gpt import GPT, GPTConfig
-from kiln.posttrain.common import complete
+from kiln.posttrain.sampling import complete
 from kiln.posttrain.rl import RlJob, answer_rows, group_advantages, grpo_loss, make_reward, rollout_loss
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids
 
@@ -149,10 +149,12 @@ def test_rl_job_with_lora_reports_rewards_resumes_and_saves_plain_weights(tmp_pa
            "optim": {"lr": 1e-3, "warmup_steps": 1}, "lora": {"enabled": True, "rank": 4},
            "train_files": [str(data)], "init_from": str(init), "seq_len": 31, "micro_batch": 4, "group_size": 4,
            "max_new_tokens": 6, "max_steps": 6, "eval_interval": 2, "eval_items": 8, "log_interval": 2,
-           "ckpt_interval": 2, "keep_last": 2, "fail_at_step": 5}
+           "ckpt_interval": 2, "keep_last": 2}
     config = tmp_path / "job.json"
     config.write_text(json.dumps(job))
-    cmd = [sys.executable, "-m", "kiln.posttrain.rl", "--config", str(config), "--device", "cpu"]
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"fail_at_step": 5}))
+    cmd = [sys.executable, "tests/faults.py", "--faults", str(faults), "--config", str(config), "--device", "cpu"]
     # the first launch crashes at step 5, after the step-4 checkpoint; the second resumes with its adapters
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and "injected failure at step 5" in proc.stderr

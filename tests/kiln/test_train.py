@@ -23,7 +23,9 @@ import torch
 from kiln.train.checkpoint import list_checkpoints, load_for_inference, load_state, verify_checkpoint
 from kiln.common.config import ConfigError
 from kiln.train.spikes import SpikeConfig, SpikeDetector, SpikeError
-from kiln.train.loop import JobConfig, OptimConfig, lr_lambda, main
+from kiln.train.loop import JobConfig, main
+from kiln.train.optim import OptimConfig, lr_lambda
+from tests.faults import Faults, injector
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPARED = ("model", "optimizer", "scheduler", "loader", "step")  # the state that must match bit for bit
@@ -87,10 +89,14 @@ class ListReporter:
         self.warnings.append(message)
 
 
-def popen_train(job: Path) -> subprocess.Popen:
+def popen_train(job: Path, **faults) -> subprocess.Popen:
+    """``python -m kiln.train`` on ``job``; with ``faults`` (tests/faults.py Faults fields), through tests/faults.py."""
     from tests.conftest import subprocess_env
 
-    return subprocess.Popen([sys.executable, "-m", "kiln.train", "--config", str(job), "--device", "cpu"], cwd=ROOT,
+    entry = ["-m", "kiln.train"]
+    if faults:
+        entry = ["tests/faults.py", "--faults", str(Faults(**faults).write(job.parent / "faults.json"))]
+    return subprocess.Popen([sys.executable, *entry, "--config", str(job), "--device", "cpu"], cwd=ROOT,
                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -185,9 +191,9 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, baselin
 def test_kill_during_save_and_a_damaged_checkpoint_fall_back_to_an_older_one(tmp_path, baseline, pretrain_job,
                                                                            train_runner) -> None:
     ref_job, _ = baseline
-    job = pretrain_job(tmp_path, ckpt_interval=5, keep_last=3, save_pause_s=2.0)  # each write holds for 2 s
+    job = pretrain_job(tmp_path, ckpt_interval=5, keep_last=3)
     run = run_dir(job)
-    proc = popen_train(job)
+    proc = popen_train(job, save_pause_s=2.0)  # each write holds for 2 s
     staging = run / "checkpoints" / ".step_0000010.partial" / "state.pt"
     deadline = time.time() + 120
     while not staging.exists() and time.time() < deadline:  # the second save is being written, not yet committed
@@ -198,8 +204,7 @@ def test_kill_during_save_and_a_damaged_checkpoint_fall_back_to_an_older_one(tmp
     assert verify_checkpoint(run / "checkpoints" / "step_0000005")["step"] == 5  # the previous one is intact
 
     # and the newest complete checkpoint is damaged on disk: one flipped bit
-    job.write_text(json.dumps({**json.loads(job.read_text()), "save_pause_s": 0.0}))
-    resumed = train_runner(job)
+    resumed = train_runner(job)  # without the pause
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "removed .step_0000010.partial: a save that was interrupted" in resumed.stdout
     assert result_of(job)["resumed_from"].endswith("step_0000005")
@@ -231,9 +236,11 @@ def test_torchrun_restarts_after_three_kills_and_ends_bit_identical(tmp_path, ba
 
     ref_job, _ = baseline
     kills = sorted(random.Random(time.time_ns()).sample(range(3, 30), 3))
-    job = pretrain_job(tmp_path, kill_at_steps=kills)
-    cmd = TorchrunResource(max_restarts=3, pg_timeout_s=120).command(1, job, "cpu")
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    job = pretrain_job(tmp_path)
+    faults = Faults(kill_at_steps=kills).write(tmp_path / "faults.json")
+    cmd = TorchrunResource(max_restarts=3, pg_timeout_s=120).command(1, job, "cpu", worker="tests.faults")
+    proc = subprocess.run(cmd, cwd=ROOT, env={**subprocess_env(), "KILN_FAULTS": str(faults)}, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, f"kills at {kills}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in run_dir(job).glob(".killed_at_*")) == sorted(f".killed_at_{k}" for k in kills)
     assert_same_final_state(ref_job, job)
@@ -245,22 +252,23 @@ def test_torchrun_restarts_after_three_kills_and_ends_bit_identical(tmp_path, ba
     print(f"\ngoodput with kills at steps {kills}: {json.dumps(good)}")
 
 
-def spike_job(pretrain_job, path: Path, inject: bool = True, **spikes) -> Path:
-    """30 steps at a steadier setting than the baseline (lr 3e-3, 8 sequences a step), checkpoints every 5 steps;
-    with ``inject`` data batch 17 is trained at 1000x the learning rate: a poisoned batch that wrecks the model."""
+def spike_job(pretrain_job, path: Path, **spikes) -> Path:
+    """30 steps at a steadier setting than the baseline (lr 3e-3, 8 sequences a step), checkpoints every 5 steps."""
     return pretrain_job(path, micro_batch=8, ckpt_interval=5, keep_last=3, optim={"lr": 3e-3, "warmup_steps": 5},
-                        inject_spike={"batch": 17, "lr_factor": 1000.0} if inject else {},
                         spikes={"warmup_steps": 5, "window": 20, "rollback_steps": 5, "skip_batches": 3, **spikes})
+
+
+POISON = [injector(spike_batch=17, spike_lr_factor=1000.0)]  # data batch 17 at 1000x the lr: wrecks the model
 
 
 @pytest.mark.slow
 def test_loss_spike_rolls_back_skips_the_batches_and_recovers(tmp_path, pretrain_job) -> None:
     """PaLM's recipe brings a run hit by a poisoned batch back to within a few percent of the clean run."""
     with one_thread():
-        clean = main(["--config", str(spike_job(pretrain_job, tmp_path / "clean", inject=False)), "--device", "cpu"],
+        clean = main(["--config", str(spike_job(pretrain_job, tmp_path / "clean")), "--device", "cpu"],
                      reporter=ListReporter())
         broken = main(["--config", str(spike_job(pretrain_job, tmp_path / "off", enabled=False)), "--device", "cpu"],
-                      reporter=ListReporter())
+                      reporter=ListReporter(), callbacks=POISON)
     assert clean["events"] == [] and broken["events"] == []
     assert broken["final_val_loss"] > 2 * clean["final_val_loss"], (broken["final_val_loss"], clean["final_val_loss"])
 
@@ -273,7 +281,7 @@ def test_loss_spike_rolls_back_skips_the_batches_and_recovers(tmp_path, pretrain
     job.write_text(json.dumps({**json.loads(job.read_text()), "mlflow_tracking_uri": uri, "mlflow_run_id": run_id}))
     rep = ListReporter()
     with one_thread():
-        res = main(["--config", str(job), "--device", "cpu"], reporter=rep)
+        res = main(["--config", str(job), "--device", "cpu"], reporter=rep, callbacks=POISON)
     [event] = res["events"]
     assert event["event"] == "rollback" and event["step"] == 19 and event["to_step"] == 10, event
     assert event["skipped_batches"] == 9  # batches 10..18 (the poisoned 17 among them) are never trained again
@@ -289,7 +297,7 @@ def test_loss_spike_rolls_back_skips_the_batches_and_recovers(tmp_path, pretrain
 def test_spikes_give_up_after_max_rollbacks(tmp_path, pretrain_job) -> None:
     job = spike_job(pretrain_job, tmp_path, max_rollbacks=0)
     with pytest.raises(SpikeError, match=r"loss spike at step 19 .* after 0 rollbacks \(spikes\.max_rollbacks=0\)"):
-        main(["--config", str(job), "--device", "cpu"], reporter=ListReporter())
+        main(["--config", str(job), "--device", "cpu"], reporter=ListReporter(), callbacks=POISON)
 
 
 def test_spikes_before_the_first_checkpoint_drop_updates_then_give_up(tmp_path, pretrain_job) -> None:
@@ -297,7 +305,7 @@ def test_spikes_before_the_first_checkpoint_drop_updates_then_give_up(tmp_path, 
     job.write_text(json.dumps({**json.loads(job.read_text()), "ckpt_interval": 100}))  # nothing to roll back to
     rep = ListReporter()
     with pytest.raises(SpikeError, match=r"after 10 updates in a row were dropped, with no checkpoint yet"):
-        main(["--config", str(job), "--device", "cpu"], reporter=rep)
+        main(["--config", str(job), "--device", "cpu"], reporter=rep, callbacks=POISON)
     dropped = [w for w in rep.warnings if "no checkpoint to roll back to, so this update is skipped" in w]
     assert len(dropped) == 10 and dropped[0].startswith("loss spike at step 19")
 
@@ -356,13 +364,13 @@ def test_unknown_nested_key_is_named(tmp_path, pretrain_job, section, key, messa
 
 def test_injected_failure_before_the_first_checkpoint_happens_once(tmp_path, pretrain_job) -> None:
     # out_dir does not exist yet and no checkpoint is due before the failure
-    path = pretrain_job(tmp_path, fail_at_step=2, max_steps=3, ckpt_interval=100, eval_interval=100, eval_batches=1)
-    args = ["--config", str(path), "--device", "cpu"]
+    path = pretrain_job(tmp_path, max_steps=3, ckpt_interval=100, eval_interval=100, eval_batches=1)
+    args, crash = ["--config", str(path), "--device", "cpu"], [injector(fail_at_step=2)]
     with pytest.raises(RuntimeError, match="injected failure at step 2"):
-        main(args, reporter=ListReporter())
+        main(args, reporter=ListReporter(), callbacks=crash)
     assert (tmp_path / "run" / ".failed_once").read_text() == "2"
     rep = ListReporter()
-    summary = main(args, reporter=rep)  # no checkpoint yet: starts over and does not fail again
+    summary = main(args, reporter=rep, callbacks=crash)  # no checkpoint yet: starts over and does not fail again
     assert summary["steps"] == 3 and summary["resumed_from"] is None
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_0000003"]
 
@@ -377,8 +385,9 @@ def test_lr_schedule_warmup_then_cosine_to_min() -> None:
 
 def test_job_config_defaults_are_a_valid_pretrain_job() -> None:
     job = JobConfig()
-    assert job.task == "pretrain" and job.fail_at_step == -1 and job.grad_accum == 1
-    assert job.parallelism == "auto" and job.async_save and job.kill_at_steps == []
+    assert job.task == "pretrain" and Faults().fail_at_step == -1 and job.grad_accum == 1
+    assert job.parallelism == "auto" and job.async_save and Faults().kill_at_steps == []
+    assert not {"fail_at_step", "kill_at_steps", "save_pause_s", "inject_spike"} & set(vars(job))  # test-only: tests/faults.py
 
 
 @pytest.mark.slow
@@ -398,7 +407,7 @@ def test_sft_job_fine_tunes_from_a_pretrained_checkpoint(tmp_path, baseline, pre
 
 
 def test_a_cuda_rank_without_its_gpu_says_so(monkeypatch) -> None:
-    from kiln.train.loop import setup_distributed
+    from kiln.train.dist import setup_distributed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -158,12 +158,17 @@ def test_two_gloo_processes_through_pipes(tmp_path, pretrain_job):
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_a_killed_worker_and_a_dagster_retry_resumes_after_a_failure(tmp_path, pretrain_job):
+def test_torchrun_restarts_a_killed_worker_and_a_dagster_retry_resumes_after_a_failure(tmp_path, pretrain_job,
+                                                                                        monkeypatch):
     """Rank 0 is SIGKILLed at step 6: torchrun (max_restarts=1) restarts it, it resumes from step 4 and reports
     through Pipes again. At step 9 it raises: no restarts are left, the launch fails naming the worker's error,
-    and Dagster's retry relaunches it, which resumes from step 8 and finishes."""
-    job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4,
-                                  kill_at_steps=[6], fail_at_step=9).read_text())
+    and Dagster's retry relaunches it, which resumes from step 8 and finishes. The faults come from tests/faults.py,
+    run as the workers' module in place of resources.pipes_worker (which it wraps)."""
+    from tests.faults import Faults
+
+    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
+    monkeypatch.setenv("KILN_FAULTS", str(Faults(kill_at_steps=[6], fail_at_step=9).write(tmp_path / "faults.json")))
+    job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4).read_text())
     instance = DagsterInstance.ephemeral()
     result = materialize([launch_asset(job, 1, RetryPolicy(max_retries=1))], instance=instance,
                          resources={"torchrun": TorchrunResource(max_restarts=1, timeout_s=300)})

@@ -1,0 +1,58 @@
+"""How a DPO or RL run is shown on its asset: before/after measures, the run itself, and the stage's own curves.
+
+``dpo_report(result, rows, out_dir)`` / ``rl_report(...)`` give plain values, tables and plots (kiln.train.launch
+types) that assets/_common.report_metadata turns into Dagster metadata; nothing here imports Dagster.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kiln.posttrain.measures import comparison_table
+from kiln.train.launch import FilePath, Plot, Table
+
+
+def stage_report(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every post-training stage shows: the before/after table and the run's checkpoint, steps and scale."""
+    return {"before_after": Table(comparison_table(rows)), "checkpoint": FilePath(str(result["checkpoint"])),
+            "steps": result["steps"], "wall_s": round(result["wall_s"], 1), "resumed_from": str(result["resumed_from"]),
+            "world_size": result["world_size"], "device": result["device"],
+            "trainable_parameters": result["trainable_params"], "lora": result["lora"]["enabled"]}
+
+
+def _series(hist: list[dict], key: str) -> list[tuple[float, float]]:
+    return [(h["step"], h[key]) for h in hist if h.get(key) is not None]
+
+
+def dpo_report(result: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> dict[str, Any]:
+    """Reward margins and chosen/rejected log-probabilities over steps, and the held-out pair statistics."""
+    hist, out_dir = result["history"], Path(out_dir)
+    return {
+        **stage_report(result, rows),
+        "reward_margin_curve": Plot({"train margin": _series(hist, "train_reward_margin"),
+                                     "held-out margin": _series(hist, "val_reward_margin")},
+                                    "DPO reward margin", "step", "beta * log-ratio difference", out_dir / "margins.png"),
+        "logps_curve": Plot({"chosen": _series(hist, "val_chosen_logp"), "rejected": _series(hist, "val_rejected_logp")},
+                            "held-out log-probabilities", "step", "summed log p(response)", out_dir / "logps.png"),
+        "held_out_pairs": Table(hist, ["step", "train_loss", "train_reward_accuracy", "val_loss", "val_reward_accuracy",
+                                       "val_reward_margin", "val_chosen_logp", "val_rejected_logp"]),
+        "final_held_out": Table([{"quantity": k, "start": (result["initial_val"] or {}).get(k), "end": v}
+                                 for k, v in (result["final_val"] or {}).items()]),
+    }
+
+
+def rl_report(result: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> dict[str, Any]:
+    """Sampled and held-out rewards over steps, the KL to the reference, and the held-out reward table."""
+    hist, out_dir = result["history"], Path(out_dir)
+    return {
+        **stage_report(result, rows),
+        "reward_curve": Plot({"sampled reward (train)": [(h["step"], h["reward"]) for h in hist if "reward" in h],
+                              "sampled exact answers (train)": [(h["step"], h["exact_answer"]) for h in hist
+                                                                if "exact_answer" in h],
+                              "greedy held-out reward": [(h["step"], h["val_reward"]) for h in hist if "val_reward" in h]},
+                             "RL reward over steps", "step", "mean reward", out_dir / "reward.png"),
+        "kl_curve": Plot({"KL to reference": [(h["step"], h["kl"]) for h in hist if "kl" in h]},
+                         "KL to the reference", "step", "nats/token", out_dir / "kl.png"),
+        "held_out_reward": Table([{"step": h["step"], "reward": h["val_reward"]} for h in hist if "val_reward" in h]),
+    }

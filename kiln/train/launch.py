@@ -1,0 +1,118 @@
+"""What a training asset needs around the job itself: the job file made from the plan, the run folder's key, and
+the result shown as plain values, tables and plots (assets/_common.report_metadata turns those into metadata).
+
+``spec = RunSpec("pretrain", fields, plan, {"token_shards": v1, "tokenizer": v2}, tokenizer_path)``; the run
+folder is ``storage/<asset>/<spec.key>``, so the same inputs resume the same run. Nothing here imports Dagster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.common.config import from_dict
+from kiln.common.files import stable_hash
+from kiln.model.lora import LoRAConfig
+from kiln.train.optim import OptimConfig
+from kiln.train.spikes import SpikeConfig
+
+POSTTRAIN_TASKS = ("dpo", "rl")  # kiln.posttrain.common.PosttrainJob jobs: own batch fields, a start checkpoint
+
+
+@dataclass
+class Table:
+    rows: list[dict[str, Any]]
+    columns: list[str] | None = None  # default: the first row's keys
+
+
+@dataclass
+class Plot:
+    series: dict[str, list[tuple[float, float]]]  # legend -> (x, y) points
+    title: str
+    xlabel: str
+    ylabel: str
+    file: Path  # the PNG, saved beside the run and logged to its MLflow run
+
+
+@dataclass
+class FilePath:
+    path: str
+
+
+@dataclass
+class RunSpec:
+    """A training job as an asset launches it; its run folder is keyed by everything that decides its result."""
+
+    task: str  # "pretrain", "sft", "dpo" or "rl"
+    fields: dict[str, Any]  # job fields the asset sets: optim, data files, steps, intervals, seed ...
+    plan: dict[str, Any]  # the training plan: model, seq_len, micro_batch, grad_accum, parallelism, hardware
+    inputs: dict[str, Any]  # input name -> data version (in the key; MLflow tags input.<name>)
+    tokenizer: str  # tokenizer.json copied into every checkpoint
+    init: str = ""  # the checkpoint a DPO or RL job starts from
+    reuse: dict[str, Any] = field(default_factory=dict)  # what an identical earlier run must also share
+
+    @property
+    def posttrain(self) -> bool:
+        return self.task in POSTTRAIN_TASKS
+
+    @property
+    def key(self) -> str:
+        return stable_hash({"task": self.task, **self.inputs, **self.fields, "plan": self.plan})[:16]
+
+    def check(self, where: str) -> None:
+        """Reject unknown optimizer, spike or LoRA keys before anything is launched, naming ``where``."""
+        from_dict(OptimConfig, self.fields.get("optim", {}), f"{where}.optim")
+        if self.posttrain:
+            from_dict(LoRAConfig, self.fields.get("lora", {}), f"{where}.lora")
+        else:
+            from_dict(SpikeConfig, self.fields.get("spikes", {}), f"{where}.spikes")
+
+    def params(self) -> dict[str, Any]:
+        shown = ("micro_batch", "world_size") if self.posttrain else ("micro_batch", "grad_accum", "world_size")
+        return {**self.fields, "plan": {k: self.plan[k] for k in shown}}
+
+    def tags(self) -> dict[str, str]:
+        return {f"input.{k}": v for k, v in self.inputs.items() if isinstance(v, str)}
+
+    def job(self, out_dir: Path, tracking_uri: str, run_id: str) -> dict[str, Any]:
+        """The job file's fields (kiln.train.job.JobConfig, or kiln.posttrain.common.PosttrainJob's subclasses)."""
+        plan = self.plan
+        base = {"task": self.task, "out_dir": str(out_dir), "tokenizer": self.tokenizer, "model": plan["model"],
+                "seq_len": plan["seq_len"]}
+        tracking = {"mlflow_tracking_uri": tracking_uri, "mlflow_run_id": run_id}
+        if self.posttrain:
+            return {**base, "init_from": self.init, **tracking, **self.fields}
+        job = {**base, "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"],
+               "parallelism": plan.get("parallelism", "auto"),
+               "activation_checkpointing": plan.get("activation_checkpointing", False),
+               "compile": plan.get("compile", False), **tracking, **self.fields}
+        peak = plan["hardware"].get("peak_tflops")
+        if peak:
+            job["peak_flops"] = peak * 1e12
+        return job
+
+
+def pretrain_report(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """A pretraining or SFT run as metadata: losses, throughput, the loss curve, checkpoints, goodput, spikes."""
+    hist = result["history"]
+    curve = result.get("curve") or [(h["step"], h["train_loss"]) for h in hist if h.get("train_loss") is not None]
+    goodput = result.get("goodput") or {}
+    return {
+        "checkpoint": FilePath(str(result["checkpoint"])), "steps": result["steps"], "tokens": result["tokens"],
+        "initial_val_loss": result["initial_val_loss"], "final_val_loss": result["final_val_loss"],
+        "final_train_loss": result["final_train_loss"], "wall_s": round(result["wall_s"], 1),
+        "resumed_from": str(result["resumed_from"]), "world_size": result["world_size"], "device": result["device"],
+        "parallelism": result.get("parallelism", "none"), "tokens_per_s": result.get("tokens_per_s"),
+        "mfu": result.get("mfu"), "peak_memory_gb": round(result.get("peak_memory_gb") or 0.0, 3),
+        "loss_curve": Plot({"train loss": [tuple(p) for p in curve],
+                            "val loss": [(h["step"], h["val_loss"]) for h in hist if h.get("val_loss") is not None]},
+                           f"{result['task']} loss", "step", "cross-entropy (nats/token)", Path(out_dir) / "loss.png"),
+        "validation": Table(hist),
+        "checkpoints": Table([{k: c[k] for k in ("step", "val_loss", "format", "bytes", "path")}
+                              for c in result.get("checkpoints", [])]),
+        "goodput": goodput.get("goodput"),
+        "goodput_breakdown": Table([{"where": k.removesuffix("_s"), "seconds": v} for k, v in goodput.items()
+                                    if k.endswith("_s")]),
+        "spike_events": Table(result.get("events", [])),
+    }

@@ -1,0 +1,92 @@
+"""Pretraining: next-token prediction on token shards, validated by the token loss on held-out shards.
+
+``python -m kiln.train --config job.json`` with task "pretrain" (kiln.train.job.JobConfig fields) runs it;
+kiln.posttrain.sft.SftStage is the same stage on prompt-masked instruction pairs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kiln.train.dist import DistInfo
+from kiln.train.job import JobConfig
+from kiln.train.telemetry import format_duration
+from kiln.train.trainer import Stage, StepReport, Trainer
+
+Batches = Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]  # a fresh pass over (x, y) validation batches
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Batches, info: DistInfo, autocast) -> float:
+    """Mean token cross-entropy over the validation batches (targets equal to -100 are skipped), over all ranks."""
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches():
+        x, y = x.to(info.device), y.to(info.device)
+        with autocast():
+            logits = model(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-100, reduction="sum")
+        total += loss.item()
+        count += int((y != -100).sum())
+    model.train()
+    if info.world_size > 1:
+        t = torch.tensor([total, count], dtype=torch.float64)
+        dist.all_reduce(t)
+        total, count = t.tolist()
+    return total / max(count, 1)
+
+
+class NextTokenStage(Stage):
+    """Mean next-token cross-entropy of (B, T) inputs against (B, T) targets through the model's chunked head
+    (kiln.model.loss.LinearCrossEntropy); validation is the same loss on held-out batches."""
+
+    def __init__(self, job: JobConfig, info: DistInfo, loader, val_batches: Batches):
+        self.job, self.info, self.loader, self.val_batches = job, info, loader, val_batches
+        self.tokens_per_step = job.micro_batch * job.seq_len * job.grad_accum * info.world_size
+
+    def batches(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(self.job.grad_accum):
+            yield self.loader.next_batch()
+
+    def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        x, y = (t.to(trainer.info.device, non_blocking=True) for t in batch)  # (B, T), (B, T)
+        with trainer.autocast():
+            return trainer.model(x, y), {}
+
+    def validate(self, trainer: Trainer) -> dict[str, float]:
+        return {"val_loss": evaluate(trainer.model, self.val_batches, trainer.info, trainer.autocast)}
+
+    def start_line(self, val: dict[str, float]) -> str:
+        return f"step 0: val loss {val['val_loss']:.4f}"
+
+    def progress(self, r: StepReport) -> str:
+        m = r.metrics
+        val = r.val_loss if r.val_loss is not None else float("nan")
+        mfu = f" | MFU {m['mfu']:.1%}" if "mfu" in m else ""
+        return (f"step {r.step}/{r.max_steps}: loss {r.train['train_loss']:.4f} | val {val:.4f} | lr {m['lr']:.2e} | "
+                f"grad_norm {m['grad_norm']:.2f} | {m['tokens_per_s']:,.0f} tok/s{mfu} | {m['memory_gb']:.2f} GiB | "
+                f"{format_duration(r.left_s)} left")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+
+class PretrainStage(NextTokenStage):
+    """Windows of the token shards in a seeded order (kiln.loader.TokenLoader), each rank its own slice."""
+
+    def __init__(self, job: JobConfig, info: DistInfo):
+        from kiln.loader import TokenLoader, iter_eval_batches
+
+        loader = TokenLoader([Path(p) for p in job.train_files], job.micro_batch, job.seq_len, info.rank,
+                             info.world_size, job.seed)
+        val_files = [Path(p) for p in job.val_files]
+        super().__init__(job, info, loader,
+                         lambda: iter_eval_batches(val_files, job.micro_batch, job.seq_len, job.eval_batches))

@@ -1,0 +1,98 @@
+"""What a training run reports while it runs: rank 0's progress lines and MLflow metrics, memory, peak FLOP/s.
+
+``make_logger(job, info)`` is a batched MLflow logger on rank 0 (a no-op elsewhere or without a run id);
+``PrintReporter`` prints progress lines (the Pipes worker sends them to Dagster instead).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kiln.train.checkpoint import list_checkpoints
+from kiln.train.dist import DistInfo
+
+
+class NullLogger:
+    """Stands in for kiln.common.metrics.MetricLogger on ranks that do not report, or when no MLflow run is given."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+def make_logger(job, info: DistInfo):
+    """Rank 0's batched MLflow logger; MLflow is imported only where metrics are sent (it takes seconds)."""
+    if not (info.is_main and job.mlflow_tracking_uri and job.mlflow_run_id):
+        return NullLogger()
+    from kiln.common.metrics import MetricLogger
+
+    return MetricLogger(job.mlflow_tracking_uri, job.mlflow_run_id)
+
+
+class Reporter(Protocol):
+    def log(self, message: str) -> None: ...
+
+
+class PrintReporter:
+    def log(self, message: str) -> None:
+        print(message, flush=True)
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_memory_gb(device: torch.device, baseline_gb: float = 0.0) -> float:
+    """Peak memory of training: CUDA's allocator peak; on CPU the process's peak resident memory above
+    ``baseline_gb`` (the interpreter and libraries, measured before the model was built)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    hwm = _proc_status_kib("VmHWM")
+    peak = hwm / 1024**2 if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    return max(0.0, peak - baseline_gb)
+
+
+def resident_gb() -> float:
+    rss = _proc_status_kib("VmRSS")
+    return rss / 1024**2 if rss is not None else 0.0
+
+
+def resolve_peak_flops(peak_flops: float, device: torch.device) -> float:
+    """Per-device peak FLOP/s for MFU: the job's, the GPU table's, or a matmul measured now on CPU (0: none)."""
+    from kiln.plan import gpu_peak_tflops, measure_matmul_peak
+
+    if peak_flops != 0:
+        return max(peak_flops, 0.0)
+    if device.type == "cuda":
+        return (gpu_peak_tflops(torch.cuda.get_device_name(device)) or 0.0) * 1e12
+    return measure_matmul_peak("cpu")
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def checkpoint_table(root: Path) -> list[dict[str, Any]]:
+    """One row per checkpoint on disk, oldest first: step, path, validation loss, format and size."""
+    rows = []
+    for p in list_checkpoints(root):
+        meta = json.loads((p / "meta.json").read_text())
+        rows.append({"step": meta["step"], "path": str(p), "val_loss": meta.get("val_loss"), "format": meta.get("format"),
+                     "bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file())})
+    return rows

@@ -1,0 +1,472 @@
+"""One training harness for every stage: pretraining, SFT, DPO and RL run this loop, its checkpoints and its reports.
+
+A stage (kiln.train.pretrain.PretrainStage, kiln.posttrain.sft.SftStage, kiln.posttrain.dpo.DpoStage,
+kiln.posttrain.rl.RlStage) supplies its batches, its loss and its held-out measures; ``Trainer(job, stage, info,
+reporter).fit()`` does the rest. Run a job with ``python -m kiln.train --config job.json`` (kiln.train.entry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from kiln.common.config import from_dict
+from kiln.common.files import atomic_write_json
+from kiln.model.gpt import GPT, GPTConfig, flops_per_token
+from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
+from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, parallelize
+from kiln.train.checkpoint import (Checkpointer, CheckpointError, list_checkpoints, load_state, resolve_checkpoint,
+                                   rng_state, set_rng_state, step_of)
+from kiln.train.dist import DistInfo, all_gather, all_mean, rank_digests
+from kiln.train.goodput import GoodputLedger, summarize
+from kiln.train.job import TrainJob
+from kiln.train.optim import OptimConfig, make_optimizer, make_scheduler
+from kiln.train.spikes import SpikeConfig, SpikeDetector, SpikeError
+from kiln.train.telemetry import (Reporter, checkpoint_table, make_logger, peak_memory_gb, resident_gb,
+                                  resolve_peak_flops)
+
+MAX_SKIPPED_IN_A_ROW = 10  # spiking updates dropped back to back (no checkpoint yet) before the run gives up
+
+
+@dataclass
+class RunState:
+    """Training-loop bookkeeping saved in every checkpoint beside model, optimizer, scheduler and loader."""
+
+    step: int = 0  # optimizer steps whose updates are in the weights
+    data_batches: int = 0  # global batches drawn from the data (steps plus batches skipped after spikes)
+    lineage_s: float = 0.0  # seconds of the steps that made these weights (goodput's productive time)
+    train_loss: float = float("nan")
+    val_loss: float | None = None
+    history: list = field(default_factory=list)  # the stage's rows: one per validation (RL: one per step)
+    curve: list = field(default_factory=list)  # [step, train_loss] at every progress line (the loss plot)
+
+
+@dataclass
+class StepReport:
+    """What a progress line can show about one finished step."""
+
+    step: int
+    max_steps: int
+    train: dict[str, float]  # train_loss and the stage's statistics, averaged over ranks
+    val: dict[str, float] | None  # the held-out measures, when this step validated
+    metrics: dict[str, float]  # what was logged for the step: lr, grad_norm, tokens_per_s, mfu, memory_gb ...
+    val_loss: float | None  # the newest validation loss
+    left_s: float  # estimated seconds to max_steps
+
+
+class Stage:
+    """What one training stage supplies to the Trainer; subclasses override what differs from these defaults."""
+
+    tokens_per_step: int | None = None  # tokens one optimizer step trains on (tokens/s and MFU); None: it varies
+    lora = LoRAConfig()  # enabled: the policy trains LoRA adapters on its frozen weights
+    init_note = ""  # added to the "initialised weights from ..." line
+
+    def setup(self, trainer: Trainer) -> None:
+        """Called once the model is built, before each rank is seeded (a frozen reference model is built here)."""
+
+    def describe(self, trainer: Trainer) -> str | None:
+        """The stage's own opening line, or None."""
+        return None
+
+    def batches(self, index: int) -> Iterator[Any]:
+        """The ``grad_accum`` micro-batches of global batch ``index`` (batches skipped after a spike count too)."""
+        raise NotImplementedError
+
+    def loss(self, trainer: Trainer, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's loss to backpropagate, and statistics to report (averaged over micro-batches, ranks)."""
+        raise NotImplementedError
+
+    def validate(self, trainer: Trainer) -> dict[str, float]:
+        """Held-out measures, named as logged (every rank calls this and gets the same numbers)."""
+        raise NotImplementedError
+
+    def history_row(self, step: int, train: dict[str, float], val: dict[str, float] | None) -> dict | None:
+        """The history row of ``step`` (by default one per validation), or None."""
+        return None if val is None else {"step": step, "train_loss": train["train_loss"], **val}
+
+    def start_line(self, val: dict[str, float]) -> str | None:
+        """The line reporting the held-out measures before training, or None."""
+        return None
+
+    def progress(self, r: StepReport) -> str:
+        raise NotImplementedError
+
+    def meta(self) -> dict[str, Any]:
+        """Extra fields for each checkpoint's meta.json."""
+        return {}
+
+    def summary(self, trainer: Trainer) -> dict[str, Any]:
+        """Extra fields for result.json."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position to save in checkpoints (a resumed run draws what the original would have)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Callback:
+    """Hooks into a run. Production runs have none; tests/faults.py injects crashes, kills and spikes through them."""
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        """Step ``step``'s update is in the weights; nothing of it is logged, validated or saved yet."""
+
+    def before_optimizer_step(self, trainer: Trainer, batch: int) -> None:
+        """The gradients of data batch ``batch`` are clipped and about to be applied."""
+
+    def after_optimizer_step(self, trainer: Trainer, batch: int) -> None:
+        """The update of data batch ``batch`` is applied; the schedule has not stepped yet."""
+
+    def on_checkpoint_write(self, path: Path) -> None:
+        """A checkpoint's state file is on disk, not yet committed (called on the thread that saves)."""
+
+
+def accumulate_gradients(model: torch.nn.Module, batches: Iterable[Any],
+                         loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float]]], grad_accum: int,
+                         device: torch.device) -> tuple[float, dict[str, float]]:
+    """Forward and backward ``grad_accum`` micro-batches (gradients synchronised across ranks on the last only);
+    return this rank's mean loss and mean statistics. One sync with the device per step, for the loss."""
+    loss_sum = torch.zeros((), device=device)
+    stats: dict[str, float] = {}
+    for micro, batch in enumerate(itertools.islice(batches, grad_accum)):
+        with gradient_sync(model, micro == grad_accum - 1):
+            loss, s = loss_fn(batch)
+            (loss / grad_accum).backward()
+        loss_sum += loss.detach()
+        for k, v in s.items():
+            stats[k] = stats.get(k, 0.0) + v / grad_accum
+    return loss_sum.item() / grad_accum, stats
+
+
+class Trainer:
+    """A run of one stage on this rank: model, optimizer, checkpoints, spike rollback, metrics and goodput.
+
+    ``fit`` reads top to bottom: start (resume or seed), validate, then per step ``train_step`` -> spike check
+    (``rollback``) -> ``optimizer_step`` -> ``end_step`` (log, validate, report, ``save``), and ``finish``.
+    """
+
+    def __init__(self, job: TrainJob, stage: Stage, info: DistInfo, reporter: Reporter, callbacks: Iterable[Callback] = ()):
+        self.job, self.stage, self.info, self.reporter = job, stage, info, reporter
+        self.callbacks = list(callbacks)
+        self.cfg = from_dict(GPTConfig, job.model, "job.model")
+        self.opt_cfg = from_dict(OptimConfig, job.optim, "job.optim")
+        self.spike_cfg = from_dict(SpikeConfig, job.spikes, "job.spikes")
+        self.strategy = "none" if info.world_size == 1 else ("ddp" if job.parallelism == "auto" else job.parallelism)
+        if stage.lora.enabled and self.strategy == "fsdp":
+            raise ValueError("job.parallelism is 'fsdp' but lora.enabled: a LoRA run replicates its model; use 'ddp'")
+        self.out = Path(job.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)  # the goodput ledger is written before any checkpoint
+        self.ledger = GoodputLedger(self.out / "goodput.jsonl", info.is_main)
+        self.base_gb = resident_gb()
+        self.logger = make_logger(job, info)  # rank 0 alone tracks
+        self.ckpt = Checkpointer(self.out / "checkpoints", info.rank, info.world_size, sharded=self.strategy == "fsdp",
+                                 async_save=job.async_save, keep_last=job.keep_last, keep_every=job.keep_every,
+                                 extra_files={"tokenizer.json": Path(job.tokenizer)}, log=self.say,
+                                 on_write=self._on_checkpoint_write)
+        self.bf16 = info.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        # with FSDP2's mixed precision the sharded parameters are cast to bf16 already; otherwise autocast on CUDA
+        use_autocast = self.bf16 and self.strategy != "fsdp"
+        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
+        self.detector = SpikeDetector(self.spike_cfg)
+        self.run, self.events, self.resumed_from = RunState(), [], None  # events: rollbacks, kept across restarts
+        self.session_steps, self.tokens_s, self.mfus, self.grad_spikes, self.skipped_in_a_row = 0, [], [], 0, 0
+        self.last_stats: dict[str, float] = {}
+        self.latest = self.ckpt.latest()
+        self.build()
+
+    # -- reporting (rank 0 alone)
+
+    def say(self, message: str) -> None:
+        if self.info.is_main:
+            self.reporter.log(message)
+
+    def warn(self, message: str) -> None:
+        if self.info.is_main:
+            getattr(self.reporter, "warning", self.reporter.log)(message)
+
+    def _on_checkpoint_write(self, path: Path) -> None:
+        for cb in self.callbacks:
+            cb.on_checkpoint_write(path)
+
+    # -- the model
+
+    def build(self) -> None:
+        """Seeded init, starting weights, LoRA, device, the stage's own models, parallelism, optimizer, in that order
+        (the order random numbers are drawn in: a rerun builds bit-identical models)."""
+        job, lora = self.job, self.stage.lora
+        self.init_ckpt = self.ckpt.agree(lambda: str(resolve_checkpoint(job.init_from))) if job.init_from else None
+        torch.manual_seed(job.seed)  # identical initial weights on every rank
+        raw = GPT(self.cfg)
+        if self.init_ckpt and (self.latest is None or lora.enabled):  # a LoRA run resumes adapters on this base
+            raw.load_state_dict(load_state(Path(self.init_ckpt), "cpu")[0]["model"])
+        if lora.enabled:  # before .to(): the adapters' initial values come from the CPU generator
+            wrapped = apply_lora(raw, lora)
+            self.say(f"LoRA rank {lora.rank} on {len(wrapped)} layers: {trainable_parameters(raw):,} trainable parameters")
+        self.raw = raw.to(self.info.device)  # the model to save and load, however it is wrapped
+        self.stage.setup(self)
+        self.model = parallelize(self.raw, self.strategy, job.activation_checkpointing, job.compile, self.info.device,
+                                 self.bf16)  # the model to call
+        self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
+        self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
+
+    def job_params(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self.job).items() if k not in ("train_files", "val_files")}
+
+    # -- the run
+
+    def fit(self) -> dict[str, Any]:
+        """Train to max_steps from wherever the run folder says the run is; return the summary (also result.json)."""
+        self.start()
+        t_start = time.time()
+        self.ledger.ready(self.run.step, self.run.lineage_s)
+        if self.run.step == 0 and not self.run.history:
+            val = self.validate(0)
+            self.run.history.append({"step": 0, **val})
+            line = self.stage.start_line(val)
+            if line:
+                self.say(line)
+        self.t_ready = time.perf_counter()
+        self.model.train()
+        while self.run.step < self.job.max_steps:
+            t0 = time.perf_counter()
+            batch = self.run.data_batches
+            train, norm = self.train_step(batch)
+            verdict = self.detector.check(train["train_loss"], norm)
+            if self.detector.rolls_back(verdict):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.ledger.add("step_s", time.perf_counter() - t0)
+                self.rollback(verdict[1], train["train_loss"])
+                continue
+            self.skipped_in_a_row = 0
+            if verdict is not None:
+                self.grad_spike(norm, verdict[1])
+            self.optimizer_step(batch)
+            self.end_step(train, norm, time.perf_counter() - t0)
+        return self.finish(t_start)
+
+    def start(self) -> None:
+        """Resume from the newest good checkpoint, or seed each rank for a fresh run; say what will run."""
+        if self.latest is not None:
+            self.restore(self.latest)
+            self.resumed_from = str(self.latest)
+            self.say(f"resumed from {self.latest} at step {self.run.step}")
+        else:
+            if self.init_ckpt:
+                self.say(f"initialised weights from {self.init_ckpt}{self.stage.init_note}")
+            torch.manual_seed(self.job.seed + self.info.rank)  # weights are identical on every rank; dropout differs
+        tokens = self.stage.tokens_per_step
+        self.peak_flops = resolve_peak_flops(self.job.peak_flops, self.info.device) if tokens else 0.0
+        if self.info.is_main:
+            self.logger.log_params({"job": self.job_params(), "peak_flops_per_device": self.peak_flops})
+        self.say(f"training {self.raw.num_params() / 1e6:.2f}M parameters on {self.info.world_size} x "
+                 f"{self.info.device.type} ({describe(self.strategy, self.job.activation_checkpointing, self.job.compile)}), "
+                 + (f"{tokens} tokens/step, " if tokens else "") + f"steps {self.run.step}->{self.job.max_steps}"
+                 + (f", MFU against {self.peak_flops / 1e12:.3g} TFLOP/s per device" if self.peak_flops else ""))
+        line = self.stage.describe(self)
+        if line:
+            self.say(line)
+
+    def train_step(self, index: int) -> tuple[dict[str, float], float]:
+        """Forward and backward every micro-batch of data batch ``index``; return the step's training measures
+        (averaged over ranks) and the gradient norm before clipping."""
+        loss, stats = accumulate_gradients(self.model, self.stage.batches(index), lambda b: self.stage.loss(self, b),
+                                           self.job.grad_accum, self.info.device)
+        self.run.data_batches += 1
+        norm = clip_grad_norm(self.model, self.opt_cfg.grad_clip)
+        train = all_mean({"train_loss": loss}, self.info)
+        return {**train, **(all_mean(stats, self.info) if stats else {})}, norm
+
+    def optimizer_step(self, batch: int) -> None:
+        for cb in self.callbacks:
+            cb.before_optimizer_step(self, batch)
+        self.optimizer.step()
+        for cb in self.callbacks:
+            cb.after_optimizer_step(self, batch)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def end_step(self, train: dict[str, float], norm: float, seconds: float) -> None:
+        """Account for the finished step, then log it, validate, report and save when their intervals come round."""
+        job, run = self.job, self.run
+        run.step += 1
+        run.train_loss = train["train_loss"]
+        step = run.step
+        self.ledger.add("step_s", seconds)
+        run.lineage_s = self.ledger.lineage_s
+        for cb in self.callbacks:
+            cb.on_step_end(self, step)
+        self.session_steps += 1
+        self.last_stats = {k: v for k, v in train.items() if k != "train_loss"}
+        metrics = self.step_metrics(train, norm, seconds)
+        self.logger.log(metrics, step)
+        val = self.validate(step) if step % job.eval_interval == 0 or step == job.max_steps else None
+        row = self.stage.history_row(step, train, val)
+        if row is not None:
+            run.history.append(row)
+        if step % job.log_interval == 0 or step == job.max_steps:
+            self.progress(step, train, val, metrics)
+        if step % job.ckpt_interval == 0 or step == job.max_steps:
+            self.save(step)
+        self.ledger.beat(step)
+
+    def step_metrics(self, train: dict[str, float], norm: float, seconds: float) -> dict[str, float]:
+        metrics = {"train_loss": train["train_loss"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm}
+        tokens = self.stage.tokens_per_step
+        if tokens:
+            metrics["tokens_per_s"] = tokens / seconds
+            self.tokens_s.append(metrics["tokens_per_s"])
+        metrics.update(step_time_s=seconds, memory_gb=peak_memory_gb(self.info.device, self.base_gb))
+        if tokens and self.peak_flops > 0:
+            metrics["mfu"] = flops_per_token(self.cfg, self.job.seq_len) * metrics["tokens_per_s"] / (
+                self.peak_flops * self.info.world_size)
+            self.mfus.append(metrics["mfu"])
+        return {**metrics, **{k: v for k, v in train.items() if k != "train_loss"}}
+
+    def validate(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        val = self.stage.validate(self)
+        self.ledger.add("eval_s", time.perf_counter() - t0)
+        self.run.val_loss = val.get("val_loss", self.run.val_loss)
+        self.logger.log(val, step)
+        return val
+
+    def progress(self, step: int, train: dict[str, float], val: dict[str, float] | None, metrics: dict[str, float]) -> None:
+        self.run.curve.append([step, train["train_loss"]])
+        if self.info.is_main:
+            left = (time.perf_counter() - self.t_ready) / self.session_steps * (self.job.max_steps - step)
+            self.reporter.log(self.stage.progress(StepReport(step, self.job.max_steps, train, val, metrics,
+                                                             self.run.val_loss, left)))
+
+    def grad_spike(self, norm: float, why: str) -> None:
+        """A gradient-norm spike: clipped, reported, trained on."""
+        self.grad_spikes += 1
+        self.logger.log({"grad_norm_spike": norm}, self.run.step + 1)
+        self.warn(f"step {self.run.step + 1}: {why} (clipped to {self.opt_cfg.grad_clip}; a rollback follows only "
+                  "if the loss spikes)")
+
+    # -- checkpoints
+
+    def save(self, step: int) -> None:
+        """Checkpoint everything a resumed run needs to continue bit for bit (in the background when async_save)."""
+        extras = {"scheduler": self.scheduler.state_dict(), "loader": self.stage.state_dict(),
+                  "rng": all_gather(rng_state(), self.info), "step": step, "spikes": self.detector.state_dict(),
+                  "run": asdict(self.run), "events": self.events}
+        lora = self.stage.lora.enabled
+        if lora:
+            extras["lora"] = lora_state_dict(self.raw)
+        meta = {"model": asdict(self.cfg), "task": self.job.task, "val_loss": self.run.val_loss,
+                "train_loss": self.run.train_loss, "seed": self.job.seed, "world_size": self.info.world_size,
+                "parallelism": self.strategy, "history": self.run.history, "job": self.job_params(), **self.stage.meta()}
+        weights = (lambda: merged_state_dict(self.raw)) if lora else None  # readers get plain GPT weights
+        self.ledger.add("save_s", self.ckpt.save(step, self.raw, self.optimizer, extras, meta, weights))
+
+    def restore(self, path: Path, rolling_back: bool = False) -> None:
+        if "job" not in json.loads((Path(path) / "meta.json").read_text()):  # DPO and RL saved less before the Trainer
+            raise CheckpointError(f"{path}: an older DPO/RL checkpoint, which a run cannot resume from; move "
+                                  f"{Path(path).parent} aside to train this stage again")
+        extras, _ = self.ckpt.load(path, self.raw, self.optimizer, part="lora" if self.stage.lora.enabled else "model")
+        self.scheduler.load_state_dict(extras["scheduler"])
+        self.stage.load_state_dict(extras["loader"])
+        rngs = extras["rng"]
+        if self.info.rank < len(rngs):
+            set_rng_state(rngs[self.info.rank])
+        else:  # resumed on more ranks than saved: new ranks get their own stream
+            torch.manual_seed(self.job.seed + self.info.rank + 1_000_003 * extras["step"])
+        self.detector.load_state_dict(extras["spikes"])
+        self.run = RunState(**extras["run"])
+        if not rolling_back:  # a rollback keeps the events that led to it
+            self.events = list(extras.get("events", []))
+
+    def rollback(self, reason: str, loss: float) -> None:
+        """PaLM's recipe: back to a checkpoint about rollback_steps earlier, then skip the batches around the spike."""
+        cfg, run = self.spike_cfg, self.run
+        n_rollbacks = sum(1 for e in self.events if e["event"] == "rollback")
+        if n_rollbacks >= cfg.max_rollbacks or self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            why = (f"after {n_rollbacks} rollbacks (spikes.max_rollbacks={cfg.max_rollbacks})"
+                   if n_rollbacks >= cfg.max_rollbacks else
+                   f"after {self.skipped_in_a_row} updates in a row were dropped, with no checkpoint yet to roll back to")
+            raise SpikeError(f"loss spike at step {run.step + 1} ({reason}) {why}: lower optim.lr, raise "
+                             f"optim.warmup_steps or check the data near batch {run.data_batches}")
+        t0 = time.perf_counter()
+        self.ledger.add("save_s", self.ckpt.wait())
+        spike_step, spike_batches = run.step + 1, run.data_batches
+        target = self.ckpt.latest(before_step=spike_step - cfg.rollback_steps) or self.ckpt.latest(before_step=run.step)
+        if target is None:  # too early for any checkpoint: drop this batch's update (a run of them means trouble)
+            self.warn(f"loss spike at step {spike_step}: {reason}; no checkpoint to roll back to, so this update is skipped")
+            self.events.append({"event": "skipped_update", "step": spike_step, "reason": reason, "loss": loss})
+            self.logger.log({"spike": 1.0}, spike_step)
+            self.skipped_in_a_row += 1
+            return
+        skip = self.rewind(target, spike_batches)
+        self.events.append({"event": "rollback", "step": spike_step, "to_step": self.run.step, "skipped_batches": skip,
+                            "reason": reason, "loss": loss})
+        self.ledger.add("restore_s", time.perf_counter() - t0)
+        self.ledger.restored(self.run.step, self.run.lineage_s)
+        self.logger.log({"spike": 1.0, "spike_loss": loss, "rollback_to_step": float(self.run.step),
+                         "skipped_batches": float(skip)}, spike_step)
+        self.warn(f"loss spike at step {spike_step}: {reason}. Rolled back to step {self.run.step} ({target.name}) and "
+                  f"skipped {skip} batches ({n_rollbacks + 1}/{cfg.max_rollbacks} rollbacks)")
+
+    def rewind(self, target: Path, spike_batches: int) -> int:
+        """Restore ``target``, delete the checkpoints after it, skip the data up to and past the spike; return
+        the batches skipped."""
+        self.restore(target, rolling_back=True)
+        if self.info.is_main:  # checkpoints after the target belong to the abandoned trajectory
+            for p in list_checkpoints(self.ckpt.root):
+                if step_of(p) > self.run.step:
+                    shutil.rmtree(p, ignore_errors=True)
+        skip = max(self.spike_cfg.skip_batches, spike_batches - self.run.data_batches)
+        for i in range(skip):
+            for _ in self.stage.batches(self.run.data_batches + i):
+                pass
+        self.run.data_batches += skip
+        return skip
+
+    # -- the end
+
+    def finish(self, t_start: float) -> dict[str, Any]:
+        """Wait for the last save, check the ranks agree, account for goodput; write and return result.json."""
+        self.ledger.add("save_s", self.ckpt.wait())
+        self.logger.flush()
+        digests = rank_digests(self.model, self.info)
+        if self.info.is_main and len(set(digests)) > 1:
+            self.warn(f"ranks disagree on the final parameters: {digests}")
+        self.ledger.beat(self.run.step, event="end")
+        goodput = summarize(self.out / "goodput.jsonl") if self.info.is_main else {}
+        if self.info.is_main:
+            self.logger.log({f"goodput_{k}" if k != "goodput" else k: v for k, v in goodput.items()
+                             if isinstance(v, (int, float))}, self.run.step)
+            self.logger.flush()
+        summary = self.summary(t_start, digests, goodput)
+        if self.info.is_main:
+            atomic_write_json(self.out / "result.json", summary)
+        return summary
+
+    def summary(self, t_start: float, digests: list[str], goodput: dict[str, Any]) -> dict[str, Any]:
+        run, tokens = self.run, self.stage.tokens_per_step
+        checkpoints = checkpoint_table(self.ckpt.root) if self.info.is_main else []
+        median = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+        return {
+            "task": self.job.task, "steps": run.step, "tokens": run.step * tokens if tokens else None,
+            "final_train_loss": run.train_loss, "final_val_loss": run.val_loss,
+            "initial_val_loss": run.history[0].get("val_loss") if run.history else None,
+            "history": run.history, "curve": run.curve,
+            "checkpoint": checkpoints[-1]["path"] if checkpoints else None, "checkpoints": checkpoints,
+            "resumed_from": self.resumed_from, "world_size": self.info.world_size, "device": self.info.device.type,
+            "parallelism": self.strategy, "activation_checkpointing": self.job.activation_checkpointing,
+            "compile": self.job.compile, "params": self.raw.num_params(),
+            "trainable_params": trainable_parameters(self.raw), "wall_s": time.time() - t_start,
+            "tokens_per_s": median(self.tokens_s), "mfu": median(self.mfus), "peak_flops_per_device": self.peak_flops,
+            "peak_memory_gb": peak_memory_gb(self.info.device, self.base_gb), "data_batches": run.data_batches,
+            "events": self.events, "grad_norm_spikes": self.grad_spikes, "goodput": goodput,
+            "rank_param_digests": digests, **self.stage.summary(self),
+        }

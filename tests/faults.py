@@ -1,0 +1,90 @@
+"""Test-only fault injection for training jobs: crash once at a step, SIGKILL rank 0 at steps (once each), pause
+inside checkpoint writes, train one data batch at a multiplied learning rate.
+
+One process:   python tests/faults.py --faults F.json --config job.json --device cpu
+Under torchrun: python -m torch.distributed.run --nproc_per_node=2 -m tests.faults --faults F.json --config job.json
+As the Dagster launcher's worker: set resources.torchrun.WORKER_MODULE to "tests.faults" and KILN_FAULTS=F.json.
+F.json holds Faults fields. It wraps resources.pipes_worker: production code only offers kiln.train.trainer.Callback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kiln.common.config import from_dict  # noqa: E402
+from kiln.train.trainer import Callback  # noqa: E402
+
+
+@dataclass
+class Faults:
+    fail_at_step: int = -1  # raise at this step once (a crash); the marker out_dir/.failed_once makes it once
+    kill_at_steps: list = field(default_factory=list)  # rank 0 SIGKILLs itself at these steps, once each (.killed_at_N)
+    save_pause_s: float = 0.0  # pause inside each checkpoint write: a window for kill-during-save tests
+    spike_batch: int = -1  # data batch trained at spike_lr_factor x the learning rate (a poisoned batch)
+    spike_lr_factor: float = 1.0
+
+    def write(self, path: Path) -> Path:
+        Path(path).write_text(json.dumps(asdict(self)))
+        return Path(path)
+
+
+class FaultInjector(Callback):
+    """The Faults, through the Trainer's hooks."""
+
+    def __init__(self, faults: Faults):
+        self.faults = faults
+
+    def on_step_end(self, trainer, step: int) -> None:
+        f, out, main = self.faults, trainer.out, trainer.info.is_main
+        if step == f.fail_at_step and not (out / ".failed_once").exists():
+            if main:
+                (out / ".failed_once").write_text(str(step))
+            raise RuntimeError(f"injected failure at step {step} (fail_at_step)")
+        if step in f.kill_at_steps and main and not (out / f".killed_at_{step}").exists():
+            (out / f".killed_at_{step}").write_text(str(step))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_optimizer_step(self, trainer, batch: int) -> None:
+        if batch == self.faults.spike_batch:
+            for g in trainer.optimizer.param_groups:
+                g["lr"] *= self.faults.spike_lr_factor
+
+    def after_optimizer_step(self, trainer, batch: int) -> None:
+        if batch == self.faults.spike_batch:
+            for g in trainer.optimizer.param_groups:
+                g["lr"] /= self.faults.spike_lr_factor
+
+    def on_checkpoint_write(self, path: Path) -> None:
+        if self.faults.save_pause_s:
+            time.sleep(self.faults.save_pause_s)
+
+
+def injector(**faults) -> FaultInjector:
+    """``injector(fail_at_step=2)``: the callback to pass to an entry point's ``main(argv, reporter, callbacks)``."""
+    return FaultInjector(from_dict(Faults, faults, "faults"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--faults", default=os.environ.get("KILN_FAULTS", ""), help="JSON file of Faults fields")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    faults = json.loads(Path(args.faults).read_text()) if args.faults else {}
+    from resources.pipes_worker import main as worker_main
+
+    worker_main(rest, callbacks=[injector(**faults)])
+
+
+if __name__ == "__main__":
+    main()
