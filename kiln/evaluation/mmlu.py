@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from kiln.sources.readers import SourceError, SourceSpec, fetch
+from kiln.sources import SourceError, SourceSpec, fetch
 from kiln.common.files import atomic_write_text, sha256_file
 
 MMLU = "kiln_mmlu"
