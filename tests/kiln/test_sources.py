@@ -534,3 +534,19 @@ def test_warc_streamed_from_s3(pywb_warcs: Path) -> None:
         assert stats["files"] == 1 and stats["not_text"] == 32
     finally:
         server.stop()
+
+
+def test_command_line_collects_a_manifest_and_names_a_bad_one(tree: Path, tmp_path: Path) -> None:
+    import sys
+
+    manifest = tmp_path / "sources.yaml"
+    manifest.write_text(f"sources:\n  - {{name: t, kind: local, format: text, license: x, path: '{tree}'}}\n")
+    out = tmp_path / "raw.parquet"
+    proc = subprocess.run([sys.executable, "-m", "kiln.sources", str(manifest), str(out), "--cache-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["documents"] == 1 == pq.read_table(out).num_rows
+    manifest.write_text("sources: []\nextra: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "kiln.sources", str(manifest), str(out)], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 1 and "error:" in proc.stderr and "unknown top-level key 'extra'" in proc.stderr
