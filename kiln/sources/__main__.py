@@ -1,6 +1,6 @@
-"""``python -m kiln.sources MANIFEST OUT.parquet [--cache-dir DIR]``: collect raw documents from a source manifest into Parquet.
+"""The command line of Step 1 "collect": raw documents from a sources manifest into one Parquet file.
 
-Run: ``python -m kiln.sources conf/sources/demo.yaml raw.parquet``; it prints the totals as JSON (exit 1 on a bad source).
+Run: ``python -m kiln.sources MANIFEST OUT.parquet [--cache-dir DIR]``; prints the totals as JSON, or exits 1.
 """
 
 import sys

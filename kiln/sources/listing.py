@@ -1,6 +1,6 @@
-"""The input files of a source: its include globs minus its excludes, over a local folder or an fsspec URL (s3://, file://).
+"""The input files of a source: include globs minus excludes, over a local folder or an fsspec URL (s3://, file://).
 
-Use from Python: ``for file in list_files(spec, root): ...`` with ``root = fetch(spec, cache_dir)``; each file opens itself.
+Use from Python: ``for file in list_files(spec, fetch(spec, cache_dir)): data = file.open().read()``.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def collect(
             for spec in specs:
                 result["sources"][spec.name], total = _collect_source(spec, cache_dir, writer, total, say)
             if total == 0:
-                where = "; ".join(f"{s.name} in {cache_path(s, cache_dir)}: include {include_patterns(s)}" for s in specs)
+                where = "; ".join(f"{s.name} in {cache_path(s, cache_dir)}: include {include_patterns(s)}"
+                                  for s in specs)
                 raise SourceError(f"no documents from any source ({where}); check the include patterns and formats")
         finally:
             writer.close()
