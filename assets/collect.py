@@ -26,7 +26,7 @@ from kiln.clean import corpus as kcorpus
 from kiln.clean import report as kreport
 from kiln.clean import shard as kshard
 from kiln.clean.config import CleanConfig
-from kiln.sources import readers as ksources
+from kiln import sources as ksources
 from kiln.common.files import staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource

@@ -4,7 +4,6 @@ Materialize with the pipeline (``kiln run --preset smoke``) or alone: ``kiln run
 """
 
 import time
-from typing import Any
 
 from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
@@ -32,55 +31,30 @@ class TokenizerConfig(Config):
 def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_corpus: dict,
               storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
     """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens; its compression on held-out text is compared with the other vocabulary's."""
-    if config.kind not in ("bpe", "gpt2"):
-        raise ValueError(f"tokenizer.kind must be 'bpe' or 'gpt2', not {config.kind!r}")
+    ktok.check_kind(config.kind)
     with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"]},
                           reuse={"config": config.model_dump(), "clean_corpus": clean_corpus["version"]}) as run, \
             staging_dir(storage.path("tokenizer")) as stage:
         if run.reused is not None:
             return run.reused
-        train_texts, held_out = [], []
-        budget, held_budget = int(config.train_mb * 1e6), int(config.heldout_mb * 1e6)
-        for doc_id, text in corpus_texts(clean_corpus["path"]):
-            if kshards.split_of(doc_id, TOKENIZER_HOLDOUT_PERMILLE) == "val":
-                if held_budget > 0:
-                    held_out.append(text)
-                    held_budget -= len(text.encode())
-            elif budget > 0:
-                train_texts.append(text)
-                budget -= len(text.encode())
-        bpe_label, gpt2_label = f"trained BPE ({config.vocab_size:,})", "GPT-2 (50,257)"
-        vocabs: dict[str, Any] = {}  # label -> encoding, or why it is unavailable
-        if config.kind == "bpe" or config.compare:
-            vocabs[bpe_label] = ktok.train_bpe(train_texts, config.vocab_size)
-        if config.kind == "gpt2" or config.compare:
-            try:
-                vocabs[gpt2_label] = ktok.fetch_gpt2(storage.cache_dir)
-            except Exception as e:  # only the comparison may go without it
-                if config.kind == "gpt2":
-                    raise
-                context.log.warning(f"GPT-2 vocabulary unavailable for the compression report: {e}")
-                vocabs[gpt2_label] = f"unavailable: {type(e).__name__}: {e}"[:300]
-        enc = vocabs[bpe_label if config.kind == "bpe" else gpt2_label]
+        built = ktok.build_tokenizer(
+            corpus_texts(clean_corpus["path"]), lambda doc_id: kshards.split_of(doc_id, TOKENIZER_HOLDOUT_PERMILLE) == "val",
+            kind=config.kind, vocab_size=config.vocab_size, train_mb=config.train_mb, heldout_mb=config.heldout_mb,
+            compare=config.compare, load_gpt2=lambda: ktok.fetch_gpt2(storage.cache_dir), warn=context.log.warning)
+        enc = built.encoding
         ktok.save_encoding(enc, stage / "tokenizer.json")
         final, version = commit_output(stage, storage.path("tokenizer"))
         published = storage.publish(final, "tokenizer", version, last="tokenizer.json")
-        report = ktok.compression_report(vocabs, held_out) if held_out else []
-        bpt = {r["vocabulary"]: r["bytes_per_token"] for r in report}
-        chosen = bpt.get(bpe_label if config.kind == "bpe" else gpt2_label, float("nan"))
-        run.log_metrics({"n_vocab": enc.n_vocab, "bytes_per_token": chosen,
-                         **{f"bytes_per_token_{'gpt2' if k == gpt2_label else 'trained'}": v for k, v in bpt.items()}})
-        sample = held_out[0][:200] if held_out else "Hello world"
-        pieces = [enc.decode([t]) for t in enc.encode_ordinary(sample)[:40]]
+        run.log_metrics(built.metrics())
         value = {"path": str(final / "tokenizer.json"), "version": version, "n_vocab": enc.n_vocab, "kind": config.kind,
-                 "bytes_per_token": chosen, "compression": bpt, "eot": enc.eot_token,
+                 "bytes_per_token": built.bytes_per_token, "compression": built.compression, "eot": enc.eot_token,
                  "fingerprint": ktok.encoding_fingerprint(enc), "url": published.url}
         return run.output(value, version, {
-            "kind": config.kind, "n_vocab": enc.n_vocab, "bytes_per_token_heldout": chosen,
-            "bytes_per_token_trained": bpt.get(bpe_label, float("nan")), "bytes_per_token_gpt2": bpt.get(gpt2_label, float("nan")),
-            "compression": md_table(report), "heldout_documents": len(held_out),
-            "trained_on_mb": round(sum(len(t.encode()) for t in train_texts) / 1e6, 2) if config.kind == "bpe" else 0.0,
-            "sample_tokens": MetadataValue.md(" · ".join(f"`{p!r}`" for p in pieces)),
+            "kind": config.kind, "n_vocab": enc.n_vocab, "bytes_per_token_heldout": built.bytes_per_token,
+            "bytes_per_token_trained": built.bytes_per_token_trained, "bytes_per_token_gpt2": built.bytes_per_token_gpt2,
+            "compression": md_table(built.report), "heldout_documents": built.heldout_documents,
+            "trained_on_mb": built.trained_on_mb,
+            "sample_tokens": MetadataValue.md(" · ".join(f"`{p!r}`" for p in built.sample_tokens)),
             "path": MetadataValue.path(value["path"]), "durable_copy": published.url, **mlflow_meta(run),
         })
 
@@ -116,11 +90,10 @@ def token_shards(context: AssetExecutionContext, config: TokenShardsConfig, clea
         value = {"dir": str(local.dir), "url": published.url, "version": version, "val_permille": config.val_permille,
                  "train": [str(p) for p in kshards.shard_paths(local.dir, "train")],
                  "val": [str(p) for p in kshards.shard_paths(local.dir, "val")], "totals": totals, "dtype": manifest["dtype"]}
-        shards_rows = [{k: s[k] for k in ("file", "split", "tokens", "documents")} | {"sha256": s["sha256"][:16]} for s in manifest["shards"]]
         return run.output(value, version, {
             "train_tokens": totals["train"]["tokens"], "val_tokens": totals["val"]["tokens"],
             "train_documents": totals["train"]["documents"], "val_documents": totals["val"]["documents"],
-            "dtype": manifest["dtype"], "tokens_per_s": round(n_tokens / write_s), "shards": md_table(shards_rows),
+            "dtype": manifest["dtype"], "tokens_per_s": round(n_tokens / write_s), "shards": md_table(kshards.shard_table(manifest)),
             "path": MetadataValue.path(str(local.dir)), "durable_copy": published.url,
             "uploaded_mb": round(published.bytes / 1e6, 2), **mlflow_meta(run),
         })

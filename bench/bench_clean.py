@@ -38,7 +38,7 @@ print(json.dumps({{"base_kib": base, "peak_kib": peak, "cpu_s": cpu, "wall_s": w
 
 
 def demo_raw(cache_dir: str, out: Path) -> Path:
-    from kiln.sources import readers as sources
+    from kiln import sources
 
     sources.collect(sources.load_manifest(ROOT / "conf/sources/demo.yaml"), cache_dir, out)
     return out

@@ -272,6 +272,18 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, parallel: 
     """
     par = parallel or ParallelConfig()
     headroom = par.headroom if headroom is None else headroom
+    world, per_rank = _ranks(cfg, batch, hw)
+    mem = device_memory_gb(hw)
+    budget = mem * headroom
+    options = _options(cfg, batch, hw, par, per_rank, world, budget)
+    if not any(o.micro_batch for o in options):
+        raise _no_fit(cfg, batch, hw, par, world, options, mem, headroom)
+    chosen, why = _choose(options, batch, hw, par, per_rank)
+    return _plan(cfg, batch, hw, par, world, per_rank, mem, chosen, why, options)
+
+
+def _ranks(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig) -> tuple[int, int]:
+    """(world size, sequences per rank per step), after checking that the batch splits evenly over the ranks."""
     if batch.seq_len > cfg.block_size:
         raise PlanError(f"batch.seq_len={batch.seq_len} exceeds model.block_size={cfg.block_size}; lower seq_len or raise block_size")
     world = hw.nproc_per_node * hw.nnodes
@@ -280,20 +292,28 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, parallel: 
     per_rank = batch.global_batch // world
     if batch.micro_batch and per_rank % batch.micro_batch:
         raise PlanError(f"batch.micro_batch={batch.micro_batch} must divide the per-rank batch {per_rank}")
-    mem = device_memory_gb(hw)
+    return world, per_rank
+
+
+def _no_fit(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int,
+            options: list[_Option], mem: float, headroom: float) -> PlanError:
+    """The error for a run where no option fits: what the smallest one needs, and what would fit instead."""
     budget = mem * headroom
-    options = _options(cfg, batch, hw, par, per_rank, world, budget)
+    best = min(options, key=lambda o: o.memory["total"])
+    need = best.memory
+    return PlanError(
+        f"the model needs {need['total']:.3g} GiB per rank at micro_batch={batch.micro_batch or 1} "
+        f"({need['weights_grads_optimizer']:.3g} GiB weights+grads+AdamW, {need['activations']:.3g} GiB activations, "
+        f"{need['logits']:.3g} GiB logits; {best.parallelism}, activation checkpointing "
+        f"{'on' if best.activation_checkpointing else 'off'}) but a device has {mem:.3g} GiB ({headroom:.0%} usable = "
+        f"{budget:.3g} GiB). {_what_fits(cfg, batch, hw, par, world, budget)}"
+    )
+
+
+def _choose(options: list[_Option], batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig,
+            per_rank: int) -> tuple[_Option, str]:
+    """The first fitting option whose micro-batch keeps a device busy, else the largest micro-batch; and why."""
     fitting = [o for o in options if o.micro_batch]
-    if not fitting:
-        best = min(options, key=lambda o: o.memory["total"])
-        need = best.memory
-        raise PlanError(
-            f"the model needs {need['total']:.3g} GiB per rank at micro_batch={batch.micro_batch or 1} "
-            f"({need['weights_grads_optimizer']:.3g} GiB weights+grads+AdamW, {need['activations']:.3g} GiB activations, "
-            f"{need['logits']:.3g} GiB logits; {best.parallelism}, activation checkpointing "
-            f"{'on' if best.activation_checkpointing else 'off'}) but a device has {mem:.3g} GiB ({headroom:.0%} usable = "
-            f"{budget:.3g} GiB). {_what_fits(cfg, batch, hw, par, world, budget)}"
-        )
     saturating = par.saturating_tokens or (16384 if hw.device == "cuda" else 1024)
     enough = min(per_rank, max(1, saturating // batch.seq_len))
     chosen = next((o for o in fitting if o.micro_batch >= enough), None)
@@ -305,6 +325,12 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, parallel: 
         why = f"{chosen.parallelism} gives the largest micro_batch that fits ({chosen.micro_batch})"
     if chosen.activation_checkpointing:
         why += "; activation checkpointing " + ("requested" if par.activation_checkpointing else "needed to fit")
+    return chosen, why
+
+
+def _plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int, per_rank: int,
+          mem: float, chosen: _Option, why: str, options: list[_Option]) -> TrainingPlan:
+    """The chosen option as a TrainingPlan: batch split, memory, FLOPs and the time it should take."""
     params = count_params(cfg)
     tokens_per_step = batch.global_batch * batch.seq_len
     fpt = flops_per_token(cfg, batch.seq_len) * (4 / 3 if chosen.activation_checkpointing else 1)

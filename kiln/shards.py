@@ -146,6 +146,31 @@ def write_shards(
     i.e. its EOT count), plus per-split totals, dtype, vocab size and the encoding fingerprint.
     """
     out_dir = Path(out_dir)
+    dt = _checked_dtype(enc, out_dir, shard_tokens, val_permille, dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if any(out_dir.glob("*.bin")) or (out_dir / MANIFEST).exists():
+        raise ShardError(f"{out_dir} already holds shards; write into an empty folder")
+    counts = {s: 0 for s in SPLITS}
+    packer = _Packer(out_dir, shard_tokens, dt, enc.eot_token)
+    done_docs = done_tokens = 0
+    with _encoded(enc, dt, _tasks(docs, val_permille, counts), num_workers, executor) as results:
+        for split, arr in results:
+            done_tokens += len(arr)
+            done_docs += int(np.count_nonzero(arr == enc.eot_token))
+            packer.add(split, arr)
+            if progress is not None:
+                progress(done_docs, done_tokens)
+    if not sum(counts.values()):
+        raise ShardError(f"write_shards: no documents to write into {out_dir} (empty input)")
+    packer.finish()
+    manifest = _manifest(enc, dt, shard_tokens, val_permille, counts, packer.shards)
+    atomic_write_json(out_dir / MANIFEST, manifest)
+    return manifest
+
+
+def _checked_dtype(enc: tiktoken.Encoding, out_dir: Path, shard_tokens: int, val_permille: int,
+                   dtype: str | np.dtype | None) -> np.dtype:
+    """The shards' token dtype, after checking the arguments and that every token id of ``enc`` fits it."""
     if shard_tokens < 1 or not 0 <= val_permille <= 1000:
         raise ValueError(f"shard_tokens must be >= 1 and val_permille in [0, 1000]; got {shard_tokens}, {val_permille}")
     dt = np.dtype(dtype).newbyteorder("<") if dtype is not None else shard_dtype(enc.n_vocab)
@@ -155,84 +180,97 @@ def write_shards(
         raise ShardError(f"{out_dir}: vocabulary of encoding {enc.name!r} ({enc.n_vocab} tokens, largest id "
                          f"{enc.max_token_value}) is larger than {dt.name} shards can hold; use dtype uint32 "
                          "or leave dtype unset to choose it from the vocabulary")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if any(out_dir.glob("*.bin")) or (out_dir / MANIFEST).exists():
-        raise ShardError(f"{out_dir} already holds shards; write into an empty folder")
+    return dt
 
-    counts = {s: 0 for s in SPLITS}
-    buffers: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    buffered = {s: 0 for s in SPLITS}
-    shards: list[dict[str, Any]] = []
-    n_index = {s: 0 for s in SPLITS}
-    eot = enc.eot_token
 
-    def emit(split: str, tokens: np.ndarray) -> None:
-        name = f"{split}_{n_index[split]:06d}.bin"
-        header, body = shard_header(len(tokens), dt), np.ascontiguousarray(tokens, dtype=dt)
-        digest = hashlib.sha256(header)
-        digest.update(body)  # hashed and written from the array's memory: no copy of the shard
-        with atomic_path(out_dir / name) as tmp, open(tmp, "wb") as f:
-            f.write(header)
-            f.write(body.data)
-        shards.append({"file": name, "split": split, "tokens": int(len(tokens)), "bytes": len(header) + body.nbytes,
-                       "sha256": digest.hexdigest(), "documents": int(np.count_nonzero(tokens == eot))})
-        n_index[split] += 1
-
-    def flush(split: str, final: bool) -> None:
-        if buffered[split] < shard_tokens and not (final and buffered[split]):
-            return
-        tokens = np.concatenate(buffers[split])
-        cut = len(tokens) if final else len(tokens) - len(tokens) % shard_tokens
-        for start in range(0, cut, shard_tokens):
-            emit(split, tokens[start:min(start + shard_tokens, cut)])
-        buffers[split] = [tokens[cut:]] if cut < len(tokens) else []
-        buffered[split] = len(tokens) - cut
-
-    tasks = _tasks(docs, val_permille, counts)
-    done_docs = done_tokens = 0
-    pool: Executor | None = None
+@contextlib.contextmanager
+def _encoded(enc: tiktoken.Encoding, dt: np.dtype, tasks: Iterable[tuple[str, list[str]]], num_workers: int,
+             executor: str) -> Iterator[Iterator[tuple[str, np.ndarray]]]:
+    """(split, tokens) per task in input order: encoded inline for one worker, else in a thread or spawned process
+    pool that is shut down on leaving the block."""
+    if num_workers <= 1:
+        yield ((s, _encode_docs(t, enc, dt)) for s, t in tasks)
+        return
+    pool: Executor
+    if executor == "thread":
+        pool = ThreadPoolExecutor(num_workers)
+        fn: Callable[[list[str]], np.ndarray] = functools.partial(_encode_docs, enc=enc, dtype=dt)
+    elif executor == "process":
+        pool = ProcessPoolExecutor(num_workers, mp.get_context("spawn"), _init_worker, (enc, dt.str))
+        fn = _encode_task
+    else:
+        raise ValueError(f"executor must be 'process' or 'thread', got {executor!r}")
     try:
-        if num_workers <= 1:
-            results: Iterator[tuple[str, np.ndarray]] = ((s, _encode_docs(t, enc, dt)) for s, t in tasks)
-        elif executor == "thread":
-            pool = ThreadPoolExecutor(num_workers)
-            results = _pooled(pool, functools.partial(_encode_docs, enc=enc, dtype=dt), tasks, 2 * num_workers)
-        elif executor == "process":
-            pool = ProcessPoolExecutor(num_workers, mp.get_context("spawn"), _init_worker, (enc, dt.str))
-            results = _pooled(pool, _encode_task, tasks, 2 * num_workers)
-        else:
-            raise ValueError(f"executor must be 'process' or 'thread', got {executor!r}")
-        for split, arr in results:
-            buffers[split].append(arr)
-            buffered[split] += len(arr)
-            done_tokens += len(arr)
-            done_docs += int(np.count_nonzero(arr == eot))
-            flush(split, final=False)
-            if progress is not None:
-                progress(done_docs, done_tokens)
+        yield _pooled(pool, fn, tasks, 2 * num_workers)
     finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-    if not sum(counts.values()):
-        raise ShardError(f"write_shards: no documents to write into {out_dir} (empty input)")
-    for split in SPLITS:
-        flush(split, final=True)
+        pool.shutdown(cancel_futures=True)
 
+
+class _Packer:
+    """Concatenates each split's encoded batches and cuts them into shards of ``shard_tokens`` tokens, written in
+    order as they fill (the last one of a split shorter); ``shards`` collects their manifest entries."""
+
+    def __init__(self, out_dir: Path, shard_tokens: int, dt: np.dtype, eot: int) -> None:
+        self.out_dir, self.shard_tokens, self.dt, self.eot = out_dir, shard_tokens, dt, eot
+        self.buffers: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+        self.buffered = {s: 0 for s in SPLITS}
+        self.n_index = {s: 0 for s in SPLITS}
+        self.shards: list[dict[str, Any]] = []
+
+    def add(self, split: str, tokens: np.ndarray) -> None:
+        """Append one batch; every shard it completes is written now."""
+        self.buffers[split].append(tokens)
+        self.buffered[split] += len(tokens)
+        self._flush(split, final=False)
+
+    def finish(self) -> None:
+        """Write what is left of each split as its last, shorter shard."""
+        for split in SPLITS:
+            self._flush(split, final=True)
+
+    def _flush(self, split: str, final: bool) -> None:
+        if self.buffered[split] < self.shard_tokens and not (final and self.buffered[split]):
+            return
+        tokens = np.concatenate(self.buffers[split])
+        cut = len(tokens) if final else len(tokens) - len(tokens) % self.shard_tokens
+        for start in range(0, cut, self.shard_tokens):
+            name = f"{split}_{self.n_index[split]:06d}.bin"
+            piece = tokens[start:min(start + self.shard_tokens, cut)]
+            entry = _write_shard(self.out_dir / name, piece, self.dt, self.eot)
+            self.shards.append({"file": name, "split": split, **entry})
+            self.n_index[split] += 1
+        self.buffers[split] = [tokens[cut:]] if cut < len(tokens) else []
+        self.buffered[split] = len(tokens) - cut
+
+
+def _write_shard(path: Path, tokens: np.ndarray, dt: np.dtype, eot: int) -> dict[str, Any]:
+    """Write one shard atomically (llm.c header, then the tokens); its tokens, bytes, sha256 and documents."""
+    header, body = shard_header(len(tokens), dt), np.ascontiguousarray(tokens, dtype=dt)
+    digest = hashlib.sha256(header)
+    digest.update(body)  # hashed and written from the array's memory: no copy of the shard
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(header)
+        f.write(body.data)
+    return {"tokens": int(len(tokens)), "bytes": len(header) + body.nbytes, "sha256": digest.hexdigest(),
+            "documents": int(np.count_nonzero(tokens == eot))}
+
+
+def _manifest(enc: tiktoken.Encoding, dt: np.dtype, shard_tokens: int, val_permille: int, counts: dict[str, int],
+              shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest of written shards: format, dtype, encoding, split rule, per-split totals and one entry per shard."""
     totals = {s: {"shards": 0, "tokens": 0, "bytes": 0, "documents": counts[s]} for s in SPLITS}
     for sh in shards:
         t = totals[sh["split"]]
         t["shards"] += 1
         t["tokens"] += sh["tokens"]
         t["bytes"] += sh["bytes"]
-    manifest = {
+    return {
         "format": "llm.c", "magic": MAGIC, "version": 1 if dt.itemsize == 2 else 2, "header_bytes": HEADER_BYTES,
-        "dtype": dt.name, "vocab_size": enc.n_vocab, "eot_token": eot, "encoding": enc.name,
+        "dtype": dt.name, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "encoding": enc.name,
         "encoding_fingerprint": encoding_fingerprint(enc), "shard_tokens": shard_tokens,
         "val_permille": val_permille, "split_rule": "sha256(doc id)[:8] big-endian mod 1000 < val_permille",
         "documents": dict(counts), "splits": totals, "shards": shards,
     }
-    atomic_write_json(out_dir / MANIFEST, manifest)
-    return manifest
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -296,6 +334,12 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     except ValueError as e:
         raise ShardError(f"cannot read shard manifest {where}: {e}") from e
     return manifest
+
+
+def shard_table(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per shard of a manifest, for display: file, split, tokens, documents and the sha256's first 16 hex digits."""
+    return [{k: sh[k] for k in ("file", "split", "tokens", "documents")} | {"sha256": sh["sha256"][:16]}
+            for sh in manifest["shards"]]
 
 
 def shard_paths(shard_dir: str | os.PathLike, split: str) -> list[Path]:

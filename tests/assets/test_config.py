@@ -161,7 +161,7 @@ def test_defaults_overrides_include_exclude_and_bad_arguments():
 
 
 def test_source_spec_required_fields_and_attribute_docstrings():
-    from kiln.sources.readers import SourceSpec, specs_from_dicts
+    from kiln.sources import SourceSpec, specs_from_dicts
 
     fields = schema_of(SourceSpec).to_fields_dict()
     assert [k for k, f in fields.items() if f.is_required] == ["name", "kind", "format", "license"]

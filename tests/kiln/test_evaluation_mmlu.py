@@ -22,7 +22,7 @@ from kiln.evaluation.mmlu import (
     parse_record,
     write_mmlu_task,
 )
-from kiln.sources.readers import RECORD, SourceError, cache_path
+from kiln.sources import RECORD, SourceError, cache_path
 from tests.kiln.test_evaluation import NGramLM, enc, tiny_gpt  # noqa: F401  (enc is a fixture)
 
 QUESTIONS = [  # (stem, choices, answer): records in the package's layout are built from these
@@ -49,7 +49,7 @@ def test_parse_record_reads_the_package_layout():
 
 
 def test_the_file_pin_rejects_a_changed_file(tmp_path):
-    folder = cache_path(MMLU_SOURCE, tmp_path)  # a cache entry as kiln.sources.readers.fetch leaves it
+    folder = cache_path(MMLU_SOURCE, tmp_path)  # a cache entry as kiln.sources.fetch leaves it
     (folder / MMLU_FILE).parent.mkdir(parents=True)
     (folder / MMLU_FILE).write_text(json.dumps(record(*QUESTIONS[0])) + "\n")
     (folder / RECORD).write_text("{}")

@@ -1,4 +1,5 @@
-"""Tests for kiln.shards: llm.c header bytes, round trips, uint32 path, checksum/truncation errors, split stability.
+"""Tests for kiln.shards: llm.c header bytes, round trips, uint32 path, checksum/truncation errors, split stability,
+the table of shards.
 
 Run: python -m pytest tests/kiln/test_shards.py -q
 """
@@ -55,6 +56,8 @@ def test_header_bytes_and_tokens(enc: tiktoken.Encoding, tmp_path: Path) -> None
     assert m["dtype"] == "uint16" and m["vocab_size"] == 400 and m["encoding_fingerprint"] == encoding_fingerprint(enc)
     assert sh.load_manifest(tmp_path) == m
     assert sh.read_shard(tmp_path / "train_000000.bin").tolist() == expected
+    assert sh.shard_table(m) == [{"file": "train_000000.bin", "split": "train", "tokens": len(expected), "documents": 2,
+                                  "sha256": sha256_file(tmp_path / "train_000000.bin")[:16]}]
 
 
 @pytest.mark.parametrize("workers,executor", [(1, "thread"), (2, "thread"), (2, "process")])

