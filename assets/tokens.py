@@ -8,11 +8,10 @@ import time
 from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
 
-from assets._common import commit_output, md_table, mlflow_meta
+from assets._common import asset_output, md_table
 from kiln.clean.corpus import corpus_texts
 from kiln import shards as kshards
 from kiln import tokenizer as ktok
-from kiln.common.files import staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
@@ -32,30 +31,30 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_cor
               storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
     """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens; its compression on held-out text is compared with the other vocabulary's."""
     ktok.check_kind(config.kind)
-    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"]},
-                          reuse={"config": config.model_dump(), "clean_corpus": clean_corpus["version"]}) as run, \
-            staging_dir(storage.path("tokenizer")) as stage:
-        if run.reused is not None:
+    with asset_output(context, mlflow, parent=storage.path("tokenizer"), config=config,
+                      inputs={"clean_corpus": clean_corpus}) as run:
+        if run.reused:
             return run.reused
         built = ktok.build_tokenizer(
             corpus_texts(clean_corpus["path"]), lambda doc_id: kshards.split_of(doc_id, TOKENIZER_HOLDOUT_PERMILLE) == "val",
             kind=config.kind, vocab_size=config.vocab_size, train_mb=config.train_mb, heldout_mb=config.heldout_mb,
             compare=config.compare, load_gpt2=lambda: ktok.fetch_gpt2(storage.cache_dir), warn=context.log.warning)
         enc = built.encoding
-        ktok.save_encoding(enc, stage / "tokenizer.json")
-        final, version = commit_output(stage, storage.path("tokenizer"))
+        ktok.save_encoding(enc, run.stage / "tokenizer.json")
+        final = run.commit()
+        version = run.version
         published = storage.publish(final, "tokenizer", version, last="tokenizer.json")
         run.log_metrics(built.metrics())
         value = {"path": str(final / "tokenizer.json"), "version": version, "n_vocab": enc.n_vocab, "kind": config.kind,
                  "bytes_per_token": built.bytes_per_token, "compression": built.compression, "eot": enc.eot_token,
                  "fingerprint": ktok.encoding_fingerprint(enc), "url": published.url}
-        return run.output(value, version, {
+        return run.result(value, {
             "kind": config.kind, "n_vocab": enc.n_vocab, "bytes_per_token_heldout": built.bytes_per_token,
             "bytes_per_token_trained": built.bytes_per_token_trained, "bytes_per_token_gpt2": built.bytes_per_token_gpt2,
             "compression": md_table(built.report), "heldout_documents": built.heldout_documents,
             "trained_on_mb": built.trained_on_mb,
             "sample_tokens": MetadataValue.md(" · ".join(f"`{p!r}`" for p in built.sample_tokens)),
-            "path": MetadataValue.path(value["path"]), "durable_copy": published.url, **mlflow_meta(run),
+            "path": MetadataValue.path(value["path"]), "durable_copy": published.url,
         })
 
 
@@ -70,18 +69,16 @@ def token_shards(context: AssetExecutionContext, config: TokenShardsConfig, clea
                  storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
     """The clean corpus as llm.c token shards (header + uint16/uint32 tokens, end-of-text between documents), a fixed validation split and a checksummed manifest; published to the durable root when it is a URL."""
     enc = ktok.load_encoding(storage.local_dir("tokenizer", tokenizer["version"], last="tokenizer.json") / "tokenizer.json")
-    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"],
-                                                                      "input.tokenizer": tokenizer["version"]},
-                          reuse={"config": config.model_dump(), "clean_corpus": clean_corpus["version"],
-                                 "tokenizer": tokenizer["version"]}) as run, \
-            staging_dir(storage.path("token_shards")) as stage:
-        if run.reused is not None:
+    with asset_output(context, mlflow, parent=storage.path("token_shards"), config=config,
+                      inputs={"clean_corpus": clean_corpus, "tokenizer": tokenizer}) as run:
+        if run.reused:
             return run.reused
         t0 = time.perf_counter()
-        manifest = kshards.write_shards(enc, corpus_texts(clean_corpus["path"]), stage, config.shard_tokens,
+        manifest = kshards.write_shards(enc, corpus_texts(clean_corpus["path"]), run.stage, config.shard_tokens,
                                         config.val_permille, config.num_workers)
         write_s = time.perf_counter() - t0
-        final, version = commit_output(stage, storage.path("token_shards"))
+        final = run.commit()
+        version = run.version
         published = storage.publish(final, "token_shards", version)
         local = storage.fetch_shards("token_shards", version)  # reads back what was written: sizes, counts, sha256
         totals = manifest["splits"]
@@ -90,10 +87,10 @@ def token_shards(context: AssetExecutionContext, config: TokenShardsConfig, clea
         value = {"dir": str(local.dir), "url": published.url, "version": version, "val_permille": config.val_permille,
                  "train": [str(p) for p in kshards.shard_paths(local.dir, "train")],
                  "val": [str(p) for p in kshards.shard_paths(local.dir, "val")], "totals": totals, "dtype": manifest["dtype"]}
-        return run.output(value, version, {
+        return run.result(value, {
             "train_tokens": totals["train"]["tokens"], "val_tokens": totals["val"]["tokens"],
             "train_documents": totals["train"]["documents"], "val_documents": totals["val"]["documents"],
             "dtype": manifest["dtype"], "tokens_per_s": round(n_tokens / write_s), "shards": md_table(kshards.shard_table(manifest)),
             "path": MetadataValue.path(str(local.dir)), "durable_copy": published.url,
-            "uploaded_mb": round(published.bytes / 1e6, 2), **mlflow_meta(run),
+            "uploaded_mb": round(published.bytes / 1e6, 2),
         })
