@@ -18,7 +18,7 @@ from assets.collect import clean_corpus, raw_documents
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kiln"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from textgen import prose  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Tests for the filters of kiln.filters: every rule's keep and drop case with its exact reason string, and per-source exemptions.
 
-Run: python -m pytest tests/kiln/test_filters.py -q
+Run: python -m pytest tests/kiln/filters/test_filters.py -q
 """
 
 from __future__ import annotations
@@ -198,12 +198,12 @@ def test_signals_do_not_depend_on_the_python_hash_seed() -> None:
     import subprocess
     import sys
 
-    code = ("import json, sys; sys.path.insert(0, 'tests/kiln'); from textgen import prose; "
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from textgen import prose; "
             "from kiln.clean.config import CleanConfig, default_filters; from kiln.filters.base import Doc; "
             "d = Doc('d', 's', '', prose(3) + ' river bank river bank', 'text/plain', '', 0); "
             "[f.reason(d) for f in default_filters(CleanConfig())]; "
             "print(json.dumps({k: v for k, v in d.signals.items() if not k.startswith('_')}, sort_keys=True))")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     outs = [subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
     assert outs[0] == outs[1] and json.loads(outs[0])["top_2gram_char_fraction"] > 0

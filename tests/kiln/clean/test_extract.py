@@ -1,6 +1,6 @@
 """Tests for kiln.clean.extract: boilerplate removal, titles, empty pages.
 
-Run: python -m pytest tests/kiln/test_extract.py -q
+Run: python -m pytest tests/kiln/clean/test_extract.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests for the corpus-level steps: the trained quality classifier, token-distribution outliers, mixing, PII.
 
-Run: python -m pytest tests/kiln/test_quality.py -q
+Run: python -m pytest tests/kiln/clean/test_quality.py -q
 """
 
 from __future__ import annotations

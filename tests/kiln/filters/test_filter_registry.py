@@ -1,7 +1,7 @@
 """Tests for kiln.filters.registry and what the clean config, the kept schema and the rule keys derive from it: a new
 filter is one module and one registry line, and an incomplete or clashing line fails when the definitions load.
 
-Run: python -m pytest tests/kiln/test_filter_registry.py -q
+Run: python -m pytest tests/kiln/filters/test_filter_registry.py -q
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kiln.filters.gopher_repetition import RepetitionConfig
 from kiln.filters.registry import FROZEN_COLUMN_ORDER, FilterSpec, RegistryError
 from textgen import prose
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------- the demonstration filter: one module's worth

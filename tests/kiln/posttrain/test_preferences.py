@@ -1,6 +1,6 @@
 """Tests for kiln.posttrain.preferences: the chosen response is the correct one, the rejected one is really wrong.
 
-Run: python -m pytest tests/kiln/test_preferences.py -q
+Run: python -m pytest tests/kiln/posttrain/test_preferences.py -q
 """
 
 from __future__ import annotations

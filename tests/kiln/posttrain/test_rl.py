@@ -1,6 +1,6 @@
 """Tests for kiln.posttrain.rl: group-relative advantages, the GRPO loss and KL penalty, a task a tiny model learns, the job.
 
-Run: python -m pytest tests/kiln/test_rl.py -q
+Run: python -m pytest tests/kiln/posttrain/test_rl.py -q
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kiln.posttrain.sampling import complete
 from kiln.posttrain.rl import RlJob, answer_rows, group_advantages, grpo_loss, make_reward, rollout_loss
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 step, during a save, three times under torchrun) bit-identical to an uninterrupted run, damaged checkpoints,
 loss-spike rollback, goodput, config errors.
 
-Run: python -m pytest tests/kiln/test_train.py -q   (tiny model; subprocess runs are marked slow)
+Run: python -m pytest tests/kiln/train/test_train.py -q   (tiny model; subprocess runs are marked slow)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kiln.train.loop import JobConfig, main
 from kiln.train.optim import OptimConfig, lr_lambda
 from tests.faults import Faults, injector
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMPARED = ("model", "optimizer", "scheduler", "loader", "step")  # the state that must match bit for bit
 
 

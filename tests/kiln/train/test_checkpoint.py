@@ -1,7 +1,7 @@
 """Tests for kiln.train.checkpoint: bit-exact round trips (full and sharded), damage detection and fallback, pruning,
 background saves that training cannot disturb, and loads that never run pickled code.
 
-Run: python -m pytest tests/kiln/test_checkpoint.py -q
+Run: python -m pytest tests/kiln/train/test_checkpoint.py -q
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 identical parameters on every rank, two "nodes" rendezvous on 127.0.0.1, a sharded checkpoint resumes on one
 rank, and the data is sharded across ranks.
 
-Run: python -m pytest tests/kiln/test_train_distributed.py -q   (a few torchrun launches; OMP_NUM_THREADS=1 each)
+Run: python -m pytest tests/kiln/train/test_train_distributed.py -q   (a few torchrun launches; OMP_NUM_THREADS=1 each)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kiln.shards import shard_paths
 from kiln.train.loop import main
 from conftest import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STEPS = 12
 
 

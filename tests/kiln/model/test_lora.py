@@ -1,6 +1,6 @@
 """Tests for kiln.model.lora: adapters start as a no-op, train alone, and merge into plain GPT weights that release unchanged.
 
-Run: python -m pytest tests/kiln/test_lora.py -q
+Run: python -m pytest tests/kiln/model/test_lora.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests for kiln.posttrain.dpo: the loss against a hand computation, pair batches, and a tiny DPO job that learns its pairs.
 
-Run: python -m pytest tests/kiln/test_dpo.py -q
+Run: python -m pytest tests/kiln/posttrain/test_dpo.py -q
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kiln.posttrain.logprobs import score_responses, sequence_logps, token_logps
 from kiln.posttrain.preferences import build_preferences
 from kiln.posttrain.sft import IGNORE, encode_example
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def log_sigmoid(z: float) -> float:

@@ -1,6 +1,6 @@
 """Tests for kiln.model.gpt: shapes, weight tying, parameter counts, causality, generation, FLOPs.
 
-Run: python -m pytest tests/kiln/test_model.py -q
+Run: python -m pytest tests/kiln/model/test_model.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests for kiln.posttrain.instructions: heading -> section pairs, checkable arithmetic, dedup and stable splits.
 
-Run: python -m pytest tests/kiln/test_instructions.py -q
+Run: python -m pytest tests/kiln/posttrain/test_instructions.py -q
 """
 
 from __future__ import annotations

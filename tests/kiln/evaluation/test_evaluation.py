@@ -1,6 +1,6 @@
 """Tests for kiln.evaluation: the lm-eval adapter's scores against hand computation, local tasks, the suite.
 
-Run: python -m pytest tests/kiln/test_evaluation.py -q   (tiny random models; a few seconds on CPU)
+Run: python -m pytest tests/kiln/evaluation/test_evaluation.py -q   (tiny random models; a few seconds on CPU)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests for kiln.clean.dedup: URL, line-level and MinHash dedup, with the LSH index in memory and on a real Redis server.
 
-Run: python -m pytest tests/kiln/test_dedup.py -q (the Redis tests start ``redis-server`` on a free local port and
+Run: python -m pytest tests/kiln/clean/test_dedup.py -q (the Redis tests start ``redis-server`` on a free local port and
 are skipped only where the binary is not installed).
 """
 

@@ -2,7 +2,7 @@
 parameter names stay those of the Hugging Face layout, and misuse is named. DDP and FSDP2 on several processes
 are tested in test_train_distributed.py.
 
-Run: python -m pytest tests/kiln/test_parallel.py -q
+Run: python -m pytest tests/kiln/model/test_parallel.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests for the cleaning step (kiln.clean): each quality rule, exact and MinHash dedup, HTML, report accounting, errors, config.
 
-Run: python -m pytest tests/kiln/test_clean.py -q
+Run: python -m pytest tests/kiln/clean/test_clean.py -q
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kiln.filters.gopher_quality import text_signals
 from kiln.common.config import ConfigError
 from kiln.clean.dedup import shingles
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 PROSE = (
     "The old lighthouse stood on a rocky point at the edge of the harbour, and for more than a century "

@@ -1,6 +1,6 @@
 """Tests for kiln.sources: manifests, local parsing, fetch (fake packages, no network), collect, WARC, WET and Parquet.
 
-Run: python -m pytest tests/kiln/test_sources.py -q   (the WARC tests fetch the pinned pywb sdist once into the cache)
+Run: python -m pytest tests/kiln/sources/test_sources.py -q   (the WARC tests fetch the pinned pywb sdist once into the cache)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kiln.sources import packages, pipeline
 from kiln.common.files import sha256_file
 from conftest import free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def local(path: Path | str, fmt: str, name: str = "loc", **kw) -> SourceSpec:

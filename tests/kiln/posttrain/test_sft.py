@@ -1,6 +1,6 @@
 """Tests for kiln.posttrain.sft: the chat template's mask, packing, prompt-masked targets and the resumable loader.
 
-Run: python -m pytest tests/kiln/test_sft.py -q
+Run: python -m pytest tests/kiln/posttrain/test_sft.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tests for kiln.release (bundle, hf, lineage, card): the Hugging Face GPT-2 layout, bit-identical round trip, checksum
 verification, transformers loading the bundle (same logits, same token ids as Kiln), the lineage tree and the card.
 
-Run: python -m pytest tests/kiln/test_release.py -q
+Run: python -m pytest tests/kiln/release/test_release.py -q
 """
 
 from __future__ import annotations

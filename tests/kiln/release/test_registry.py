@@ -1,7 +1,7 @@
 """Tests for kiln.release.registry: release bundles as MLflow model versions with an alias, scores and lineage tags, and the
 previous release found again for a regression check. MLflow runs on a sqlite file in a temporary folder.
 
-Run: python -m pytest tests/kiln/test_registry.py -q
+Run: python -m pytest tests/kiln/release/test_registry.py -q
 """
 
 from __future__ import annotations
