@@ -212,3 +212,29 @@ def test_release_lineage_page_shows_its_upstream_assets(webserver, expected, bro
     assert browser.save_screenshot(str(tmp_path / "release_lineage.png"))
     drawn = {n for n in expected if any(shows(label, n) for label in node_labels(browser))}
     assert drawn == want  # depth 1: exactly the release and the assets it reads
+
+
+def test_launchpad_shows_training_plan_config_as_typed_fields(webserver, browser, tmp_path) -> None:
+    """The launchpad validates training_plan's nested blocks field by field: a misspelt model key is flagged by
+    name, and the type panel lists the model's fields with their types and descriptions."""
+    import urllib.parse
+
+    from selenium.webdriver.common.by import By
+
+    url, _ = webserver
+    config = "ops:\n  training_plan:\n    config:\n      model_preset: tiny\n      model:\n        n_layer: 2\n        n_layr: 3\n"
+    browser.get(f"{url}/locations/__repository__@kiln/jobs/kiln_pipeline_job/playground/setup?"
+                + urllib.parse.urlencode({"config": config}))
+    text = lambda d: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
+    wait_for(browser, lambda d: "n_layr" in text(d), lambda: f"the launchpad does not show the config: {text(browser)[:500]}",
+             tmp_path / "launchpad_failed.png")
+    lines = browser.find_elements(By.XPATH, "//*[contains(@class, 'CodeMirror-line')][contains(., 'n_layer')]")
+    assert lines, "no editor line holds n_layer"
+    lines[0].click()  # the type panel follows the cursor: GPTConfig's fields
+    wait_for(browser, lambda d: "n_embd" in text(d) and "n_head" in text(d),
+             lambda: f"the type panel does not list the model fields: {text(browser)[-800:]}", tmp_path / "launchpad_failed.png")
+    time.sleep(1)
+    shot = tmp_path / "launchpad_training_plan.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
+    body = text(browser)
+    assert "n_layr" in body and ("unexpected" in body.lower() or "not defined" in body.lower() or "error" in body.lower())
