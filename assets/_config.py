@@ -5,14 +5,9 @@ Use: ``Model = schema_of(GPTConfig, optional=True)``, then ``model: Model = Fiel
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
-import inspect
-import io
 import json
-import textwrap
-import tokenize
 import types
 import typing
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -20,7 +15,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from dagster import Config
 from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validator
 
-from kiln.common.config import ConfigError, from_dict
+from kiln.common.config import ConfigError, class_docstring, field_docs, from_dict
 
 __all__ = ["DataclassConfig", "field_docs", "schema_of"]
 
@@ -95,63 +90,6 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
     for k, v in override.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
-
-# ---------------------------------------------------------------------------------------------------- docs
-
-
-def _class_node(klass: type) -> tuple[ast.ClassDef, dict[int, str], set[int]] | None:
-    """(class AST, {line: comment text}, lines holding only a comment) of a class's source; None without source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(klass))
-    except (OSError, TypeError):
-        return None
-    node = ast.parse(source).body[0]
-    comments, alone = {}, set()
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-            if not tok.line[: tok.start[1]].strip():
-                alone.add(tok.start[0])
-    return (node, comments, alone) if isinstance(node, ast.ClassDef) else None
-
-
-def _own_comments(klass: type) -> tuple[dict[str, str], str | None]:
-    """({field: its trailing comment, else the string just below it, else the comment lines just above it},
-    docstring) of one class body."""
-    parsed = _class_node(klass)
-    if parsed is None:
-        return {}, None
-    node, comments, alone = parsed
-    docs = {}
-    for stmt, after in zip(node.body, [*node.body[1:], None]):
-        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
-            continue
-        trailing = [comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1) if n in comments and n not in alone]
-        below = (after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                 and isinstance(after.value.value, str) else "")
-        above, n = [], stmt.lineno - 1
-        while n in alone:
-            above.insert(0, comments[n])
-            n -= 1
-        found = trailing[0] if trailing else " ".join(inspect.cleandoc(below).split()) or " ".join(above)
-        if found:
-            docs[stmt.target.id] = found
-    return docs, ast.get_docstring(node)
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """{field: one-line doc} of a dataclass: ``field(metadata={"doc": ...})``, else the field's trailing
-    ``# comment``, else the string literal just below it (an attribute docstring), else the comment lines just
-    above it; looked up in the class that declares the field."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if "__dataclass_fields__" in vars(klass):
-            docs.update(_own_comments(klass)[0])
-    for f in dataclasses.fields(cls):
-        if "doc" in f.metadata:
-            docs[f.name] = str(f.metadata["doc"])
-    return docs
 
 
 # ---------------------------------------------------------------------------------------------------- types
@@ -274,8 +212,8 @@ def _build(cls: type, optional: bool, defaults: dict[str, Any], include, exclude
         _check_names(cls, what, names, allowed)
     chosen = [f for f in all_fields if (include is None or f.name in include) and f.name not in exclude]
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
-    fields = {f.name: _field(cls, f, hints[f.name], optional, defaults, docs.get(f.name)) for f in chosen}
-    doc = _own_comments(cls)[1] or f"Fields of {cls.__module__}.{cls.__qualname__}."
+    fields = {f.name: _field(cls, f, hints[f.name], optional, defaults, docs.get(f.name) or None) for f in chosen}
+    doc = class_docstring(cls) or f"Fields of {cls.__module__}.{cls.__qualname__}."
     model = create_model(name or f"{cls.__name__}{'Overrides' if optional else 'Schema'}", __base__=DataclassConfig,
                          __doc__=doc, __module__=__name__, **fields)
     model.core = cls

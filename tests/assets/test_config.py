@@ -139,6 +139,30 @@ def test_field_docs_take_metadata_then_trailing_comment_then_attribute_docstring
     assert schema_of(generated).to_fields_dict()["k"].description == "generated"
 
 
+def test_field_docs_is_the_core_one_with_group_comments_and_inherited_docs():
+    import kiln.common.config as core
+
+    assert field_docs is core.field_docs  # one implementation, in the core that owns the dataclasses
+
+    @dataclass
+    class Base:
+        task: str = ""  # which stage
+        # thresholds, one comment for the run below
+        low: float = 0.1
+        high: float = 0.9
+        sep: str = "#"  # a '#' inside a string is no comment
+
+    @dataclass
+    class Child(Base):
+        task: str = "child"
+        extra: int = 0
+
+    assert field_docs(Child) == {"task": "which stage", "low": "thresholds, one comment for the run below",
+                                 "high": "thresholds, one comment for the run below",
+                                 "sep": "a '#' inside a string is no comment", "extra": ""}
+    assert schema_of(Child).to_fields_dict()["extra"].description is None
+
+
 def test_defaults_overrides_include_exclude_and_bad_arguments():
     sft = schema_of(OptimConfig, defaults={"lr": 1e-4, "warmup_steps": 20})
     assert sft().to_dataclass() == OptimConfig(lr=1e-4, warmup_steps=20)
