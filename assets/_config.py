@@ -56,6 +56,14 @@ class DataclassConfig(Config):
         ``defaults=`` overrides): what a job file must carry for the core to rebuild the same dataclass."""
         return _plain(self, type(self).core_defaults if changed_only else None)
 
+    def job_fields(self) -> dict[str, Any]:
+        """The fields as a job file takes them: each plain field as it is, each nested block (optim, spikes, lora)
+        with only what differs from its dataclass's defaults, so that a default written out or left out gives the
+        same job and the same run-folder key."""
+        out = {name: value.to_dict(changed_only=True) if isinstance(value, DataclassConfig) else copy.deepcopy(value)
+               for name in type(self).model_fields for value in [getattr(self, name)]}
+        return {**out, **copy.deepcopy(self._unknown)}
+
     def to_dataclass(self, where: str = "config", base: dict[str, Any] | None = None) -> Any:
         """The core dataclass, built by kiln.common.config.from_dict (so its errors name ``where.<key>``).
 
@@ -74,7 +82,8 @@ def _plain(config: DataclassConfig, defaults: dict[str, Any] | None) -> dict[str
     for name in type(config).model_fields:
         value = getattr(config, name)
         if isinstance(value, DataclassConfig):
-            value = _plain(value, None if defaults is None else defaults.get(name, {}))
+            # a block the dataclass does not declare (a field a subclass adds) is compared with its own defaults
+            value = _plain(value, None if defaults is None else defaults.get(name, type(value).core_defaults))
             keep = bool(value) or not (config.unset_mode or defaults is not None)
         else:
             keep = not (config.unset_mode and value is None) and (
