@@ -45,7 +45,7 @@ Clean = schema_of(CleanConfig, name="Clean")
 
 class RawDocumentsConfig(Config):
     manifest: str = Field(default="conf/sources/demo.yaml", description="Source manifest (YAML, `sources:` list); empty for none.")
-    sources: list[Source] = Field(default_factory=list, description="More sources inline, e.g. {name: mine, kind: local, path: /data/*.jsonl, format: jsonl, license: CC0}.")
+    sources: list[Source] = Field(default=[], description="More sources inline, e.g. {name: mine, kind: local, path: /data/*.jsonl, format: jsonl, license: CC0}.")
 
 
 @asset(code_version="1", group_name="data")

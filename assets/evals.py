@@ -162,7 +162,7 @@ def contamination_below_threshold(contamination_report: dict) -> AssetCheckResul
 
 
 class EvalScoresConfig(Config):
-    tasks: list[str] = Field(default_factory=list, description="lm-eval task names: the suite's local tasks, or standard ones cached locally; empty for every task in eval_suite.")
+    tasks: list[str] = Field(default=[], description="lm-eval task names: the suite's local tasks, or standard ones cached locally; empty for every task in eval_suite.")
     limit: int | None = Field(default=None, description="Evaluate at most this many items per task (None: all).")
     batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget.")
     max_new_tokens: int = Field(default=40, description="Tokens generated per sample prompt.")
@@ -218,7 +218,7 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
 
 class CheckpointEvalsConfig(Config):
     suites: dict[str, list[str]] = Field(
-        default_factory=REGISTRY.suites,
+        default=REGISTRY.suites(),  # shown in the launchpad; a task is registered in its source, before this
         description="Named groups of lm-eval tasks; each gets one MLflow run per checkpoint.")
     limit: int | None = Field(default=None, description="Evaluate at most this many items per task (None: all).")
     batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget.")
