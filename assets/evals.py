@@ -161,13 +161,18 @@ def contamination_below_threshold(contamination_report: dict) -> AssetCheckResul
 # ---------------------------------------------------------------------------------------------------- final model
 
 
-class EvalScoresConfig(Config):
-    tasks: list[str] = Field(default=[], description="lm-eval task names: the suite's local tasks, or standard ones cached locally; empty for every task in eval_suite.")
+class ScoringConfig(Config):
+    """How a checkpoint is scored: shared by eval_scores and checkpoint_evals."""
+
     limit: int | None = Field(default=None, description="Evaluate at most this many items per task (None: all).")
     batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget.")
     max_new_tokens: int = Field(default=40, description="Tokens generated per sample prompt.")
     seed: int = Field(default=1234, description="Seed for evaluation and sampling.")
     device: str = Field(default="auto", description="Where the model runs: cpu, cuda, cuda:N, or auto (cuda when available).")
+
+
+class EvalScoresConfig(ScoringConfig):
+    tasks: list[str] = Field(default=[], description="lm-eval task names: the suite's local tasks, or standard ones cached locally; empty for every task in eval_suite.")
 
 
 def _scores_metadata(head: dict[str, Any], result: dict[str, Any], seconds: float, path: Path,
@@ -216,15 +221,10 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
 # ---------------------------------------------------------------------------------------------------- per checkpoint
 
 
-class CheckpointEvalsConfig(Config):
+class CheckpointEvalsConfig(ScoringConfig):
     suites: dict[str, list[str]] = Field(
         default=REGISTRY.suites(),  # shown in the launchpad; a task is registered in its source, before this
         description="Named groups of lm-eval tasks; each gets one MLflow run per checkpoint.")
-    limit: int | None = Field(default=None, description="Evaluate at most this many items per task (None: all).")
-    batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget.")
-    max_new_tokens: int = Field(default=40, description="Tokens generated per sample prompt.")
-    seed: int = Field(default=1234, description="Seed for evaluation and sampling.")
-    device: str = Field(default="auto", description="Where the model runs: cpu, cuda, cuda:N, or auto (cuda when available).")
 
 
 def _plots(ref: kckpt.CheckpointRef, history: list[dict], folder: Path) -> dict[str, Any]:
