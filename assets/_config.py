@@ -1,18 +1,14 @@
 """Typed Dagster config generated from the core's config dataclasses: each default and one-line doc has one home.
 
-Use: ``Model = schema_of(GPTConfig, optional=True)``, then ``model: Model = Field(default_factory=Model)`` in a Config.
+Use: ``Model = schema_of(GPTConfig, optional=True)``, then ``model: Model = Field(default_factory=Model)`` in a Config;
+an asset's plain job fields: ``class SftModelConfig(schema_of(JobConfig, include=(...), defaults={...})): optim: ...``.
 """
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
-import inspect
-import io
 import json
-import textwrap
-import tokenize
 import types
 import typing
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -20,7 +16,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from dagster import Config
 from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validator
 
-from kiln.common.config import ConfigError, from_dict
+from kiln.common.config import ConfigError, class_docstring, field_docs, from_dict
 
 __all__ = ["DataclassConfig", "field_docs", "schema_of"]
 
@@ -61,6 +57,14 @@ class DataclassConfig(Config):
         ``defaults=`` overrides): what a job file must carry for the core to rebuild the same dataclass."""
         return _plain(self, type(self).core_defaults if changed_only else None)
 
+    def job_fields(self) -> dict[str, Any]:
+        """The fields as a job file takes them: each plain field as it is, each nested block (optim, spikes, lora)
+        with only what differs from its dataclass's defaults, so that a default written out or left out gives the
+        same job and the same run-folder key."""
+        out = {name: value.to_dict(changed_only=True) if isinstance(value, DataclassConfig) else copy.deepcopy(value)
+               for name in type(self).model_fields for value in [getattr(self, name)]}
+        return {**out, **copy.deepcopy(self._unknown)}
+
     def to_dataclass(self, where: str = "config", base: dict[str, Any] | None = None) -> Any:
         """The core dataclass, built by kiln.common.config.from_dict (so its errors name ``where.<key>``).
 
@@ -79,7 +83,8 @@ def _plain(config: DataclassConfig, defaults: dict[str, Any] | None) -> dict[str
     for name in type(config).model_fields:
         value = getattr(config, name)
         if isinstance(value, DataclassConfig):
-            value = _plain(value, None if defaults is None else defaults.get(name, {}))
+            # a block the dataclass does not declare (a field a subclass adds) is compared with its own defaults
+            value = _plain(value, None if defaults is None else defaults.get(name, type(value).core_defaults))
             keep = bool(value) or not (config.unset_mode or defaults is not None)
         else:
             keep = not (config.unset_mode and value is None) and (
@@ -95,63 +100,6 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
     for k, v in override.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
-
-# ---------------------------------------------------------------------------------------------------- docs
-
-
-def _class_node(klass: type) -> tuple[ast.ClassDef, dict[int, str], set[int]] | None:
-    """(class AST, {line: comment text}, lines holding only a comment) of a class's source; None without source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(klass))
-    except (OSError, TypeError):
-        return None
-    node = ast.parse(source).body[0]
-    comments, alone = {}, set()
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-            if not tok.line[: tok.start[1]].strip():
-                alone.add(tok.start[0])
-    return (node, comments, alone) if isinstance(node, ast.ClassDef) else None
-
-
-def _own_comments(klass: type) -> tuple[dict[str, str], str | None]:
-    """({field: its trailing comment, else the string just below it, else the comment lines just above it},
-    docstring) of one class body."""
-    parsed = _class_node(klass)
-    if parsed is None:
-        return {}, None
-    node, comments, alone = parsed
-    docs = {}
-    for stmt, after in zip(node.body, [*node.body[1:], None]):
-        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
-            continue
-        trailing = [comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1) if n in comments and n not in alone]
-        below = (after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                 and isinstance(after.value.value, str) else "")
-        above, n = [], stmt.lineno - 1
-        while n in alone:
-            above.insert(0, comments[n])
-            n -= 1
-        found = trailing[0] if trailing else " ".join(inspect.cleandoc(below).split()) or " ".join(above)
-        if found:
-            docs[stmt.target.id] = found
-    return docs, ast.get_docstring(node)
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """{field: one-line doc} of a dataclass: ``field(metadata={"doc": ...})``, else the field's trailing
-    ``# comment``, else the string literal just below it (an attribute docstring), else the comment lines just
-    above it; looked up in the class that declares the field."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if "__dataclass_fields__" in vars(klass):
-            docs.update(_own_comments(klass)[0])
-    for f in dataclasses.fields(cls):
-        if "doc" in f.metadata:
-            docs[f.name] = str(f.metadata["doc"])
-    return docs
 
 
 # ---------------------------------------------------------------------------------------------------- types
@@ -274,8 +222,8 @@ def _build(cls: type, optional: bool, defaults: dict[str, Any], include, exclude
         _check_names(cls, what, names, allowed)
     chosen = [f for f in all_fields if (include is None or f.name in include) and f.name not in exclude]
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
-    fields = {f.name: _field(cls, f, hints[f.name], optional, defaults, docs.get(f.name)) for f in chosen}
-    doc = _own_comments(cls)[1] or f"Fields of {cls.__module__}.{cls.__qualname__}."
+    fields = {f.name: _field(cls, f, hints[f.name], optional, defaults, docs.get(f.name) or None) for f in chosen}
+    doc = class_docstring(cls) or f"Fields of {cls.__module__}.{cls.__qualname__}."
     model = create_model(name or f"{cls.__name__}{'Overrides' if optional else 'Schema'}", __base__=DataclassConfig,
                          __doc__=doc, __module__=__name__, **fields)
     model.core = cls

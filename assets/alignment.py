@@ -6,16 +6,21 @@ from typing import Any, Callable
 from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
 
-from assets._common import commit_output, md_table, mlflow_meta, report_metadata
-from kiln.common.files import staging_dir
+from assets._common import asset_output, md_table, report_metadata
+from assets._config import schema_of
 from kiln.evaluation.contamination import DEFAULT_N
+from kiln.model.lora import LoRAConfig
 from kiln.posttrain import instructions as kinst
 from kiln.posttrain.measures import (comparison_line, comparison_table, heldout_suite, log_comparison, measure_before,
                                      measure_checkpoint, suite_key)
+from kiln.posttrain.dpo import DpoJob
 from kiln.posttrain.preferences import build_preferences
 from kiln.posttrain.report import dpo_report, rl_report
+from kiln.posttrain.rl import RlJob
 from kiln.posttrain.sft import read_pairs
+from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, pretrain_report
+from kiln.train.optim import OptimConfig
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
@@ -38,33 +43,30 @@ def instruction_data(context: AssetExecutionContext, config: InstructionDataConf
     vp = token_shards["val_permille"]
     n_html, train_html = kinst.training_pages(raw_documents["path"], vp)
     evals = kinst.EvalOverlap.from_task_dir(eval_suite["dir"], config.overlap_words)
-    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.raw_documents": raw_documents["version"],
-                                                                      "input.eval_suite": eval_suite["version"]},
-                          reuse={"config": config.model_dump(), "raw_documents": raw_documents["version"],
-                                 "eval_suite": eval_suite["version"], "val_permille": vp}) as run, \
-            staging_dir(storage.path("instruction_data")) as stage:
-        if run.reused is not None:
-            return run.reused
+    with asset_output(context, mlflow, parent=storage.path("instruction_data"), config=config,
+                      inputs={"raw_documents": raw_documents, "eval_suite": eval_suite}, reuse={"val_permille": vp}) as out:
+        if out.reused:
+            return out.reused
         dropped: list[dict] = []
         pairs = kinst.build_pairs(train_html, config.n_arithmetic, config.seed, config.val_permille, config.max_doc_pairs,
                                   exclude=evals, dropped=dropped, max_operand=config.max_operand)
         if not pairs:
             raise ValueError("instruction_data: no pairs left; raise n_arithmetic or max_doc_pairs, or add HTML sources")
-        kinst.write_jsonl(pairs, stage / "pairs.jsonl")
-        final, version = commit_output(stage, storage.path("instruction_data"))
+        kinst.write_jsonl(pairs, out.stage / "pairs.jsonl")
+        path = str(out.commit() / "pairs.jsonl")
         counts = kinst.split_counts(pairs, "kind")
         decontam = {"held_out_pages_skipped": n_html - len(train_html), "pairs_sharing_eval_ngrams": len(dropped),
                     "eval_items_checked": evals.items, "ngram_words": evals.n}
-        run.log_metrics({"pairs": len(pairs), **decontam})
-        value = {"path": str(final / "pairs.jsonl"), "version": version, "counts": counts, "eval_items": config.eval_items,
+        out.log_metrics({"pairs": len(pairs), **decontam})
+        value = {"path": path, "version": out.version, "counts": counts, "eval_items": config.eval_items,
                  "decontamination": decontam}
-        return run.output(value, version, {
+        return out.result(value, {
             "pairs": len(pairs), "by_kind": md_table([{"kind": k, **v} for k, v in counts.items()]),
             "decontamination": md_table([{"check": k, "count": v} for k, v in decontam.items()]),
             "dropped_examples": md_table([{"prompt": d["prompt"], "reason": d["reason"]} for d in dropped[:5]]),
             "examples": md_table([{"prompt": e["prompt"], "response": e["response"][:160]}
                                   for e in kinst.first_of_each(pairs, "kind")]),
-            "path": MetadataValue.path(str(final / "pairs.jsonl")), **mlflow_meta(run),
+            "path": MetadataValue.path(path),
         })
 
 
@@ -80,30 +82,32 @@ def preference_data(context: AssetExecutionContext, config: PreferenceDataConfig
     if not prefs:
         raise ValueError(f"{instruction_data['path']}: no instruction pairs of a kind that yields preferences "
                          "(arithmetic, doc_section); raise instruction_data.n_arithmetic")
-    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.instruction_data": instruction_data["version"]},
-                          reuse={"config": config.model_dump(), "instruction_data": instruction_data["version"]}) as run, \
-            staging_dir(storage.path("preference_data")) as stage:
-        if run.reused is not None:
-            return run.reused
-        kinst.write_jsonl(prefs, stage / "preferences.jsonl")
-        final, version = commit_output(stage, storage.path("preference_data"))
+    with asset_output(context, mlflow, parent=storage.path("preference_data"), config=config,
+                      inputs={"instruction_data": instruction_data}) as out:
+        if out.reused:
+            return out.reused
+        kinst.write_jsonl(prefs, out.stage / "preferences.jsonl")
+        path = str(out.commit() / "preferences.jsonl")
         counts = kinst.split_counts(prefs, "error")
-        run.log_metrics({"pairs": len(prefs)})
-        return run.output({"path": str(final / "preferences.jsonl"), "version": version, "counts": counts}, version, {
+        out.log_metrics({"pairs": len(prefs)})
+        return out.result({"path": path, "version": out.version, "counts": counts}, {
             "pairs": len(prefs), "by_rejection": md_table([{"rejected_because": k, **v} for k, v in counts.items()]),
             "examples": md_table([{"prompt": e["prompt"], "chosen": e["chosen"][:100], "rejected": e["rejected"][:100]}
                                   for e in kinst.first_of_each(prefs, "error")]),
-            "path": MetadataValue.path(str(final / "preferences.jsonl")), **mlflow_meta(run),
+            "path": MetadataValue.path(path),
         })
 
 
-class SftModelConfig(Config):
-    optim: dict[str, Any] = Field(default_factory=lambda: {"lr": 2e-3, "warmup_steps": 20, "min_lr_ratio": 0.1},
-                                  description="kiln.train.optim.OptimConfig fields for fine-tuning.")
-    max_steps: int = Field(default=150, description="Fine-tuning optimizer steps.")
-    micro_batch: int = Field(default=16, description="Packed sequences per rank per step.")
-    eval_interval: int = Field(default=50, description="Steps between masked validation-loss passes.")
-    seed: int = Field(default=1337, description="Seed for data order.")
+Lora = schema_of(LoRAConfig, name="Lora")
+SftOptim = schema_of(OptimConfig, defaults={"warmup_steps": 20}, name="SftOptim")
+DpoOptim = schema_of(OptimConfig, defaults={"lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0}, name="DpoOptim")
+RlOptim = schema_of(OptimConfig, defaults={"lr": 3e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},
+                    name="RlOptim")
+
+
+class SftModelConfig(schema_of(JobConfig, include=("max_steps", "micro_batch", "eval_interval", "seed"),
+                               defaults={"max_steps": 150, "micro_batch": 16, "eval_interval": 50}, name="SftJobFields")):
+    optim: SftOptim = Field(default_factory=SftOptim, description="AdamW and its schedule for fine-tuning.")
 
 
 @asset(code_version="1", group_name="posttraining")
@@ -111,11 +115,10 @@ def sft_model(context: AssetExecutionContext, config: SftModelConfig, base_model
               preference_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
               torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The base model fine-tuned on instruction pairs (loss on response tokens only, packed sequences, its own schedule) by a torchrun job; held-out measures before and after."""
-    plan = {**training_plan, "micro_batch": config.micro_batch, "grad_accum": 1}
-    fields = {"optim": config.optim, "train_files": [instruction_data["path"]], "val_files": [instruction_data["path"]],
-              "max_steps": config.max_steps, "eval_interval": config.eval_interval, "eval_batches": 8,
-              "ckpt_interval": config.max_steps, "keep_last": 1, "log_interval": 25, "seed": config.seed,
+    fields = {**config.job_fields(), "train_files": [instruction_data["path"]], "val_files": [instruction_data["path"]],
+              "eval_batches": 8, "ckpt_interval": config.max_steps, "keep_last": 1, "log_interval": 25,
               "init_from": base_model["checkpoint"]}
+    plan = {**training_plan, "micro_batch": fields.pop("micro_batch"), "grad_accum": 1}  # a plan field, not a job one
     suite = heldout_suite(instruction_data, preference_data)
     device = training_plan["hardware"]["device"]
     before = measure_before(base_model, suite, device)
@@ -151,17 +154,13 @@ def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], stor
                           before_after=rows, suite_key=suite_key(suite))
 
 
-class DpoModelConfig(Config):
-    optim: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-4, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0},
-                                  description="kiln.train.optim.OptimConfig fields for DPO.")
-    beta: float = Field(default=0.1, description="DPO beta: how strongly the policy is held to the reference (larger = closer).")
-    label_smoothing: float = Field(default=0.0, description="Assumed share of flipped preference labels (conservative DPO); 0 is plain DPO.")
-    max_steps: int = Field(default=60, description="DPO optimizer steps.")
-    micro_batch: int = Field(default=16, description="Preference pairs per rank per step.")
-    eval_interval: int = Field(default=25, description="Steps between held-out reward-margin passes.")
-    eval_pairs: int = Field(default=256, description="Held-out pairs scored at each pass.")
-    lora: dict[str, Any] = Field(default_factory=dict, description="kiln.model.lora.LoRAConfig fields; {enabled: true, rank: 8} trains adapters only (merged into the saved weights).")
-    seed: int = Field(default=1337, description="Seed for data order.")
+DPO_FIELDS = ("beta", "label_smoothing", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
+
+
+class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps": 60, "micro_batch": 16},
+                               name="DpoJobFields")):
+    optim: DpoOptim = Field(default_factory=DpoOptim, description="AdamW and its schedule for DPO.")
+    lora: Lora = Field(default_factory=Lora, description="{enabled: true, rank: 8} trains adapters only (merged into the saved weights).")
 
 
 @asset(code_version="1", group_name="posttraining")
@@ -170,31 +169,23 @@ def dpo_model(context: AssetExecutionContext, config: DpoModelConfig, sft_model:
               torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The SFT model trained by Direct Preference Optimization against itself frozen as the reference (a torchrun job), reporting reward margins and chosen/rejected log-probabilities; held-out measures before and after."""
     plan = {**training_plan, "micro_batch": config.micro_batch}
-    fields = {"optim": config.optim, "lora": config.lora, "train_files": [preference_data["path"]], "beta": config.beta,
-              "label_smoothing": config.label_smoothing, "max_steps": config.max_steps, "micro_batch": config.micro_batch,
-              "eval_interval": config.eval_interval, "eval_pairs": config.eval_pairs, "ckpt_interval": config.max_steps,
-              "keep_last": 1, "log_interval": 25, "seed": config.seed}
+    fields = {**config.job_fields(), "train_files": [preference_data["path"]], "ckpt_interval": config.max_steps,
+              "keep_last": 1, "log_interval": 25}
     suite = heldout_suite(instruction_data, preference_data)
     spec = RunSpec("dpo", fields, plan, {"sft_model": sft_model["version"], "preference_data": preference_data["version"]},
                    tokenizer["path"], init=sft_model["checkpoint"], reuse={"suite": suite_key(suite)})
     return align(context, spec, sft_model, suite, storage, torchrun, mlflow, dpo_report)
 
 
-class RlModelConfig(Config):
-    optim: dict[str, Any] = Field(default_factory=lambda: {"lr": 3e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},
-                                  description="kiln.train.optim.OptimConfig fields for RL.")
-    reward: str = Field(default="arithmetic", description="Checkable task whose exact answers give the reward (kiln.posttrain.rl.REWARDS).")
-    max_steps: int = Field(default=60, description="RL optimizer steps.")
-    prompts_per_step: int = Field(default=8, description="Prompts per rank per step.")
-    group_size: int = Field(default=8, description="Answers sampled per prompt; advantages are relative within the group.")
-    max_new_tokens: int = Field(default=16, description="Longest sampled answer, in tokens.")
-    temperature: float = Field(default=0.7, description="Sampling temperature.")
-    partial_credit: float = Field(default=0.2, description="Reward scale for a near miss (a wrong answer within 10 of the right one); 0 rewards exact answers only.")
-    kl_coef: float = Field(default=0.1, description="Weight of the per-token KL penalty to the reference (the DPO model).")
-    eval_interval: int = Field(default=20, description="Steps between greedy held-out reward passes.")
-    eval_items: int = Field(default=100, description="Held-out prompts in each reward pass.")
-    lora: dict[str, Any] = Field(default_factory=dict, description="kiln.model.lora.LoRAConfig fields; {enabled: true} trains adapters only.")
-    seed: int = Field(default=1337, description="Seed for prompt order and sampling.")
+RL_FIELDS = ("reward", "max_steps", "group_size", "max_new_tokens", "temperature", "partial_credit", "kl_coef",
+             "eval_interval", "eval_items", "seed")
+
+
+class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defaults={
+        "max_steps": 60, "temperature": 0.7, "partial_credit": 0.2, "kl_coef": 0.1, "eval_interval": 20})):
+    prompts_per_step: int = Field(default=RlJob.micro_batch, description="Prompts per rank per step (the job's micro_batch).")
+    optim: RlOptim = Field(default_factory=RlOptim, description="AdamW and its schedule for RL.")
+    lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains adapters only.")
 
 
 @asset(code_version="1", group_name="posttraining")
@@ -202,13 +193,10 @@ def rl_model(context: AssetExecutionContext, config: RlModelConfig, dpo_model: d
              preference_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
              torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The DPO model trained by reinforcement learning on checkable arithmetic (GRPO-style group-relative advantages, KL penalty to the DPO model) by a torchrun job; reward over steps, held-out measures before and after."""
+    fields = {**config.job_fields(), "train_files": [instruction_data["path"]], "ckpt_interval": config.max_steps,
+              "keep_last": 1, "log_interval": 10}
+    fields["micro_batch"] = fields.pop("prompts_per_step")
     plan = {**training_plan, "micro_batch": config.prompts_per_step}
-    fields = {"optim": config.optim, "lora": config.lora, "train_files": [instruction_data["path"]], "reward": config.reward,
-              "max_steps": config.max_steps, "micro_batch": config.prompts_per_step, "group_size": config.group_size,
-              "max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "kl_coef": config.kl_coef,
-              "partial_credit": config.partial_credit,
-              "eval_interval": config.eval_interval, "eval_items": config.eval_items, "ckpt_interval": config.max_steps,
-              "keep_last": 1, "log_interval": 10, "seed": config.seed}
     suite = heldout_suite(instruction_data, preference_data)
     spec = RunSpec("rl", fields, plan, {"dpo_model": dpo_model["version"], "instruction_data": instruction_data["version"]},
                    tokenizer["path"], init=dpo_model["checkpoint"], reuse={"suite": suite_key(suite)})

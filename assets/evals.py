@@ -20,9 +20,9 @@ from dagster import (
 )
 from pydantic import Field
 
-from assets._common import commit_output, data_version, line_plot, md_table, mlflow_meta
+from assets._common import asset_output, line_plot, md_table
 from kiln.clean.corpus import corpus_texts
-from kiln.common.files import atomic_path, atomic_write_json, commit_dir, manifest_of_dir, stable_hash, staging_dir
+from kiln.common.files import atomic_path, atomic_write_json, stable_hash
 from kiln.evaluation import checkpoints as kckpt
 from kiln.evaluation.contamination import DEFAULT_N, check_contamination, report_tables, training_sources, worst_task
 from kiln.evaluation.mmlu import MMLU, MMLU_SOURCE
@@ -78,24 +78,21 @@ def eval_suite(context: AssetExecutionContext, config: EvalSuiteConfig, clean_co
     docs = held_out_documents(clean_corpus, token_shards["val_permille"])
     key = stable_hash(["eval_suite", 1, clean_corpus["version"], token_shards["val_permille"], config.model_dump()])[:16]
     parent = storage.path("eval_suite")
-    with mlflow.asset_run(context, params=config.model_dump(), tags={"input.clean_corpus": clean_corpus["version"]},
-                          reuse={"key": key}) as run, \
-            staging_dir(parent) as stage:
-        if run.reused is not None:
-            return run.reused
-        built = build_suite(docs, stage, storage.cache_dir, config.n_items, config.seed,
+    with asset_output(context, mlflow, parent=parent, params=config.model_dump(),
+                      tags={"input.clean_corpus": clean_corpus["version"]}, reuse={"key": key}) as out:
+        if out.reused:
+            return out.reused
+        built = build_suite(docs, out.stage, storage.cache_dir, config.n_items, config.seed,
                             min(config.min_items, config.n_items), config.per_doc, {MMLU: config.mmlu_items})
-        retarget_tasks(stage, parent / key)  # folder keyed by the inputs: the YAMLs name their final data paths
-        version = stable_hash(manifest_of_dir(stage))[:16]
-        final = commit_dir(stage, parent / key)
+        retarget_tasks(out.stage, parent / key)  # folder keyed by the inputs: the YAMLs name their final data paths
+        final = out.commit(folder=parent / key)
         tasks = {t: {**info, "path": str(final / Path(info["path"]).name), "data": str(final / Path(info["data"]).name)}
                  for t, info in built.items()}
-        run.log_metrics({f"{t}.items": info["items"] for t, info in tasks.items()})
+        out.log_metrics({f"{t}.items": info["items"] for t, info in tasks.items()})
         rows = [{"task": t, "items": i["items"], "chance": i["chance"] if i["chance"] is not None else "-"} for t, i in tasks.items()]
-        return run.output({"dir": str(final), "version": version, "tasks": tasks, "documents": len(docs)}, version, {
+        return out.result({"dir": str(final), "version": out.version, "tasks": tasks, "documents": len(docs)}, {
             "tasks": md_table(rows), "held_out_documents": len(docs), "dir": MetadataValue.path(str(final)),
             "mmlu_source": f"{MMLU_SOURCE.package}=={MMLU_SOURCE.version} (sha256 {MMLU_SOURCE.sha256[:16]}…)",
-            **mlflow_meta(run),
         })
 
 
@@ -120,28 +117,26 @@ def contamination_report(context: AssetExecutionContext, config: ContaminationRe
               "instruction_data": instruction_data["version"] if config.instructions else None}
     key = stable_hash(["contamination_report", 1, inputs, val_permille, config.n, config.instructions])[:16]
     parent = storage.path("contamination_report")
-    with mlflow.asset_run(context, params=config.model_dump(), tags={f"input.{k}": v for k, v in inputs.items() if v},
-                          reuse={"key": key, "max_share": config.max_share}) as run, \
-            staging_dir(parent) as stage:
-        if run.reused is not None:
-            return run.reused
+    with asset_output(context, mlflow, parent=parent, params=config.model_dump(), reuse={"key": key, "max_share": config.max_share},
+                      tags={f"input.{k}": v for k, v in inputs.items() if v}) as out:
+        if out.reused:
+            return out.reused
         sources = training_sources(clean_corpus["path"], val_permille, instruction_data["path"] if config.instructions else None)
-        report = check_contamination(eval_suite["dir"], sources, stage, config.n, tasks=list(eval_suite["tasks"]),
+        report = check_contamination(eval_suite["dir"], sources, out.stage, config.n, tasks=list(eval_suite["tasks"]),
                                      extra={"max_share": config.max_share})
         seconds = report.pop("seconds")
-        retarget_tasks(stage, parent / key)
-        version = stable_hash(manifest_of_dir(stage))[:16]
-        final = commit_dir(stage, parent / key)
+        retarget_tasks(out.stage, parent / key)
+        final = out.commit(folder=parent / key)
         tasks, worst = report["tasks"], worst_task(report["tasks"])
-        run.log_metrics({f"{t}.contaminated_share": r["share"] for t, r in tasks.items()})
+        out.log_metrics({f"{t}.contaminated_share": r["share"] for t, r in tasks.items()})
         rows, examples = report_tables(tasks, sources)
         context.log.info(f"contamination: worst task {worst} at {tasks[worst]['share']:.1%} (threshold {config.max_share:.0%})")
-        value = {"dir": str(final), "path": str(final / "report.json"), "version": version, "n": config.n,
+        value = {"dir": str(final), "path": str(final / "report.json"), "version": out.version, "n": config.n,
                  "max_share": config.max_share, "tasks": tasks, "sources": report["sources"]}
-        return run.output(value, version, {
+        return out.result(value, {
             "per_task": md_table(rows), "examples": md_table(examples), "worst_share": round(tasks[worst]["share"], 4),
             "threshold": config.max_share, "ngram": config.n, "scanned": MetadataValue.json(report["sources"]),
-            "seconds": round(seconds, 2), "path": MetadataValue.path(value["path"]), **mlflow_meta(run),
+            "seconds": round(seconds, 2), "path": MetadataValue.path(value["path"]),
         })
 
 
@@ -166,13 +161,18 @@ def contamination_below_threshold(contamination_report: dict) -> AssetCheckResul
 # ---------------------------------------------------------------------------------------------------- final model
 
 
-class EvalScoresConfig(Config):
-    tasks: list[str] = Field(default_factory=list, description="lm-eval task names: the suite's local tasks, or standard ones cached locally; empty for every task in eval_suite.")
+class ScoringConfig(Config):
+    """How a checkpoint is scored: shared by eval_scores and checkpoint_evals."""
+
     limit: int | None = Field(default=None, description="Evaluate at most this many items per task (None: all).")
     batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget.")
     max_new_tokens: int = Field(default=40, description="Tokens generated per sample prompt.")
     seed: int = Field(default=1234, description="Seed for evaluation and sampling.")
     device: str = Field(default="auto", description="Where the model runs: cpu, cuda, cuda:N, or auto (cuda when available).")
+
+
+class EvalScoresConfig(ScoringConfig):
+    tasks: list[str] = Field(default=[], description="lm-eval task names: the suite's local tasks, or standard ones cached locally; empty for every task in eval_suite.")
 
 
 def _scores_metadata(head: dict[str, Any], result: dict[str, Any], seconds: float, path: Path,
@@ -194,11 +194,10 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
     model, enc, meta = load_for_inference(base_model["checkpoint"], map_location=device)
     inputs = {"base_model": base_model["version"], "eval_suite": eval_suite["version"],
               "contamination_report": contamination_report["version"]}
-    with mlflow.asset_run(context, params=config.model_dump(), reuse={"config": config.model_dump(), **inputs},
-                          tags={**{f"input.{k}": v for k, v in inputs.items()}, "training_run": base_model["mlflow_run_id"]}) as run, \
-            staging_dir(storage.path("eval_scores")) as stage:
-        if run.reused is not None:
-            return run.reused
+    with asset_output(context, mlflow, parent=storage.path("eval_scores"), config=config, inputs=inputs,
+                      tags={"training_run": base_model["mlflow_run_id"]}) as out:
+        if out.reused:
+            return out.reused
         tasks = config.tasks or list(eval_suite["tasks"])
         context.log.info(f"evaluating {tasks} on checkpoint {meta['path']}")
         t0 = time.perf_counter()
@@ -211,26 +210,21 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
         result = {"checkpoint": meta["path"], "step": meta["step"], "val_loss": val_loss, "val_bits_per_byte": bpb,
                   "uniform_loss": math.log(enc.n_vocab), "tasks": full, "tasks_clean": clean,
                   "task_items": eval_suite["tasks"], "generations": gens}
-        atomic_write_json(stage / "scores.json", result)
-        final, version = commit_output(stage, storage.path("eval_scores"))
-        run.log_metrics({"val_loss": val_loss, "val_bits_per_byte": bpb, **flat_metrics(full, clean)}, step=meta["step"])
+        atomic_write_json(out.stage / "scores.json", result)
+        path = out.commit() / "scores.json"
+        out.log_metrics({"val_loss": val_loss, "val_bits_per_byte": bpb, **flat_metrics(full, clean)}, step=meta["step"])
         head = {"val_loss": val_loss, "val_bits_per_byte": round(bpb, 4), "uniform_guess_loss": round(math.log(enc.n_vocab), 4)}
-        return run.output({**result, "path": str(final / "scores.json"), "version": version}, version,
-                          {**_scores_metadata(head, result, seconds, final / "scores.json"), **mlflow_meta(run)})
+        return out.result({**result, "path": str(path), "version": out.version},
+                          _scores_metadata(head, result, seconds, path))
 
 
 # ---------------------------------------------------------------------------------------------------- per checkpoint
 
 
-class CheckpointEvalsConfig(Config):
+class CheckpointEvalsConfig(ScoringConfig):
     suites: dict[str, list[str]] = Field(
-        default_factory=REGISTRY.suites,
+        default=REGISTRY.suites(),  # shown in the launchpad; a task is registered in its source, before this
         description="Named groups of lm-eval tasks; each gets one MLflow run per checkpoint.")
-    limit: int | None = Field(default=None, description="Evaluate at most this many items per task (None: all).")
-    batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget.")
-    max_new_tokens: int = Field(default=40, description="Tokens generated per sample prompt.")
-    seed: int = Field(default=1234, description="Seed for evaluation and sampling.")
-    device: str = Field(default="auto", description="Where the model runs: cpu, cuda, cuda:N, or auto (cuda when available).")
 
 
 def _plots(ref: kckpt.CheckpointRef, history: list[dict], folder: Path) -> dict[str, Any]:
@@ -276,14 +270,14 @@ def checkpoint_evals(context: AssetExecutionContext, config: CheckpointEvalsConf
               "tasks": full, "tasks_clean": clean, "generations": gens, "mlflow_runs": runs.runs,
               "training_run_id": runs.train_run, "inputs": inputs}
     run_folder = storage.path("checkpoint_evals", ref.run)
-    with staging_dir(run_folder) as stage:
-        atomic_write_json(stage / kckpt.SCORES_FILE, result)
-        final, version = commit_output(stage, run_folder / f"step_{ref.step:07d}")
+    with asset_output(context, None, parent=run_folder) as out:  # its MLflow runs are the suites' own (runs above)
+        atomic_write_json(out.stage / kckpt.SCORES_FILE, result)
+        path = out.commit(into=run_folder / f"step_{ref.step:07d}") / kckpt.SCORES_FILE
     plots = _plots(ref, kckpt.score_history(run_folder), run_folder)
     runs.publish(run_folder, full, clean)
     head = {"step": ref.step, "val_loss": meta.get("val_loss") if meta.get("val_loss") is not None else float("nan")}
     exp, train_run = runs.experiment_id, runs.train_run
-    return Output({**result, "path": str(final / kckpt.SCORES_FILE), "version": version}, data_version=data_version(version),
-                  metadata={**_scores_metadata(head, result, seconds, final / kckpt.SCORES_FILE, plots),
+    return out.result({**result, "path": str(path), "version": out.version}, {
+        **_scores_metadata(head, result, seconds, path, plots),
         "mlflow_runs": md_table([{"suite": s, "run": r, "link": mlflow.run_url(exp, r)} for s, r in runs.runs.items()]),
         "training_run": MetadataValue.url(mlflow.run_url(exp, train_run)) if train_run else "not recorded"})

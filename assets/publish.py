@@ -7,9 +7,8 @@ from pathlib import Path
 from dagster import AssetCheckResult, AssetExecutionContext, Config, MetadataValue, Output, asset, asset_check
 from pydantic import Field
 
-from assets._common import commit_output, md_table, mlflow_meta
+from assets._common import asset_output, md_table
 from kiln.posttrain.measures import stage_rows
-from kiln.common.files import staging_dir
 from kiln.release.bundle import write_release
 from kiln.release.card import model_card
 from kiln.release.lineage import lineage_versions, release_sections
@@ -49,26 +48,25 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
           "dpo_model": dpo_model, "rl_model": rl_model}
     card = model_card(config.name, config.license, up, stage_rows(sft_model, dpo_model, rl_model))
     lineage = lineage_versions(up)
-    with mlflow.asset_run(context, params={"name": config.name}, tags={f"input.{k}": v for k, v in lineage.items()},
-                          reuse={"config": config.model_dump(), "lineage": lineage}) as run, \
-            staging_dir(storage.path("release_bundle")) as stage:
-        if run.reused is not None:
-            return run.reused
+    with asset_output(context, mlflow, parent=storage.path("release_bundle"), config=config, params={"name": config.name},
+                      tags={f"input.{k}": v for k, v in lineage.items()}, reuse={"lineage": lineage}) as out:
+        if out.reused:
+            return out.reused
         scores = flat_scores(eval_scores)
         extra = release_sections(config.name, config.license, up, scores, {"release_bundle": config.model_dump()})
-        manifest = write_release(rl_model["checkpoint"], stage, card, extra)
-        final, version = commit_output(stage, storage.path("release_bundle"))
-        run.log_artifact(final / "README.md")
+        manifest = write_release(rl_model["checkpoint"], out.stage, card, extra)
+        final = out.commit()
+        out.log_artifact(final / "README.md")
         reg, prev, regressions = register_unless_regressed(mlflow.resolved_uri(), config.name, final, scores, lineage,
-                                                           run.run_id, config.alias, config.regression_tolerance)
+                                                           out.run_id, config.alias, config.regression_tolerance)
         if regressions:
             context.log.warning(f"evaluation regressed against {config.name} version {prev.version}: {regressions}; "
                                 f"registered version {reg.version} without moving alias '{config.alias}'")
         registry = {"name": config.name, "version": reg.version, "alias": config.alias if not regressions else None,
                     "previous": prev.version if prev else None}
-        value = {"dir": str(final), "version": version, "lineage": lineage, "files": manifest["files"],
+        value = {"dir": str(final), "version": out.version, "lineage": lineage, "files": manifest["files"],
                  "registry": registry, "scores": scores, "regressions": regressions}
-        return run.output(value, version, {**_bundle_metadata(value, manifest, mlflow.ui_url, card), **mlflow_meta(run)})
+        return out.result(value, _bundle_metadata(value, manifest, mlflow.ui_url, card))
 
 
 @asset_check(asset=release_bundle, blocking=True, description=(

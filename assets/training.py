@@ -1,15 +1,21 @@
-"""Steps 4-7 as assets: the training plan and the pretrained base model (a torchrun job through Pipes)."""
+"""Steps 4-7 as assets: the training plan and the pretrained base model (a torchrun job through Pipes).
 
+Materialize with the pipeline (``kiln run --preset smoke``); ``kiln plan --preset NAME`` shows the plan alone.
+"""
 
-from typing import Any
 
 from dagster import AssetExecutionContext, Backoff, Config, MetadataValue, Output, RetryPolicy, asset
 from pydantic import Field
 
-from assets._common import md_table, mlflow_meta, report_metadata
+from assets._common import asset_output, md_table, report_metadata
+from assets._config import schema_of
 from kiln.common.files import stable_hash
-from kiln.plan import plan_from_config
+from kiln.model.gpt import GPTConfig
+from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, plan_from_config
+from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, pretrain_report
+from kiln.train.optim import OptimConfig
+from kiln.train.spikes import SpikeConfig
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
@@ -19,32 +25,40 @@ from resources.tracking import MlflowResource
 TRAINING_RETRY = RetryPolicy(max_retries=2, delay=5, backoff=Backoff.EXPONENTIAL)
 
 
+ModelOverrides = schema_of(GPTConfig, optional=True, name="ModelOverrides")
+Batch = schema_of(BatchConfig, name="Batch")
+Hardware = schema_of(HardwareConfig, name="Hardware")
+Parallel = schema_of(ParallelConfig, name="Parallel")
+Optim = schema_of(OptimConfig, name="Optim")
+Spikes = schema_of(SpikeConfig, name="Spikes")
+
+
 class TrainingPlanConfig(Config):
     model_preset: str = Field(default="", description="Named size from kiln.model.gpt.MODEL_PRESETS (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl); `model` overrides its fields.")
-    model: dict[str, Any] = Field(default_factory=dict, description="kiln.model.gpt.GPTConfig fields (vocab_size comes from the tokenizer).")
-    batch: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.BatchConfig fields: seq_len, global_batch, micro_batch, max_steps.")
-    hardware: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.HardwareConfig fields: device, nproc_per_node, nnodes, memory_gb, peak_tflops.")
-    parallel: dict[str, Any] = Field(default_factory=dict, description="kiln.plan.ParallelConfig fields: strategy (auto|ddp|fsdp), activation_checkpointing, compile.")
+    model: ModelOverrides = Field(default_factory=ModelOverrides, description="Fields overriding the named size (or the GPTConfig defaults); vocab_size comes from the tokenizer.")
+    batch: Batch = Field(default_factory=Batch, description="The token budget: sequence length, global batch, steps.")
+    hardware: Hardware = Field(default_factory=Hardware, description="Where it trains: device, processes, nodes, memory.")
+    parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile.")
+
+    def plan(self, n_vocab: int) -> tuple[TrainingPlan, GPTConfig, BatchConfig, HardwareConfig]:
+        """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it)."""
+        return plan_from_config(n_vocab, self.model_preset, self.model.to_dict(), self.batch.to_dict(),
+                                self.hardware.to_dict(), self.parallel.to_dict())
 
 
 @asset(code_version="3", group_name="training")
 def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, tokenizer: dict, token_shards: dict,
                   mlflow: MlflowResource) -> Output[dict]:
     """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget."""
-    made, _, batch, hw = plan_from_config(tokenizer["n_vocab"], config.model_preset, config.model, config.batch,
-                                          config.hardware, config.parallel)
-    plan = made.to_dict()
-    plan["hardware"] = hw.__dict__
-    plan["max_steps"] = batch.max_steps
-    train_tokens = token_shards["totals"]["train"]["tokens"]
-    plan["epochs"] = plan["total_tokens"] / max(train_tokens, 1)
+    made, _, batch, hw = config.plan(tokenizer["n_vocab"])
+    plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
+    plan["epochs"] = plan["total_tokens"] / max(token_shards["totals"]["train"]["tokens"], 1)
     context.log.info(f"plan: {plan['reason']}")
-    with mlflow.asset_run(context, params=plan, reuse={"plan": plan}) as run:
-        if run.reused is not None:
-            return run.reused
-        run.log_metrics({"params": plan["params"], "memory_gb": plan["memory_gb"]["total"]})
-        version = stable_hash(plan)[:16]
-        return run.output(plan, version, {
+    with asset_output(context, mlflow, params=plan, reuse={"plan": plan}) as out:
+        if out.reused:
+            return out.reused
+        out.log_metrics({"params": plan["params"], "memory_gb": plan["memory_gb"]["total"]})
+        return out.result(plan, {
             "parameters": plan["params"], "parameters_non_embedding": plan["params_non_embedding"],
             "parallelism": plan["parallelism"], "activation_checkpointing": plan["activation_checkpointing"],
             "compile": plan["compile"], "why": plan["reason"], "world_size": plan["world_size"],
@@ -55,32 +69,25 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
             "options_considered": md_table(plan["alternatives"]),
             "device_memory_gb": plan["device_memory_gb"], "estimated_flops": plan["total_flops"],
             "peak_tflops_per_device": plan["peak_tflops"],
-            "estimated_hours": float(f"{plan['est_hours']:.4g}"), "model": MetadataValue.json(plan["model"]), **mlflow_meta(run),
-        })
+            "estimated_hours": float(f"{plan['est_hours']:.4g}"), "model": MetadataValue.json(plan["model"]),
+        }, version=stable_hash(plan)[:16])
 
 
-class BaseModelConfig(Config):
-    optim: dict[str, Any] = Field(default_factory=dict, description="kiln.train.optim.OptimConfig fields: lr, warmup_steps, weight_decay, grad_clip ...")
-    eval_interval: int = Field(default=100, description="Steps between validation-loss passes.")
-    eval_batches: int = Field(default=16, description="Micro-batches per validation pass.")
-    ckpt_interval: int = Field(default=200, description="Steps between checkpoints (the last step is always saved).")
-    keep_last: int = Field(default=2, description="Newest checkpoints kept on disk.")
-    keep_every: int = Field(default=0, description="Also keep every checkpoint whose step is a multiple of this (0: none).")
-    async_save: bool = Field(default=True, description="Write checkpoints in the background while training continues.")
-    spikes: dict[str, Any] = Field(default_factory=dict, description="kiln.train.spikes.SpikeConfig fields: thresholds, rollback_steps, skip_batches, max_rollbacks.")
-    log_interval: int = Field(default=25, description="Steps between progress lines in the Dagster log.")
-    seed: int = Field(default=1337, description="Seed for initial weights and data order.")
+PRETRAIN_FIELDS = ("eval_interval", "eval_batches", "ckpt_interval", "keep_last", "keep_every", "async_save",
+                   "log_interval", "seed")  # kiln.train.job.JobConfig fields base_model sets: their defaults live there
+
+
+class BaseModelConfig(schema_of(JobConfig, include=PRETRAIN_FIELDS, name="PretrainJobFields")):
+    optim: Optim = Field(default_factory=Optim, description="AdamW and its schedule: peak lr, warmup, cosine floor, decay, clipping.")
+    spikes: Spikes = Field(default_factory=Spikes, description="Loss-spike detection and rollback to an earlier checkpoint.")
 
 
 @asset(code_version="2", group_name="training", retry_policy=TRAINING_RETRY)
 def base_model(context: AssetExecutionContext, config: BaseModelConfig, training_plan: dict, token_shards: dict,
                tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The pretrained GPT: a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) that resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
-    fields = {"optim": config.optim, "train_files": token_shards["train"], "val_files": token_shards["val"],
-              "max_steps": training_plan["max_steps"], "eval_interval": config.eval_interval,
-              "eval_batches": config.eval_batches, "ckpt_interval": config.ckpt_interval, "keep_last": config.keep_last,
-              "keep_every": config.keep_every, "async_save": config.async_save, "spikes": config.spikes,
-              "log_interval": config.log_interval, "seed": config.seed}
+    fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
+              "max_steps": training_plan["max_steps"]}
     spec = RunSpec("pretrain", fields, training_plan,
                    {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}, tokenizer["path"])
     with torchrun.training_run(context, spec, storage, mlflow) as job:

@@ -6,6 +6,7 @@ Run ``kiln --help`` (or ``python -m jobs.cli --help``) for the commands; USAGE b
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -61,7 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     home = Path(args.home).resolve()
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
     Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
-    from dagster import AssetKey, DagsterInstance
+    from dagster import AssetKey, DagsterInstance, DagsterInvalidConfigError
 
     from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources
 
@@ -74,9 +75,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_config = complete_resource_config(select_config(load_preset(args.preset), keys), make_resources(home))
     job = defs.resolve_job_def("kiln_pipeline_job")
     start = time.time()
-    with DagsterInstance.get() as instance:
-        result = job.execute_in_process(run_config=run_config, instance=instance, raise_on_error=False,
-                                        asset_selection=[AssetKey(k) for k in keys], tags={"kiln/preset": args.preset})
+    try:
+        with DagsterInstance.get() as instance:
+            result = job.execute_in_process(run_config=run_config, instance=instance, raise_on_error=False,
+                                            asset_selection=[AssetKey(k) for k in keys], tags={"kiln/preset": args.preset})
+    except DagsterInvalidConfigError as e:  # refused before the run: a typo or a wrong type in the preset
+        print(f"kiln: preset {args.preset}: {config_error_line(e, job)}", file=sys.stderr)
+        return 2
     took = time.time() - start
     if not result.success:
         for ev in result.all_events:
@@ -187,6 +192,35 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+def config_error_line(error, job) -> str:
+    """Dagster's refusal of a run config as one line: the first error's key and where it is (dotted, as in the
+    preset), with the closest allowed key for a typo, and how many errors follow."""
+    first, more = error.errors[0], len(error.errors) - 1
+    path = [str(getattr(e, "field_name", getattr(e, "list_index", "?"))) for e in first.stack.entries]
+    where = ".".join(path) or "the top level"
+    names = getattr(first.error_data, "field_names", None) or [getattr(first.error_data, "field_name", "")]
+    if first.reason.name in ("FIELD_NOT_DEFINED", "FIELDS_NOT_DEFINED"):
+        close = difflib.get_close_matches(names[0], _allowed_keys(job.run_config_schema.config_type, path), n=1)
+        line = f"unknown key '{names[0]}' in {where}" + (f"; did you mean '{close[0]}'?" if close else "")
+    else:
+        line = first.message.split(" Expected")[0].rstrip(".") + f" ({where})"
+    return line + (f" (and {more} more error{'s' * (more > 1)})" if more else "")
+
+
+def _allowed_keys(config_type, path: list[str]) -> list[str]:
+    """The field names of the config block at ``path`` in a Dagster config type ([] when it is not a block)."""
+    for name in [*path, None]:
+        while getattr(config_type, "inner_type", None) is not None:  # Noneable / Array wrappers
+            config_type = config_type.inner_type
+        fields = getattr(config_type, "fields", None) or {}
+        if name is None:
+            return list(fields)
+        if name not in fields:
+            return []
+        config_type = fields[name].config_type
+    return []
+
+
 def preset_n_vocab(tok: dict[str, Any]) -> int:
     """Tokens in the vocabulary a preset's tokenizer config makes (before padding): GPT-2's plus Kiln's two chat
     tokens, or the configured size of a trained BPE (its upper bound; a small corpus can stop merging early).
@@ -199,9 +233,11 @@ def preset_n_vocab(tok: dict[str, Any]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from assets.training import TrainingPlanConfig
     from kiln.common.config import ConfigError
-    from kiln.plan import PlanError, describe_plan, plan_from_config
+    from kiln.plan import PlanError, describe_plan
 
     ops = load_preset(args.preset).get("ops") or {}
     conf = dict((ops.get("training_plan") or {}).get("config") or {})
@@ -209,9 +245,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"kiln: preset {args.preset}: unknown training_plan.config key(s) {sorted(unknown)}")
     n_vocab = args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
-    try:
-        plan, *_ = plan_from_config(n_vocab, conf.get("model_preset", ""), conf.get("model"), conf.get("batch"),
-                                    conf.get("hardware"), conf.get("parallel"))
+    try:  # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.plan_from_config
+        plan, *_ = TrainingPlanConfig(**conf).plan(n_vocab)
+    except ValidationError as e:
+        bad = e.errors()[0]
+        print(f"kiln: preset {args.preset}: training_plan.{'.'.join(map(str, bad['loc']))}: {bad['msg']}", file=sys.stderr)
+        return 2
     except (PlanError, ConfigError) as e:
         print(f"kiln: preset {args.preset}: {e}", file=sys.stderr)
         return 2

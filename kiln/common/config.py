@@ -9,7 +9,9 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import io
 import textwrap
+import tokenize
 import typing
 from typing import Any, TypeVar
 
@@ -71,40 +73,61 @@ def check_types(cfg: Any, where: str) -> None:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: one-line description} of a config dataclass, base classes included.
+    """{field: one-line description} of a config dataclass, base classes included (a field's doc is looked up in
+    the class that declares it; a redeclaration without a doc keeps the base class's).
 
-    A field written by hand is described by its trailing ``# comment`` in the source; a field made programmatically
-    (``dataclasses.make_dataclass``) by ``field(metadata={"doc": ...})``, which wins when both exist.
+    In order: ``field(metadata={"doc": ...})`` (a field made programmatically, ``dataclasses.make_dataclass``);
+    the field's trailing ``# comment``; the string literal just below it (an attribute docstring); the comment
+    lines just above it, which also describe the uncommented fields that follow (one comment for a group such
+    as the n-gram thresholds). A field with none of these gets "".
     """
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass) and klass.__dict__.get("__dataclass_fields__") is not None:
-            docs.update(_source_comments(klass))
+        if dataclasses.is_dataclass(klass) and "__dataclass_fields__" in vars(klass):
+            docs.update({k: v for k, v in _source_docs(klass).items() if v})
     for f in dataclasses.fields(cls):
         if f.metadata.get("doc"):
-            docs[f.name] = f.metadata["doc"]
+            docs[f.name] = str(f.metadata["doc"])
     return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
 
 
-def _source_comments(klass: type) -> dict[str, str]:
-    """{field: comment} from ``klass``'s source: the field's trailing ``# comment``, else the comment lines right
-    above a run of uncommented fields (one comment for a group such as the n-gram thresholds)."""
+def class_docstring(klass: type) -> str | None:
+    """The docstring written in a class's source (None without one; not the signature a dataclass makes up)."""
+    parsed = _parse_class(klass)
+    return ast.get_docstring(parsed[0]) if parsed else None
+
+
+def _parse_class(klass: type) -> tuple[ast.ClassDef, dict[int, tuple[str, bool]]] | None:
+    """(class AST, {line: (comment text, alone on its line)}) of a class's source; None without source."""
     try:
-        src = textwrap.dedent("".join(inspect.getsourcelines(klass)[0]))
-        body = ast.parse(src).body[0].body  # type: ignore[attr-defined]
-    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        src = textwrap.dedent(inspect.getsource(klass))
+        node = ast.parse(src).body[0]
+        comments = {tok.start[0]: (tok.string[1:].strip(), not tok.line[: tok.start[1]].strip())
+                    for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
+    except (OSError, TypeError, SyntaxError, IndexError, tokenize.TokenError):
+        return None
+    return (node, comments) if isinstance(node, ast.ClassDef) else None
+
+
+def _source_docs(klass: type) -> dict[str, str]:
+    """{field: doc} from ``klass``'s own body: trailing comment, else attribute docstring, else the comments above
+    it or above the run of uncommented fields it belongs to."""
+    parsed = _parse_class(klass)
+    if parsed is None:
         return {}
-    lines = src.splitlines()
-    out, group, prev_end = {}, "", 0
-    for node in body:
-        above = [s.strip()[1:].strip() for s in lines[prev_end : node.lineno - 1] if s.strip().startswith("#")]
-        prev_end = node.end_lineno
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+    node, comments = parsed
+    out, group, prev_end = {}, "", node.lineno
+    for stmt, after in zip(node.body, [*node.body[1:], None]):
+        above = [comments[n][0] for n in range(prev_end + 1, stmt.lineno) if n in comments and comments[n][1]]
+        prev_end = stmt.end_lineno or stmt.lineno
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             group = ""
             continue
         group = " ".join(above) or group
-        tail = lines[node.end_lineno - 1][node.end_col_offset :]
-        out[node.target.id] = tail.split("#", 1)[1].strip() if "#" in tail else group
-        if "#" in tail:
+        trailing = [comments[n][0] for n in range(stmt.lineno, prev_end + 1) if n in comments and not comments[n][1]]
+        below = (after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                 and isinstance(after.value.value, str) else "")
+        out[stmt.target.id] = trailing[0] if trailing else " ".join(inspect.cleandoc(below).split()) or group
+        if trailing:
             group = ""
     return out

@@ -27,13 +27,13 @@ class TrainJob:
     parallelism: str = "auto"  # "auto" (ddp on several ranks), "none", "ddp" or "fsdp"; one rank always runs "none"
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
     compile: bool = False  # torch.compile each block
-    eval_interval: int = 50  # steps between validation passes
-    ckpt_interval: int = 100  # steps between checkpoints (the last step is always saved)
+    eval_interval: int = 100  # steps between validation passes
+    ckpt_interval: int = 200  # steps between checkpoints (the last step is always saved)
     keep_last: int = 2  # newest checkpoints kept on disk (0 keeps all)
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (0: none)
     async_save: bool = True  # write checkpoints in the background while training continues
     spikes: dict = field(default_factory=dict)  # kiln.train.spikes.SpikeConfig fields: thresholds, rollback, skip
-    log_interval: int = 10  # steps between progress lines
+    log_interval: int = 25  # steps between progress lines
     seed: int = 1337  # seeds init, data order and dropout
     mlflow_tracking_uri: str = ""  # where rank 0 streams metrics
     mlflow_run_id: str = ""  # the MLflow run that receives them
@@ -45,4 +45,4 @@ class JobConfig(TrainJob):
     """A pretraining job on token shards, or supervised fine-tuning on instruction pairs (task "sft")."""
 
     val_files: list = field(default_factory=list)  # validation shards; for sft the same JSONL (split=val)
-    eval_batches: int = 8  # micro-batches per validation pass
+    eval_batches: int = 16  # micro-batches per validation pass

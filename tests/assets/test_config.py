@@ -139,6 +139,30 @@ def test_field_docs_take_metadata_then_trailing_comment_then_attribute_docstring
     assert schema_of(generated).to_fields_dict()["k"].description == "generated"
 
 
+def test_field_docs_is_the_core_one_with_group_comments_and_inherited_docs():
+    import kiln.common.config as core
+
+    assert field_docs is core.field_docs  # one implementation, in the core that owns the dataclasses
+
+    @dataclass
+    class Base:
+        task: str = ""  # which stage
+        # thresholds, one comment for the run below
+        low: float = 0.1
+        high: float = 0.9
+        sep: str = "#"  # a '#' inside a string is no comment
+
+    @dataclass
+    class Child(Base):
+        task: str = "child"
+        extra: int = 0
+
+    assert field_docs(Child) == {"task": "which stage", "low": "thresholds, one comment for the run below",
+                                 "high": "thresholds, one comment for the run below",
+                                 "sep": "a '#' inside a string is no comment", "extra": ""}
+    assert schema_of(Child).to_fields_dict()["extra"].description is None
+
+
 def test_defaults_overrides_include_exclude_and_bad_arguments():
     sft = schema_of(OptimConfig, defaults={"lr": 1e-4, "warmup_steps": 20})
     assert sft().to_dataclass() == OptimConfig(lr=1e-4, warmup_steps=20)
@@ -158,6 +182,25 @@ def test_defaults_overrides_include_exclude_and_bad_arguments():
         schema_of(dict)
     with pytest.raises(TypeError, match=r"Odd.when: type .*set.* has no Dagster config type"):
         schema_of(dataclasses.make_dataclass("Odd", [("when", set, field(default_factory=set))]))
+
+
+def test_an_asset_config_made_from_a_job_dataclass_with_typed_blocks_gives_its_job_fields():
+    from assets.alignment import DpoModelConfig
+    from assets.training import BaseModelConfig
+    from kiln.posttrain.dpo import DpoJob
+    from kiln.train.job import JobConfig
+
+    base = BaseModelConfig(eval_interval=20, optim={"warmup_steps": 10, "lr": 2e-3})  # lr written out at its default
+    assert base.job_fields() == {"eval_interval": 20, "ckpt_interval": 200, "keep_last": 2, "keep_every": 0,
+                                 "async_save": True, "log_interval": 25, "seed": 1337, "eval_batches": 16,
+                                 "optim": {"warmup_steps": 10}, "spikes": {}}
+    defaults = BaseModelConfig().job_fields()  # the core job dataclass is the one home of these defaults
+    assert {k: v for k, v in defaults.items() if k not in ("optim", "spikes")} == {
+        k: getattr(JobConfig(), k) for k in defaults if k not in ("optim", "spikes")}
+    assert base.to_dict(changed_only=True) == {"eval_interval": 20, "optim": {"warmup_steps": 10}}  # added blocks too
+    dpo = DpoModelConfig().job_fields()
+    assert (dpo["beta"], dpo["eval_pairs"], dpo["max_steps"], dpo["micro_batch"]) == (DpoJob.beta, DpoJob.eval_pairs, 60, 16)
+    assert dpo["optim"] == {"lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0} and dpo["lora"] == {}
 
 
 def test_source_spec_required_fields_and_attribute_docstrings():
@@ -354,3 +397,104 @@ def test_the_launchpad_graphql_schema_has_the_nested_typed_fields(tmp_path):
     assert minhash["backend"]["description"].startswith("where the LSH index lives") and not minhash["backend"]["isRequired"]
     model = {f["name"]: f for f in types[probe_cfg["model"]["configTypeKey"]]["fields"]}
     assert model["n_embd"]["description"] == "residual stream width; must divide by n_head"
+
+
+# ---------------------------------------------------------------------------------------------------- guards
+
+
+def _unwrap(config_type):
+    """The block (or scalar) inside Noneable and Array wrappers."""
+    while getattr(config_type, "inner_type", None) is not None and not getattr(config_type, "key_type", None):
+        config_type = config_type.inner_type
+    return config_type
+
+
+def _block(config_type, dotted: str):
+    """The Dagster config block at a dotted path (``ops.clean_corpus.config.clean``) of a config type."""
+    for name in dotted.split("."):
+        config_type = _unwrap(config_type).fields[name].config_type
+    return _unwrap(config_type)
+
+
+def _all_fields(config_type, path: str = ""):
+    """(dotted path, Dagster Field) of every field under a config block, nested blocks and list items included."""
+    config_type = _unwrap(config_type)
+    if getattr(config_type, "key_type", None) is not None:  # a Map: its values
+        yield from _all_fields(config_type.inner_type, f"{path}.*")
+        return
+    for name, f in (getattr(config_type, "fields", None) or {}).items():
+        yield f"{path}.{name}".lstrip("."), f
+        yield from _all_fields(f.config_type, f"{path}.{name}")
+
+
+@pytest.fixture(scope="module")
+def pipeline_schema():
+    from jobs.definitions import defs
+
+    assert defs.resolve_job_def("kiln_pipeline_job") is not None and defs.resolve_job_def("checkpoint_eval_job") is not None
+    return {name: defs.resolve_job_def(name).run_config_schema.config_type
+            for name in ("kiln_pipeline_job", "checkpoint_eval_job")}
+
+
+def test_every_asset_config_field_is_typed_documented_and_defaulted(pipeline_schema):
+    from jobs.definitions import ALL_ASSETS, PARTITIONED_ASSETS
+
+    seen, required = 0, []
+    for job, assets in (("kiln_pipeline_job", ALL_ASSETS), ("checkpoint_eval_job", PARTITIONED_ASSETS)):
+        for a in assets:
+            name = a.key.to_user_string()
+            for path, f in _all_fields(_block(pipeline_schema[job], f"ops.{name}.config")):
+                seen += 1
+                if f"{name}.{path}" != "raw_documents.sources.storage_options":  # fsspec's own options: any keys
+                    assert "Any" not in f.config_type.key, f"{name}.{path} is untyped ({f.config_type.key})"
+                assert f.description and len(f.description) > 5, f"{name}.{path} has no description"
+                if f.is_required:
+                    required.append(f"{name}.{path}")
+                else:
+                    assert f.default_provided, f"{name}.{path} has neither a default nor is it required"
+    assert seen > 250
+    # only a source entry's identity has no default: each inline source must say what it is
+    assert required == [f"raw_documents.sources.{k}" for k in ("name", "kind", "format", "license")]
+
+
+def test_every_registered_filter_has_its_section_in_the_clean_schema_and_its_rule_keys(pipeline_schema):
+    from kiln.clean.config import rule_keys
+    from kiln.common.config import field_docs
+    from kiln.filters import registry
+
+    clean = _block(pipeline_schema["kiln_pipeline_job"], "ops.clean_corpus.config.clean")
+    keys = rule_keys()
+    specs = registry.filters()
+    assert len(specs) >= 8
+    for spec in specs:
+        docs = field_docs(spec.config)
+        block = _block(clean, spec.section) if spec.section else clean
+        if spec.section:
+            assert clean.fields[spec.section].description == field_docs(CleanConfig)[spec.section], spec.name
+        for f in dataclasses.fields(spec.config):
+            assert f.name in block.fields, f"clean_corpus.clean.{spec.prefix}{f.name} ({spec.name}) is not in the schema"
+            assert block.fields[f.name].description == docs[f.name], (spec.name, f.name)
+        assert spec.rule_keys() and set(spec.rule_keys()) <= set(keys), spec.name
+    for reason, key in keys.items():  # every key a drop reason names is a field the launchpad shows
+        if key is not None:
+            parent, _, leaf = key.rpartition(".")
+            assert leaf in (_block(clean, parent) if parent else clean).fields, (reason, key)
+
+
+def test_every_registered_eval_task_is_in_the_default_suites_and_the_chance_table(pipeline_schema):
+    from assets.evals import CheckpointEvalsConfig, EvalScoresConfig
+    from kiln.evaluation.registry import REGISTRY
+    from kiln.evaluation.suite import CHANCE
+
+    local = [s.name for s in REGISTRY.local()]
+    assert len(local) >= 4
+    suites = CheckpointEvalsConfig().suites
+    shown = json.loads(_block(pipeline_schema["checkpoint_eval_job"], "ops.checkpoint_evals.config")
+                       .fields["suites"].default_value_as_json_str)
+    assert shown == suites == REGISTRY.suites()  # the launchpad shows the registry's suites as the default
+    assert sorted(t for tasks in suites.values() for t in tasks) == sorted(local)
+    assert EvalScoresConfig().tasks == []  # eval_scores: empty means every task eval_suite built (all registered)
+    for spec in REGISTRY.local():
+        assert spec.name in CHANCE and CHANCE[spec.name] == spec.chance, spec.name
+        assert CHANCE.get(spec.name + "_clean") == spec.chance, spec.name
+    assert set(REGISTRY.standard()) <= set(CHANCE)

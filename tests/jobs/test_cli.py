@@ -43,6 +43,22 @@ def test_run_rejects_unknown_asset(tmp_path):
         main(["run", "--preset", "smoke", "--select", "tokenizr", "--home", str(tmp_path)])
 
 
+def test_run_names_a_typo_in_a_preset_on_one_line_before_anything_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    preset = tmp_path / "typo.yaml"
+    preset.write_text("extends: smoke\nops:\n  clean_corpus:\n    config:\n      clean:\n        minhash: {bandz: 7}\n"
+                      "  training_plan:\n    config:\n      model: {n_layers: 2}\n")
+    assert main(["run", "--preset", str(preset), "--home", str(tmp_path / "home")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kiln:")]
+    assert err == [f"kiln: preset {preset}: unknown key 'bandz' in ops.clean_corpus.config.clean.minhash; "
+                   "did you mean 'bands'? (and 1 more error)"]
+    assert not (tmp_path / "home" / "storage").exists()  # refused before any asset ran
+    preset.write_text("ops:\n  training_plan:\n    config:\n      batch: {seq_len: long}\n")
+    assert main(["run", "--preset", str(preset), "--home", str(tmp_path / "home")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kiln:")]
+    assert len(err) == 1 and 'Value "long"' in err[0] and err[0].endswith("(ops.training_plan.config.batch.seq_len)")
+
+
 # ---- kiln lineage / kiln generate on a real (tiny) release ----------------------------------------------------
 
 import json  # noqa: E402
@@ -159,3 +175,10 @@ def test_plan_names_an_unknown_key(tmp_path, capsys):
     preset.write_text("ops:\n  training_plan:\n    config:\n      batch: {seq_len: 64, global_btach: 8}\n")
     assert main(["plan", "--preset", str(preset)]) == 2
     assert "training_plan.batch" in capsys.readouterr().err
+
+
+def test_plan_names_a_wrong_type(tmp_path, capsys):
+    preset = tmp_path / "typed.yaml"
+    preset.write_text("ops:\n  training_plan:\n    config:\n      batch: {seq_len: long}\n")
+    assert main(["plan", "--preset", str(preset)]) == 2
+    assert f"kiln: preset {preset}: training_plan.batch.seq_len: Input should be a valid integer" in capsys.readouterr().err
