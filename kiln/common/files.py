@@ -1,6 +1,7 @@
-"""Atomic, checksummed file writes and content-addressed output folders.
+"""Atomic, checksummed file writes, content-addressed output folders and staging folders.
 
-Every writer in Kiln goes through these helpers so a crash never leaves a half-written file.
+Every writer in Kiln goes through these helpers so a crash never leaves a half-written file; a staging folder left
+by a killed process is removed when the next one stages beside it.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -86,15 +90,103 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 @contextlib.contextmanager
 def staging_dir(parent: str | os.PathLike, name: str = "stage") -> Iterator[Path]:
-    """A scratch folder under ``parent`` that is deleted unless it was committed (moved away)."""
+    """A scratch folder under ``parent`` that is deleted unless it was committed (moved away).
+
+    Its name, ``.<name>.<host>-<pid>-<start>.<random>``, says which process owns it: staging folders beside it that
+    processes killed part way left behind are removed first (remove_stale_staging)."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
+    remove_stale_staging(parent, name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.{_owner_token()}.", dir=parent))
     try:
         yield tmp
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# a staging folder: ``.<name>.<host id>-<pid>-<process start>.<mkdtemp's 8 characters>``; before owners were named,
+# ``.<name>.<8 characters>``
+_OWNED = re.compile(r"^\.(?P<name>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)\.[a-z0-9_]{8}$")
+_UNOWNED = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}$")
+
+
+def remove_stale_staging(parent: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Remove the staging folders (staging_dir's, named ``name`` or any name) directly under ``parent`` whose owner
+    is gone: a process of this host that has ended, or, for folders from before owners were named, any folder older
+    than this process. Nothing else is touched, and a folder of another host or of a live process is kept."""
+    parent = Path(parent)
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return []
+    removed = []
+    for p in entries:
+        if p.name.startswith(".") and p.is_dir() and not p.is_symlink() and _is_stale(p, name):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _is_stale(folder: Path, name: str | None) -> bool:
+    owned = _OWNED.match(folder.name)
+    if owned:
+        if name is not None and owned["name"] != name:
+            return False
+        return owned["host"] == _host_id() and not _process_alive(int(owned["pid"]), int(owned["start"]))
+    legacy = _UNOWNED.match(folder.name)
+    if not legacy or legacy["name"] != (name or "stage"):
+        return False
+    began = _process_start_time()
+    return began is not None and folder.stat().st_mtime < began
+
+
+def _host_id() -> str:
+    return sha256_bytes(socket.gethostname().encode())[:8]
+
+
+def _owner_token() -> str:
+    return f"{_host_id()}-{os.getpid()}-{_start_ticks(os.getpid()) or 0}"
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None (no such process, or no /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux); None where /proc does not say."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def _process_alive(pid: int, start: int) -> bool:
+    """Whether process ``pid`` that started at ``start`` (ticks since boot; 0: unknown) still runs."""
+    if Path("/proc/self/stat").exists():
+        fields = _proc_stat(pid)
+        if not fields or fields[0] in ("Z", "X"):  # no such process, or one killed and not yet reaped
+            return False
+        return not start or (len(fields) > 19 and int(fields[19]) == start)  # not another that got the same pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _process_start_time() -> float | None:
+    """This process's start as a Unix time (Linux), or None."""
+    ticks = _start_ticks(os.getpid())
+    try:
+        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return None if ticks is None else min(time.time(), boot + ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def commit_dir(staged: Path, final: Path) -> Path:
@@ -119,3 +211,4 @@ def manifest_of_dir(root: Path) -> dict[str, dict[str, Any]]:
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts):
             out[str(p.relative_to(root))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return out
+
