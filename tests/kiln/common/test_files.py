@@ -1,5 +1,5 @@
 """Tests for kiln.common.files: staging folders left by killed processes are removed when the next one stages beside
-them (and nothing else is).
+them (and nothing else is), witnesses that check a file or folder cheaply, and commit_dir filling a file set aside.
 
 Run: python -m pytest tests/kiln/common/test_files.py -q
 """
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from kiln.common.files import staging_dir
+from kiln.common.files import check_witness, commit_dir, set_aside, staging_dir, witness
 
 ROOT = Path(__file__).resolve().parents[3]
 HOLD = """
@@ -67,3 +67,46 @@ def test_a_live_processs_own_stages_are_kept(tmp_path) -> None:
         (tmp_path / "v1").mkdir()
     assert [p.name for p in tmp_path.iterdir()] == ["v1"]
 
+
+def test_witness_trusts_an_unchanged_stat_and_hashes_a_changed_one(tmp_path) -> None:
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a.bin").write_bytes(b"a" * 100)
+    (tmp_path / "d" / "sub" / "b.bin").write_bytes(b"b" * 10)
+    (tmp_path / "d" / ".verified.json").write_text("{}")  # hidden: bookkeeping, not content
+    w = witness(tmp_path / "d")
+    assert sorted(w["files"]) == ["a.bin", "sub/b.bin"] and w["algo"] == "xxh3_128"
+    assert check_witness(tmp_path / "d", w) is None
+    a = tmp_path / "d" / "a.bin"
+    st = a.stat()
+    a.write_bytes(b"c" * 100)
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and time: not read, so not noticed
+    assert check_witness(tmp_path / "d", w) is None
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    bad, why = check_witness(tmp_path / "d", w)
+    assert bad == a and "checksum mismatch" in why and str(a) in why
+    a.write_bytes(b"a" * 100)  # the same bytes again, a new time: hashed and accepted
+    assert check_witness(tmp_path / "d", w) is None
+    a.write_bytes(b"a" * 99)
+    assert check_witness(tmp_path / "d", w) == (a, f"{a} has 99 bytes where 100 were recorded: it is truncated or "
+                                                    "was replaced")
+    (tmp_path / "d" / "sub" / "b.bin").unlink()
+    a.write_bytes(b"a" * 100)
+    assert check_witness(tmp_path / "d", w)[1] == f"{tmp_path / 'd' / 'sub' / 'b.bin'} is missing"
+    single = witness(a)
+    assert list(single["files"]) == ["."] and check_witness(a, single) is None
+
+
+def test_commit_dir_keeps_an_existing_folder_and_fills_in_what_was_set_aside(tmp_path) -> None:
+    final = tmp_path / "v1"
+    final.mkdir()
+    (final / "data.bin").write_bytes(b"damaged!")
+    (final / "report.json").write_text('{"took_s": 1}')
+    aside = set_aside(final / "data.bin")
+    assert aside == final / ".data.bin.damaged" and aside.read_bytes() == b"damaged!"
+    stage = tmp_path / ".stage"
+    stage.mkdir()
+    (stage / "data.bin").write_bytes(b"original")
+    (stage / "report.json").write_text('{"took_s": 2}')
+    assert commit_dir(stage, final) == final and not stage.exists()
+    assert (final / "data.bin").read_bytes() == b"original"
+    assert (final / "report.json").read_text() == '{"took_s": 1}'  # what was there is kept as it is
