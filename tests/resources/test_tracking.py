@@ -221,3 +221,16 @@ def test_a_damaged_or_missing_file_of_a_committed_folder_is_named_and_the_recomp
     assert (folder / "sub" / "notes.txt").read_text() == "three\n"
     _, warnings = materialize_logged([committed], local_resources)
     assert REUSE_CALLS == ["committed"] * 3 and not warnings  # whole again: reused
+
+
+def test_an_output_recorded_without_witnesses_still_has_its_checkpoint_verified(tmp_path):
+    from resources.tracking import output_problem, output_witnesses
+
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 3, {"w": torch.arange(64.0)}, {})
+    value = {"checkpoint": str(ckpt), "path": str(tmp_path / "gone.json")}
+    assert output_problem({"value": value}) == f"{tmp_path / 'gone.json'} is missing"
+    del value["path"]
+    assert output_problem({"value": value}) is None  # recorded before witnesses were: checked by its checksums
+    assert output_witnesses(value)[str(ckpt)]["checkpoint"] is True
+    flip_a_byte(ckpt / "state.pt")
+    assert output_problem({"value": value}).startswith(f"{ckpt / 'state.pt'}: checksum mismatch")
