@@ -2,14 +2,18 @@
 
 python -m torch.distributed.run --nproc_per_node=2 -m resources.pipes_worker --config job.json
 The job's task picks the training module (kiln.train.entry.TASKS); every rank runs it, rank 0 alone reports.
-It imports ``dagster_pipes`` (the small protocol package), never ``dagster`` itself.
+It imports ``dagster_pipes`` (the small protocol package), never ``dagster`` itself. A worker ends itself once its
+torchrun or the process that launched the job (KILN_LAUNCHER_PID) is gone, rather than train on as an orphan.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
-from typing import Iterable
+import threading
+import time
+from typing import Callable, Iterable
 
 from kiln.train.entry import entry_point
 
@@ -27,8 +31,75 @@ class PipesReporter:
         print(message, flush=True)
 
 
+LAUNCHER_ENV = "KILN_LAUNCHER_PID"  # the pid of the process that launched the job (set by resources.torchrun)
+WATCH_INTERVAL_S = 0.5  # how often a worker checks that torchrun and the launcher still run
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:  # a zombie (killed, not yet reaped by its parent) is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def orphan_reason(parent: int | None, launcher: int | None) -> str | None:
+    """Why this worker is an orphan (its torchrun ``parent`` or its ``launcher`` has ended), or None."""
+    if parent is not None and os.getppid() != parent:
+        return f"its torchrun (pid {parent}) has ended"
+    if launcher and not _alive(launcher):
+        return f"the process that launched the job (pid {launcher}) has ended"
+    return None
+
+
+def stop_orphan(reason: str) -> None:
+    """SIGKILL this worker and, when it leads its process group (torchrun starts each worker in a session of its
+    own), what it started; the newest good checkpoint is where the next launch resumes."""
+    try:
+        print(f"worker {os.getpid()}: stopping: {reason}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # the log pipe's reader is gone with the launcher
+        pass
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_for_orphaning(interval_s: float = WATCH_INTERVAL_S,
+                        stop: Callable[[str], None] = stop_orphan) -> threading.Thread | None:
+    """Under torchrun, a daemon thread that calls ``stop`` once torchrun (this process's parent) or the launcher
+    named by LAUNCHER_ENV has ended. The launcher's death SIGKILLs torchrun on Linux (resources.torchrun
+    die_with_parent); this watch ends the workers, there and anywhere torchrun outlives its launcher."""
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    launcher = int(os.environ.get(LAUNCHER_ENV) or 0) or None
+    if not under_torchrun and launcher is None:
+        return None
+    parent = os.getppid() if under_torchrun else None
+    reason = orphan_reason(parent, launcher)
+    if reason:  # already gone: stop before loading anything
+        stop(reason)
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            found = orphan_reason(parent, launcher)
+            if found:
+                stop(found)
+                return
+
+    thread = threading.Thread(target=watch, name="kiln-orphan-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str], callbacks: Iterable = ()) -> None:
     """Run the job named by ``--config``; ``callbacks`` (kiln.train.trainer.Callback) go to its Trainer."""
+    watch_for_orphaning()
     run_job = entry_point(argv)
     if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
         from dagster_pipes import open_dagster_pipes

@@ -12,6 +12,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from kiln import store
+from kiln.common.files import remove_stale_staging
 from kiln.shards import SPLITS
 
 
@@ -28,6 +29,20 @@ class KilnStorageResource(ConfigurableResource):
     cache: str = Field(default=".kiln/cache", description="Local working copy and hot-shard cache, used when root is a URL (a local root is its own cache).")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for a URL root, e.g. {endpoint_url: http://127.0.0.1:9000} for an S3-compatible server.")
     source_cache: str = Field(default="", description="Folder for downloaded source packages; empty means <local folder>/cache/sources.")
+
+    def setup_for_execution(self, context) -> None:
+        """At the start of a run: remove the staging folders that killed runs left in the asset folders."""
+        for p in self.remove_stale_staging():
+            context.log.info(f"removed {p}: a staging folder left by a run that was killed")
+
+    def remove_stale_staging(self) -> list[Path]:
+        """Staging folders (kiln.common.files.staging_dir's, nothing else) whose process has ended, removed from
+        the local folder and the asset folders directly under it; the folders removed."""
+        base = Path(self.cache if self.durable else self.root).expanduser().resolve()
+        if not base.is_dir():
+            return []
+        folders = [base, *sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))]
+        return [p for folder in folders for p in remove_stale_staging(folder)]
 
     @property
     def durable(self) -> bool:

@@ -7,6 +7,7 @@ The same torchrun command also runs under Slurm (``launcher: slurm`` submits ``s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -33,11 +34,13 @@ from pydantic import Field
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.train.launch import RunSpec
+from resources.pipes_worker import LAUNCHER_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORKER_MODULE = "resources.pipes_worker"  # what every torchrun worker runs (tests swap in tests.faults)
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
 RDZV_PORT = 29500
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def root_cause(lines: list[str]) -> str:
@@ -71,6 +74,30 @@ def kill_tree(pid: int) -> None:
             os.kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def die_with_parent():
+    """A ``preexec_fn`` that makes the child (torchrun) get SIGKILL when the thread that started it exits, on Linux
+    (prctl PR_SET_PDEATHSIG); None elsewhere, where the workers' watch on the launcher still ends them.
+
+    The signal fires when the *thread* that forked the child ends, not the process: ``_run`` starts torchrun and
+    waits for it in one thread, which outlives the child unless its process dies (Dagster's step thread, or the
+    ``kiln`` process, killed). libc is looked up here, before the fork; the child only calls it (no imports, no
+    locks) and kills itself if its parent died before the signal was armed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent, kill = os.getpid(), int(signal.SIGKILL)
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), kill)
+
+    return arm
 
 
 def _sh(args: list[str]) -> str:
@@ -250,6 +277,10 @@ class TorchrunResource(ConfigurableResource):
         start = time.time()
         with open_pipes_session(context=context, context_injector=injector, message_reader=reader) as session:
             env.update(session.get_bootstrap_env_vars())
+            if self.launcher == "local":  # the workers end themselves once this process is gone
+                env[LAUNCHER_ENV] = str(os.getpid())
+            else:  # the workers run on other machines, where this pid means nothing
+                env.pop(LAUNCHER_ENV, None)
             rc, timed_out, tail = self._run(cmd, env, own_log)
         if own_log != log_path and log_path.exists():  # the job's own output, written on the cluster
             tail = log_path.read_text(errors="replace").splitlines(keepends=True)[-400:]
@@ -292,8 +323,9 @@ class TorchrunResource(ConfigurableResource):
         tail: list[str] = []
         timed_out = False
         with open(own_log, "a", encoding="utf-8") as log:
-            proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            # its own session (a stop signal reaches torchrun and the workers, not this process), ended with us
+            proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True, preexec_fn=die_with_parent())
 
             def pump() -> None:
                 for line in proc.stdout:  # type: ignore[union-attr]

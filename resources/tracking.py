@@ -1,6 +1,7 @@
 """MLflow tracking: one parent run per Dagster run, one child run per asset materialization, and run reuse.
 
 Assets open their child run through assets._common.asset_output; set ``resources.mlflow.config.tracking_uri`` to share a server.
+A recorded output is reused only while its files match the witnesses recorded with it.
 """
 
 from __future__ import annotations
@@ -81,18 +82,27 @@ class MlflowResource(ConfigurableResource):
             root = None
         return stable_hash({"asset": asset, "code_version": code_version, "storage_root": root, **reuse})[:32]
 
-    def find_reusable(self, client, experiment_id: str, asset: str, key: str) -> tuple[str, dict[str, Any]] | None:
-        """(run id, recorded output) of the newest finished run of ``asset`` with this reuse key whose files exist."""
+    def find_reusable(self, client, experiment_id: str, asset: str, key: str,
+                      log=None) -> tuple[str, dict[str, Any]] | None:
+        """(run id, recorded output) of the newest finished run of ``asset`` with this reuse key whose files are
+        intact (output_problem); ``log`` is told which file failed for a run passed over."""
         runs = client.search_runs([experiment_id], f"tags.`kiln.reuse_key` = '{key}' and tags.`dagster.asset_key` = '{asset}' "
                                   "and attributes.status = 'FINISHED' and tags.`kiln.output_recorded` = 'true'",
                                   order_by=["attributes.start_time DESC"], max_results=5)
+        said: set[str] = set()  # earlier runs often recorded the same files: each problem is told once
         for r in runs:
             try:
-                recorded = json.loads(Path(client.download_artifacts(r.info.run_id, OUTPUT_ARTIFACT, tempfile.mkdtemp())).read_text())
+                with tempfile.TemporaryDirectory() as tmp:
+                    recorded = json.loads(Path(client.download_artifacts(r.info.run_id, OUTPUT_ARTIFACT, tmp)).read_text())
             except Exception:
                 continue
-            if all(Path(p).exists() for p in output_paths(recorded["value"])):
+            problem = output_problem(recorded)
+            if problem is None:
                 return r.info.run_id, recorded
+            if log is not None and problem not in said:
+                said.add(problem)
+                log(f"{asset}: not reusing the output of MLflow run {r.info.run_id} (same inputs, config and code): "
+                    f"{problem}. Recomputing it (a training run resumes from its newest good checkpoint).")
         return None
 
     @contextlib.contextmanager
@@ -109,7 +119,7 @@ class MlflowResource(ConfigurableResource):
         parent = self.parent_run(client, exp, dagster_run_id, job_name)
         asset = context.asset_key.to_user_string()
         key = self.reuse_key(context, reuse) if reuse is not None else ""
-        found = self.find_reusable(client, exp, asset, key) if (key and self.reuse_runs) else None
+        found = self.find_reusable(client, exp, asset, key, context.log.warning) if (key and self.reuse_runs) else None
         run_tags = {"mlflow.parentRunId": parent, "dagster.run_id": dagster_run_id, "dagster.asset_key": asset,
                     "kiln.kind": "asset", "mlflow.runName": asset, **{k: str(v) for k, v in (tags or {}).items()}}
         if key:
@@ -155,6 +165,58 @@ def output_paths(value: Any) -> list[str]:
     return [v for k, v in value.items() if k in PATH_KEYS and isinstance(v, str) and v.startswith("/")]
 
 
+def output_witnesses(value: Any) -> dict[str, dict[str, Any]]:
+    """{path: witness} of the files and folders an output points to, recorded with it: a checkpoint by the checksums
+    in its meta.json (nothing is read again), anything else by hashing it; a path inside another one is covered by
+    that one's witness."""
+    from kiln.common.files import witness
+    from kiln.train.checkpoint import checkpoint_witness
+
+    paths = sorted({p for p in output_paths(value) if Path(p).exists()})
+    out = {}
+    for p in paths:
+        if any(p.startswith(other.rstrip("/") + "/") for other in paths if other != p):
+            continue
+        out[p] = checkpoint_witness(Path(p)) or witness(p)
+    return out
+
+
+def output_problem(recorded: dict[str, Any]) -> str | None:
+    """None when the files of a recorded output are intact, else what is wrong, naming the file: each file whose size
+    or time changed is hashed against its witness. A damaged file (not a checkpoint's: training skips and rewrites
+    those) is set aside, so that recomputing the output writes it again (kiln.common.files.commit_dir). An output
+    recorded without witnesses has its checkpoints checked against their checksums."""
+    from kiln.common.files import check_witness, set_aside
+
+    paths = output_paths(recorded["value"])
+    for p in paths:
+        if not Path(p).exists():
+            return f"{p} is missing"
+    witnesses = recorded.get("witnesses")
+    if witnesses is None:
+        return _checkpoint_problem(paths)
+    for p, w in witnesses.items():
+        found = check_witness(p, w)
+        if found is None:
+            continue
+        bad, problem = found
+        if not w.get("checkpoint") and bad.is_file():
+            problem += f"; set aside as {set_aside(bad).name}"
+        return problem
+    return None
+
+
+def _checkpoint_problem(paths: list[str]) -> str | None:
+    from kiln.train.checkpoint import CheckpointError, checkpoint_witness, verify_checkpoint
+
+    for p in (p for p in paths if checkpoint_witness(Path(p)) is not None):
+        try:
+            verify_checkpoint(Path(p))
+        except CheckpointError as e:
+            return str(e)
+    return None
+
+
 def reused_output(recorded: dict[str, Any], url: str, run_id: str):
     from dagster import DataVersion, MetadataValue, Output
 
@@ -174,12 +236,13 @@ class AssetRun:
         self.reused = None  # the Output of an earlier identical run, when one can be reused
 
     def output(self, value: Any, data_version: str, metadata: dict[str, Any]):
-        """The asset's Output, with the handle recorded in MLflow so an identical later run can reuse it."""
+        """The asset's Output, with the handle recorded in MLflow so an identical later run can reuse it: the value,
+        and a witness of each file or folder it points to (output_witnesses) to check that run's files against."""
         from dagster import DataVersion, Output
 
         plain = {k: v for k, v in metadata.items() if isinstance(v, (int, float, str, bool))}
-        self.client.log_text(self.run_id, json.dumps({"value": value, "data_version": data_version, "metadata": plain},
-                                                     default=str), OUTPUT_ARTIFACT)
+        record = {"value": value, "data_version": data_version, "metadata": plain, "witnesses": output_witnesses(value)}
+        self.client.log_text(self.run_id, json.dumps(record, default=str), OUTPUT_ARTIFACT)
         self.logger.set_tags({"kiln.output_recorded": "true", "kiln.data_version": data_version})
         return Output(value, data_version=DataVersion(data_version), metadata=metadata)
 

@@ -1,6 +1,7 @@
-"""Atomic, checksummed file writes and content-addressed output folders.
+"""Atomic, checksummed file writes, content-addressed output folders, staging folders and file witnesses.
 
-Every writer in Kiln goes through these helpers so a crash never leaves a half-written file.
+Every writer in Kiln goes through these helpers so a crash never leaves a half-written file; a staging folder left
+by a killed process is removed when the next one stages beside it.
 """
 
 from __future__ import annotations
@@ -8,13 +9,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 CHUNK = 1 << 20
+DIGEST = "xxh3_128"  # hashes at several GB/s, faster than disks read; sha256 in Python manages about 0.4 GB/s
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -23,6 +29,29 @@ def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(CHUNK), b""):
             h.update(block)
+    return h.hexdigest()
+
+
+def file_digest(path: str | os.PathLike, algo: str = DIGEST) -> str:
+    """Hex digest of a file's bytes with ``algo`` ("xxh3_128", or "sha256").
+
+    xxh3 reads through a memory map, so hashing runs at the disk's read speed (it hashes at several GB/s).
+    """
+    if algo == "sha256":
+        return sha256_file(path)
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return h.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                for i in range(0, len(view), 64 << 20):
+                    h.update(view[i:i + (64 << 20)])
+            finally:
+                view.release()
     return h.hexdigest()
 
 
@@ -86,10 +115,14 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 @contextlib.contextmanager
 def staging_dir(parent: str | os.PathLike, name: str = "stage") -> Iterator[Path]:
-    """A scratch folder under ``parent`` that is deleted unless it was committed (moved away)."""
+    """A scratch folder under ``parent`` that is deleted unless it was committed (moved away).
+
+    Its name, ``.<name>.<host>-<pid>-<start>.<random>``, says which process owns it: staging folders beside it that
+    processes killed part way left behind are removed first (remove_stale_staging)."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
+    remove_stale_staging(parent, name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.{_owner_token()}.", dir=parent))
     try:
         yield tmp
     finally:
@@ -97,14 +130,104 @@ def staging_dir(parent: str | os.PathLike, name: str = "stage") -> Iterator[Path
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+# a staging folder: ``.<name>.<host id>-<pid>-<process start>.<mkdtemp's 8 characters>``; before owners were named,
+# ``.<name>.<8 characters>``
+_OWNED = re.compile(r"^\.(?P<name>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)\.[a-z0-9_]{8}$")
+_UNOWNED = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}$")
+
+
+def remove_stale_staging(parent: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Remove the staging folders (staging_dir's, named ``name`` or any name) directly under ``parent`` whose owner
+    is gone: a process of this host that has ended, or, for folders from before owners were named, any folder older
+    than this process. Nothing else is touched, and a folder of another host or of a live process is kept."""
+    parent = Path(parent)
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return []
+    removed = []
+    for p in entries:
+        if p.name.startswith(".") and p.is_dir() and not p.is_symlink() and _is_stale(p, name):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _is_stale(folder: Path, name: str | None) -> bool:
+    owned = _OWNED.match(folder.name)
+    if owned:
+        if name is not None and owned["name"] != name:
+            return False
+        return owned["host"] == _host_id() and not _process_alive(int(owned["pid"]), int(owned["start"]))
+    legacy = _UNOWNED.match(folder.name)
+    if not legacy or legacy["name"] != (name or "stage"):
+        return False
+    began = _process_start_time()
+    return began is not None and folder.stat().st_mtime < began
+
+
+def _host_id() -> str:
+    return sha256_bytes(socket.gethostname().encode())[:8]
+
+
+def _owner_token() -> str:
+    return f"{_host_id()}-{os.getpid()}-{_start_ticks(os.getpid()) or 0}"
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None (no such process, or no /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux); None where /proc does not say."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def _process_alive(pid: int, start: int) -> bool:
+    """Whether process ``pid`` that started at ``start`` (ticks since boot; 0: unknown) still runs."""
+    if Path("/proc/self/stat").exists():
+        fields = _proc_stat(pid)
+        if not fields or fields[0] in ("Z", "X"):  # no such process, or one killed and not yet reaped
+            return False
+        return not start or (len(fields) > 19 and int(fields[19]) == start)  # not another that got the same pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _process_start_time() -> float | None:
+    """This process's start as a Unix time (Linux), or None."""
+    ticks = _start_ticks(os.getpid())
+    try:
+        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return None if ticks is None else min(time.time(), boot + ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def commit_dir(staged: Path, final: Path) -> Path:
     """Move a fully written staging folder to ``final`` atomically.
 
-    If ``final`` already exists (same content address), the staged copy is discarded and the
-    existing folder kept, so a rerun never overwrites what an older model was made from.
+    If ``final`` already exists (same content address), the staged copy is discarded and the existing folder kept,
+    so a rerun never overwrites what an older model was made from; only files missing from it (a damaged file set
+    aside, set_aside) are moved in from the staged copy.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
+        for f in sorted(p for p in staged.rglob("*") if p.is_file()):
+            target = final / f.relative_to(staged)
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(f, target)
         shutil.rmtree(staged, ignore_errors=True)
         return final
     os.replace(staged, final)
@@ -119,3 +242,59 @@ def manifest_of_dir(root: Path) -> dict[str, dict[str, Any]]:
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts):
             out[str(p.relative_to(root))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return out
+
+
+# ---------------------------------------------------------------------------------------------- witnesses
+# A witness records a file's or folder's files as (bytes, modification time, digest) when an output is recorded, so
+# that later the output can be checked before it is reused: a file whose size and time are unchanged costs a stat;
+# one whose time changed is hashed and compared (the shard cache in kiln.store does the same).
+
+
+def witness(path: str | os.PathLike, digests: dict[str, str] | None = None, algo: str = DIGEST,
+            names: list[str] | None = None) -> dict[str, Any]:
+    """{"algo", "files": {relative path: [bytes, mtime_ns, digest]}} of a file (relative path ".") or of the files
+    ``names`` under a folder (default: every non-hidden one). ``digests`` ({relative path: digest} computed with
+    ``algo``, e.g. a checkpoint's checksums) are taken as given; every other file is hashed."""
+    path = Path(path)
+    if path.is_file():
+        names = ["."]
+    elif names is None:
+        names = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*"))
+                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    out = {}
+    for rel in names:
+        f = path if rel == "." else path / rel
+        st = f.stat()
+        known = (digests or {}).get(rel)
+        out[rel] = [st.st_size, st.st_mtime_ns, known if known is not None else file_digest(f, algo)]
+    return {"algo": algo, "files": out}
+
+
+def check_witness(path: str | os.PathLike, recorded: dict[str, Any]) -> tuple[Path, str] | None:
+    """None when every file ``recorded`` (a ``witness``) is still there with the same bytes, else (the first file
+    that is not, what is wrong with it). Files whose size and modification time are unchanged are not read."""
+    path = Path(path)
+    for rel, (size, mtime_ns, digest) in recorded["files"].items():
+        f = path if rel == "." else path / rel
+        try:
+            st = f.stat()
+        except OSError:
+            return f, f"{f} is missing"
+        if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+            continue
+        if st.st_size != size:
+            return f, f"{f} has {st.st_size:,} bytes where {size:,} were recorded: it is truncated or was replaced"
+        actual = file_digest(f, recorded["algo"])
+        if actual != digest:
+            return f, (f"{f}: checksum mismatch (recorded {digest[:16]}…, found {actual[:16]}…): the file is damaged "
+                       "or was replaced")
+    return None
+
+
+def set_aside(path: str | os.PathLike) -> Path:
+    """Rename a damaged file to ``.<name>.damaged`` beside it (hidden, so no manifest or witness counts it), which
+    leaves its place free for commit_dir to fill again; returns the new path."""
+    path = Path(path)
+    aside = path.with_name(f".{path.name}.damaged")
+    os.replace(path, aside)
+    return aside

@@ -11,7 +11,6 @@ import contextlib
 import copy
 import io
 import json
-import mmap
 import os
 import pickle
 import random
@@ -28,11 +27,11 @@ import numpy as np
 import torch
 import xxhash
 
-from kiln.common.files import _fsync_dir, atomic_write_json, sha256_file, stable_hash
+from kiln.common.files import DIGEST, _fsync_dir, atomic_write_json, file_digest, stable_hash, witness
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 STAGING_PREFIX = ".step_"  # folders being written; a save killed part way leaves one, cleaned up on the next start
-CHECKSUM = "xxh3_128"  # hashes at several GB/s, faster than disks read; sha256 in Python manages about 0.4 GB/s
+CHECKSUM = DIGEST  # xxh3_128: hashes at several GB/s (file_digest, "sha256" for older checkpoints)
 
 
 class CheckpointError(RuntimeError):
@@ -70,27 +69,6 @@ def _as_tuple(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- checksums
-
-
-def file_digest(path: str | os.PathLike, algo: str = CHECKSUM) -> str:
-    """Hex digest of a file's bytes with ``algo`` ("xxh3_128", or "sha256" for older checkpoints).
-
-    xxh3 reads through a memory map, so hashing runs at the disk's read speed (it hashes at several GB/s).
-    """
-    if algo == "sha256":
-        return sha256_file(path)
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return h.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            view = memoryview(m)
-            try:
-                for i in range(0, len(view), 64 << 20):
-                    h.update(view[i:i + (64 << 20)])
-            finally:
-                view.release()
-    return h.hexdigest()
 
 
 _SAVE_LOCK = threading.Lock()
@@ -285,6 +263,22 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
                 "damaged; use an earlier checkpoint"
             )
     return meta
+
+
+def checkpoint_witness(path: Path) -> dict[str, Any] | None:
+    """The witness (kiln.common.files.witness) of checkpoint folder ``path``: each file's size and time with the
+    checksum meta.json records for it, and meta.json itself; no file but meta.json is read. Marked ``checkpoint``:
+    a damaged checkpoint is left where it is, for training to skip and write again. None when ``path`` is not a
+    checkpoint folder."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        return None
+    return {**witness(path, meta["files"], meta.get("checksum", "sha256"), [*meta["files"], "meta.json"]),
+            "checkpoint": True}
 
 
 def _torch_load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

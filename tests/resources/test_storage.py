@@ -13,6 +13,8 @@ import pytest
 from kiln.shards import ShardError, shard_paths, write_shards
 from resources.storage import KilnStorageResource
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture
 def shards_in(tiny_tokenizer, docs):
@@ -71,3 +73,41 @@ def test_run_config_can_point_the_pipeline_at_a_url_root(tmp_path: Path) -> None
         "root": "s3://my-bucket/kiln", "cache": str(tmp_path / "cache"),
         "storage_options": {"endpoint_url": "http://127.0.0.1:9000"}}}}}
     assert validate_run_config(job, run_config)["resources"]["storage"]["config"]["root"] == "s3://my-bucket/kiln"
+
+
+KILLED_WHILE_STAGING = """
+import os, signal, sys
+from kiln.common.files import staging_dir
+with staging_dir(sys.argv[1]) as stage:
+    (stage / "half.parquet").write_bytes(b"half a file")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_run_starts_by_removing_the_staging_that_killed_runs_left(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from dagster import DagsterInstance, asset, materialize
+
+    root = tmp_path / "root"
+    for folder in (root / "raw_documents", root):
+        proc = subprocess.run([sys.executable, "-c", KILLED_WHILE_STAGING, str(folder)], env={"PYTHONPATH": str(ROOT)},
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == -9, proc.stderr
+    left = sorted(root.glob(".stage.*")) + sorted((root / "raw_documents").glob(".stage.*"))
+    assert len(left) == 2
+    (root / "raw_documents" / ".partial-notes").mkdir()  # not a staging folder
+    (root / "raw_documents" / "v1").mkdir()
+
+    @asset
+    def uses_storage(context, storage: KilnStorageResource) -> None:
+        context.log.info(f"storage at {storage.root}")
+
+    instance = DagsterInstance.ephemeral()
+    result = materialize([uses_storage], resources={"storage": KilnStorageResource(root=str(root))}, instance=instance)
+    assert result.success
+    assert not any(p.exists() for p in left)
+    assert sorted(p.name for p in (root / "raw_documents").iterdir()) == [".partial-notes", "v1"]
+    logs = [e.user_message for e in instance.all_logs(result.run_id) if e.dagster_event is None]
+    assert sum(f"removed {p}: a staging folder left by a run that was killed" in logs for p in left) == 2

@@ -1,11 +1,14 @@
 """The torchrun launcher: exact command lines, the Slurm and Kubernetes files made from them, a two-process gloo
-job through Pipes, torchrun restarting a killed worker, a Dagster retry that resumes, timeouts and failures."""
+job through Pipes, torchrun restarting a killed worker, a Dagster retry that resumes, timeouts and failures, and
+torchrun and its workers ending with the process that launched them."""
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -206,3 +209,74 @@ def test_cuda_launch_without_enough_gpus_fails_before_starting_workers(monkeypat
     check_local_devices("cuda", 2)
     with pytest.raises(Failure, match="8 ranks per node need 8 GPUs but this machine has 2.*nproc_per_node to at most 2"):
         check_local_devices("cuda", 8)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and waiting to be reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+# starts a child the way TorchrunResource._run starts torchrun (own session, die_with_parent), from a thread that
+# waits for it, as a Dagster step thread does
+STARTS_A_CHILD = """
+import subprocess, sys, threading, time
+from resources.torchrun import die_with_parent
+
+def launch():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                             preexec_fn=die_with_parent())
+    print(child.pid, flush=True)
+    child.wait()
+
+threading.Thread(target=launch, daemon=True).start()
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_torchrun_dies_with_the_process_that_launched_it_even_in_its_own_session():
+    launcher = subprocess.Popen([sys.executable, "-c", STARTS_A_CHILD], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(launcher.stdout.readline())  # type: ignore[union-attr]
+    try:
+        time.sleep(0.3)
+        assert _running(child) and os.getsid(child) == child  # alive while its launching thread waits on it
+        launcher.kill()  # SIGKILL: no handler, no cleanup runs
+        launcher.wait(timeout=30)
+        assert _wait_until(lambda: not _running(child), timeout=5), "the child outlived its launcher"
+    finally:
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_worker_stops_once_its_launcher_or_torchrun_has_ended(monkeypatch):
+    from resources.pipes_worker import orphan_reason, watch_for_orphaning
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("KILN_LAUNCHER_PID", raising=False)
+    assert watch_for_orphaning(stop=lambda why: None) is None  # not under torchrun, no launcher: nothing to watch
+    assert orphan_reason(os.getppid(), os.getpid()) is None
+    assert orphan_reason(os.getppid() + 1, None) == f"its torchrun (pid {os.getppid() + 1}) has ended"
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    monkeypatch.setenv("KILN_LAUNCHER_PID", str(launcher.pid))
+    stopped: list[str] = []
+    watcher = watch_for_orphaning(interval_s=0.05, stop=stopped.append)
+    time.sleep(0.3)
+    assert watcher is not None and watcher.is_alive() and stopped == []
+    launcher.kill()  # not reaped yet: a zombie counts as ended
+    assert _wait_until(lambda: bool(stopped), timeout=5)
+    watcher.join(timeout=5)
+    assert stopped == [f"the process that launched the job (pid {launcher.pid}) has ended"]
+    launcher.wait(timeout=30)
+    assert orphan_reason(None, launcher.pid) is not None

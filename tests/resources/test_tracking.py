@@ -1,6 +1,9 @@
 """MLflow tracking against a real ``mlflow server`` over HTTP (the multi-machine setup): runs nest under their
-Dagster run, metrics arrive in batches, artifacts go through the server, and a rerun reuses the recorded output."""
+Dagster run, metrics arrive in batches, artifacts go through the server, and a rerun reuses the recorded output
+once its files check out (a damaged checkpoint or file is named and recomputed).
+"""
 
+import logging
 import os
 import subprocess
 import sys
@@ -9,9 +12,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from dagster import AssetExecutionContext, Output, asset, materialize
+import torch
+from dagster import AssetExecutionContext, DagsterInstance, Output, asset, materialize
 
+from kiln.common.files import commit_dir, manifest_of_dir, sha256_bytes, stable_hash, staging_dir
 from kiln.common.metrics import MetricLogger
+from kiln.train.checkpoint import checkpoint_identity, save_checkpoint, verify_checkpoint
+from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 from conftest import free_port
 
@@ -112,3 +119,118 @@ def test_worker_metric_logger_sends_thousands_of_points_in_batches(mlflow_server
     assert len(got) == 1200 and got[-1].step == 1199 and got[-1].value == pytest.approx(5.0 - 1.199)
     assert len(client.get_metric_history(run.info.run_id, "tokens_per_s")) == 1200
     assert MetricLogger(url, "").client is None  # other ranks log nothing
+
+
+# -- reuse checks the recorded files first (in-process, a sqlite store)
+
+REUSE_CALLS: list[str] = []
+
+
+@asset(code_version="1")
+def trained_ckpt(context: AssetExecutionContext, storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+    """A checkpoint in a run folder keyed by the inputs, as a training asset's output."""
+    with mlflow.asset_run(context, reuse={"steps": 2}) as run:
+        if run.reused is not None:
+            return run.reused
+        REUSE_CALLS.append("trained_ckpt")
+        ckpt = save_checkpoint(storage.path("trained", "key1", "checkpoints"), 2, {"w": torch.arange(4096.0)}, {})
+        return run.output({"checkpoint": str(ckpt), "out_dir": str(storage.path("trained", "key1"))},
+                          checkpoint_identity(ckpt), {})
+
+
+@asset(code_version="1")
+def committed(context: AssetExecutionContext, storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+    """A folder committed under its content hash; the value points to the folder and to a file in it."""
+    with mlflow.asset_run(context, reuse={"n": 3}) as run:
+        if run.reused is not None:
+            return run.reused
+        REUSE_CALLS.append("committed")
+        with staging_dir(storage.path("committed")) as stage:
+            (stage / "sub").mkdir()
+            (stage / "table.txt").write_text("x" * 5000)
+            (stage / "sub" / "notes.txt").write_text("three\n")
+            version = stable_hash(manifest_of_dir(stage))[:16]
+            final = commit_dir(stage, storage.path("committed") / version)
+        return run.output({"dir": str(final), "path": str(final / "table.txt"), "version": version}, version, {})
+
+
+@pytest.fixture
+def local_resources(tmp_path: Path) -> dict:
+    return {"storage": KilnStorageResource(root=str(tmp_path / "storage")),
+            "mlflow": MlflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"),
+                                     experiment="reuse-checks")}
+
+
+def materialize_logged(assets, resources: dict) -> tuple[dict, list[str]]:
+    """({asset: value}, the run's warnings) of one in-process materialization."""
+    instance = DagsterInstance.ephemeral()
+    result = materialize(assets, resources=resources, instance=instance)
+    assert result.success
+    warnings = [e.user_message for e in instance.all_logs(result.run_id) if e.level == logging.WARNING]
+    return {a.key.to_user_string(): result.output_for_node(a.key.to_user_string()) for a in assets}, warnings
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_not_reused_and_its_file_is_named(local_resources):
+    REUSE_CALLS.clear()
+    first, _ = materialize_logged([trained_ckpt], local_resources)
+    state = Path(first["trained_ckpt"]["checkpoint"]) / "state.pt"
+    again, warnings = materialize_logged([trained_ckpt], local_resources)
+    assert REUSE_CALLS == ["trained_ckpt"] and again == first and not warnings  # intact: reused
+    t = state.stat().st_mtime_ns + 10**9
+    os.utime(state, ns=(t, t))  # touched, same bytes: hashed, found equal, still reused
+    materialize_logged([trained_ckpt], local_resources)
+    assert REUSE_CALLS == ["trained_ckpt"]
+
+    flip_a_byte(state)  # damaged after its run finished
+    redone, warnings = materialize_logged([trained_ckpt], local_resources)
+    assert REUSE_CALLS == ["trained_ckpt", "trained_ckpt"]  # computed again, not reused
+    [warning] = warnings
+    assert f"{state}: checksum mismatch" in warning and "not reusing the output of MLflow run" in warning
+    assert state.exists() and not (state.parent / ".state.pt.damaged").exists()  # training rewrites checkpoints
+    assert verify_checkpoint(Path(redone["trained_ckpt"]["checkpoint"]))["step"] == 2
+    materialize_logged([trained_ckpt], local_resources)
+    assert REUSE_CALLS == ["trained_ckpt", "trained_ckpt"]  # the rewritten checkpoint is reused again
+
+
+def test_a_damaged_or_missing_file_of_a_committed_folder_is_named_and_the_recompute_restores_it(local_resources):
+    REUSE_CALLS.clear()
+    first, _ = materialize_logged([committed], local_resources)
+    folder = Path(first["committed"]["dir"])
+    materialize_logged([committed], local_resources)
+    assert REUSE_CALLS == ["committed"]
+
+    (folder / "table.txt").write_text("y" * 5000)  # same size, other bytes
+    redone, warnings = materialize_logged([committed], local_resources)
+    assert REUSE_CALLS == ["committed", "committed"] and redone == first
+    [warning] = warnings
+    assert f"{folder / 'table.txt'}: checksum mismatch" in warning and "set aside as .table.txt.damaged" in warning
+    assert (folder / "table.txt").read_text() == "x" * 5000  # the recompute filled the file in again
+    assert manifest_of_dir(folder) == {"sub/notes.txt": {"bytes": 6, "sha256": sha256_bytes(b"three\n")},
+                                       "table.txt": {"bytes": 5000, "sha256": sha256_bytes(b"x" * 5000)}}
+
+    (folder / "sub" / "notes.txt").unlink()
+    _, warnings = materialize_logged([committed], local_resources)
+    assert REUSE_CALLS == ["committed"] * 3
+    assert [f"{folder / 'sub' / 'notes.txt'} is missing" in w for w in warnings] == [True]
+    assert (folder / "sub" / "notes.txt").read_text() == "three\n"
+    _, warnings = materialize_logged([committed], local_resources)
+    assert REUSE_CALLS == ["committed"] * 3 and not warnings  # whole again: reused
+
+
+def test_an_output_recorded_without_witnesses_still_has_its_checkpoint_verified(tmp_path):
+    from resources.tracking import output_problem, output_witnesses
+
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 3, {"w": torch.arange(64.0)}, {})
+    value = {"checkpoint": str(ckpt), "path": str(tmp_path / "gone.json")}
+    assert output_problem({"value": value}) == f"{tmp_path / 'gone.json'} is missing"
+    del value["path"]
+    assert output_problem({"value": value}) is None  # recorded before witnesses were: checked by its checksums
+    assert output_witnesses(value)[str(ckpt)]["checkpoint"] is True
+    flip_a_byte(ckpt / "state.pt")
+    assert output_problem({"value": value}).startswith(f"{ckpt / 'state.pt'}: checksum mismatch")
