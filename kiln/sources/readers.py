@@ -116,13 +116,13 @@ def _parquet(spec: SourceSpec, file: InputFile, tally: Tally) -> Iterator[Chunk]
         except (pyarrow.lib.ArrowException, OSError, ValueError) as e:
             tally("corrupt", file.rel, None, f"not a readable Parquet file ({str(e)[:120]})")
             return
-        rows = pf.metadata.num_rows
+        rows = sum(pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups))  # a damaged total aside
         missing = next((c for c in (spec.text_field, spec.url_field) if c and c not in names), None)
         if missing is not None:
             tally("missing_field", file.rel, None, f"no column '{missing}' (columns: {', '.join(names)[:200]})",
                   "set `text_field:`/`url_field:` on the source", count=max(rows, 1))
             return
-        kind = pf.schema_arrow.field(spec.text_field).type
+        kind = pf.schema_arrow.field(names.index(spec.text_field)).type  # by index: a name may be there twice
         if not _is_text_type(kind):
             tally("wrong_type", file.rel, None, f"column '{spec.text_field}' is {kind}, not a string column",
                   "set `text_field:` to the column with the text", count=max(rows, 1))
