@@ -1,14 +1,16 @@
-"""The input files of a source: include globs minus excludes, over a local folder or an fsspec URL (s3://, file://).
+"""The input files of a source: include globs minus excludes, over a local folder or an fsspec URL (s3://, file://);
+symlinks are followed (out of a package's folder only for local sources), and a link that cannot be read is reported.
 
-Use from Python: ``for file in list_files(spec, fetch(spec, cache_dir)): data = file.open().read()``.
+Use from Python: ``for file in list_files(spec, fetch(spec, cache_dir), refused=[]): data = file.open().read()``.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from kiln.sources.manifest import DEFAULT_INCLUDE, SourceError, SourceSpec, include_patterns, is_url
 from kiln.sources.packages import RECORD
@@ -24,33 +26,72 @@ class InputFile:
     open: Callable[[], Any]  # returns a binary file object (local file or fsspec stream)
 
 
-def list_files(spec: SourceSpec, root: Path | str) -> list[InputFile]:
-    """Sorted files matching the include globs minus the excludes, local or through fsspec."""
+class Chunk(NamedTuple):
+    """One document's worth of a file, as a reader yields it."""
+
+    suffix: str  # appended to the file's id: "" (whole file), "#3" (line, row or chunk), "@334" (WARC record offset)
+    text: str
+    url: str | None
+    ctype: str  # content type: text/html or text/plain
+    offset: int | None  # byte offset in the file where it starts, when known
+
+
+Refused = list[tuple[str, str, str]]  # (relative path, skip reason, detail) of files matched but not read
+
+
+def list_files(spec: SourceSpec, root: Path | str, refused: Refused | None = None) -> list[InputFile]:
+    """Sorted files matching the include globs minus the excludes, local or through fsspec.
+
+    A file reached twice (e.g. through a symlink) is read once; links that cannot be read (dangling, a loop, out of a
+    package's folder) are left out. Both are appended to ``refused``, if given, as (path, reason, detail).
+    """
+    note = refused.append if refused is not None else (lambda _item: None)
     if isinstance(root, str) and is_url(root):
-        return _url_files(spec, root)
+        return _url_files(spec, root, note)
     root = Path(root)
     real_root = root.resolve()
     found: dict[str, Path] = {}
+    seen: set[str] = set()
     for pattern in include_patterns(spec):
         for p in root.glob(pattern):
             rel = p.relative_to(root).as_posix()
-            if rel in found or rel == RECORD or not p.is_file():
+            if rel in seen or rel == RECORD or any(fnmatch.fnmatchcase(rel, x) for x in spec.exclude):
                 continue
-            if any(fnmatch.fnmatchcase(rel, x) for x in spec.exclude):
-                continue
-            if not p.resolve().is_relative_to(real_root):  # a link leading out of the package
-                continue
-            found[rel] = p
-    unique: dict[Path, InputFile] = {}  # a file reached twice (e.g. through a symlink) is read once
+            seen.add(rel)
+            target, problem = _target(p, real_root, outside_ok=spec.kind == "local")
+            if problem:
+                note((rel, "bad_link", problem))
+            elif target is not None:
+                found[rel] = target
+    files: dict[Path, InputFile] = {}
     for rel in sorted(found):
-        p = found[rel]
-        uri = p.resolve().as_uri() if spec.kind == "local" else \
+        target = found[rel]
+        if target in files:
+            note((rel, "duplicate", f"same file as {files[target].rel}, read once"))
+            continue  # the URL names a local file as the source lists it (a link's name, not the blob it points to)
+        uri = (real_root / rel).as_uri() if spec.kind == "local" else \
             f"pkg://{'pypi' if spec.kind == 'pip' else 'deb'}/{spec.package}@{spec.version}/{rel}"
-        unique.setdefault(p.resolve(), InputFile(rel, uri, p.stat().st_size, lambda p=p: open(p, "rb")))
-    return list(unique.values())
+        files[target] = InputFile(rel, uri, target.stat().st_size, lambda t=target: open(t, "rb"))
+    return list(files.values())
 
 
-def _url_files(spec: SourceSpec, url: str) -> list[InputFile]:
+def _target(p: Path, real_root: Path, outside_ok: bool) -> tuple[Path | None, str]:
+    """(the file ``p`` leads to, or None if it is no file; why it cannot be read, or "")."""
+    link = p.is_symlink()
+    try:
+        target = p.resolve(strict=True)
+    except FileNotFoundError:
+        return None, f"dangling symlink to {os.readlink(p)!r}" if link else ""
+    except (RuntimeError, OSError) as e:  # RuntimeError: a symlink loop (Python 3.11; later versions raise OSError)
+        return None, f"symlink loop ({e})" if link else f"cannot resolve ({e})"
+    if not target.is_file():
+        return None, ""
+    if not outside_ok and not target.is_relative_to(real_root):
+        return None, f"link leads out of the package to {target}; not read"
+    return target, ""
+
+
+def _url_files(spec: SourceSpec, url: str, note: Callable[[tuple[str, str, str]], None]) -> list[InputFile]:
     import fsspec
 
     try:
@@ -68,11 +109,16 @@ def _url_files(spec: SourceSpec, url: str) -> list[InputFile]:
         paths = [p for pattern in (spec.include or DEFAULT_INCLUDE[spec.format]) for p in fs.glob(f"{base}/{pattern}")]
     out: dict[str, InputFile] = {}
     for p in sorted(set(paths)):
-        info = fs.info(p)
-        if info.get("type") != "file":
-            continue
         rel = p[len(base):].lstrip("/") if p.startswith(base) else p
         if any(fnmatch.fnmatchcase(rel, x) for x in spec.exclude):
+            continue
+        try:
+            info = fs.info(p)
+        except OSError as e:  # e.g. a dangling symlink or a loop under file://, or an object deleted since the listing
+            link = protocol in ("file", "local") and os.path.islink(p)
+            note((rel, "bad_link" if link else "corrupt", f"{'unreadable link' if link else 'cannot stat'}: {e}"))
+            continue
+        if info.get("type") != "file":
             continue
         full = fs.unstrip_protocol(p) if hasattr(fs, "unstrip_protocol") else f"{protocol}://{p}"
         out[rel] = InputFile(rel, full, int(info.get("size") or 0), lambda p=p: fs.open(p, "rb"))

@@ -69,9 +69,12 @@ class SourceSpec:
     """Optional cap on the documents taken from this source (the first ones in sorted file order)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """local with an fsspec URL: options for its filesystem, e.g. {anon: true} or {endpoint_url: http://...}."""
-    on_bad_input: str = "skip"
-    """"skip": an undecodable, binary, oversized or corrupt file or record is skipped and counted with its file
-    and offset; "error": the first one stops the run."""
+    on_bad_input: str | None = None
+    """What bad input does. Unset (default, the same for every format): an undecodable, binary, oversized or corrupt
+    file, line or record (and an unreadable symlink) is skipped and counted with its file and offset, but a JSONL
+    record or Parquet file without a string `text_field` stops the run (usually `text_field` is wrong); "skip":
+    those records are skipped and counted too (missing_field, wrong_type); "fail" (or "error"): the first bad input
+    stops the run. WARC records that are not HTTP 200 text/HTML and second names of a file are counted, never bad."""
     max_record_bytes: int = 64 << 20
     """A file (html, text), line (jsonl) or record (warc, wet) larger than this is skipped as too_large."""
 
@@ -97,8 +100,9 @@ class SourceSpec:
             bad(f"'format' must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if not isinstance(self.storage_options, dict):
             bad(f"'storage_options' must be a mapping of fsspec options, got {self.storage_options!r}")
-        if self.on_bad_input not in ("error", "skip"):
-            bad(f"'on_bad_input' must be 'error' or 'skip', got {self.on_bad_input!r}")
+        if self.on_bad_input not in (None, "skip", "fail", "error"):
+            bad(f"'on_bad_input' must be 'skip' or 'fail' (or absent for the default), got {self.on_bad_input!r}")
+        self.on_bad_input = "fail" if self.on_bad_input == "error" else self.on_bad_input
         if type(self.max_record_bytes) is not int or self.max_record_bytes < 1:
             bad(f"'max_record_bytes' must be a positive integer, got {self.max_record_bytes!r}")
         if not self.license.strip():
@@ -127,8 +131,9 @@ class SourceSpec:
         if self.encoding is not None:
             try:
                 codecs.lookup(self.encoding)
+                b"x".decode(self.encoding, "ignore")  # refuses bytes-to-bytes codecs such as 'hex', 'zlib' or 'rot13'
             except LookupError:
-                bad(f"'encoding' {self.encoding!r} is not a known Python codec")
+                bad(f"'encoding' {self.encoding!r} is not a known Python text codec (e.g. utf-8, latin-1, cp1252)")
 
 
 def specs_from_dicts(items: list[dict[str, Any]], where: str = "sources") -> list[SourceSpec]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import lzma
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path
 
 from kiln.common.files import atomic_write_json, commit_dir, sha256_file, staging_dir
@@ -94,9 +96,13 @@ def _unpack(spec: SourceSpec, archive: Path, dest: Path) -> None:
                 tar.extractall(dest, filter="tar")
         else:
             raise SourceError(f"unknown archive type {name!r}")
-    except (zipfile.BadZipFile, tarfile.TarError, subprocess.CalledProcessError, OSError, SourceError) as e:
+    except (zipfile.BadZipFile, tarfile.TarError, subprocess.CalledProcessError, OSError, SourceError, EOFError,
+            ValueError, zlib.error, lzma.LZMAError, NotImplementedError, RuntimeError) as e:
+        # a damaged archive: EOFError/zlib/lzma errors from a cut or altered stream, ValueError from a bad header,
+        # NotImplementedError from an unknown zip compression, RuntimeError from an encrypted zip member
         detail = getattr(e, "stderr", None) or e
-        raise SourceError(f"source '{spec.name}': could not unpack {name} ({pin(spec)}): {detail}") from e
+        raise SourceError(f"source '{spec.name}': could not unpack {name} ({pin(spec)}): {detail}. The file is "
+                          f"damaged or not the archive it claims to be; if it matched its sha256, the pinned file itself is damaged: pin another version.") from e
 
 
 def fetch(spec: SourceSpec, cache_dir: str | os.PathLike) -> Path:

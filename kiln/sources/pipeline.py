@@ -21,6 +21,7 @@ from kiln.common.files import atomic_path, stable_hash
 from kiln.sources.manifest import SourceError, SourceSpec, include_patterns, load_manifest
 from kiln.sources.packages import RECORD, cache_path, fetch, pin
 from kiln.sources.readers import COUNTERS, SKIP_REASONS, iter_documents
+from kiln.sources.tally import why_no_documents
 
 ROW_GROUP_DOCS = 2000
 PROGRESS_EVERY = 5000
@@ -65,9 +66,9 @@ def collect(
             for spec in specs:
                 result["sources"][spec.name], total = _collect_source(spec, cache_dir, writer, total, say)
             if total == 0:
-                where = "; ".join(f"{s.name} in {cache_path(s, cache_dir)}: include {include_patterns(s)}"
-                                  for s in specs)
-                raise SourceError(f"no documents from any source ({where}); check the include patterns and formats")
+                raise SourceError("no documents from any source: " + "; ".join(
+                    f"{s.name} in {cache_path(s, cache_dir)}, include {include_patterns(s)}: "
+                    f"{why_no_documents(s, result['sources'][s.name])}" for s in specs))
         finally:
             writer.close()
     per = result["sources"].values()
@@ -129,8 +130,11 @@ def _say_summary(spec: SourceSpec, counts: dict[str, Any], seconds: float, say: 
     )
     for item in counts["skipped"][:5]:
         say(f"[{spec.name}] skipped {item['file']} at byte {item['offset']}: {item['reason']}, {item['detail']}")
+    if counts["lost_bytes"]:
+        say(f"[{spec.name}] {counts['lost_bytes']} input bytes lost in unreadable stretches (see the corrupt skips)")
     if counts["documents"] == 0:
-        say(f"[{spec.name}] WARNING: no documents; check include {include_patterns(spec)}, exclude {spec.exclude}")
+        say(f"[{spec.name}] WARNING: no documents (include {include_patterns(spec)}, exclude {spec.exclude}): "
+            f"{why_no_documents(spec, counts)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,85 @@
+"""Tests for kiln.sources.listing: symlinked files (the Hugging Face cache layout), unreadable links, packages' links.
+
+Run: python -m pytest tests/kiln/sources/test_listing.py -q
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sources_kit import docs, local
+
+from kiln.sources import SourceError, SourceSpec, iter_documents
+
+
+def hf_snapshot(tmp_path: Path) -> Path:
+    """A Hugging Face hub cache entry: snapshots/<revision>/ holds relative symlinks into the repo's blobs/."""
+    repo = tmp_path / "hub" / "datasets--org--corpus"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "0a1b2c"
+    blobs.mkdir(parents=True)
+    (snap / "data").mkdir(parents=True)
+    (blobs / "5d41402a").write_text('{"text": "first"}\n{"text": "second"}\n', encoding="utf-8")
+    (blobs / "7d793037").write_text('{"text": "third"}\n', encoding="utf-8")
+    (snap / "data" / "train-0.jsonl").symlink_to("../../../blobs/5d41402a")
+    (snap / "data" / "train-1.jsonl").symlink_to("../../../blobs/7d793037")
+    return snap
+
+
+def test_symlinked_files_of_a_local_folder_are_read(tmp_path: Path) -> None:
+    snap = hf_snapshot(tmp_path)
+    stats: dict = {}
+    got = docs(local(snap, "jsonl", "hf"), stats)
+    assert [(d["id"], d["text"]) for d in got] == [
+        ("hf/data/train-0.jsonl#1", "first"), ("hf/data/train-0.jsonl#2", "second"), ("hf/data/train-1.jsonl#1", "third")]
+    assert got[0]["url"] == (snap.resolve() / "data" / "train-0.jsonl").as_uri() + "#1"  # the link's name, not the blob
+    assert (stats["files"], stats["documents"], stats["bad_link"]) == (2, 3, 0)
+    assert [d["text"] for d in docs(local(snap / "data" / "train-1.jsonl", "jsonl"))] == ["third"]  # a linked file path
+    assert len(docs(local(f"{snap}/data/*.jsonl", "jsonl"))) == 3  # and a glob over links
+
+
+def test_unreadable_links_are_counted_with_their_reason(tmp_path: Path) -> None:
+    snap = hf_snapshot(tmp_path)
+    data = snap / "data"
+    (data / "gone.jsonl").symlink_to("../../../blobs/deleted")  # the blob was pruned
+    (data / "loop-a.jsonl").symlink_to("loop-b.jsonl")
+    (data / "loop-b.jsonl").symlink_to("loop-a.jsonl")
+    (data / "z-copy.jsonl").symlink_to("../../../blobs/7d793037")  # a second name of train-1.jsonl's blob
+    stats: dict = {}
+    got = docs(local(snap, "jsonl", "hf"), stats)
+    assert [d["text"] for d in got] == ["first", "second", "third"] and stats["files"] == 2
+    assert (stats["bad_link"], stats["duplicate"]) == (3, 1)
+    seen = {s["file"]: (s["reason"], s["detail"]) for s in stats["skipped"]}
+    assert seen["data/gone.jsonl"] == ("bad_link", "dangling symlink to '../../../blobs/deleted'")
+    assert seen["data/loop-a.jsonl"][0] == "bad_link" and seen["data/loop-a.jsonl"][1].startswith("symlink loop")
+    assert seen["data/z-copy.jsonl"] == ("duplicate", "same file as data/train-1.jsonl, read once")
+    with pytest.raises(SourceError, match=r"source 'hf': data/gone\.jsonl: dangling symlink.*Fix: fix or remove"):
+        docs(local(snap, "jsonl", "hf", on_bad_input="fail"))
+
+
+def test_a_package_link_leading_out_stays_refused_and_is_counted(tmp_path: Path) -> None:
+    root = tmp_path / "unpacked"
+    (root / "doc").mkdir(parents=True)
+    (root / "doc" / "page.html").write_text("<p>inside</p>", encoding="utf-8")
+    (tmp_path / "private.html").write_text("<p>outside</p>", encoding="utf-8")
+    (root / "doc" / "leak.html").symlink_to(tmp_path / "private.html")
+    (root / "doc" / "same.html").symlink_to("page.html")  # inside the package: followed, and read once
+    spec = SourceSpec(name="p", kind="pip", format="html", license="MIT", package="x", version="1", sha256="0" * 64,
+                      include=["doc/*.html"])
+    stats: dict = {}
+    got = list(iter_documents(spec, root, stats))
+    assert [(d["id"], d["text"]) for d in got] == [("p/doc/page.html", "<p>inside</p>")]
+    assert (stats["bad_link"], stats["duplicate"], stats["files"]) == (1, 1, 1)
+    leak = next(s for s in stats["skipped"] if s["reason"] == "bad_link")
+    assert leak["file"] == "doc/leak.html" and "leads out of the package" in leak["detail"]
+
+
+def test_a_dangling_link_under_a_file_url_is_counted_not_raised(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("kept", encoding="utf-8")
+    (tmp_path / "d" / "b.txt").symlink_to(tmp_path / "d" / "missing.txt")
+    stats: dict = {}
+    got = docs(local(f"file://{tmp_path / 'd'}", "text", "u"), stats)
+    assert [d["text"] for d in got] == ["kept"]
+    assert stats["bad_link"] == 1 and stats["skipped"][0]["file"] == "b.txt"
+    assert stats["skipped"][0]["detail"].startswith("unreadable link")
