@@ -72,8 +72,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     bad = [k for k in keys if k not in names]
     if bad:
         raise SystemExit(f"kiln: unknown asset(s) {bad}; assets are: {', '.join(names)}")
-    run_config = complete_resource_config(select_config(load_preset(args.preset), keys), make_resources(home))
     job = defs.resolve_job_def("kiln_pipeline_job")
+    preset = load_preset(args.preset)
+    unknown = unknown_name_line(preset, job)
+    if unknown:  # checked on the whole preset: select_config drops the ops outside the selection
+        print(f"kiln: preset {args.preset}: {unknown}", file=sys.stderr)
+        return 2
+    run_config = complete_resource_config(select_config(preset, keys), make_resources(home))
     start = time.time()
     try:
         with DagsterInstance.get() as instance:
@@ -205,6 +210,25 @@ def config_error_line(error, job) -> str:
     else:
         line = first.message.split(" Expected")[0].rstrip(".") + f" ({where})"
     return line + (f" (and {more} more error{'s' * (more > 1)})" if more else "")
+
+
+def unknown_name_line(run_config: dict[str, Any], job) -> str | None:
+    """The ops and resources a preset names that ``job`` does not have, as one line (the first, with the closest
+    known name, and how many more); None when every name is known."""
+    schema = job.run_config_schema.config_type
+    found = []
+    for section, what in (("ops", "op"), ("resources", "resource")):
+        allowed = _allowed_keys(schema, [section])
+        block = run_config.get(section) or {}
+        for name in (block if isinstance(block, dict) else {}):
+            if name not in allowed:
+                close = difflib.get_close_matches(name, allowed, n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"{what}s are: {', '.join(sorted(allowed))}"
+                found.append(f"unknown {what} '{name}' in {section}; {hint}")
+    if not found:
+        return None
+    more = len(found) - 1
+    return found[0] + (f" (and {more} more error{'s' * (more > 1)})" if more else "")
 
 
 def _allowed_keys(config_type, path: list[str]) -> list[str]:

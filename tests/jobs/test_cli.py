@@ -59,6 +59,29 @@ def test_run_names_a_typo_in_a_preset_on_one_line_before_anything_runs(tmp_path,
     assert len(err) == 1 and 'Value "long"' in err[0] and err[0].endswith("(ops.training_plan.config.batch.seq_len)")
 
 
+
+def test_run_refuses_an_unknown_op_or_resource_name_in_a_preset_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """A misspelt op is not dropped with the ops outside --select: the whole preset's names are checked first."""
+    from dagster import JobDefinition
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    ran = []
+    monkeypatch.setattr(JobDefinition, "execute_in_process", lambda *a, **k: ran.append(k) or pytest.fail("the run started"))
+    preset = tmp_path / "misspelt.yaml"
+    preset.write_text("extends: smoke\nops:\n  trainng_plan:\n    config:\n      batch: {max_steps: 5}\n")
+    assert main(["run", "--preset", str(preset), "--select", "tokenizer", "--home", str(tmp_path / "home")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"kiln: preset {preset}: unknown op 'trainng_plan' in ops; did you mean 'training_plan'?"]
+    preset.write_text("resources:\n  mlfow:\n    config: {tracking_uri: x}\n  gpus:\n    config: {}\nops:\n  tokeniser: {}\n")
+    assert main(["run", "--preset", str(preset), "--home", str(tmp_path / "home")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"kiln: preset {preset}: unknown op 'tokeniser' in ops; did you mean 'tokenizer'? (and 2 more errors)"]
+    preset.write_text("resources:\n  mlfow:\n    config: {tracking_uri: x}\n")
+    assert main(["run", "--preset", str(preset), "--home", str(tmp_path / "home")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kiln: preset {preset}: unknown resource 'mlfow' in resources; did you mean 'mlflow'?"]
+    assert ran == [] and not (tmp_path / "home" / "storage").exists()
+
 # ---- kiln lineage / kiln generate on a real (tiny) release ----------------------------------------------------
 
 import json  # noqa: E402
