@@ -9,9 +9,24 @@ import io
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from dagster import DataVersion, MetadataValue, Output
+from dagster import DataVersion, Failure, MetadataValue, Output
 
+from kiln.common.config import ConfigError
 from kiln.common.files import commit_dir, manifest_of_dir, stable_hash, staging_dir
+from kiln.plan import PlanError
+
+# Errors in the run config (a wrong key or value, a plan that cannot fit): the same config fails the same way again.
+CONFIG_ERRORS = (ConfigError, PlanError)
+
+
+@contextlib.contextmanager
+def failing_on_config_errors() -> Iterator[None]:
+    """Turn a config error raised inside into ``dagster.Failure(allow_retries=False)``, so the asset's retry policy
+    does not rerun a typo; its message becomes the failure's description (the error stays its ``__cause__``)."""
+    try:
+        yield
+    except CONFIG_ERRORS as e:
+        raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e
 
 
 def content_version(staged: Path, volatile: tuple[str, ...] = ()) -> str:
@@ -105,7 +120,13 @@ def asset_output(context, mlflow, *, parent: Path | None = None, config=None, in
     inputs: {name: upstream output or its data version}; tagged ``input.<name>`` and part of the reuse key.
     params, tags, reuse: logged params (default: the config), more tags, more reuse-key entries. With none of
     config, inputs, reuse the output is never reused. ``mlflow`` None: no MLflow run, no reuse.
-    No staging folder is made when ``parent`` is None or an earlier run is reused."""
+    No staging folder is made when ``parent`` is None or an earlier run is reused. A config error raised in the
+    body fails the asset at once, without retries (failing_on_config_errors)."""
+    with failing_on_config_errors():
+        yield from _asset_output(context, mlflow, parent, config, inputs, params, tags, reuse)
+
+
+def _asset_output(context, mlflow, parent, config, inputs, params, tags, reuse) -> Iterator[AssetOutput]:
     given = {k: _version_of(v) for k, v in (inputs or {}).items() if v is not None}
     if mlflow is None:
         runs = contextlib.nullcontext(None)

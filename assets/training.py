@@ -7,7 +7,7 @@ Materialize with the pipeline (``kiln run --preset smoke``); ``kiln plan --prese
 from dagster import AssetExecutionContext, Backoff, Config, MetadataValue, Output, RetryPolicy, asset
 from pydantic import Field
 
-from assets._common import asset_output, md_table, report_metadata
+from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
 from assets._config import schema_of
 from kiln.common.files import stable_hash
 from kiln.model.gpt import GPTConfig
@@ -21,7 +21,8 @@ from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
 # A failed launch is retried: the run folder is keyed by the inputs, so the retry resumes from the newest good
-# checkpoint (torchrun's own restarts cover a worker that dies; this covers the launch itself failing).
+# checkpoint (torchrun's own restarts cover a worker that dies; this covers the launch itself failing). A config
+# error is not retried (failing_on_config_errors).
 TRAINING_RETRY = RetryPolicy(max_retries=2, delay=5, backoff=Backoff.EXPONENTIAL)
 
 
@@ -50,7 +51,8 @@ class TrainingPlanConfig(Config):
 def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, tokenizer: dict, token_shards: dict,
                   mlflow: MlflowResource) -> Output[dict]:
     """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget."""
-    made, _, batch, hw = config.plan(tokenizer["n_vocab"])
+    with failing_on_config_errors():
+        made, _, batch, hw = config.plan(tokenizer["n_vocab"])
     plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
     plan["epochs"] = plan["total_tokens"] / max(token_shards["totals"]["train"]["tokens"], 1)
     context.log.info(f"plan: {plan['reason']}")
@@ -86,12 +88,13 @@ class BaseModelConfig(schema_of(JobConfig, include=PRETRAIN_FIELDS, name="Pretra
 def base_model(context: AssetExecutionContext, config: BaseModelConfig, training_plan: dict, token_shards: dict,
                tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The pretrained GPT: a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) that resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
-    fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
-              "max_steps": training_plan["max_steps"]}
-    spec = RunSpec("pretrain", fields, training_plan,
-                   {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}, tokenizer["path"])
-    with torchrun.training_run(context, spec, storage, mlflow) as job:
-        if job.reused is not None:
-            return job.reused
-        result = job.launch()
-        return job.output(report_metadata(pretrain_report(result, job.out_dir), job.run))
+    with failing_on_config_errors():
+        fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
+                  "max_steps": training_plan["max_steps"]}
+        spec = RunSpec("pretrain", fields, training_plan,
+                       {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}, tokenizer["path"])
+        with torchrun.training_run(context, spec, storage, mlflow) as job:
+            if job.reused is not None:
+                return job.reused
+            result = job.launch()
+            return job.output(report_metadata(pretrain_report(result, job.out_dir), job.run))

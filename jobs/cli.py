@@ -6,6 +6,7 @@ Run ``kiln --help`` (or ``python -m jobs.cli --help``) for the commands; USAGE b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
@@ -72,11 +73,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     bad = [k for k in keys if k not in names]
     if bad:
         raise SystemExit(f"kiln: unknown asset(s) {bad}; assets are: {', '.join(names)}")
-    run_config = complete_resource_config(select_config(load_preset(args.preset), keys), make_resources(home))
     job = defs.resolve_job_def("kiln_pipeline_job")
+    preset = load_preset(args.preset)
+    unknown = unknown_name_line(preset, job)
+    if unknown:  # checked on the whole preset: select_config drops the ops outside the selection
+        print(f"kiln: preset {args.preset}: {unknown}", file=sys.stderr)
+        return 2
+    run_config = complete_resource_config(select_config(preset, keys), make_resources(home))
     start = time.time()
-    try:
-        with DagsterInstance.get() as instance:
+    try:  # Dagster's progress log goes to stdout, so that stderr holds kiln's own lines, a failure's first
+        with DagsterInstance.get() as instance, contextlib.redirect_stderr(sys.stdout):
             result = job.execute_in_process(run_config=run_config, instance=instance, raise_on_error=False,
                                             asset_selection=[AssetKey(k) for k in keys], tags={"kiln/preset": args.preset})
     except DagsterInvalidConfigError as e:  # refused before the run: a typo or a wrong type in the preset
@@ -84,9 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     took = time.time() - start
     if not result.success:
-        for ev in result.all_events:
-            if ev.is_step_failure:
-                print(f"kiln: step {ev.step_key} failed:\n{ev.event_specific_data.error.to_string()}", file=sys.stderr)
+        report_failure(result, home, args.verbose)
         print(f"kiln: run {result.run_id} FAILED after {took:.0f}s", file=sys.stderr)
         return 1
     print(f"kiln: run {result.run_id} materialized {len(keys)} assets in {took:.0f}s (preset {args.preset})")
@@ -101,6 +105,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     summarize(result, keys)
     print("Open the UI with: make ui   (Dagster at http://127.0.0.1:3000, MLflow at http://127.0.0.1:5000)")
     return 0
+
+
+# Dagster's own exceptions wrap the error raised in an asset body (as its cause); they are not what went wrong.
+WRAPPERS = ("RetryRequested", "RetryRequestedFromPolicy")
+
+
+def innermost_error(error) -> tuple[str, str]:
+    """(class name, message) of the deepest error in a SerializableErrorInfo's cause / context chain that is not a
+    Dagster wrapper: the error the asset raised (a dagster.Failure counts when nothing is beneath it)."""
+    found, seen = error, error
+    while seen is not None:
+        if not seen.cls_name or not (seen.cls_name.startswith("Dagster") or seen.cls_name in WRAPPERS):
+            found = seen
+        seen = seen.cause or seen.context
+    message = found.message.strip()
+    head = message.split(":", 1)
+    if len(head) == 2 and head[0].rsplit(".", 1)[-1] == found.cls_name:  # "pkg.mod.Cls: text" -> "text"
+        message = head[1].strip()
+    return found.cls_name, " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def report_failure(result, home: Path, verbose: bool) -> Path:
+    """Say on stderr, first, why each failed step failed (one line each: step, error class, message), then where
+    the full traces are: ``<home>/logs/<run id>.log`` (written atomically); ``verbose`` prints the traces too."""
+    from kiln.common.files import atomic_write_text
+
+    failed = [(ev.step_key, ev.event_specific_data.error) for ev in result.all_events if ev.is_step_failure]
+    for step, error in failed:
+        cls, message = innermost_error(error)
+        print(f"kiln: {step} failed: {cls}: {message}", file=sys.stderr)
+    log = home / "logs" / f"{result.run_id}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(log, "".join(f"== step {step} failed ==\n{error.to_string()}\n" for step, error in failed))
+    print(f"kiln: full trace{'s' * (len(failed) > 1)} in {log}", file=sys.stderr)
+    if verbose:
+        for step, error in failed:
+            print(f"kiln: step {step} failed:\n{error.to_string()}", file=sys.stderr)
+    return log
 
 
 def resolve_model_path(ref: str, tracking_uri: str):
@@ -207,6 +249,25 @@ def config_error_line(error, job) -> str:
     return line + (f" (and {more} more error{'s' * (more > 1)})" if more else "")
 
 
+def unknown_name_line(run_config: dict[str, Any], job) -> str | None:
+    """The ops and resources a preset names that ``job`` does not have, as one line (the first, with the closest
+    known name, and how many more); None when every name is known."""
+    schema = job.run_config_schema.config_type
+    found = []
+    for section, what in (("ops", "op"), ("resources", "resource")):
+        allowed = _allowed_keys(schema, [section])
+        block = run_config.get(section) or {}
+        for name in (block if isinstance(block, dict) else {}):
+            if name not in allowed:
+                close = difflib.get_close_matches(name, allowed, n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"{what}s are: {', '.join(sorted(allowed))}"
+                found.append(f"unknown {what} '{name}' in {section}; {hint}")
+    if not found:
+        return None
+    more = len(found) - 1
+    return found[0] + (f" (and {more} more error{'s' * (more > 1)})" if more else "")
+
+
 def _allowed_keys(config_type, path: list[str]) -> list[str]:
     """The field names of the config block at ``path`` in a Dagster config type ([] when it is not a block)."""
     for name in [*path, None]:
@@ -270,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--preset", default="demo", help="name under conf/presets (smoke, demo, gpt2-124m-1gpu, ...) or a YAML path")
     run.add_argument("--select", default="", help="comma-separated asset names (default: all)")
     run.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
+    run.add_argument("--verbose", action="store_true", help="on a failure, print every failed step's full trace too")
     run.set_defaults(fn=cmd_run)
     gen = sub.add_parser("generate", help="sample text from a release bundle or checkpoint")
     gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")

@@ -173,3 +173,36 @@ def test_misuse_says_what_to_do(tmp_path):
     (staged / "t.json").write_text("1")
     version = content_version(staged, ("t.json",))
     assert commit_output(staged, tmp_path / "p", ("t.json",)) == (tmp_path / "p" / version, version)
+
+
+# ---- a config error is not retried --------------------------------------------------------------------------
+
+ATTEMPTS: list[str] = []
+
+
+def _retried_asset(error: Exception):
+    from dagster import RetryPolicy
+
+    @asset(name="retried", retry_policy=RetryPolicy(max_retries=2))
+    def retried(context: AssetExecutionContext) -> Output[dict]:
+        with asset_output(context, None) as out:
+            ATTEMPTS.append(type(error).__name__)
+            raise error
+        return out  # pragma: no cover
+
+    return retried
+
+
+def test_a_config_error_fails_at_once_and_other_errors_are_retried():
+    from kiln.common.config import ConfigError
+    from kiln.plan import PlanError
+
+    for error, attempts in ((ConfigError("clean.min_wrds: unknown key"), 1), (PlanError("does not fit"), 1),
+                            (RuntimeError("disk hiccup"), 3)):
+        ATTEMPTS.clear()
+        result = materialize([_retried_asset(error)], raise_on_error=False)
+        assert not result.success and ATTEMPTS == [type(error).__name__] * attempts
+        failure = [ev for ev in result.all_events if ev.is_step_failure][0].event_specific_data.error
+        if attempts == 1:  # a dagster.Failure naming the error, which stays its cause
+            assert failure.message.startswith(f"dagster._core.definitions.events.Failure: {type(error).__name__}: {error}")
+            assert failure.cause.cls_name == type(error).__name__

@@ -1,5 +1,8 @@
 """The kiln command line's preset handling."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from jobs.cli import deep_merge, load_preset, main, select_config
@@ -58,6 +61,84 @@ def test_run_names_a_typo_in_a_preset_on_one_line_before_anything_runs(tmp_path,
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kiln:")]
     assert len(err) == 1 and 'Value "long"' in err[0] and err[0].endswith("(ops.training_plan.config.batch.seq_len)")
 
+
+
+def test_run_refuses_an_unknown_op_or_resource_name_in_a_preset_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """A misspelt op is not dropped with the ops outside --select: the whole preset's names are checked first."""
+    from dagster import JobDefinition
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    ran = []
+    monkeypatch.setattr(JobDefinition, "execute_in_process", lambda *a, **k: ran.append(k) or pytest.fail("the run started"))
+    preset = tmp_path / "misspelt.yaml"
+    preset.write_text("extends: smoke\nops:\n  trainng_plan:\n    config:\n      batch: {max_steps: 5}\n")
+    assert main(["run", "--preset", str(preset), "--select", "tokenizer", "--home", str(tmp_path / "home")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"kiln: preset {preset}: unknown op 'trainng_plan' in ops; did you mean 'training_plan'?"]
+    preset.write_text("resources:\n  mlfow:\n    config: {tracking_uri: x}\n  gpus:\n    config: {}\nops:\n  tokeniser: {}\n")
+    assert main(["run", "--preset", str(preset), "--home", str(tmp_path / "home")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"kiln: preset {preset}: unknown op 'tokeniser' in ops; did you mean 'tokenizer'? (and 2 more errors)"]
+    preset.write_text("resources:\n  mlfow:\n    config: {tracking_uri: x}\n")
+    assert main(["run", "--preset", str(preset), "--home", str(tmp_path / "home")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kiln: preset {preset}: unknown resource 'mlfow' in resources; did you mean 'mlflow'?"]
+    assert ran == [] and not (tmp_path / "home" / "storage").exists()
+
+
+SOURCE_CACHE = Path("/tmp/srccache")  # the smoke manifest's packages, so that nothing is downloaded
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SOURCE_CACHE.is_dir(), reason="needs the smoke sources cached in /tmp/srccache")
+def test_a_failed_run_says_first_which_step_failed_and_why_and_where_the_trace_is(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    preset = tmp_path / "strict.yaml"
+    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {SOURCE_CACHE}}}\n"
+                      "ops:\n  clean_corpus: {config: {clean: {min_words: 50000}}}\n")
+    home = tmp_path / "home"
+    args = ["run", "--preset", str(preset), "--select", "raw_documents,clean_corpus", "--home", str(home)]
+    assert main(args) == 1
+    err = capsys.readouterr().err.splitlines()
+    step, _, why = err[0].partition(" failed: ")
+    assert step.startswith("kiln: clean_corpus") and why.startswith("EmptyCorpusError: clean: kept 0 of ")
+    assert "clean.min_words" in why
+    assert err[1].startswith(f"kiln: full trace in {home / 'logs'}/") and err[1].endswith(".log")
+    log = Path(err[1].split(" in ", 1)[1])
+    assert len(err) == 3 and err[2].startswith(f"kiln: run {log.stem} FAILED after ")
+    trace = log.read_text()
+    assert trace.startswith(f"== step {step[len('kiln: '):]} failed ==\n")
+    assert "kiln.clean.report.EmptyCorpusError: clean: kept 0 of " in trace and 'File "' in trace
+    assert main([*args, "--verbose"]) == 1  # the same, then the full traces
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"{step} failed: EmptyCorpusError:") and f"kiln: step {step[len('kiln: '):]} failed:" in err
+    assert any(line.startswith("kiln.clean.report.EmptyCorpusError: ") for line in err[3:])
+
+
+def test_the_innermost_error_is_the_one_the_asset_raised():
+    from dagster._utils.error import serializable_error_info_from_exc_info
+    from dagster import Failure
+
+    from jobs.cli import innermost_error
+    from kiln.common.config import ConfigError
+
+    def info(raise_it):
+        try:
+            raise_it()
+        except Exception:
+            return serializable_error_info_from_exc_info(sys.exc_info())
+
+    def wrapped():
+        try:
+            raise ConfigError("clean.min_wrds: unknown key.\nDid you mean 'min_words'?")
+        except ConfigError as e:
+            raise Failure(description="ConfigError: clean.min_wrds", allow_retries=False) from e
+
+    def failure():
+        raise Failure(description="torchrun exited with code 1.\nFull log: train.log")
+
+    assert innermost_error(info(wrapped)) == ("ConfigError", "clean.min_wrds: unknown key. Did you mean 'min_words'?")
+    assert innermost_error(info(failure)) == ("Failure", "torchrun exited with code 1. Full log: train.log")
 
 # ---- kiln lineage / kiln generate on a real (tiny) release ----------------------------------------------------
 
