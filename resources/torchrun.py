@@ -43,10 +43,23 @@ RDZV_PORT = 29500
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+CONFIG_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(ConfigError|PlanError)\b")  # kiln's config errors, as a worker prints them
+
+
+def _exception_lines(lines: list[str]) -> list[str]:
+    return [ln.strip() for ln in lines if EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln]
+
+
 def root_cause(lines: list[str]) -> str:
     """The workers' last exception line (torchrun's own summary only says that a rank failed)."""
-    found = [ln.strip() for ln in lines if EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln]
+    found = _exception_lines(lines)
     return f"Worker error: {found[-1]}" if found else "Last lines:\n" + "".join(lines[-15:])
+
+
+def is_config_error(lines: list[str]) -> bool:
+    """Whether the workers failed on a config error: retrying the launch would fail the same way."""
+    found = _exception_lines(lines)
+    return bool(found) and CONFIG_ERROR_LINE.match(found[-1]) is not None
 
 
 def descendants(pid: int) -> list[int]:
@@ -291,7 +304,8 @@ class TorchrunResource(ConfigurableResource):
             raise Failure(
                 f"{'sbatch' if self.launcher == 'slurm' else 'torchrun'} exited with code {rc} after "
                 f"{time.time() - start:.0f}s. {root_cause(tail)}\n"
-                f"Full log: {log_path}. Fix the cause and rematerialize: training resumes from the newest good checkpoint."
+                f"Full log: {log_path}. Fix the cause and rematerialize: training resumes from the newest good checkpoint.",
+                allow_retries=not is_config_error(tail),
             )
         result_path = out / "result.json"
         if not result_path.exists():

@@ -280,3 +280,14 @@ def test_a_worker_stops_once_its_launcher_or_torchrun_has_ended(monkeypatch):
     assert stopped == [f"the process that launched the job (pid {launcher.pid}) has ended"]
     launcher.wait(timeout=30)
     assert orphan_reason(None, launcher.pid) is not None
+
+
+def test_a_worker_config_error_is_not_worth_a_retry():
+    from resources.torchrun import is_config_error, root_cause
+
+    config = ["[rank0]: Traceback (most recent call last):\n", '  File "x.py", line 3, in <module>\n',
+              "kiln.common.config.ConfigError: job.optim: unknown key 'lrr'. Did you mean 'lr'?\n",
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"]
+    crash = ["RuntimeError: injected failure at step 3\n", "ChildFailedError: \n"]
+    assert is_config_error(config) and "unknown key 'lrr'" in root_cause(config)
+    assert not is_config_error(crash) and not is_config_error(["no exception here\n"])
