@@ -52,5 +52,8 @@ def test_unknown_model_key_is_named(tmp_path):
 
 
 def test_plan_that_cannot_fit_says_what_would(tmp_path):
-    with pytest.raises(PlanError, match="GiB"):
+    from dagster import Failure
+
+    with pytest.raises(Failure, match="PlanError: .*GiB") as err:  # a plan error is final: not retried
         run(tmp_path, hardware={"memory_gb": 0.01})
+    assert isinstance(err.value.__cause__, PlanError) and err.value.allow_retries is False
