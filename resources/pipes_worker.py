@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from kiln.common.files import process_alive
 from kiln.train.entry import entry_point
 
 
@@ -35,25 +36,11 @@ LAUNCHER_ENV = "KILN_LAUNCHER_PID"  # the pid of the process that launched the j
 WATCH_INTERVAL_S = 0.5  # how often a worker checks that torchrun and the launcher still run
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:  # a zombie (killed, not yet reaped by its parent) is gone too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
 def orphan_reason(parent: int | None, launcher: int | None) -> str | None:
     """Why this worker is an orphan (its torchrun ``parent`` or its ``launcher`` has ended), or None."""
     if parent is not None and os.getppid() != parent:
         return f"its torchrun (pid {parent}) has ended"
-    if launcher and not _alive(launcher):
+    if launcher and not process_alive(launcher):
         return f"the process that launched the job (pid {launcher}) has ended"
     return None
 

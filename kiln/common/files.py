@@ -158,7 +158,7 @@ def _is_stale(folder: Path, name: str | None) -> bool:
     if owned:
         if name is not None and owned["name"] != name:
             return False
-        return owned["host"] == _host_id() and not _process_alive(int(owned["pid"]), int(owned["start"]))
+        return owned["host"] == _host_id() and not process_alive(int(owned["pid"]), int(owned["start"]))
     legacy = _UNOWNED.match(folder.name)
     if not legacy or legacy["name"] != (name or "stage"):
         return False
@@ -188,7 +188,7 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19]) if fields and len(fields) > 19 else None
 
 
-def _process_alive(pid: int, start: int) -> bool:
+def process_alive(pid: int, start: int = 0) -> bool:
     """Whether process ``pid`` that started at ``start`` (ticks since boot; 0: unknown) still runs."""
     if Path("/proc/self/stat").exists():
         fields = _proc_stat(pid)
