@@ -302,6 +302,7 @@ class Trainer:
         step = run.step
         self.ledger.add("step_s", seconds)
         run.lineage_s = self.ledger.lineage_s
+        self.ledger.beat(step)  # the step's time is on record before a kill can come
         for cb in self.callbacks:
             cb.on_step_end(self, step)
         self.session_steps += 1
@@ -316,7 +317,8 @@ class Trainer:
             self.progress(step, train, val, metrics)
         if step % job.ckpt_interval == 0 or step == job.max_steps:
             self.save(step)
-        self.ledger.beat(step)
+        if val is not None or step % job.ckpt_interval == 0 or step == job.max_steps:
+            self.ledger.beat(step)  # validation and saving time of this step
 
     def step_metrics(self, train: dict[str, float], norm: float, seconds: float) -> dict[str, float]:
         metrics = {"train_loss": train["train_loss"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm}
