@@ -27,7 +27,11 @@ from kiln.filters.registry import FilterSpec, RegistryError
 CODE_VERSION = "2"  # bump when a change alters what the per-document stage writes (invalidates shard caches)
 
 # reason -> config key of the rules the cleaning stages apply themselves (not a registered filter)
-EXTRACT_RULES: dict[str, str | None] = {"extract:empty": None}
+EXTRACT_RULES: dict[str, str | None] = {
+    "extract:empty": None,
+    "extract:too_large": "max_input_bytes",
+    "extract:too_deep": "max_html_depth",
+}
 CORPUS_RULES: dict[str, str | None] = {
     "dedup:url": "url_dedup",
     "dedup:exact": "exact_dedup",
@@ -45,6 +49,8 @@ class CleanSettings(GopherQualityConfig):
     the top level; ``CleanConfig`` adds one section per other registered filter (repetition, language, c4, ...)."""
 
     fix_unicode: bool = True  # repair mojibake and odd Unicode with ftfy before anything else
+    max_input_bytes: int = 8 << 20  # a larger raw document is skipped as extract:too_large before any work on it
+    max_html_depth: int = 512  # an HTML page nesting deeper (a tag scan before parsing) is skipped as extract:too_deep
     exempt: dict[str, list[str]] = field(default_factory=dict)  # source glob -> globs of rules not applied to it
     pii: PiiConfig = field(default_factory=PiiConfig)  # e-mail, IP and phone placeholders
     url_dedup: bool = True  # drop documents whose normalised http(s) URL an earlier kept document had
@@ -82,6 +88,9 @@ class CleanSettings(GopherQualityConfig):
             raise ConfigError("clean: min_mean_word_length exceeds max_mean_word_length.")
         if min(self.batch_size, self.progress_every, self.shard_docs, self.workers) < 1:
             raise ConfigError("clean: batch_size, progress_every, shard_docs and workers must be >= 1.")
+        if min(self.max_input_bytes, self.max_html_depth) < 1:
+            raise ConfigError(f"clean: max_input_bytes={self.max_input_bytes} and max_html_depth="
+                              f"{self.max_html_depth} must be positive.")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, where: str = "clean") -> Any:

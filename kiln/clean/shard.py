@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from kiln.clean.config import CleanSettings, default_filters
 from kiln.clean.dedup import signatures
-from kiln.clean.extract import extract_and_title
+from kiln.clean.extract import extract_and_title, too_deep
 from kiln.clean.pii import PiiScrubber
 from kiln.clean.report import CleanReport
 from kiln.clean.schema import CONTENT_TYPES, INPUT_COLUMNS, REMOVED_SCHEMA, STAGE_SIGNALS, shard_schema, signal_types
@@ -121,11 +121,23 @@ class ShardCleaner:
     def _exempt(self, doc: Doc) -> list[str]:
         return [r for pattern, rules in self.cfg.exempt.items() if matches_any(doc.source, [pattern]) for r in rules]
 
+    def limits(self, doc: Doc) -> tuple[str, str] | None:
+        """(reason, detail) when the raw document is past a limit that keeps one document from stalling a shard:
+        work on a document grows with its size, and extraction with the square of an HTML page's nesting depth."""
+        cfg = self.cfg
+        if (size := max(doc.input_bytes, len(doc.text))) > cfg.max_input_bytes:
+            return "extract:too_large", f"{size} bytes > max_input_bytes={cfg.max_input_bytes}"
+        if doc.content_type == "text/html" and too_deep(doc.text, cfg.max_html_depth):
+            return "extract:too_deep", f"elements nested deeper than max_html_depth={cfg.max_html_depth}"
+        return None
+
     def judge(self, doc: Doc, report: CleanReport, timer: Timer) -> tuple[str, str] | None:
         """Run one document through the stage in place; returns (reason, detail) when it is dropped."""
-        raw = doc.text
+        if (verdict := self.limits(doc)) is not None:
+            timer.lap("extract")
+            return verdict
         if doc.content_type == "text/html":
-            doc.text, doc.title = extract_and_title(raw)
+            doc.text, doc.title = extract_and_title(doc.text)
         timer.lap("extract")
         if self.cfg.fix_unicode and doc.text:
             doc.text = fix_unicode(doc.text)
