@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 from kiln.clean.config import CleanSettings, default_filters
 from kiln.clean.dedup import signatures
@@ -50,31 +51,55 @@ def plan_shards(in_path: str | Path, shard_docs: int) -> list[dict[str, Any]]:
     """Split the raw Parquet into shards of about ``shard_docs`` consecutive rows that never mix sources.
 
     Each shard is {"index", "source", "segments": [[row group, start, stop], ...], "docs", "key"}; ``key`` hashes
-    the shard's rows (ids and sizes), so a shard whose documents did not change keeps its key when sources are
-    added or removed around it.
+    the content of the shard's rows (every column the stage reads, text included), so a document edited in place
+    changes its shard's key even at an equal size, and a shard whose rows did not change keeps its key when
+    sources are added or removed around it.
     """
     in_path = Path(in_path)
     shards: list[dict[str, Any]] = []
     with open_raw(in_path) as pf:
         for rg in range(pf.num_row_groups):
-            t = pf.read_row_group(rg, columns=["source", "id", "bytes"])
-            sources, ids, sizes = (t.column(c).to_pylist() for c in ("source", "id", "bytes"))
-            start = 0
-            while start < len(ids):
+            t = pf.read_row_group(rg, columns=INPUT_COLUMNS)
+            sources = t.column("source").to_pylist()
+            start, n = 0, len(sources)
+            while start < n:
                 last = shards[-1] if shards else None
                 if last is None or last["source"] != sources[start] or last["docs"] >= shard_docs:
                     last = {"index": len(shards), "source": sources[start], "segments": [], "docs": 0, "_h": []}
                     shards.append(last)
                 stop = start
-                while stop < len(ids) and sources[stop] == sources[start] and last["docs"] + stop - start < shard_docs:
+                while stop < n and sources[stop] == sources[start] and last["docs"] + stop - start < shard_docs:
                     stop += 1
                 last["segments"].append([rg, start, stop])
                 last["docs"] += stop - start
-                last["_h"].append([ids[start:stop], sizes[start:stop]])
+                last["_h"].append(rows_digest(t.slice(start, stop - start)))
                 start = stop
     for s in shards:
         s["key"] = stable_hash(s.pop("_h"))[:16]
     return shards
+
+
+def rows_digest(rows: pa.Table) -> str:
+    """xxh3-128 of the rows' content in every input column, so any edit changes it: which values are null, then
+    each string's length and UTF-8 bytes straight from the Arrow buffers (xxh3 hashes GB/s, so planning costs about
+    one read of the raw file), or the values of another type."""
+    h = xxhash.xxh3_128()
+    for name in INPUT_COLUMNS:
+        h.update(name.encode())
+        for arr in rows.column(name).chunks:
+            n, off, buffers = len(arr), arr.offset, arr.buffers()
+            h.update(n.to_bytes(8, "little"))
+            if arr.null_count:
+                h.update(np.unpackbits(np.frombuffer(buffers[0], np.uint8), bitorder="little")[off:off + n].tobytes())
+            if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+                h.update(repr(arr.to_pylist()).encode())
+                continue
+            width = np.int32 if pa.types.is_string(arr.type) else np.int64
+            offsets = np.frombuffer(buffers[1], width)[off:off + n + 1].astype(np.int64) if n else np.zeros(1, np.int64)
+            h.update((offsets - offsets[0]).tobytes())
+            if buffers[2] is not None:
+                h.update(memoryview(buffers[2])[offsets[0]:offsets[-1]])
+    return h.hexdigest()
 
 
 def shard_stage_key(shard: dict[str, Any], cfg: CleanSettings) -> str:

@@ -1,4 +1,5 @@
-"""Tests for kiln.clean.shard: the limits that turn a pathological document into a counted skip.
+"""Tests for kiln.clean.shard: shard cache keys that cover content, and the limits that turn a pathological
+document into a counted skip.
 
 Run: python -m pytest tests/kiln/clean/test_shard.py -q
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,6 +17,8 @@ import pytest
 from kiln.clean.config import CleanConfig, rule_keys
 from kiln.clean.report import EmptyCorpusError
 from kiln.clean.run import clean
+from kiln.clean.shard import clean_shard, plan_shards, shard_stage_key
+from textgen import prose
 
 PROSE = (
     "The old lighthouse stood on a rocky point at the edge of the harbour, and for more than a century "
@@ -26,9 +30,12 @@ PROSE = (
 )
 
 
-def write_raw(path: Path, texts: list[str], ctype: str = "text/plain") -> Path:
+def write_raw(path: Path, texts: list[str], ctype: str = "text/plain", **columns: list[Any]) -> Path:
     rows = [{"id": f"d{i}", "source": "test", "url": f"https://example.org/{i}", "content_type": ctype,
              "license": "CC0", "text": t, "bytes": len(t.encode())} for i, t in enumerate(texts)]
+    for name, values in columns.items():
+        for row, value in zip(rows, values):
+            row[name] = value
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2)
     return path
 
@@ -36,6 +43,45 @@ def write_raw(path: Path, texts: list[str], ctype: str = "text/plain") -> Path:
 def nested_html(depth: int) -> str:
     """A page of ``depth`` nested <div>s, about 41 bytes a level (20,000 levels are about 0.8 MB)."""
     return "<html><body>" + '<div class="nest">some words here, ' * depth + "</div>" * depth + "</body></html>"
+
+
+# ---------------------------------------------------------------- cache keys cover content
+
+
+def test_editing_a_document_in_place_at_equal_size_gives_new_keys_and_the_new_text(tmp_path: Path) -> None:
+    raw, cache, cfg = tmp_path / "raw.parquet", tmp_path / "clean_shards", CleanConfig()
+    texts = [PROSE, prose(1), prose(2)]
+    write_raw(raw, texts)
+    before = plan_shards(raw, 2)
+    first = [clean_shard(raw, s, cache / shard_stage_key(s, cfg), cfg) for s in before]
+    assert "rocky point" in pq.read_table(first[0]["kept"]).column("text")[0].as_py()
+
+    edited = texts[:]
+    edited[0] = PROSE.replace("rocky point", "sandy point")  # same length, same bytes, same id
+    assert len(edited[0].encode()) == len(texts[0].encode())
+    write_raw(raw, edited)  # in place
+    after = plan_shards(raw, 2)
+    assert [s["segments"] for s in after] == [s["segments"] for s in before]
+    assert after[0]["key"] != before[0]["key"] and after[1]["key"] == before[1]["key"]  # only the edited shard
+    assert shard_stage_key(after[0], cfg) != shard_stage_key(before[0], cfg)
+    again = clean_shard(raw, after[0], cache / shard_stage_key(after[0], cfg), cfg)
+    text = pq.read_table(again["kept"]).column("text")[0].as_py()
+    assert "sandy point" in text and "rocky point" not in text
+
+    report = clean(raw, tmp_path / "clean.parquet", tmp_path / "removed.parquet", cfg)
+    corpus = pq.read_table(tmp_path / "clean.parquet").to_pylist()
+    assert report.kept_docs == 3 and "sandy point" in corpus[0]["text"]
+
+
+@pytest.mark.parametrize("column, value", [("url", "https://example.org/X"), ("content_type", "text/html"),
+                                           ("license", "CC-BY"), ("source", "tset"), ("bytes", 7), ("id", "d9"),
+                                           ("text", PROSE[::-1]), ("text", None), ("url", None)])
+def test_every_input_column_is_in_the_shard_key(tmp_path: Path, column: str, value: Any) -> None:
+    base = write_raw(tmp_path / "a.parquet", [PROSE, PROSE])
+    other = write_raw(tmp_path / "b.parquet", [PROSE, PROSE], **{column: [value]})  # the first row's only
+    assert plan_shards(base, 10)[0]["key"] != plan_shards(other, 10)[0]["key"]
+    same = write_raw(tmp_path / "c.parquet", [PROSE, PROSE])
+    assert plan_shards(base, 10)[0]["key"] == plan_shards(same, 10)[0]["key"]
 
 
 # ---------------------------------------------------------------- limits
