@@ -102,7 +102,7 @@ def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, job: 
     shard = job["shard"]
     out_dir = storage.path("clean_shards", kshard.shard_stage_key(shard, cfg))
     cached = (out_dir / "report.json").is_file()
-    result = kshard.clean_shard(job["raw"], shard, out_dir, cfg)
+    result = kshard.clean_shard(job["raw"], shard, out_dir, cfg, progress=context.log.info)
     rep = result["report"]
     context.log.info(f"shard {shard['index']} ({shard['source']}): {rep['input_docs']} docs, "
                      f"{rep['input_docs'] - rep['dropped_docs']} passed the document rules"

@@ -64,6 +64,7 @@ class CleanSettings(GopherQualityConfig):
     workers: int = 1  # processes for the per-document stage when called as a library (Dagster fans out itself)
     batch_size: int = 1024  # documents read from Parquet per batch
     progress_every: int = 2000  # call the progress callback about every this many documents
+    progress_seconds: float = 60.0  # and a shard calls it at least this often while documents come slowly
     examples_per_reason: int = 3  # removed documents sampled per reason for the report (a few lines each)
 
     def __post_init__(self) -> None:
@@ -88,9 +89,9 @@ class CleanSettings(GopherQualityConfig):
             raise ConfigError("clean: min_mean_word_length exceeds max_mean_word_length.")
         if min(self.batch_size, self.progress_every, self.shard_docs, self.workers) < 1:
             raise ConfigError("clean: batch_size, progress_every, shard_docs and workers must be >= 1.")
-        if min(self.max_input_bytes, self.max_html_depth) < 1:
-            raise ConfigError(f"clean: max_input_bytes={self.max_input_bytes} and max_html_depth="
-                              f"{self.max_html_depth} must be positive.")
+        if min(self.max_input_bytes, self.max_html_depth) < 1 or self.progress_seconds <= 0:
+            raise ConfigError(f"clean: max_input_bytes={self.max_input_bytes}, max_html_depth={self.max_html_depth} "
+                              f"and progress_seconds={self.progress_seconds} must be positive.")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, where: str = "clean") -> Any:
@@ -101,7 +102,7 @@ class CleanSettings(GopherQualityConfig):
         """Hash of what the per-document stage depends on (shard caches are keyed by it)."""
         d = dataclasses.asdict(self)
         for k in ("url_dedup", "exact_dedup", "line_dedup", "token_outliers", "quality_model", "mix", "workers",
-                  "batch_size", "progress_every", "examples_per_reason", "shard_docs"):
+                  "batch_size", "progress_every", "progress_seconds", "examples_per_reason", "shard_docs"):
             d.pop(k)
         d["minhash"] = {k: v for k, v in d["minhash"].items() if k in ("enabled", "ngram", "num_perm", "seed")}
         return stable_hash([CODE_VERSION, d])

@@ -132,6 +132,30 @@ class Timer:
         self.t = now
 
 
+class ShardMeter:
+    """Progress of one shard through ``say``: documents done, docs/s and the time left, about every
+    ``cfg.progress_every`` documents, at least every ``cfg.progress_seconds`` while they come slowly, and at the end."""
+
+    def __init__(self, shard: dict[str, Any], cfg: CleanSettings, say: Progress) -> None:
+        self.label, self.total, self.say = f"clean shard {shard['index']} ({shard['source']})", shard["docs"], say
+        self.every, self.seconds = cfg.progress_every, cfg.progress_seconds
+        self.done, self.next = 0, cfg.progress_every
+        self.t0 = self.last = time.perf_counter()
+
+    def step(self) -> None:
+        """One more document done."""
+        self.done += 1
+        now = time.perf_counter()
+        if self.done < self.next and self.done != self.total and now - self.last < self.seconds:
+            return
+        while self.next <= self.done:
+            self.next += self.every
+        self.last = now
+        rate = self.done / max(now - self.t0, 1e-9)
+        self.say(f"{self.label}: {self.done} of {self.total} docs, {rate:.0f} docs/s, "
+                 f"about {(self.total - self.done) / rate:.0f} s left")
+
+
 class ShardCleaner:
     """The per-document stage: extract, repair, normalise, C4 line removal, document rules, PII, MinHash signature."""
 
@@ -217,11 +241,14 @@ class ShardCleaner:
                 f"declares: add them to the filter's signals= (an Arrow type keeps one as a kept-corpus column, None "
                 f"leaves it out), or name a scratch value with a leading '_'.")
 
-    def run(self, docs: list[Doc], report: CleanReport, timer: Timer) -> tuple[list[dict], list[dict]]:
+    def run(self, docs: list[Doc], report: CleanReport, timer: Timer,
+            meter: ShardMeter | None = None) -> tuple[list[dict], list[dict]]:
         kept_docs, removed = [], []
         for doc in docs:
             raw = doc.text
             verdict = self.judge(doc, report, timer)
+            if meter is not None:
+                meter.step()
             report.input_docs += 1
             report.input_bytes += doc.input_bytes
             if verdict is None:
@@ -253,9 +280,10 @@ def removed_row(doc: Doc | dict, reason: str, detail: str, duplicate_of: str | N
 
 
 def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path, cfg: CleanSettings,
-                filters: list[Filter] | None = None) -> dict[str, Any]:
+                filters: list[Filter] | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Run the per-document stage over one shard; writes ``kept.parquet``, ``removed.parquet`` and
-    ``report.json`` into ``out_dir`` (atomically; an existing complete shard is reused) and returns the result."""
+    ``report.json`` into ``out_dir`` (atomically; an existing complete shard is reused) and returns the result.
+    ``progress`` gets ``ShardMeter``'s lines."""
     in_path, out_dir = Path(in_path), Path(out_dir)
     done = out_dir / "report.json"
     if done.is_file() and filters is None:
@@ -263,6 +291,7 @@ def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     report, timer = CleanReport(), Timer()
     cleaner = ShardCleaner(cfg, filters)
+    meter = ShardMeter(shard, cfg, progress) if progress is not None else None
     schema = shard_schema()
     with open_raw(in_path) as pf, atomic_path(out_dir / "kept.parquet") as kept_tmp, \
             atomic_path(out_dir / "removed.parquet") as rm_tmp:
@@ -275,7 +304,7 @@ def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path,
                             for i, row in enumerate(batch.to_pylist())]
                     row_no += len(docs)
                     timer.lap("read")
-                    kept, removed = cleaner.run(docs, report, timer)
+                    kept, removed = cleaner.run(docs, report, timer, meter)
                     kept_w.write_table(pa.Table.from_pylist(kept, schema=schema))
                     rm_w.write_table(pa.Table.from_pylist(removed, schema=REMOVED_SCHEMA))
                     timer.lap("write")

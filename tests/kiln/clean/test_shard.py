@@ -1,5 +1,5 @@
-"""Tests for kiln.clean.shard: shard cache keys that cover content, and the limits that turn a pathological
-document into a counted skip.
+"""Tests for kiln.clean.shard: shard cache keys that cover content, the limits that turn a pathological document
+into a counted skip, and progress lines.
 
 Run: python -m pytest tests/kiln/clean/test_shard.py -q
 """
@@ -135,3 +135,17 @@ def test_the_limits_are_typed_config_keys() -> None:
         CleanConfig(max_html_depth="deep")
     with pytest.raises(Exception, match="max_input_bytes"):
         CleanConfig(max_input_bytes=0)
+
+
+# ---------------------------------------------------------------- progress
+
+
+def test_a_shard_reports_progress_with_rate_and_time_left(tmp_path: Path) -> None:
+    raw = write_raw(tmp_path / "raw.parquet", [PROSE] * 7)
+    shard = plan_shards(raw, 100)[0]
+    lines: list[str] = []
+    cfg = CleanConfig(progress_every=3, batch_size=2)
+    clean_shard(raw, shard, tmp_path / "out", cfg, progress=lines.append)
+    assert [line.split(",")[0] for line in lines] == [f"clean shard 0 (test): {n} of 7 docs" for n in (3, 6, 7)]
+    assert all("docs/s" in line and "s left" in line for line in lines)
+    assert lines[-1].endswith("0 s left")
