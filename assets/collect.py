@@ -87,8 +87,9 @@ def _shard_key(shard: dict) -> str:
 
 
 @op(out=DynamicOut(dict), description="Split raw_documents into shards of whole row groups (never mixing sources) and validate the clean config.")
-def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict):
+def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, storage: KilnStorageResource, raw_documents: dict):
     cfg = CleanConfig.from_dict(config.clean, "clean_corpus.clean")
+    kshard.remove_stale_staging(storage.path("clean_shards"))  # what killed runs left
     shards = kshard.plan_shards(raw_documents["path"], cfg.shard_docs)
     context.log.info(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
     for shard in shards:

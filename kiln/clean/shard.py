@@ -8,6 +8,7 @@ report.json into ``out/`` (reused when already complete).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -282,13 +283,14 @@ def removed_row(doc: Doc | dict, reason: str, detail: str, duplicate_of: str | N
 def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path, cfg: CleanSettings,
                 filters: list[Filter] | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Run the per-document stage over one shard; writes ``kept.parquet``, ``removed.parquet`` and
-    ``report.json`` into ``out_dir`` (atomically; an existing complete shard is reused) and returns the result.
-    ``progress`` gets ``ShardMeter``'s lines."""
+    ``report.json`` into ``out_dir`` (atomically; an existing complete shard is reused; temporary files a killed
+    run left there are removed first) and returns the result. ``progress`` gets ``ShardMeter``'s lines."""
     in_path, out_dir = Path(in_path), Path(out_dir)
     done = out_dir / "report.json"
     if done.is_file() and filters is None:
         return json.loads(done.read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out_dir, stale_before())
     report, timer = CleanReport(), Timer()
     cleaner = ShardCleaner(cfg, filters)
     meter = ShardMeter(shard, cfg, progress) if progress is not None else None
@@ -315,3 +317,39 @@ def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path,
     if filters is None:
         atomic_write_json(done, result)
     return result
+
+
+# ---------------------------------------------------------------- what killed runs left in the shard cache
+
+# atomic_path's temporary files of a shard's three outputs (".kept.parquet.<random>.tmp"); nothing else is removed
+STAGING = re.compile(r"\.(?:kept\.parquet|removed\.parquet|report\.json)\.[A-Za-z0-9_]+\.tmp")
+SHARD_DIR = re.compile(r"[0-9a-f]{20}")  # a folder named by shard_stage_key
+STALE_SECONDS = 3600.0  # a live writer touches its file every batch; one untouched this long is a killed run's
+
+
+def stale_before() -> float:
+    """Unix time before which a temporary file is a leftover: older than this process and than STALE_SECONDS, so
+    a writer still running in a parallel shard (whose file it touches every batch) is never removed."""
+    from kiln.train.goodput import process_start_time
+
+    return min(process_start_time(), time.time() - STALE_SECONDS)
+
+
+def _remove_stale(folder: Path, before: float) -> list[Path]:
+    gone = []
+    for p in folder.iterdir():
+        if STAGING.fullmatch(p.name) and p.is_file() and p.stat().st_mtime < before:
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
+def remove_stale_staging(cache_root: str | Path) -> list[Path]:
+    """Remove the temporary files killed runs left in the shard folders (named by ``shard_stage_key``) under
+    ``cache_root``, those older than ``stale_before()``; returns what was removed. Only STAGING names are touched."""
+    root = Path(cache_root)
+    if not root.is_dir():
+        return []
+    before = stale_before()
+    return [p for d in sorted(root.iterdir()) if SHARD_DIR.fullmatch(d.name) and d.is_dir()
+            for p in _remove_stale(d, before)]

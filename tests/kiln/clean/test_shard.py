@@ -1,11 +1,12 @@
 """Tests for kiln.clean.shard: shard cache keys that cover content, the limits that turn a pathological document
-into a counted skip, and progress lines.
+into a counted skip, progress lines, and stale staging files removed from the shard cache.
 
 Run: python -m pytest tests/kiln/clean/test_shard.py -q
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from kiln.clean.config import CleanConfig, rule_keys
 from kiln.clean.report import EmptyCorpusError
 from kiln.clean.run import clean
-from kiln.clean.shard import clean_shard, plan_shards, shard_stage_key
+from kiln.clean.shard import clean_shard, plan_shards, remove_stale_staging, shard_stage_key
 from textgen import prose
 
 PROSE = (
@@ -149,3 +150,39 @@ def test_a_shard_reports_progress_with_rate_and_time_left(tmp_path: Path) -> Non
     assert [line.split(",")[0] for line in lines] == [f"clean shard 0 (test): {n} of 7 docs" for n in (3, 6, 7)]
     assert all("docs/s" in line and "s left" in line for line in lines)
     assert lines[-1].endswith("0 s left")
+
+
+# ---------------------------------------------------------------- staging leftovers
+
+
+def test_stale_staging_files_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    cache = tmp_path / "clean_shards"
+    key, other = cache / "0123456789abcdef0123", cache / "fedcba98765432100123"
+    key.mkdir(parents=True)
+    other.mkdir()
+    old = time.time() - 3 * 3600
+    stale = [key / ".kept.parquet.a1b2c3d4.tmp", key / ".report.json.zz_9x8y7.tmp", other / ".removed.parquet.q.tmp"]
+    kept = [key / "kept.parquet", key / "notes.tmp", key / ".kept.parquet.a1b2.bak", cache / ".kept.parquet.x.tmp",
+            other / ".other.parquet.a1b2.tmp"]
+    for p in stale + kept:
+        p.write_bytes(b"x")
+        os.utime(p, (old, old))
+    fresh = key / ".removed.parquet.n3w.tmp"  # a writer that is still running
+    fresh.write_bytes(b"x")
+    assert sorted(remove_stale_staging(cache)) == sorted(stale)
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept + [fresh])
+    assert remove_stale_staging(tmp_path / "missing") == []
+
+
+def test_a_shard_stage_removes_its_stale_staging_files(tmp_path: Path) -> None:
+    raw = write_raw(tmp_path / "raw.parquet", [PROSE])
+    shard, cfg = plan_shards(raw, 10)[0], CleanConfig()
+    out = tmp_path / "clean_shards" / shard_stage_key(shard, cfg)
+    out.mkdir(parents=True)
+    left = out / ".kept.parquet.k1ll3d.tmp"
+    left.write_bytes(b"half a file")
+    old = time.time() - 3 * 3600
+    os.utime(left, (old, old))
+    result = clean_shard(raw, shard, out, cfg)
+    assert not left.exists() and result["report"]["input_docs"] == 1
+    assert sorted(p.name for p in out.iterdir()) == ["kept.parquet", "removed.parquet", "report.json"]
