@@ -64,7 +64,7 @@ class CleanSettings(GopherQualityConfig):
     workers: int = 1  # processes for the per-document stage when called as a library (Dagster fans out itself)
     batch_size: int = 1024  # documents read from Parquet per batch
     progress_every: int = 2000  # call the progress callback about every this many documents
-    progress_seconds: float = 60.0  # and a shard calls it at least this often while documents come slowly
+    progress_seconds: float = 60.0  # a shard also calls the progress callback at least this often when docs are slow
     examples_per_reason: int = 3  # removed documents sampled per reason for the report (a few lines each)
 
     def __post_init__(self) -> None:
