@@ -90,8 +90,9 @@ def _shard_key(shard: dict) -> str:
 
 
 @op(out=DynamicOut(dict), description="Split raw_documents into shards of whole row groups (never mixing sources) and validate the clean config.")
-def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict):
+def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, storage: KilnStorageResource, raw_documents: dict):
     cfg = config.clean.to_dataclass("clean_corpus.clean")
+    kshard.remove_stale_staging(storage.path("clean_shards"))  # what killed runs left
     shards = kshard.plan_shards(raw_documents["path"], cfg.shard_docs)
     context.log.info(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
     for shard in shards:
@@ -105,7 +106,7 @@ def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, job: 
     shard = job["shard"]
     out_dir = storage.path("clean_shards", kshard.shard_stage_key(shard, cfg))
     cached = (out_dir / "report.json").is_file()
-    result = kshard.clean_shard(job["raw"], shard, out_dir, cfg)
+    result = kshard.clean_shard(job["raw"], shard, out_dir, cfg, progress=context.log.info)
     rep = result["report"]
     context.log.info(f"shard {shard['index']} ({shard['source']}): {rep['input_docs']} docs, "
                      f"{rep['input_docs'] - rep['dropped_docs']} passed the document rules"

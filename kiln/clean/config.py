@@ -27,7 +27,11 @@ from kiln.filters.registry import FilterSpec, RegistryError
 CODE_VERSION = "2"  # bump when a change alters what the per-document stage writes (invalidates shard caches)
 
 # reason -> config key of the rules the cleaning stages apply themselves (not a registered filter)
-EXTRACT_RULES: dict[str, str | None] = {"extract:empty": None}
+EXTRACT_RULES: dict[str, str | None] = {
+    "extract:empty": None,
+    "extract:too_large": "max_input_bytes",
+    "extract:too_deep": "max_html_depth",
+}
 CORPUS_RULES: dict[str, str | None] = {
     "dedup:url": "url_dedup",
     "dedup:exact": "exact_dedup",
@@ -45,6 +49,8 @@ class CleanSettings(GopherQualityConfig):
     the top level; ``CleanConfig`` adds one section per other registered filter (repetition, language, c4, ...)."""
 
     fix_unicode: bool = True  # repair mojibake and odd Unicode with ftfy before anything else
+    max_input_bytes: int = 8 << 20  # a larger raw document is skipped as extract:too_large before any work on it
+    max_html_depth: int = 512  # an HTML page nesting deeper (a tag scan before parsing) is skipped as extract:too_deep
     exempt: dict[str, list[str]] = field(default_factory=dict)  # source glob -> globs of rules not applied to it
     pii: PiiConfig = field(default_factory=PiiConfig)  # e-mail, IP and phone placeholders
     url_dedup: bool = True  # drop documents whose normalised http(s) URL an earlier kept document had
@@ -58,6 +64,7 @@ class CleanSettings(GopherQualityConfig):
     workers: int = 1  # processes for the per-document stage when called as a library (Dagster fans out itself)
     batch_size: int = 1024  # documents read from Parquet per batch
     progress_every: int = 2000  # call the progress callback about every this many documents
+    progress_seconds: float = 60.0  # a shard also calls the progress callback at least this often when docs are slow
     examples_per_reason: int = 3  # removed documents sampled per reason for the report (a few lines each)
 
     def __post_init__(self) -> None:
@@ -82,6 +89,9 @@ class CleanSettings(GopherQualityConfig):
             raise ConfigError("clean: min_mean_word_length exceeds max_mean_word_length.")
         if min(self.batch_size, self.progress_every, self.shard_docs, self.workers) < 1:
             raise ConfigError("clean: batch_size, progress_every, shard_docs and workers must be >= 1.")
+        if min(self.max_input_bytes, self.max_html_depth) < 1 or self.progress_seconds <= 0:
+            raise ConfigError(f"clean: max_input_bytes={self.max_input_bytes}, max_html_depth={self.max_html_depth} "
+                              f"and progress_seconds={self.progress_seconds} must be positive.")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, where: str = "clean") -> Any:
@@ -92,7 +102,7 @@ class CleanSettings(GopherQualityConfig):
         """Hash of what the per-document stage depends on (shard caches are keyed by it)."""
         d = dataclasses.asdict(self)
         for k in ("url_dedup", "exact_dedup", "line_dedup", "token_outliers", "quality_model", "mix", "workers",
-                  "batch_size", "progress_every", "examples_per_reason", "shard_docs"):
+                  "batch_size", "progress_every", "progress_seconds", "examples_per_reason", "shard_docs"):
             d.pop(k)
         d["minhash"] = {k: v for k, v in d["minhash"].items() if k in ("enabled", "ngram", "num_perm", "seed")}
         return stable_hash([CODE_VERSION, d])

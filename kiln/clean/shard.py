@@ -8,6 +8,7 @@ report.json into ``out/`` (reused when already complete).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -16,10 +17,11 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 from kiln.clean.config import CleanSettings, default_filters
 from kiln.clean.dedup import signatures
-from kiln.clean.extract import extract_and_title
+from kiln.clean.extract import extract_and_title, too_deep
 from kiln.clean.pii import PiiScrubber
 from kiln.clean.report import CleanReport
 from kiln.clean.schema import CONTENT_TYPES, INPUT_COLUMNS, REMOVED_SCHEMA, STAGE_SIGNALS, shard_schema, signal_types
@@ -50,31 +52,55 @@ def plan_shards(in_path: str | Path, shard_docs: int) -> list[dict[str, Any]]:
     """Split the raw Parquet into shards of about ``shard_docs`` consecutive rows that never mix sources.
 
     Each shard is {"index", "source", "segments": [[row group, start, stop], ...], "docs", "key"}; ``key`` hashes
-    the shard's rows (ids and sizes), so a shard whose documents did not change keeps its key when sources are
-    added or removed around it.
+    the content of the shard's rows (every column the stage reads, text included), so a document edited in place
+    changes its shard's key even at an equal size, and a shard whose rows did not change keeps its key when
+    sources are added or removed around it.
     """
     in_path = Path(in_path)
     shards: list[dict[str, Any]] = []
     with open_raw(in_path) as pf:
         for rg in range(pf.num_row_groups):
-            t = pf.read_row_group(rg, columns=["source", "id", "bytes"])
-            sources, ids, sizes = (t.column(c).to_pylist() for c in ("source", "id", "bytes"))
-            start = 0
-            while start < len(ids):
+            t = pf.read_row_group(rg, columns=INPUT_COLUMNS)
+            sources = t.column("source").to_pylist()
+            start, n = 0, len(sources)
+            while start < n:
                 last = shards[-1] if shards else None
                 if last is None or last["source"] != sources[start] or last["docs"] >= shard_docs:
                     last = {"index": len(shards), "source": sources[start], "segments": [], "docs": 0, "_h": []}
                     shards.append(last)
                 stop = start
-                while stop < len(ids) and sources[stop] == sources[start] and last["docs"] + stop - start < shard_docs:
+                while stop < n and sources[stop] == sources[start] and last["docs"] + stop - start < shard_docs:
                     stop += 1
                 last["segments"].append([rg, start, stop])
                 last["docs"] += stop - start
-                last["_h"].append([ids[start:stop], sizes[start:stop]])
+                last["_h"].append(rows_digest(t.slice(start, stop - start)))
                 start = stop
     for s in shards:
         s["key"] = stable_hash(s.pop("_h"))[:16]
     return shards
+
+
+def rows_digest(rows: pa.Table) -> str:
+    """xxh3-128 of the rows' content in every input column, so any edit changes it: which values are null, then
+    each string's length and UTF-8 bytes straight from the Arrow buffers (xxh3 hashes GB/s, so planning costs about
+    one read of the raw file), or the values of another type."""
+    h = xxhash.xxh3_128()
+    for name in INPUT_COLUMNS:
+        h.update(name.encode())
+        for arr in rows.column(name).chunks:
+            n, off, buffers = len(arr), arr.offset, arr.buffers()
+            h.update(n.to_bytes(8, "little"))
+            if arr.null_count:
+                h.update(np.unpackbits(np.frombuffer(buffers[0], np.uint8), bitorder="little")[off:off + n].tobytes())
+            if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+                h.update(repr(arr.to_pylist()).encode())
+                continue
+            width = np.int32 if pa.types.is_string(arr.type) else np.int64
+            offsets = np.frombuffer(buffers[1], width)[off:off + n + 1].astype(np.int64) if n else np.zeros(1, np.int64)
+            h.update((offsets - offsets[0]).tobytes())
+            if buffers[2] is not None:
+                h.update(memoryview(buffers[2])[offsets[0]:offsets[-1]])
+    return h.hexdigest()
 
 
 def shard_stage_key(shard: dict[str, Any], cfg: CleanSettings) -> str:
@@ -107,6 +133,30 @@ class Timer:
         self.t = now
 
 
+class ShardMeter:
+    """Progress of one shard through ``say``: documents done, docs/s and the time left, about every
+    ``cfg.progress_every`` documents, at least every ``cfg.progress_seconds`` while they come slowly, and at the end."""
+
+    def __init__(self, shard: dict[str, Any], cfg: CleanSettings, say: Progress) -> None:
+        self.label, self.total, self.say = f"clean shard {shard['index']} ({shard['source']})", shard["docs"], say
+        self.every, self.seconds = cfg.progress_every, cfg.progress_seconds
+        self.done, self.next = 0, cfg.progress_every
+        self.t0 = self.last = time.perf_counter()
+
+    def step(self) -> None:
+        """One more document done."""
+        self.done += 1
+        now = time.perf_counter()
+        if self.done < self.next and self.done != self.total and now - self.last < self.seconds:
+            return
+        while self.next <= self.done:
+            self.next += self.every
+        self.last = now
+        rate = self.done / max(now - self.t0, 1e-9)
+        self.say(f"{self.label}: {self.done} of {self.total} docs, {rate:.0f} docs/s, "
+                 f"about {(self.total - self.done) / rate:.0f} s left")
+
+
 class ShardCleaner:
     """The per-document stage: extract, repair, normalise, C4 line removal, document rules, PII, MinHash signature."""
 
@@ -121,11 +171,23 @@ class ShardCleaner:
     def _exempt(self, doc: Doc) -> list[str]:
         return [r for pattern, rules in self.cfg.exempt.items() if matches_any(doc.source, [pattern]) for r in rules]
 
+    def limits(self, doc: Doc) -> tuple[str, str] | None:
+        """(reason, detail) when the raw document is past a limit that keeps one document from stalling a shard:
+        work on a document grows with its size, and extraction with the square of an HTML page's nesting depth."""
+        cfg = self.cfg
+        if (size := max(doc.input_bytes, len(doc.text))) > cfg.max_input_bytes:
+            return "extract:too_large", f"{size} bytes > max_input_bytes={cfg.max_input_bytes}"
+        if doc.content_type == "text/html" and too_deep(doc.text, cfg.max_html_depth):
+            return "extract:too_deep", f"elements nested deeper than max_html_depth={cfg.max_html_depth}"
+        return None
+
     def judge(self, doc: Doc, report: CleanReport, timer: Timer) -> tuple[str, str] | None:
         """Run one document through the stage in place; returns (reason, detail) when it is dropped."""
-        raw = doc.text
+        if (verdict := self.limits(doc)) is not None:
+            timer.lap("extract")
+            return verdict
         if doc.content_type == "text/html":
-            doc.text, doc.title = extract_and_title(raw)
+            doc.text, doc.title = extract_and_title(doc.text)
         timer.lap("extract")
         if self.cfg.fix_unicode and doc.text:
             doc.text = fix_unicode(doc.text)
@@ -180,11 +242,14 @@ class ShardCleaner:
                 f"declares: add them to the filter's signals= (an Arrow type keeps one as a kept-corpus column, None "
                 f"leaves it out), or name a scratch value with a leading '_'.")
 
-    def run(self, docs: list[Doc], report: CleanReport, timer: Timer) -> tuple[list[dict], list[dict]]:
+    def run(self, docs: list[Doc], report: CleanReport, timer: Timer,
+            meter: ShardMeter | None = None) -> tuple[list[dict], list[dict]]:
         kept_docs, removed = [], []
         for doc in docs:
             raw = doc.text
             verdict = self.judge(doc, report, timer)
+            if meter is not None:
+                meter.step()
             report.input_docs += 1
             report.input_bytes += doc.input_bytes
             if verdict is None:
@@ -216,16 +281,19 @@ def removed_row(doc: Doc | dict, reason: str, detail: str, duplicate_of: str | N
 
 
 def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path, cfg: CleanSettings,
-                filters: list[Filter] | None = None) -> dict[str, Any]:
+                filters: list[Filter] | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Run the per-document stage over one shard; writes ``kept.parquet``, ``removed.parquet`` and
-    ``report.json`` into ``out_dir`` (atomically; an existing complete shard is reused) and returns the result."""
+    ``report.json`` into ``out_dir`` (atomically; an existing complete shard is reused; temporary files a killed
+    run left there are removed first) and returns the result. ``progress`` gets ``ShardMeter``'s lines."""
     in_path, out_dir = Path(in_path), Path(out_dir)
     done = out_dir / "report.json"
     if done.is_file() and filters is None:
         return json.loads(done.read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out_dir, stale_before())
     report, timer = CleanReport(), Timer()
     cleaner = ShardCleaner(cfg, filters)
+    meter = ShardMeter(shard, cfg, progress) if progress is not None else None
     schema = shard_schema()
     with open_raw(in_path) as pf, atomic_path(out_dir / "kept.parquet") as kept_tmp, \
             atomic_path(out_dir / "removed.parquet") as rm_tmp:
@@ -238,7 +306,7 @@ def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path,
                             for i, row in enumerate(batch.to_pylist())]
                     row_no += len(docs)
                     timer.lap("read")
-                    kept, removed = cleaner.run(docs, report, timer)
+                    kept, removed = cleaner.run(docs, report, timer, meter)
                     kept_w.write_table(pa.Table.from_pylist(kept, schema=schema))
                     rm_w.write_table(pa.Table.from_pylist(removed, schema=REMOVED_SCHEMA))
                     timer.lap("write")
@@ -249,3 +317,39 @@ def clean_shard(in_path: str | Path, shard: dict[str, Any], out_dir: str | Path,
     if filters is None:
         atomic_write_json(done, result)
     return result
+
+
+# ---------------------------------------------------------------- what killed runs left in the shard cache
+
+# atomic_path's temporary files of a shard's three outputs (".kept.parquet.<random>.tmp"); nothing else is removed
+STAGING = re.compile(r"\.(?:kept\.parquet|removed\.parquet|report\.json)\.[A-Za-z0-9_]+\.tmp")
+SHARD_DIR = re.compile(r"[0-9a-f]{20}")  # a folder named by shard_stage_key
+STALE_SECONDS = 3600.0  # a live writer touches its file every batch; one untouched this long is a killed run's
+
+
+def stale_before() -> float:
+    """Unix time before which a temporary file is a leftover: older than this process and than STALE_SECONDS, so
+    a writer still running in a parallel shard (whose file it touches every batch) is never removed."""
+    from kiln.train.goodput import process_start_time
+
+    return min(process_start_time(), time.time() - STALE_SECONDS)
+
+
+def _remove_stale(folder: Path, before: float) -> list[Path]:
+    gone = []
+    for p in folder.iterdir():
+        if STAGING.fullmatch(p.name) and p.is_file() and p.stat().st_mtime < before:
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
+def remove_stale_staging(cache_root: str | Path) -> list[Path]:
+    """Remove the temporary files killed runs left in the shard folders (named by ``shard_stage_key``) under
+    ``cache_root``, those older than ``stale_before()``; returns what was removed. Only STAGING names are touched."""
+    root = Path(cache_root)
+    if not root.is_dir():
+        return []
+    before = stale_before()
+    return [p for d in sorted(root.iterdir()) if SHARD_DIR.fullmatch(d.name) and d.is_dir()
+            for p in _remove_stale(d, before)]

@@ -119,3 +119,30 @@ def test_config_errors_fail_the_step_with_the_key(first_run) -> None:
     with pytest.raises(DagsterInvalidConfigError, match=r'unexpected config entry "min_wrds" at path '
                                                          r'root:ops:clean_corpus:config:clean\. Expected: "\{.* min_words\?'):
         run(home, sources, {"min_wrds": 5}, instance)  # refused by Dagster before the run starts
+
+
+def test_a_source_file_edited_in_place_at_equal_size_gives_a_new_corpus(tmp_path: Path) -> None:
+    """The shard cache is keyed by content: an edit that keeps every size reruns that shard, and only that one."""
+    notes = tmp_path / "data"
+    notes.mkdir()
+    for i in range(3):
+        (notes / f"n{i}.txt").write_text(prose(400 + i), encoding="utf-8")
+    sources = [{"name": "notes", "kind": "local", "path": str(notes), "format": "text", "license": "CC0"}]
+    clean, instance = {"shard_docs": 1}, DagsterInstance.ephemeral()
+    first = run(tmp_path, sources, clean, instance)
+    assert first.success
+    text = (notes / "n1.txt").read_text(encoding="utf-8")
+    word = max(text.split(), key=len).strip(".,")
+    edited = text.replace(word, word[::-1].upper())
+    assert len(edited.encode()) == len(text.encode()) and edited != text
+    (notes / "n1.txt").write_text(edited, encoding="utf-8")  # in place, same size
+    again = run(tmp_path, sources, clean, instance)
+    assert again.success
+    a, b = first.output_for_node("clean_corpus"), again.output_for_node("clean_corpus")
+    assert a["version"] != b["version"]
+    old, new = ({r["id"]: r["text"] for r in pq.read_table(v["path"], columns=["id", "text"]).to_pylist()}
+                for v in (a, b))
+    assert old.keys() == new.keys() and len(new) == 3
+    assert [i for i in new if new[i] != old[i]] == ["notes/n1.txt"] and word[::-1].upper() in new["notes/n1.txt"]
+    meta = instance.get_latest_materialization_event(AssetKey("clean_corpus")).asset_materialization.metadata
+    assert meta["shards"].value == 3 and meta["shards_reused"].value == 2

@@ -1,11 +1,13 @@
-"""Tests for kiln.clean.extract: boilerplate removal, titles, empty pages.
+"""Tests for kiln.clean.extract: boilerplate removal, titles, empty pages, the nesting depth measured before parsing.
 
 Run: python -m pytest tests/kiln/clean/test_extract.py -q
 """
 
 from __future__ import annotations
 
-from kiln.clean.extract import extract_and_title, html_title, html_to_text
+import pytest
+
+from kiln.clean.extract import extract_and_title, html_depth, html_title, html_to_text, too_deep
 
 BODY = (
     "<p>The river runs slowly through the valley, carrying silt from the mountains to the sea.</p>"
@@ -65,3 +67,31 @@ def test_entities_and_empty_pages() -> None:
     assert html_to_text(f"<html><body><nav>{MENU}</nav><script>x = 1</script></body></html>") == ""
     assert extract_and_title("   ") == ("", "")
     assert html_to_text("<p>bad \udcff byte</p>") == "bad ? byte"  # lone surrogate replaced, page kept
+
+
+N = 3000  # elements per page below; the parser's own depth of each is in the comment
+
+
+@pytest.mark.parametrize("page, depth", [
+    (PAGE, 7), (DOCBOOK, 7),  # parser: 7, 8
+    ("<body>" + "<p>para " * N, 2),  # an unclosed <p> ends at the next (parser: 3)
+    ("<ul>" + "<li>item " * N + "</ul>", 2),  # so does an <li> (4)
+    ("<table>" + "<tr><td>a<td>b<th>c" * N + "</table>", 3),  # and cells and rows (6)
+    ("<select>" + "<option>x" * N + "</select>", 2),  # (4)
+    ("<h1>a<h2>b" * N, 1),  # a heading right inside another (3)
+    ("<svg>" + '<path d="M0 0"/>' * N + "</svg>", 1),  # self-closing in SVG (4)
+    ("<script>" + "<div>" * N + "</script><!--" + "<div>" * N + "--><p>x</p>", 1),  # text, not tags (3)
+    ("<ul><li>" * N, 2 * N),  # lists in list items do nest (6002)
+    ("<span><div></span>" * N, 2 * N),  # an end tag does not close past a <div> (6002)
+    ("<div/>" * N, N),  # "/>" means nothing on an HTML element (3002)
+    ("<B>x" * N, N),  # unclosed formatting elements nest, upper case or not (3002)
+])
+def test_html_depth_is_the_parsers_within_a_few_levels(page: str, depth: int) -> None:
+    assert html_depth(page) == depth
+
+
+def test_too_deep_stops_early_and_counts_start_tags_first() -> None:
+    page = "<div>" * 100_000
+    assert html_depth(page, 512) == 513 and too_deep(page, 512)
+    assert not too_deep("<br>" * 400, 512)  # fewer start tags than the limit: no scan
+    assert not too_deep("<br>" * 4000 + "<div>" * 500, 512) and too_deep("<br>" * 4000 + "<div>" * 513, 512)
