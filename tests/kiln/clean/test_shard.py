@@ -20,15 +20,7 @@ from kiln.clean.report import EmptyCorpusError
 from kiln.clean.run import clean
 from kiln.clean.shard import clean_shard, plan_shards, remove_stale_staging, shard_stage_key
 from textgen import prose
-
-PROSE = (
-    "The old lighthouse stood on a rocky point at the edge of the harbour, and for more than a century "
-    "its keepers climbed the spiral stairs every evening to light the lamp.\n\n"
-    "Ships coming home through the winter storms looked for its steady beam long before they could see "
-    "the town itself. When the lamp was finally automated, the last keeper moved into a cottage near the "
-    "quay, where he spent his afternoons repairing nets and telling visitors about the wrecks he had seen.\n\n"
-    "Today the tower is a small museum, and children can still climb to the top to watch the boats."
-)
+from tests.kiln.clean.test_clean import PROSE  # the same page as the clean tests
 
 
 def write_raw(path: Path, texts: list[str], ctype: str = "text/plain", **columns: list[Any]) -> Path:
