@@ -26,7 +26,7 @@ from kiln.clean.pii import PiiScrubber
 from kiln.clean.report import CleanReport
 from kiln.clean.schema import CONTENT_TYPES, INPUT_COLUMNS, REMOVED_SCHEMA, STAGE_SIGNALS, shard_schema, signal_types
 from kiln.clean.text import fix_unicode
-from kiln.common.files import atomic_path, atomic_write_json, stable_hash
+from kiln.common.files import atomic_path, atomic_write_json, process_start_time, stable_hash
 from kiln.common.text import normalize_text
 from kiln.filters import registry
 from kiln.filters.base import Doc, Filter, ThresholdFilter, matches_any
@@ -330,9 +330,8 @@ STALE_SECONDS = 3600.0  # a live writer touches its file every batch; one untouc
 def stale_before() -> float:
     """Unix time before which a temporary file is a leftover: older than this process and than STALE_SECONDS, so
     a writer still running in a parallel shard (whose file it touches every batch) is never removed."""
-    from kiln.train.goodput import process_start_time
-
-    return min(process_start_time(), time.time() - STALE_SECONDS)
+    now = time.time()
+    return min(process_start_time() or now, now - STALE_SECONDS)
 
 
 def _remove_stale(folder: Path, before: float) -> list[Path]:

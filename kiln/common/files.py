@@ -162,7 +162,7 @@ def _is_stale(folder: Path, name: str | None) -> bool:
     legacy = _UNOWNED.match(folder.name)
     if not legacy or legacy["name"] != (name or "stage"):
         return False
-    began = _process_start_time()
+    began = process_start_time()
     return began is not None and folder.stat().st_mtime < began
 
 
@@ -204,14 +204,14 @@ def process_alive(pid: int, start: int = 0) -> bool:
     return True
 
 
-def _process_start_time() -> float | None:
-    """This process's start as a Unix time (Linux), or None."""
+def process_start_time() -> float | None:
+    """When this process started (Unix time, Linux), or None where /proc does not say."""
     ticks = _start_ticks(os.getpid())
     try:
-        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime"))
-    except (OSError, StopIteration, ValueError, IndexError):
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # to the tick, unlike /proc/stat's btime
+        return None if ticks is None else min(time.time(), boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, AttributeError):
         return None
-    return None if ticks is None else min(time.time(), boot + ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def commit_dir(staged: Path, final: Path) -> Path:

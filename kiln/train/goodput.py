@@ -13,16 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def process_start_time() -> float:
-    """When this process started (Unix time), so interpreter and library start-up count as restart time."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])  # field 22 of proc(5), counted after the command name: clock ticks since boot
-        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # to the tick, unlike /proc/stat's btime
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return time.time()
+from kiln.common.files import process_start_time
 
 
 class GoodputLedger:
@@ -39,7 +30,7 @@ class GoodputLedger:
         self.totals = {"step_s": 0.0, "save_s": 0.0, "eval_s": 0.0, "restore_s": 0.0}
         self.lineage_s = 0.0
         self.step = 0
-        self._write({"event": "start", "t": session_start or process_start_time()})
+        self._write({"event": "start", "t": session_start or process_start_time() or time.time()})
 
     def _write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
