@@ -1,0 +1,106 @@
+"""One model config for every family Kiln trains (``family: gpt2 | llama``), with the named sizes of each.
+
+``ModelConfig(family="llama", n_layer=2, ...)``; ``preset_fields("tiny", "llama")`` gives a named size's fields;
+``model_dict(cfg)`` is the serialised form that plans, checkpoints and bundles record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+FAMILIES = ("gpt2", "llama")
+
+# The fields each family uses, in its serialised form. A GPT-2 config omits `family` (gpt2 is the default), so the
+# plans, checkpoints and run versions written before families existed read back unchanged.
+FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
+    "gpt2": ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias"),
+    "llama": ("family", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "n_kv_head",
+              "intermediate_size", "rope_theta", "norm_eps", "qk_norm", "tie_embeddings"),
+}
+
+
+@dataclass
+class ModelConfig:
+    family: str = "gpt2"  # architecture: gpt2 (LayerNorm, learned positions, GELU MLP) or llama (RMSNorm, RoPE, SwiGLU, GQA)
+    vocab_size: int = 8192  # tokens the embedding covers (padded up to a multiple of 64 for speed)
+    block_size: int = 256  # longest context: the position table (gpt2) or the rotary cache (llama)
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention (query) heads per block
+    n_embd: int = 256  # residual stream width; must divide by n_head
+    dropout: float = 0.0  # dropout on attention and MLP outputs (0 for pretraining)
+    bias: bool = True  # gpt2: biases in Linear and LayerNorm, as GPT-2 has (llama has none)
+    n_kv_head: int = 0  # llama: key/value heads (grouped-query attention); 0 means n_head (multi-head attention)
+    intermediate_size: int = 0  # llama: SwiGLU hidden width; 0 means 8/3 n_embd rounded up to a multiple of 64
+    rope_theta: float = 10000.0  # llama: rotary embedding base
+    norm_eps: float = 1e-5  # llama: RMSNorm epsilon
+    qk_norm: bool = False  # llama: RMSNorm on each query and key head before the rotation (as Qwen 3, OLMo 2)
+    tie_embeddings: bool = True  # llama: the output head shares the token embedding (gpt2 always ties)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"model.family: unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+        for f in fields(self):
+            if f.name not in FAMILY_FIELDS[self.family] and f.name not in ("family", "bias"):
+                if getattr(self, f.name) != f.default:
+                    raise ValueError(f"model.{f.name} applies to the llama family only; set model.family: llama "
+                                     f"or remove model.{f.name}")
+        if self.family == "llama":
+            if self.n_kv_head == 0:
+                self.n_kv_head = self.n_head
+            if self.n_head % self.n_kv_head:
+                raise ValueError(f"model.n_head ({self.n_head}) must be a multiple of model.n_kv_head ({self.n_kv_head})")
+            if self.intermediate_size == 0:
+                self.intermediate_size = -(-(8 * self.n_embd // 3) // 64) * 64
+            if (self.n_embd // self.n_head) % 2:
+                raise ValueError(f"model.n_embd / model.n_head = {self.n_embd // self.n_head} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def model_dict(cfg: ModelConfig) -> dict:
+    """The fields ``cfg.family`` uses, as plans, checkpoints and bundles record them (``ModelConfig(**d)`` reads it back)."""
+    d = asdict(cfg)
+    return {k: d[k] for k in FAMILY_FIELDS[cfg.family]}
+
+
+# Named sizes per family: the CPU configs Kiln's presets use and the published shapes. The GPT-2 sizes take GPT-2's
+# vocabulary (50257, padded to 50304) from the tokenizer; block_size is their context length. The llama sizes
+# follow SmolLM (135M: 30 layers of 576, 9 heads, 3 key/value heads) and Llama 3.2 1B.
+MODEL_PRESETS: dict[str, dict[str, dict]] = {
+    "gpt2": {
+        "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64),  # CI and the smoke preset, <1M parameters
+        "demo": dict(n_layer=4, n_head=4, n_embd=256, block_size=256),  # the CPU demo (the ModelConfig defaults)
+        "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # GPT-2 small, 124M
+        "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
+        "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),  # 774M
+        "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),  # 1.56B
+    },
+    "llama": {
+        "tiny": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64),  # CI, <1M parameters
+        "demo": dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=256, block_size=256),  # the CPU demo variant
+        "125m": dict(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, intermediate_size=2048, block_size=2048),
+        "smollm-135m": dict(n_layer=30, n_head=9, n_kv_head=3, n_embd=576, intermediate_size=1536, block_size=2048,
+                            rope_theta=10000.0),
+        "llama3.2-1b": dict(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192,
+                            block_size=8192, rope_theta=500000.0),
+    },
+}
+
+
+def preset_fields(name: str, family: str = "gpt2") -> dict:
+    """ModelConfig fields of a named size of ``family``; an unknown name is an error that lists the known ones."""
+    if family not in MODEL_PRESETS:
+        raise ValueError(f"model.family: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    sizes = MODEL_PRESETS[family]
+    if name not in sizes:
+        raise ValueError(f"unknown model preset {name!r} for family {family}; choose one of {', '.join(sizes)}")
+    return dict(sizes[name], **({"family": family} if family != "gpt2" else {}))
+
+
+def padded_vocab(n_vocab: int, multiple: int = 64) -> int:
+    """Round the tokenizer's vocabulary up so the embedding matmul gets friendly shapes."""
+    return ((n_vocab + multiple - 1) // multiple) * multiple

@@ -1,0 +1,176 @@
+"""A Llama-style decoder-only transformer: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases.
+
+Parameter names follow the Hugging Face ``LlamaForCausalLM`` layout (model.embed_tokens, model.layers.N.self_attn.
+q_proj, ...; with ``qk_norm`` the ``Qwen3ForCausalLM`` one), so import and release are renames of nothing. The
+rotation is Hugging Face's (halves, not interleaved pairs). Run a shape check with ``python -m kiln.model.llama``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from kiln.model.cache import KVCache
+from kiln.model.config import ModelConfig
+from kiln.model.loss import LinearCrossEntropy
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (block_size, head_dim) float32: position p turns channel pair (i, i + hs/2) by p / theta^(2i/hs)."""
+    hs = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.float32, device=device) / hs)  # (hs/2,)
+    angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32, device=device), inv_freq)  # (S, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (S, hs)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, nh, T, hs) rotated by cos, sin (T, hs); computed in float32, returned in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)  # 2 x (B, nh, T, hs/2)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_head, self.n_kv_head, self.hs = layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.o_proj.RESIDUAL_SCALE = True  # type: ignore[attr-defined]
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        mask, causal = None, True
+        if cache is not None:
+            k, v, mask = cache.attend(self.layer, k, v)  # (B, nkv, S, hs) each, S = cached + T
+            causal = False
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=self.n_kv_head != self.n_head,
+            dropout_p=self.dropout if self.training else 0.0,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.hs)  # (B, T, nh*hs)
+        return F.dropout(self.o_proj(y), self.dropout, self.training)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+        self.down_proj.RESIDUAL_SCALE = True  # type: ignore[attr-defined]
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, I)
+        return F.dropout(self.down_proj(h), self.dropout, self.training)  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)  # (B, T, C)
+        return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, C)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.family != "llama":
+            raise ValueError(f"Llama needs model.family: llama, got {cfg.family!r}")
+        self.config = cfg
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                layers=nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)]),
+                norm=nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps),
+            )
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hs)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (block_size, hs)
+        self.checkpoint_blocks = False  # recompute block activations in backward (kiln.model.parallel)
+        self.apply(self._init_weights)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "RESIDUAL_SCALE", False):
+                std /= math.sqrt(2 * self.config.n_layer)  # scaled residual init, as GPT-2
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and not self.config.tie_embeddings:
+            n -= self.model.embed_tokens.weight.numel()  # the untied input table is a lookup, not compute
+        return n
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) int64 -> logits (B, T, vocab_size) float32; with targets (B, T) (-100 skipped), the mean
+        next-token cross-entropy, a chunk of tokens at a time (kiln.model.loss.LinearCrossEntropy). With a
+        ``cache``, idx holds only the new positions, which start at ``cache.pos``."""
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than model.block_size={self.config.block_size}")
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hs) each
+        x = self.model.embed_tokens(idx)  # (B, T, C)
+        recompute = self.checkpoint_blocks and torch.is_grad_enabled() and cache is None
+        for block in self.model.layers:
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin, cache)  # (B, T, C)
+        if cache is not None:
+            cache.advance(T)
+        x = self.model.norm(x)  # (B, T, C)
+        if targets is not None:
+            return LinearCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))  # ()
+        return self.lm_head(x).float()  # (B, T, V)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6N over the matmul weights + 12 L H Q T for attention."""
+    hs = cfg.head_dim
+    attn = cfg.n_embd * hs * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # q, o and k, v projections
+    mlp = 3 * cfg.n_embd * cfg.intermediate_size
+    n = cfg.n_layer * (attn + mlp) + cfg.vocab_size * cfg.n_embd  # the head is a matmul, tied or not
+    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+if __name__ == "__main__":
+    m = Llama(ModelConfig(family="llama"))
+    out = m(torch.zeros(2, 16, dtype=torch.long))
+    print(tuple(out.shape), f"{m.num_params() / 1e6:.2f}M parameters")
