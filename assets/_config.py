@@ -1,6 +1,6 @@
 """Typed Dagster config generated from the core's config dataclasses: each default and one-line doc has one home.
 
-Use: ``Model = schema_of(GPTConfig, optional=True)``, then ``model: Model = Field(default_factory=Model)`` in a Config;
+Use: ``Model = schema_of(ModelConfig, optional=True)``, then ``model: Model = Field(default_factory=Model)`` in a Config;
 an asset's plain job fields: ``class SftModelConfig(schema_of(JobConfig, include=(...), defaults={...})): optim: ...``.
 """
 

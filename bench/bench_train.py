@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.model.gpt import GPT, GPTConfig, flops_per_token, preset_fields  # noqa: E402
+from kiln.model.config import ModelConfig  # noqa: E402
+from kiln.model.gpt import GPT, flops_per_token, preset_fields  # noqa: E402
 from kiln.model.parallel import clip_grad_norm, parallelize  # noqa: E402
 from kiln.plan import gpu_peak_tflops, measure_matmul_peak  # noqa: E402
 from kiln.train.optim import OptimConfig, lr_lambda, make_optimizer  # noqa: E402
@@ -46,7 +47,7 @@ def matmul_peak(device: str, seconds: float) -> tuple[float, int]:
     return max(results)
 
 
-def gemm_ceiling(cfg: GPTConfig, tokens: int, device: torch.device, reps: int = 5) -> float:
+def gemm_ceiling(cfg: ModelConfig, tokens: int, device: torch.device, reps: int = 5) -> float:
     """FLOP/s of the model's own matrix products alone (every Linear's forward, input-gradient and weight-gradient
     GEMM, best of ``reps`` each): what a step could reach if everything else cost nothing."""
     c, v = cfg.n_embd, cfg.vocab_size
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(a.device)
     fields = preset_fields(a.preset) if a.preset else dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
     fields["block_size"] = max(fields["block_size"], a.seq_len)
-    cfg = GPTConfig(vocab_size=a.vocab, **fields)
+    cfg = ModelConfig(vocab_size=a.vocab, **fields)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()

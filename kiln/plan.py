@@ -10,8 +10,9 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from kiln.common.config import from_dict
-from kiln.model.gpt import GPTConfig, flops_per_token, padded_vocab, preset_fields
+from kiln.common.config import ConfigError, from_dict
+from kiln.model.config import ModelConfig, model_dict, padded_vocab, preset_fields
+from kiln.model.families import flops_per_token
 from kiln.model.loss import CE_CHUNK_BYTES
 
 GIB = 1024**3
@@ -162,15 +163,46 @@ def measure_matmul_peak(device: str = "cpu", dtype=None, seconds: float = 0.3, n
     return 2 * n**3 / best
 
 
-def count_params(cfg: GPTConfig) -> tuple[int, int]:
-    """(total parameters with tied embeddings, parameters excluding embeddings)."""
+def layer_params(cfg: ModelConfig) -> int:
+    """Parameters of one transformer block of ``cfg``'s family."""
+    c = cfg.n_embd
+    if cfg.family == "llama":
+        kv = cfg.n_kv_head * cfg.head_dim  # grouped-query attention: k and v are n_kv_head heads wide
+        attn = 2 * c * c + 2 * c * kv  # q, o and k, v projections, no biases
+        qk_norm = 2 * cfg.head_dim if cfg.qk_norm else 0  # one RMSNorm weight per head dimension for q and k
+        return attn + 3 * c * cfg.intermediate_size + 2 * c + qk_norm  # SwiGLU's gate, up, down; two RMSNorm weights
     # 12 C^2 of matrices; 4 LayerNorm vectors (2 without bias) + 9 C of Linear biases (none without bias)
-    per_layer = 12 * cfg.n_embd**2 + (13 * cfg.n_embd if cfg.bias else 2 * cfg.n_embd)
-    body = cfg.n_layer * per_layer + (2 if cfg.bias else 1) * cfg.n_embd
-    return body + (cfg.vocab_size + cfg.block_size) * cfg.n_embd, body
+    return 12 * c**2 + (13 * c if cfg.bias else 2 * c)
 
 
-def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_precision: bool, world: int = 1,
+def embedding_params(cfg: ModelConfig) -> int:
+    """Parameters of the tables and the head: GPT-2's token and position tables (its head is tied); llama's token
+    table, plus its output head when untied."""
+    if cfg.family == "llama":
+        return cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2)
+    return (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+
+
+def count_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(total parameters, tied ones counted once; parameters excluding the embedding tables and the head)."""
+    final_norm = (2 if cfg.bias else 1) * cfg.n_embd if cfg.family == "gpt2" else cfg.n_embd  # RMSNorm: weight only
+    body = cfg.n_layer * layer_params(cfg) + final_norm
+    return body + embedding_params(cfg), body
+
+
+def saved_per_token(cfg: ModelConfig) -> tuple[int, int]:
+    """(elements autograd keeps per token per block, of which residual-stream elements): see memory_breakdown."""
+    c = cfg.n_embd
+    if cfg.family == "llama":
+        kv = cfg.n_kv_head * cfg.head_dim
+        # block input, norm output, rotated q and k, v, attention output and its contiguous copy, the residual
+        # after attention, the second norm's output; SwiGLU's gate, silu(gate), up and their product
+        n = 7 * c + 2 * kv + 4 * cfg.intermediate_size
+        return n + ((c + kv) if cfg.qk_norm else 0), 2 * c  # QK-norm keeps its q and k inputs
+    return 17 * c, 2 * c
+
+
+def memory_breakdown(cfg: ModelConfig, micro_batch: int, seq_len: int, mixed_precision: bool, world: int = 1,
                      fsdp: bool = False, activation_checkpointing: bool = False) -> dict[str, float]:
     """Peak GiB per rank, by part, for this model at this micro-batch (the peak is at the start of backward).
 
@@ -178,10 +210,11 @@ def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_preci
       world size under FSDP, plus the bf16 weight copies autocast caches (2 B/parameter) when not sharded.
     params_in_flight (FSDP): the root (embeddings, final norm) and two blocks unsharded, with their gradients.
     activations: what autograd keeps per block per token, counted tensor by tensor for this model (cf.
-      Korthikanti et al. 2022, Table 2, with fused SDPA so no T x T scores): the block input, LN outputs,
-      q/k/v, the attention output and its contiguous copy, the MLP's 4C hidden before and after GELU = 17 C
-      elements; fp32 on CPU (68 C bytes), bf16 autocast with the fp32 residual stream on CUDA (38 C bytes),
-      bf16 throughout under FSDP's mixed precision (34 C bytes). Dropout adds its masks (2 C bytes) and on CPU
+      Korthikanti et al. 2022, Table 2, with fused SDPA so no T x T scores; saved_per_token): for GPT-2 the
+      block input, LN outputs, q/k/v, the attention output and its contiguous copy, the MLP's 4C hidden before
+      and after GELU = 17 C elements; for llama 7 C + 2 kv + 4 I (GQA's narrower k and v, SwiGLU's three
+      I-wide tensors and their product). fp32 on CPU (4 B each: 68 C bytes for GPT-2), bf16 autocast with the
+      fp32 residual stream (2 C) on CUDA (38 C bytes), bf16 throughout under FSDP's mixed precision (34 C bytes). Dropout adds its masks (2 C bytes) and on CPU
       the unfused attention's scores (13 B per score). With recomputation only each block's input is kept,
       plus one block's full set while it is recomputed.
     logits: the chunked head never holds all logits: one chunk of fp32 logits (and its bf16 or fp32 copy for the
@@ -191,13 +224,14 @@ def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_preci
     n = count_params(cfg)[0]
     s, b, c, L = seq_len, micro_batch, cfg.n_embd, cfg.n_layer
     tokens = s * b
+    saved, resid = saved_per_token(cfg)  # elements per token per block
     if fsdp and mixed_precision:
-        per_layer = 34 * c  # bytes per token
+        per_layer = 2 * saved  # bytes per token
         stream = 2 * c
     elif mixed_precision:
-        per_layer, stream = 38 * c, 4 * c
+        per_layer, stream = 2 * (saved - resid) + 4 * resid, 4 * c
     else:
-        per_layer, stream = 68 * c, 4 * c
+        per_layer, stream = 4 * saved, 4 * c
     if cfg.dropout > 0:
         per_layer += 2 * c + (0 if mixed_precision else 13 * cfg.n_head * s)
     if activation_checkpointing:
@@ -212,8 +246,8 @@ def memory_breakdown(cfg: GPTConfig, micro_batch: int, seq_len: int, mixed_preci
     if fsdp and world > 1:
         state = n * 16 / world
         p_bytes = 2 if mixed_precision else 4
-        block = 12 * c * c + 13 * c
-        root = (cfg.vocab_size + cfg.block_size + 2) * c
+        block = layer_params(cfg)
+        root = embedding_params(cfg) + (2 if cfg.family == "gpt2" else 1) * c  # tables, head and final norm
         in_flight = (root + 2 * block) * (p_bytes + 4)  # unsharded params and their fp32 gradients before reduce-scatter
     else:
         state = n * (18 if mixed_precision else 16)
@@ -234,7 +268,7 @@ class _Option:
     memory: dict
 
 
-def _options(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, per_rank: int,
+def _options(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, per_rank: int,
              world: int, budget: float) -> list[_Option]:
     """Every allowed (parallelism, checkpointing) pair in order of cost, each with its largest fitting micro-batch."""
     mixed = hw.device == "cuda"
@@ -262,7 +296,7 @@ def _options(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: Parall
     return options
 
 
-def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, parallel: ParallelConfig | None = None,
+def make_plan(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, parallel: ParallelConfig | None = None,
               headroom: float | None = None) -> TrainingPlan:
     """Choose parallelism, activation checkpointing, micro-batch and gradient accumulation for ``batch`` on ``hw``.
 
@@ -282,7 +316,7 @@ def make_plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, parallel: 
     return _plan(cfg, batch, hw, par, world, per_rank, mem, chosen, why, options)
 
 
-def _ranks(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig) -> tuple[int, int]:
+def _ranks(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig) -> tuple[int, int]:
     """(world size, sequences per rank per step), after checking that the batch splits evenly over the ranks."""
     if batch.seq_len > cfg.block_size:
         raise PlanError(f"batch.seq_len={batch.seq_len} exceeds model.block_size={cfg.block_size}; lower seq_len or raise block_size")
@@ -295,7 +329,7 @@ def _ranks(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig) -> tuple[int,
     return world, per_rank
 
 
-def _no_fit(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int,
+def _no_fit(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int,
             options: list[_Option], mem: float, headroom: float) -> PlanError:
     """The error for a run where no option fits: what the smallest one needs, and what would fit instead."""
     budget = mem * headroom
@@ -328,7 +362,7 @@ def _choose(options: list[_Option], batch: BatchConfig, hw: HardwareConfig, par:
     return chosen, why
 
 
-def _plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int, per_rank: int,
+def _plan(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int, per_rank: int,
           mem: float, chosen: _Option, why: str, options: list[_Option]) -> TrainingPlan:
     """The chosen option as a TrainingPlan: batch split, memory, FLOPs and the time it should take."""
     params = count_params(cfg)
@@ -338,7 +372,7 @@ def _plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelC
     peak_tflops = default_peak_tflops(hw)
     mfu_guess = 0.4  # sustained MFU to expect: GPT-2 on H100s with bf16; Kiln's demo model measured 45% on CPU
     return TrainingPlan(
-        model=asdict(cfg),
+        model=model_dict(cfg),
         params=params[0],
         params_non_embedding=params[1],
         world_size=world,
@@ -366,12 +400,18 @@ def _plan(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelC
 
 def plan_from_config(n_vocab: int, model_preset: str = "", model: dict | None = None, batch: dict | None = None,
                      hardware: dict | None = None, parallel: dict | None = None,
-                     where: str = "training_plan") -> tuple[TrainingPlan, GPTConfig, BatchConfig, HardwareConfig]:
+                     where: str = "training_plan") -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
     """The plan for a ``training_plan`` config block (model preset and overrides, batch, hardware, parallel) and a
     tokenizer of ``n_vocab`` tokens: what the training_plan asset and ``kiln plan`` both compute. Unknown keys
     are errors naming ``where.<section>.<key>``; device "auto" becomes cuda when a GPU is visible."""
-    base = preset_fields(model_preset) if model_preset else {}
-    cfg = from_dict(GPTConfig, {"vocab_size": padded_vocab(n_vocab), **base, **(model or {})}, f"{where}.model")
+    family = (model or {}).get("family", "gpt2")
+    try:
+        base = preset_fields(model_preset, family) if model_preset else {}
+        cfg = from_dict(ModelConfig, {"vocab_size": padded_vocab(n_vocab), **base, **(model or {})}, f"{where}.model")
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # a field the family does not use, an unknown family or size, a bad shape
+        raise ConfigError(f"{where}: {e}") from e
     bc = from_dict(BatchConfig, batch, f"{where}.batch")
     hw = from_dict(HardwareConfig, hardware, f"{where}.hardware")
     par = from_dict(ParallelConfig, parallel, f"{where}.parallel")
@@ -409,7 +449,7 @@ def describe_plan(plan: TrainingPlan) -> str:
     return "\n".join(x for x in lines if x) + "\n"
 
 
-def _what_fits(cfg: GPTConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int,
+def _what_fits(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, par: ParallelConfig, world: int,
                budget: float) -> str:
     """Sentences naming runs that would fit: a shorter seq_len, FSDP over more devices, or a smaller model."""
     mixed = hw.device == "cuda"
@@ -444,7 +484,9 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="demo", help="model size: tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    p.add_argument("--preset", default="demo", help="model size: tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+                   "(gpt2 family); tiny, demo, 125m, smollm-135m, llama3.2-1b (llama)")
+    p.add_argument("--family", default="gpt2", help="model family: gpt2 or llama (kiln.model.config.MODEL_PRESETS)")
     p.add_argument("--vocab-size", type=int, default=None, help="padded vocabulary (default 50304 for gpt2*, else 8192)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=16)
@@ -454,9 +496,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--memory-gb", type=float, default=None)
     a = p.parse_args(argv)
-    fields = preset_fields(a.preset)
+    fields = preset_fields(a.preset, a.family)
     fields["vocab_size"] = a.vocab_size or (50304 if a.preset.startswith("gpt2") else 8192)
-    plan = make_plan(GPTConfig(**fields), BatchConfig(a.seq_len, a.global_batch, None, a.max_steps),
+    plan = make_plan(ModelConfig(**fields), BatchConfig(a.seq_len, a.global_batch, None, a.max_steps),
                      HardwareConfig(a.device, a.nproc, a.nnodes, a.memory_gb))
     print(json.dumps(plan.to_dict(), indent=2))
 

@@ -77,7 +77,7 @@ def tiny_shards(tmp_path_factory, tiny_tokenizer, docs) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dict(tiny_tokenizer) -> dict:
-    """GPTConfig fields for the tiny training jobs (vocabulary padded from the tokenizer's)."""
+    """ModelConfig fields for the tiny training jobs (vocabulary padded from the tokenizer's)."""
     enc, _ = tiny_tokenizer
     return {"vocab_size": padded_vocab(enc.n_vocab), "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 48,
             "dropout": 0.1}  # dropout makes the bit-exact resume test depend on the restored RNG state

@@ -18,9 +18,6 @@ from kiln.model.config import MODEL_PRESETS, ModelConfig, padded_vocab, preset_f
 from kiln.model.loss import LinearCrossEntropy
 
 
-GPTConfig = ModelConfig  # the config every family shares (kiln.model.config); this family is family="gpt2"
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()

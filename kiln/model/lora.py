@@ -1,7 +1,7 @@
-"""LoRA adapters for post-training a Kiln GPT: low-rank updates on the attention and MLP projections.
+"""LoRA adapters for post-training a Kiln model of any family: low-rank updates on the attention and MLP projections.
 
 ``apply_lora(model, LoRAConfig(rank=8))`` freezes the model and adds trainable adapters; ``merged_state_dict``
-gives plain GPT weights (W + scale * B @ A), so checkpoints and release bundles never hold adapters.
+gives plain weights (W + scale * B @ A), so checkpoints and release bundles never hold adapters.
 Written by hand rather than with peft: peft pulls transformers and accelerate, and the whole method is one matmul.
 """
 
@@ -16,7 +16,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # the Linear layers of every block
+# The Linear layers of every block, per family (kiln.model.config.FAMILIES); the default targets are all of them.
+TARGETS: dict[str, tuple[str, ...]] = {
+    "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+    "llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+}
 
 
 @dataclass
@@ -25,14 +30,29 @@ class LoRAConfig:
     rank: int = 8  # inner dimension r of B (out, r) @ A (r, in)
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapter's input
-    targets: list = field(default_factory=lambda: list(TARGETS))  # module name suffixes that get adapters
+    # module name suffixes that get adapters; the default (GPT-2's four) means every projection of the model's family
+    targets: list = field(default_factory=lambda: list(TARGETS["gpt2"]))
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        unknown = [t for t in self.targets if t not in TARGETS]
+        known = {t for names in TARGETS.values() for t in names}
+        unknown = [t for t in self.targets if t not in known]
         if unknown:
-            raise ValueError(f"lora.targets: unknown module {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+            raise ValueError(f"lora.targets: unknown module {unknown[0]!r}; choose from "
+                             + "; ".join(f"{fam}: {', '.join(names)}" for fam, names in TARGETS.items()))
+
+
+def family_targets(cfg: LoRAConfig, family: str) -> list[str]:
+    """The targets ``cfg`` names, checked against ``family``'s Linear layers. The default (every GPT-2 projection)
+    means every projection of ``family``, so a LoRA config without targets fits any model."""
+    valid = TARGETS[family]
+    if sorted(cfg.targets) == sorted(TARGETS["gpt2"]):
+        return list(valid)
+    wrong = [t for t in cfg.targets if t not in valid]
+    if wrong:
+        raise ValueError(f"lora.targets: {wrong[0]!r} is not a layer of the {family} family; choose from {', '.join(valid)}")
+    return list(cfg.targets)
 
 
 class LoRALinear(nn.Module):
@@ -62,18 +82,20 @@ class LoRALinear(nn.Module):
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
-    """Freeze every parameter of ``model`` and wrap the target Linear layers; return the wrapped names."""
+    """Freeze every parameter of ``model`` and wrap the target Linear layers of its family; return the wrapped names."""
+    config = getattr(model, "config", None)
+    targets = family_targets(cfg, getattr(config, "family", "gpt2"))
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and any(full.endswith(t) for t in cfg.targets):
+            if isinstance(child, nn.Linear) and any(full.endswith(t) for t in targets):
                 setattr(module, child_name, LoRALinear(child, cfg.rank, cfg.alpha, cfg.dropout))
                 wrapped.append(full)
     if not wrapped:
-        raise ValueError(f"lora.targets {cfg.targets} matched no nn.Linear in the model")
+        raise ValueError(f"lora.targets {targets} matched no nn.Linear in the model")
     return wrapped
 
 
@@ -84,7 +106,7 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict under plain GPT names with every adapter folded into its weight."""
+    """The model's state dict under its plain names with every adapter folded into its weight."""
     state = {}
     adapters = dict(lora_modules(model))
     for key, t in model.state_dict().items():

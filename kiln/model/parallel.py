@@ -1,4 +1,4 @@
-"""How a GPT is prepared for training on one or many ranks: small ``apply_*`` steps called in a fixed order.
+"""How a model of any family (kiln.model.families) is prepared for training on one or many ranks: small ``apply_*`` steps called in a fixed order.
 
 ``parallelize(model, "fsdp", activation_checkpointing=True, compile=False, device=...)`` inside a torchrun
 worker (kiln.train.loop does this); every step works on CPU with gloo and on CUDA with nccl.
@@ -13,26 +13,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kiln.model.gpt import GPT
-
 STRATEGIES = ("none", "ddp", "fsdp")
 
 
-def apply_compile(model: GPT, backend: str = "inductor") -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """Compile each transformer block in place (``nn.Module.compile``): parameter names stay unchanged, and
     identical blocks share one compiled graph, so compile time does not grow with depth."""
-    for block in model.transformer.h:
+    for block in model.blocks:  # every family's transformer blocks, in order
         block.compile(backend=backend)
 
 
-def apply_activation_checkpointing(model: GPT) -> None:
+def apply_activation_checkpointing(model: nn.Module) -> None:
     """Keep only each block's input for backward and recompute the rest (non-reentrant torch.utils.checkpoint,
     which replays the saved RNG state so dropout masks match)."""
     model.checkpoint_blocks = True
 
 
-def apply_fsdp(model: GPT, device: torch.device, bf16: bool) -> None:
-    """FSDP2: shard every block, then the root (embeddings, tied head, final norm), over all ranks.
+def apply_fsdp(model: nn.Module, device: torch.device, bf16: bool) -> None:
+    """FSDP2: shard every block, then the root (embeddings, head, final norm), over all ranks.
 
     Each block is its own all-gather/reduce-scatter unit, so only a block or two is unsharded at a time. With
     ``bf16`` the unsharded parameters are bf16 and gradients are reduced in fp32 (no autocast needed).
@@ -42,7 +40,7 @@ def apply_fsdp(model: GPT, device: torch.device, bf16: bool) -> None:
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    blocks = list(model.transformer.h)
+    blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by backward: keep them gathered
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
@@ -58,7 +56,7 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DDP(model, device_ids=ids, gradient_as_bucket_view=True)
 
 
-def parallelize(model: GPT, strategy: str, activation_checkpointing: bool, compile: bool, device: torch.device,
+def parallelize(model: nn.Module, strategy: str, activation_checkpointing: bool, compile: bool, device: torch.device,
                 bf16: bool = False, compile_backend: str = "inductor") -> nn.Module:
     """Apply the steps in their fixed order and return the module to call in the training loop.
 

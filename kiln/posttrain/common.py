@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from kiln.common.config import from_dict
-from kiln.model.gpt import GPT
+from kiln.model.families import build_model
 from kiln.model.lora import LoRAConfig, adapters_disabled
 from kiln.posttrain.sft import read_pairs
 from kiln.train.checkpoint import load_state, resolve_checkpoint
@@ -42,7 +42,7 @@ class PosttrainStage(Stage):
     """A stage whose policy starts from ``init_from`` and is held to a frozen reference.
 
     The reference is the policy's own frozen base when LoRA is on and reference == init_from (no second copy);
-    otherwise a separate GPT loaded from ``reference`` (default init_from) with gradients off.
+    otherwise a separate model loaded from ``reference`` (default init_from) with gradients off.
     """
 
     def __init__(self, job: PosttrainJob, info: DistInfo):
@@ -50,14 +50,14 @@ class PosttrainStage(Stage):
             raise ValueError(f"job.init_from is empty: a {job.task} job starts from a trained checkpoint (the SFT or DPO model)")
         self.job, self.info = job, info
         self.lora = from_dict(LoRAConfig, job.lora, "job.lora")
-        self.ref: GPT | None = None
+        self.ref: torch.nn.Module | None = None
 
     def setup(self, trainer: Trainer) -> None:
         self.trainer = trainer
         job = self.job
         self.ref_path = trainer.ckpt.agree(lambda: str(resolve_checkpoint(job.reference))) if job.reference else trainer.init_ckpt
         if not (self.lora.enabled and self.ref_path == trainer.init_ckpt):
-            self.ref = GPT(trainer.cfg)
+            self.ref = build_model(trainer.cfg)
             self.ref.load_state_dict(load_state(Path(self.ref_path), "cpu")[0]["model"])
             self.ref.to(trainer.info.device).eval().requires_grad_(False)
         self.init_note = f"; reference {self.ref_path}"

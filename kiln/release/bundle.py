@@ -12,7 +12,8 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from kiln.common.files import atomic_path, atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.release.hf import ReleaseError, from_hf_state_dict, hf_config, to_hf_state_dict, write_hf_tokenizer
 from kiln.train.checkpoint import load_state, resolve_checkpoint
 
@@ -29,7 +30,7 @@ def write_release(checkpoint: str | Path, out_dir: Path, card: str, extra: dict[
     """
     ckpt = resolve_checkpoint(checkpoint)
     state, meta = load_state(ckpt)
-    cfg = GPTConfig(**meta["model"])
+    cfg = ModelConfig(**meta["model"])
     from kiln.tokenizer import encoding_fingerprint, load_encoding
 
     enc = load_encoding(ckpt / "tokenizer.json")
@@ -76,7 +77,7 @@ def load_release(bundle: str | Path, map_location: str = "cpu"):
     bundle = Path(bundle)
     verify_release(bundle)
     info = json.loads((bundle / "kiln.json").read_text())
-    model = GPT(GPTConfig(**info["model"]))
+    model = GPT(ModelConfig(**info["model"]))
     model.load_state_dict(from_hf_state_dict(load_file(str(bundle / "model.safetensors"), device=map_location)))
     model.eval()
     return model, load_encoding(bundle / "tokenizer.kiln.json")

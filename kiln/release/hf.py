@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kiln.common.files import atomic_path, atomic_write_json, atomic_write_text
-from kiln.model.gpt import GPTConfig
+from kiln.model.config import ModelConfig
 
 # Hugging Face's GPT-2 stores these projections as Conv1D, whose weight is the transpose of nn.Linear's.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -57,7 +57,7 @@ def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def hf_config(cfg: GPTConfig, eot: int) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, eot: int) -> dict[str, Any]:
     if not cfg.bias:
         raise ValueError("Hugging Face GPT-2 needs biases: release a model trained with model.bias=true")
     return {

@@ -294,10 +294,11 @@ def load_state(path: Path, map_location: str | torch.device = "cpu") -> tuple[di
     meta = verify_checkpoint(path)
     state = _torch_load(path / "state.pt", map_location)
     if meta.get("format") == "sharded":
-        from kiln.model.gpt import GPT, GPTConfig
+        from kiln.model.config import ModelConfig
+        from kiln.model.families import build_model
 
         with torch.device("meta"):
-            template = GPT(GPTConfig(**meta["model"])).state_dict()
+            template = build_model(ModelConfig(**meta["model"])).state_dict()
         model = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in template.items()}
         _dcp_load({"model": model}, path / "model")
         state["model"] = model
@@ -334,12 +335,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_for_inference(path: str | Path, map_location: str = "cpu"):
     """(model in eval mode, its tokenizer, meta) from a checkpoint, a checkpoints root or a run folder."""
-    from kiln.model.gpt import GPT, GPTConfig
+    from kiln.model.config import ModelConfig
+    from kiln.model.families import build_model
     from kiln.tokenizer import load_encoding
 
     ckpt = resolve_checkpoint(path)
     state, meta = load_state(ckpt, map_location)
-    model = GPT(GPTConfig(**meta["model"]))
+    model = build_model(ModelConfig(**meta["model"]))
     model.load_state_dict(state["model"])
     model.eval()
     enc = load_encoding(ckpt / "tokenizer.json")

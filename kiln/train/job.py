@@ -16,7 +16,7 @@ class TrainJob:
     task: str = "pretrain"  # "pretrain", "sft", "dpo" or "rl": picks the stage (kiln.train.entry.TASKS)
     out_dir: str = ""  # run folder: checkpoints/, result.json, goodput.jsonl
     tokenizer: str = ""  # tokenizer.json copied into every checkpoint
-    model: dict = field(default_factory=dict)  # GPTConfig fields
+    model: dict = field(default_factory=dict)  # ModelConfig fields
     optim: dict = field(default_factory=dict)  # kiln.train.optim.OptimConfig fields
     train_files: list = field(default_factory=list)  # the stage's training data
     init_from: str = ""  # checkpoint whose weights start this run (fine-tuning)

@@ -20,7 +20,8 @@ import torch
 
 from kiln.common.config import from_dict
 from kiln.common.files import atomic_write_json
-from kiln.model.gpt import GPT, GPTConfig, flops_per_token
+from kiln.model.config import ModelConfig, model_dict
+from kiln.model.families import build_model, flops_per_token
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, parallelize
 from kiln.train.checkpoint import (Checkpointer, CheckpointError, list_checkpoints, load_state, resolve_checkpoint,
@@ -157,7 +158,7 @@ class Trainer:
     def __init__(self, job: TrainJob, stage: Stage, info: DistInfo, reporter: Reporter, callbacks: Iterable[Callback] = ()):
         self.job, self.stage, self.info, self.reporter = job, stage, info, reporter
         self.callbacks = list(callbacks)
-        self.cfg = from_dict(GPTConfig, job.model, "job.model")
+        self.cfg = from_dict(ModelConfig, job.model, "job.model")
         self.opt_cfg = from_dict(OptimConfig, job.optim, "job.optim")
         self.spike_cfg = from_dict(SpikeConfig, job.spikes, "job.spikes")
         self.strategy = "none" if info.world_size == 1 else ("ddp" if job.parallelism == "auto" else job.parallelism)
@@ -205,7 +206,7 @@ class Trainer:
         job, lora = self.job, self.stage.lora
         self.init_ckpt = self.ckpt.agree(lambda: str(resolve_checkpoint(job.init_from))) if job.init_from else None
         torch.manual_seed(job.seed)  # identical initial weights on every rank
-        raw = GPT(self.cfg)
+        raw = build_model(self.cfg)
         if self.init_ckpt and (self.latest is None or lora.enabled):  # a LoRA run resumes adapters on this base
             raw.load_state_dict(load_state(Path(self.init_ckpt), "cpu")[0]["model"])
         if lora.enabled:  # before .to(): the adapters' initial values come from the CPU generator
@@ -365,7 +366,7 @@ class Trainer:
         lora = self.stage.lora.enabled
         if lora:
             extras["lora"] = lora_state_dict(self.raw)
-        meta = {"model": asdict(self.cfg), "task": self.job.task, "val_loss": self.run.val_loss,
+        meta = {"model": model_dict(self.cfg), "task": self.job.task, "val_loss": self.run.val_loss,
                 "train_loss": self.run.train_loss, "seed": self.job.seed, "world_size": self.info.world_size,
                 "parallelism": self.strategy, "history": self.run.history, "job": self.job_params(), **self.stage.meta()}
         weights = (lambda: merged_state_dict(self.raw)) if lora else None  # readers get plain GPT weights

@@ -24,18 +24,18 @@ from pydantic import Field
 from assets._config import DataclassConfig, field_docs, schema_of
 from kiln.clean.config import CleanConfig
 from kiln.common.config import ConfigError, from_dict
-from kiln.model.gpt import GPTConfig
+from kiln.model.config import ModelConfig
 from kiln.model.lora import LoRAConfig
 from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig
 from kiln.train.optim import OptimConfig
 from kiln.train.spikes import SpikeConfig
 
-CORE = [CleanConfig, HardwareConfig, BatchConfig, ParallelConfig, GPTConfig, OptimConfig, SpikeConfig, LoRAConfig]
+CORE = [CleanConfig, HardwareConfig, BatchConfig, ParallelConfig, ModelConfig, OptimConfig, SpikeConfig, LoRAConfig]
 PRESETS = Path(__file__).resolve().parents[2] / "conf" / "presets"
 
 
 class ProbeConfig(Config):
-    model: schema_of(GPTConfig, optional=True) = Field(default_factory=schema_of(GPTConfig, optional=True))
+    model: schema_of(ModelConfig, optional=True) = Field(default_factory=schema_of(ModelConfig, optional=True))
     batch: schema_of(BatchConfig) = Field(default_factory=schema_of(BatchConfig), description="The token budget.")
     clean: schema_of(CleanConfig) = Field(default_factory=schema_of(CleanConfig))
     optim: schema_of(OptimConfig, defaults={"lr": 1e-4, "weight_decay": 0.0}) = Field(
@@ -90,7 +90,7 @@ def test_every_core_dataclass_builds_a_schema_with_every_field_typed_defaulted_a
 
 
 def test_gpt_schema_lists_types_defaults_and_the_trailing_comments():
-    fields = schema_of(GPTConfig).to_fields_dict()
+    fields = schema_of(ModelConfig).to_fields_dict()
     got = {k: (f.config_type.key, f.default_value, f.description) for k, f in fields.items()}
     assert got["n_layer"] == ("Noneable.IntSourceType", 4, "transformer blocks")
     assert got["dropout"] == ("Noneable.Float", 0.0, "dropout on attention and MLP outputs (0 for pretraining)")
@@ -170,7 +170,7 @@ def test_defaults_overrides_include_exclude_and_bad_arguments():
     small = schema_of(SpikeConfig, include=["enabled", "max_rollbacks"])
     assert list(small.model_fields) == ["enabled", "max_rollbacks"]
     assert small(max_rollbacks=1).to_dataclass() == SpikeConfig(max_rollbacks=1)
-    assert "vocab_size" not in schema_of(GPTConfig, optional=True, exclude=["vocab_size"]).model_fields
+    assert "vocab_size" not in schema_of(ModelConfig, optional=True, exclude=["vocab_size"]).model_fields
     nested = schema_of(CleanConfig, defaults={"minhash": {"bands": 7, "rows": 16}})
     assert nested().to_dataclass().minhash.bands == 7
     assert nested.to_fields_dict()["minhash"].config_type.fields["bands"].default_value == 7
@@ -227,7 +227,7 @@ def test_a_typo_in_a_nested_block_is_refused_by_dagster_naming_the_field():
         validate_run_config(job, {"ops": {"probe": {"config": {"model": {"n_layr": 3}}}}})
 
 def test_unknown_keys_given_in_python_are_refused_by_from_dict_with_its_message():
-    model = schema_of(GPTConfig, optional=True)(n_layr=3)  # direct invocation and tests: no Dagster validation
+    model = schema_of(ModelConfig, optional=True)(n_layr=3)  # direct invocation and tests: no Dagster validation
     with pytest.raises(ConfigError, match=r"training_plan.model: unknown key 'n_layr'. Did you mean 'n_layer'\?"):
         model.to_dataclass("training_plan.model")
     assert model.to_dict() == {"n_layr": 3}
@@ -258,7 +258,7 @@ def test_a_string_where_an_int_belongs_is_refused():
 
 
 def test_value_errors_still_come_from_the_core_with_the_same_message():
-    model = schema_of(GPTConfig, optional=True)(n_embd=100, n_head=3)
+    model = schema_of(ModelConfig, optional=True)(n_embd=100, n_head=3)
     with pytest.raises(ValueError, match=r"model.n_embd \(100\) must be divisible by model.n_head \(3\)"):
         model.to_dataclass("training_plan.model")
     clean = schema_of(CleanConfig)(min_words=500, max_words=100)
@@ -275,7 +275,7 @@ def test_run_config_reaches_the_asset_typed_and_round_trips_exactly():
                                "exempt": {"docs-*": ["c4:*"]}, "mix": {"weights": {"wiki*": 2}}},
                      "optim": {"warmup_steps": 5}, "lora": {"enabled": True, "targets": ["attn.c_attn"]}})
     assert got.model.to_dict() == {"n_layer": 2, "n_embd": 64}  # unset mode: only what was set
-    assert got.model.to_dataclass("m", base={"n_layer": 12, "n_head": 2, "block_size": 32}) == GPTConfig(
+    assert got.model.to_dataclass("m", base={"n_layer": 12, "n_head": 2, "block_size": 32}) == ModelConfig(
         n_layer=2, n_head=2, n_embd=64, block_size=32)
     assert got.batch.to_dataclass() == BatchConfig(seq_len=64)
     clean = got.clean.to_dataclass("clean")
@@ -322,7 +322,7 @@ def test_every_preset_block_gives_the_dataclass_and_dict_that_from_dict_gives():
             assert typed.to_dict(changed_only=True) == {k: v for k, v in raw.items() if v != dataclasses.asdict(cls())[k]}
         model = ((ops.get("training_plan") or {}).get("config") or {}).get("model")
         if model is not None:
-            assert schema_of(GPTConfig, optional=True)(**model).to_dict() == model
+            assert schema_of(ModelConfig, optional=True)(**model).to_dict() == model
     assert seen >= 8
 
 
@@ -362,10 +362,10 @@ from dagster import Config, Definitions, asset, define_asset_job
 from pydantic import Field
 from assets._config import schema_of
 from kiln.clean.config import CleanConfig
-from kiln.model.gpt import GPTConfig
+from kiln.model.config import ModelConfig
 
 class ProbeConfig(Config):
-    model: schema_of(GPTConfig, optional=True) = Field(default_factory=schema_of(GPTConfig, optional=True))
+    model: schema_of(ModelConfig, optional=True) = Field(default_factory=schema_of(ModelConfig, optional=True))
     clean: schema_of(CleanConfig) = Field(default_factory=schema_of(CleanConfig))
 
 @asset

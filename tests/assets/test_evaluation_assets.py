@@ -26,7 +26,8 @@ from assets.evals import (
 )
 from kiln.train.checkpoint import save_checkpoint
 from kiln.evaluation.checkpoints import checkpoint_key
-from kiln.model.gpt import GPT, GPTConfig, padded_vocab
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT, padded_vocab
 from kiln.shards import split_of
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
@@ -69,7 +70,7 @@ def world(tmp_path_factory, tiny_tokenizer):
     train_run = client.create_run(mlflow.experiment_id(client), tags={"mlflow.runName": "base_model"}).info.run_id
     run_dir = storage.path("base_model", "run0001")
     (run_dir / "job.json").write_text(json.dumps({"mlflow_run_id": train_run}))
-    cfg = GPTConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=64, n_layer=1, n_head=2, n_embd=32)
+    cfg = ModelConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=64, n_layer=1, n_head=2, n_embd=32)
     ckpts = {}
     for step in (10, 20):
         torch.manual_seed(step)

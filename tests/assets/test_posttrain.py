@@ -19,7 +19,8 @@ from dagster import AssetKey, DagsterInstance, FilesystemIOManager, asset, mater
 from assets.alignment import dpo_model, instruction_data, preference_data, rl_model
 from kiln.train.checkpoint import save_checkpoint
 from kiln.evaluation.tasks import build_tasks
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.posttrain.measures import MEASURES, heldout_suite, stage_rows
 from kiln.shards import split_of
 from resources.storage import KilnStorageResource
@@ -53,7 +54,7 @@ def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
                              "content_type": ["text/html"] * len(pages)}), raw_path)
     model = {**model_dict, "dropout": 0.0}
     torch.manual_seed(0)
-    cfg = GPTConfig(**model)
+    cfg = ModelConfig(**model)
     sft_ckpt = save_checkpoint(home / "sft", 3, {"model": GPT(cfg).state_dict()}, {"model": asdict(cfg)},
                                {"tokenizer.json": tok_path})
 

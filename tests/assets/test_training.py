@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from assets.training import TRAINING_RETRY, base_model
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.plan import BatchConfig, HardwareConfig, make_plan
-from kiln.model.gpt import GPTConfig
+from kiln.model.config import ModelConfig
 from kiln.shards import shard_paths
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
@@ -21,7 +21,7 @@ from resources.tracking import MlflowResource
 @pytest.mark.slow
 def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, tiny_tokenizer, tiny_shards, model_dict):
     _, tok_path = tiny_tokenizer
-    plan = make_plan(GPTConfig(**model_dict), BatchConfig(seq_len=32, global_batch=4, max_steps=12),
+    plan = make_plan(ModelConfig(**model_dict), BatchConfig(seq_len=32, global_batch=4, max_steps=12),
                      HardwareConfig(memory_gb=4)).to_dict()
     plan.update(hardware={"device": "cpu", "nproc_per_node": 1, "nnodes": 1, "peak_tflops": None}, max_steps=12)
 

@@ -163,11 +163,12 @@ def release(tmp_path, tiny_tokenizer) -> tuple[Path, Path]:
     import torch
 
     from kiln.train.checkpoint import save_checkpoint
-    from kiln.model.gpt import GPT, GPTConfig
+    from kiln.model.config import ModelConfig
+    from kiln.model.gpt import GPT
     from kiln.release.bundle import write_release
 
     _, tok = tiny_tokenizer
-    cfg = GPTConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=32)
+    cfg = ModelConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=32)
     torch.manual_seed(0)
     ckpt = save_checkpoint(tmp_path / "run" / "checkpoints", 9, {"model": GPT(cfg).state_dict()}, {"model": asdict(cfg), "task": "sft"},
                            extra_files={"tokenizer.json": tok})

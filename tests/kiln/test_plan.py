@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.model.gpt import MODEL_PRESETS, GPTConfig, flops_per_token, preset_fields
+from kiln.model.config import MODEL_PRESETS, ModelConfig, preset_fields
+from kiln.model.families import build_model, flops_per_token
 from kiln.plan import (
     GIB,
     BatchConfig,
@@ -26,13 +27,13 @@ from kiln.plan import (
     memory_breakdown,
 )
 
-GPT2_124M = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-TINY = GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
+GPT2_124M = ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+TINY = ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 H100 = dict(device="cuda", memory_gb=80, peak_tflops=989.4)
 
 
-def gpt2(preset: str) -> GPTConfig:
-    return GPTConfig(vocab_size=50304, **preset_fields(preset))
+def gpt2(preset: str) -> ModelConfig:
+    return ModelConfig(vocab_size=50304, **preset_fields(preset))
 
 
 def test_gpt2_small_has_124m_parameters() -> None:
@@ -44,17 +45,73 @@ def test_gpt2_small_has_124m_parameters() -> None:
 
 @pytest.mark.parametrize("preset,millions", [("gpt2", 124), ("gpt2-medium", 355), ("gpt2-large", 774), ("gpt2-xl", 1558)])
 def test_gpt2_family_presets_have_the_published_sizes(preset, millions) -> None:
-    cfg = GPTConfig(vocab_size=50257, **preset_fields(preset))
+    cfg = ModelConfig(vocab_size=50257, **preset_fields(preset))
     assert round(count_params(cfg)[0] / 1e6) == millions
-    assert set(MODEL_PRESETS) >= {"tiny", "demo", "gpt2", "gpt2-medium", "gpt2-large"}
+    assert set(MODEL_PRESETS["gpt2"]) >= {"tiny", "demo", "gpt2", "gpt2-medium", "gpt2-large"}
     with pytest.raises(ValueError, match="unknown model preset 'gpt3'.*gpt2-medium"):
         preset_fields("gpt3")
 
 
 def test_count_params_without_bias_keeps_layernorm_weights() -> None:
-    cfg = GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False)
+    cfg = ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False)
     # per layer 12 C^2 + 2 LayerNorm weights; ln_f weight; embeddings
     assert count_params(cfg)[0] == 2 * (12 * 32**2 + 2 * 32) + 32 + (320 + 32) * 32
+
+
+LLAMAS = [
+    ModelConfig(family="llama", vocab_size=320, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32),
+    ModelConfig(family="llama", vocab_size=320, block_size=32, n_layer=3, n_head=4, n_embd=64, intermediate_size=96,
+                tie_embeddings=False),
+    ModelConfig(family="llama", vocab_size=384, block_size=16, n_layer=1, n_head=6, n_kv_head=1, n_embd=48, qk_norm=True),
+    ModelConfig(family="llama", vocab_size=320, block_size=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, qk_norm=True,
+                tie_embeddings=False),
+]
+
+
+@pytest.mark.parametrize("cfg", [TINY, ModelConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=32, bias=False),
+                                 *LLAMAS], ids=lambda c: f"{c.family}-{c.n_layer}x{c.n_embd}")
+def test_count_params_matches_the_built_model(cfg) -> None:
+    model = build_model(cfg)
+    total, body = count_params(cfg)
+    assert total == sum(p.numel() for p in model.parameters())  # tied weights counted once
+    tables = {"transformer.wte.weight", "transformer.wpe.weight", "model.embed_tokens.weight", "lm_head.weight"}
+    assert body == sum(p.numel() for n, p in model.named_parameters() if n not in tables)
+
+
+def test_llama_count_and_flops_by_hand() -> None:
+    cfg = ModelConfig(family="llama", vocab_size=49152, block_size=2048, **{k: v for k, v in
+                      preset_fields("smollm-135m", "llama").items() if k not in ("family", "block_size")})
+    assert count_params(cfg)[0] == 134_515_008  # SmolLM-135M's published count (tied embeddings)
+    c, kv, i = 576, 3 * 64, 1536
+    per_layer = 2 * c * c + 2 * c * kv + 3 * c * i  # q, o; GQA's k, v; SwiGLU's three matrices
+    assert flops_per_token(cfg, 2048) == 6 * (30 * per_layer + 49152 * c) + 12 * 30 * c * 2048
+    untied = ModelConfig(**{**cfg.__dict__, "tie_embeddings": False})
+    assert count_params(untied)[0] - count_params(cfg)[0] == 49152 * c  # the untied head is its own matrix
+    assert count_params(untied)[1] == count_params(cfg)[1]
+
+
+def test_llama_activation_memory_follows_gqa_and_swiglu() -> None:
+    """Per token per block: 7 C + 2 kv + 4 I elements (4 B each on CPU); GQA's narrower k, v save memory."""
+    mha = ModelConfig(family="llama", vocab_size=320, block_size=64, n_layer=4, n_head=4, n_embd=64, intermediate_size=128)
+    gqa = ModelConfig(**{**mha.__dict__, "n_kv_head": 1})
+    tokens, L = 8 * 64, 4
+
+    def act(cfg, ac=False):
+        return memory_breakdown(cfg, 8, 64, False, activation_checkpointing=ac)["activations"] * GIB
+
+    assert act(mha) == tokens * L * 4 * (7 * 64 + 2 * 64 + 4 * 128) + tokens * 3 * 4 * 64
+    assert act(mha) - act(gqa) == tokens * L * 4 * 2 * (64 - 16)
+    assert act(mha, ac=True) == tokens * (L * 4 * 64 + 4 * (7 * 64 + 2 * 64 + 4 * 128)) + tokens * 3 * 4 * 64
+    fsdp = memory_breakdown(gqa, 8, 64, True, world=4, fsdp=True)
+    assert fsdp["weights_grads_optimizer"] * GIB == count_params(gqa)[0] * 16 / 4
+
+
+def test_plan_records_the_family_fields_only() -> None:
+    plan = make_plan(LLAMAS[0], BatchConfig(seq_len=32, global_batch=4, max_steps=2), HardwareConfig(memory_gb=16))
+    assert plan.model["family"] == "llama" and plan.model["n_kv_head"] == 2 and "bias" not in plan.model
+    assert plan.params == count_params(LLAMAS[0])[0]
+    assert "family" not in make_plan(TINY, BatchConfig(seq_len=32, global_batch=4, max_steps=2),
+                                     HardwareConfig(memory_gb=16)).model  # GPT-2 plans read as before families
 
 
 def test_state_bytes_per_parameter_replicated_and_sharded() -> None:
@@ -89,7 +146,7 @@ def test_activation_and_logit_terms() -> None:
     assert ac["activations"] * GIB == pytest.approx(tokens * (layers * 4 * c + 68 * c + 3 * 4 * c))
     # activations grow linearly in micro-batch
     assert memory_breakdown(TINY, 2 * b, s, False)["activations"] == pytest.approx(2 * fp32["activations"])
-    dropout = GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    dropout = ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
     extra = memory_breakdown(dropout, b, s, False)["activations"] - fp32["activations"]
     assert extra * GIB == pytest.approx(tokens * layers * (2 * c + 13 * 2 * s))  # masks + unfused scores on CPU
 
@@ -238,8 +295,25 @@ def test_memory_estimate_is_within_25_percent_of_measured_peak(tmp_path, pretrai
     proc = train_runner(job)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((Path(json.loads(job.read_text())["out_dir"]) / "result.json").read_text())
-    cfg = GPTConfig(**model)
+    cfg = ModelConfig(**model)
     plan = make_plan(cfg, BatchConfig(seq_len=128, global_batch=16, micro_batch=16), HardwareConfig(memory_gb=16))
     estimate, measured = plan.memory_gb["total"], res["peak_memory_gb"]
     assert 0.15 < estimate < 0.3  # big enough that interpreter noise is small beside it
     assert abs(estimate - measured) / measured < 0.25, (estimate, measured, plan.memory_gb)
+
+
+def test_plan_from_config_picks_the_named_size_of_the_family() -> None:
+    from kiln.common.config import ConfigError
+    from kiln.plan import plan_from_config
+
+    batch = {"seq_len": 32, "global_batch": 4, "max_steps": 2}
+    _, cfg, _, _ = plan_from_config(300, "tiny", {"family": "llama"}, batch, {"memory_gb": 16})
+    assert (cfg.family, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.vocab_size) == ("llama", 2, 4, 2, 64, 320)
+    _, cfg, _, _ = plan_from_config(300, "tiny", {}, batch, {"memory_gb": 16})
+    assert (cfg.family, cfg.n_head) == ("gpt2", 2)
+    with pytest.raises(ConfigError, match="training_plan: model.n_kv_head applies to the llama family only"):
+        plan_from_config(300, "tiny", {"n_kv_head": 2}, batch)
+    with pytest.raises(ConfigError, match="unknown model preset 'gpt2-xl' for family llama; choose one of tiny, demo"):
+        plan_from_config(300, "gpt2-xl", {"family": "llama"}, batch)
+    with pytest.raises(ConfigError, match="unknown family 'mamba'"):
+        plan_from_config(300, "", {"family": "mamba"}, batch)

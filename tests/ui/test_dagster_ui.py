@@ -230,7 +230,7 @@ def test_launchpad_shows_training_plan_config_as_typed_fields(webserver, browser
              tmp_path / "launchpad_failed.png")
     lines = browser.find_elements(By.XPATH, "//*[contains(@class, 'CodeMirror-line')][contains(., 'n_layer')]")
     assert lines, "no editor line holds n_layer"
-    lines[0].click()  # the type panel follows the cursor: GPTConfig's fields
+    lines[0].click()  # the type panel follows the cursor: ModelConfig's fields
     wait_for(browser, lambda d: "n_embd" in text(d) and "n_head" in text(d),
              lambda: f"the type panel does not list the model fields: {text(browser)[-800:]}", tmp_path / "launchpad_failed.png")
     time.sleep(1)

@@ -29,7 +29,8 @@ from kiln.evaluation import (
     run_suite,
     sample_generations,
 )
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 
 PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 FILL = "the a of and to in on with near under over slowly quietly every old new small bright".split()
@@ -43,7 +44,7 @@ def enc() -> tiktoken.Encoding:
 
 def tiny_gpt(block_size: int = 32, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=320, block_size=block_size, n_layer=2, n_head=2, n_embd=32)).eval()
+    return GPT(ModelConfig(vocab_size=320, block_size=block_size, n_layer=2, n_head=2, n_embd=32)).eval()
 
 
 class TableLM(nn.Module):
@@ -51,7 +52,7 @@ class TableLM(nn.Module):
 
     def __init__(self, table: torch.Tensor, block_size: int = 64):
         super().__init__()
-        self.config = GPTConfig(vocab_size=table.shape[1], block_size=block_size, n_layer=1, n_head=1, n_embd=8)
+        self.config = ModelConfig(vocab_size=table.shape[1], block_size=block_size, n_layer=1, n_head=1, n_embd=8)
         self.table = nn.Parameter(table.clone(), requires_grad=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -156,7 +157,7 @@ class NGramLM(nn.Module):
 
     def __init__(self, texts: list[list[int]], n: int = 10, block_size: int = 64):
         super().__init__()
-        self.config = GPTConfig(vocab_size=320, block_size=block_size, n_layer=1, n_head=1, n_embd=8)
+        self.config = ModelConfig(vocab_size=320, block_size=block_size, n_layer=1, n_head=1, n_embd=8)
         self.n, self.next = n, {}
         for ids in texts:
             for t in range(len(ids) - 1):

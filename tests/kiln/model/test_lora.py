@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from kiln.train.checkpoint import save_checkpoint
 from kiln.model.lora import (LoRAConfig, LoRALinear, adapters_disabled, apply_lora, load_lora_state_dict, lora_state_dict,
                        merged_state_dict, trainable_parameters)
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 
-CFG = GPTConfig(vocab_size=320, block_size=16, n_layer=2, n_head=2, n_embd=32)
+CFG = ModelConfig(vocab_size=320, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
 def models():
@@ -122,3 +123,37 @@ def test_release_of_a_merged_checkpoint_reloads_with_the_same_logits(tmp_path, t
     released, _ = load_release(tmp_path / "bundle")
     with torch.no_grad():
         torch.testing.assert_close(released(x), adapted.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+LLAMA = ModelConfig(family="llama", vocab_size=320, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+
+
+def test_llama_gets_adapters_on_its_seven_projections_and_merges_to_plain_weights() -> None:
+    from kiln.model.families import build_model
+
+    torch.manual_seed(0)
+    base = build_model(LLAMA)
+    adapted = build_model(LLAMA)
+    adapted.load_state_dict(base.state_dict())
+    wrapped = apply_lora(adapted, LoRAConfig(enabled=True, rank=4))  # the default targets follow the family
+    assert len(wrapped) == 7 * LLAMA.n_layer
+    assert {n.split(".", 3)[3] for n in wrapped} == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                      "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    c, kv, i = 32, 16, LLAMA.intermediate_size  # GQA: k and v are 2 heads of 8
+    per_layer = 4 * ((c + c) * 2 + (c + kv) * 2 + (c + i) * 2 + (i + c))  # r * (in + out) per target
+    assert trainable_parameters(adapted) == LLAMA.n_layer * per_layer
+    x = train_a_little(adapted)
+    merged = merged_state_dict(adapted.eval())
+    assert set(merged) == set(base.state_dict())
+    plain = build_model(LLAMA)
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(x), adapted(x), rtol=1e-5, atol=1e-5)
+        with adapters_disabled(adapted):
+            assert torch.equal(adapted(x), base.eval()(x))
+    only_q = build_model(LLAMA)
+    assert len(apply_lora(only_q, LoRAConfig(enabled=True, targets=["self_attn.q_proj"]))) == LLAMA.n_layer
+    with pytest.raises(ValueError, match="'mlp.c_fc' is not a layer of the llama family; choose from self_attn.q_proj"):
+        apply_lora(build_model(LLAMA), LoRAConfig(enabled=True, targets=["mlp.c_fc"]))
+    with pytest.raises(ValueError, match="'mlp.up_proj' is not a layer of the gpt2 family; choose from attn.c_attn"):
+        apply_lora(GPT(CFG), LoRAConfig(enabled=True, targets=["mlp.up_proj"]))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.model.gpt import GPT, GPTConfig, flops_per_token, padded_vocab
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT, flops_per_token, padded_vocab
 from kiln.plan import count_params
 
 
@@ -16,7 +17,7 @@ def make(**kw) -> GPT:
     torch.manual_seed(0)
     cfg = dict(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
     cfg.update(kw)
-    return GPT(GPTConfig(**cfg))
+    return GPT(ModelConfig(**cfg))
 
 
 def test_forward_shape_and_dtype() -> None:
@@ -83,7 +84,7 @@ def test_sequence_longer_than_block_size_is_rejected_with_both_numbers() -> None
 
 def test_n_embd_not_divisible_by_heads_names_both_fields() -> None:
     with pytest.raises(ValueError, match=r"model\.n_embd \(30\) must be divisible by model\.n_head \(4\)"):
-        GPTConfig(n_embd=30, n_head=4)
+        ModelConfig(n_embd=30, n_head=4)
 
 
 def test_padded_vocab() -> None:
@@ -133,7 +134,7 @@ def test_sampling_with_top_k_1_equals_greedy() -> None:
 
 
 def test_flops_per_token() -> None:
-    cfg = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    cfg = ModelConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
     n = 12 * 2 * 32**2 + 300 * 32
     assert flops_per_token(cfg, 32) == 6 * n + 12 * 2 * 32 * 32
 

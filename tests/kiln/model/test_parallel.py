@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, param_digest, parallelize
 
 CFG = dict(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -19,7 +20,7 @@ CFG = dict(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 def make(dropout: float = 0.0) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**CFG, dropout=dropout))
+    return GPT(ModelConfig(**CFG, dropout=dropout))
 
 
 def loss_and_grads(model: torch.nn.Module, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -19,7 +19,8 @@ import torch
 from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.posttrain.dpo import PairLoader, dpo_loss, encode_preferences, pair_batch
 from kiln.posttrain.instructions import build_pairs, write_jsonl
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.posttrain.logprobs import score_responses, sequence_logps, token_logps
 from kiln.posttrain.preferences import build_preferences
 from kiln.posttrain.sft import IGNORE, encode_example
@@ -64,7 +65,7 @@ def test_dpo_gradient_pushes_chosen_up_and_rejected_down() -> None:
 def test_sequence_logps_sum_response_tokens_only(tiny_tokenizer) -> None:
     enc, _ = tiny_tokenizer
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=320, block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
+    model = GPT(ModelConfig(vocab_size=320, block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
     ids, mask = encode_example(enc, "Who sees the river?", "The cat sees the river.")
     x, y = torch.tensor([ids[:-1]]), torch.tensor([[t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]])
     with torch.no_grad():
@@ -98,7 +99,7 @@ def test_pair_batches_put_chosen_rows_first_and_trim_padding(tiny_tokenizer) -> 
 
 def tiny_checkpoint(root: Path, tok_path: Path, model: dict, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    cfg = GPTConfig(**model)
+    cfg = ModelConfig(**model)
     return save_checkpoint(root, 0, {"model": GPT(cfg).state_dict()}, {"model": asdict(cfg)}, {"tokenizer.json": tok_path})
 
 

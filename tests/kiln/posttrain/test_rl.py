@@ -18,7 +18,8 @@ import torch
 
 from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.posttrain.instructions import arithmetic, build_pairs, final_number, write_jsonl
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.posttrain.sampling import complete
 from kiln.posttrain.rl import RlJob, answer_rows, group_advantages, grpo_loss, make_reward, rollout_loss
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids
@@ -92,7 +93,7 @@ def test_answer_rows_target_only_the_sampled_answer(tiny_tokenizer) -> None:
 def test_sampling_stops_each_row_at_its_end_of_text(tiny_tokenizer, one_thread) -> None:
     enc, _ = tiny_tokenizer
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()
     prompts = ["What is 1 + 2?", "Explain the river.", "What is 10 + 20?"]
     out = complete(model, enc, prompts, max_new_tokens=6, temperature=1.0, samples=5,
                    generator=torch.Generator().manual_seed(0))
@@ -109,7 +110,7 @@ def test_rl_raises_mean_reward_on_a_task_a_tiny_model_can_learn(tiny_tokenizer, 
     """Answer with a number: a random tiny model does so ~20% of the time; GRPO makes it nearly always."""
     enc, _ = tiny_tokenizer
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=48))
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=48))
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     items = list(arithmetic(64, seed=0))
@@ -132,7 +133,7 @@ def test_rl_raises_mean_reward_on_a_task_a_tiny_model_can_learn(tiny_tokenizer, 
 
 def tiny_checkpoint(root: Path, tok_path: Path, model: dict, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    cfg = GPTConfig(**model)
+    cfg = ModelConfig(**model)
     return save_checkpoint(root, 0, {"model": GPT(cfg).state_dict()}, {"model": asdict(cfg)}, {"tokenizer.json": tok_path})
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.posttrain.sft import IGNORE, PackedLoader, encode_example, iter_packed_eval, pack, read_pairs, to_xy
 
 
@@ -80,7 +81,7 @@ def test_loss_gradient_is_exactly_zero_on_prompt_positions(tiny_tokenizer) -> No
                         seq_len=31, pad_id=enc.eot_token)
     x, y = to_xy(tokens, mask)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32))
     logits = model(x)  # (B, T, V)
     logits.retain_grad()
     F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE).backward()

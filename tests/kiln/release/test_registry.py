@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kiln.train.checkpoint import save_checkpoint
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.release.registry import (
     TAG_DIGEST,
     bundle_digest,
@@ -27,7 +28,7 @@ from kiln.release.registry import (
 )
 from kiln.release.bundle import write_release
 
-CFG = GPTConfig(vocab_size=320, block_size=16, n_layer=1, n_head=2, n_embd=16)
+CFG = ModelConfig(vocab_size=320, block_size=16, n_layer=1, n_head=2, n_embd=16)
 LINEAGE = {"clean_corpus": "bbbb2222", "token_shards": "dddd4444", "sft_model": "9999aaaa"}
 
 

@@ -17,13 +17,14 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.train.checkpoint import load_for_inference, save_checkpoint
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.release.bundle import ReleaseError, load_release, verify_release, write_release
 from kiln.release.hf import CONV1D, bytes_to_unicode, from_hf_state_dict, hf_config, hf_tokenizer, recover_merges, to_hf_state_dict
 from kiln.release.lineage import LINEAGE_SECTIONS, checkpoint_lineage, lineage_tree, read_release_info
 from kiln.common.files import sha256_file
 
-CFG = GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
+CFG = ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
 def trained_like_model(seed: int = 0) -> GPT:
@@ -76,7 +77,7 @@ def test_hf_config_describes_the_model() -> None:
     assert cfg["activation_function"] == "gelu_new"  # tanh GELU, as the model uses
     assert cfg["eos_token_id"] == cfg["bos_token_id"] == 297 and cfg["tie_word_embeddings"] is True
     with pytest.raises(ValueError, match="model.bias=true"):
-        hf_config(GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False), 297)
+        hf_config(ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False), 297)
 
 
 def test_write_then_load_release_gives_bit_identical_logits(tmp_path, checkpoint, tiny_tokenizer) -> None:
@@ -228,7 +229,7 @@ def test_hf_tokenizer_rejects_specials_that_do_not_follow_the_vocabulary(tiny_to
         hf_tokenizer(gap)
 
 
-def _release(tmp_path: Path, enc, cfg: GPTConfig, seed: int = 0) -> tuple[Path, GPT]:
+def _release(tmp_path: Path, enc, cfg: ModelConfig, seed: int = 0) -> tuple[Path, GPT]:
     from kiln.tokenizer import save_encoding
 
     torch.manual_seed(seed)
@@ -250,7 +251,7 @@ def test_transformers_loads_the_bundle_with_kilns_logits_and_ids(tmp_path, train
     from kiln.posttrain.sft import chat_prompt_ids, encode_example
 
     enc = trained_encoding
-    cfg = GPTConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=64, n_layer=2, n_head=4, n_embd=64)
+    cfg = ModelConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=64, n_layer=2, n_head=4, n_embd=64)
     bundle, kiln_model = _release(tmp_path, enc, cfg)
     verify_release(bundle)
 
@@ -282,7 +283,7 @@ def test_gpt2_bundle_also_has_exact_vocab_and_merges_for_gpt2tokenizer(tmp_path,
     from kiln.model.gpt import padded_vocab
 
     enc = gpt2_encoding
-    cfg = GPTConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=32, n_layer=1, n_head=2, n_embd=16)
+    cfg = ModelConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=32, n_layer=1, n_head=2, n_embd=16)
     bundle, _ = _release(tmp_path, enc, cfg)
     info = json.loads((bundle / "kiln.json").read_text())
     assert info["tokenizer"]["hf_files"] == ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -32,12 +32,13 @@ from kiln.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.common.files import sha256_file
 
 
-def tiny_config() -> GPTConfig:
-    return GPTConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
+def tiny_config() -> ModelConfig:
+    return ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
 def trained(seed: int) -> tuple[GPT, torch.optim.Optimizer]:
