@@ -10,7 +10,7 @@ from pydantic import Field
 from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
 from assets._config import schema_of
 from kiln.common.files import stable_hash
-from kiln.model.gpt import GPTConfig
+from kiln.model.config import ModelConfig
 from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, plan_from_config
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, pretrain_report
@@ -26,7 +26,7 @@ from resources.tracking import MlflowResource
 TRAINING_RETRY = RetryPolicy(max_retries=2, delay=5, backoff=Backoff.EXPONENTIAL)
 
 
-ModelOverrides = schema_of(GPTConfig, optional=True, name="ModelOverrides")
+ModelOverrides = schema_of(ModelConfig, optional=True, name="ModelOverrides")
 Batch = schema_of(BatchConfig, name="Batch")
 Hardware = schema_of(HardwareConfig, name="Hardware")
 Parallel = schema_of(ParallelConfig, name="Parallel")
@@ -35,13 +35,13 @@ Spikes = schema_of(SpikeConfig, name="Spikes")
 
 
 class TrainingPlanConfig(Config):
-    model_preset: str = Field(default="", description="Named size from kiln.model.gpt.MODEL_PRESETS (tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl); `model` overrides its fields.")
-    model: ModelOverrides = Field(default_factory=ModelOverrides, description="Fields overriding the named size (or the GPTConfig defaults); vocab_size comes from the tokenizer.")
+    model_preset: str = Field(default="", description="Named size of the model's family from kiln.model.config.MODEL_PRESETS (gpt2: tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl; llama: tiny, demo, 125m, smollm-135m, llama3.2-1b); `model` overrides its fields.")
+    model: ModelOverrides = Field(default_factory=ModelOverrides, description="The family (`family: llama`; gpt2 when unset) and fields overriding its named size (or the ModelConfig defaults); vocab_size comes from the tokenizer. A field another family uses is an error.")
     batch: Batch = Field(default_factory=Batch, description="The token budget: sequence length, global batch, steps.")
     hardware: Hardware = Field(default_factory=Hardware, description="Where it trains: device, processes, nodes, memory.")
     parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile.")
 
-    def plan(self, n_vocab: int) -> tuple[TrainingPlan, GPTConfig, BatchConfig, HardwareConfig]:
+    def plan(self, n_vocab: int) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
         """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it)."""
         return plan_from_config(n_vocab, self.model_preset, self.model.to_dict(), self.batch.to_dict(),
                                 self.hardware.to_dict(), self.parallel.to_dict())
@@ -87,7 +87,7 @@ class BaseModelConfig(schema_of(JobConfig, include=PRETRAIN_FIELDS, name="Pretra
 @asset(code_version="2", group_name="training", retry_policy=TRAINING_RETRY)
 def base_model(context: AssetExecutionContext, config: BaseModelConfig, training_plan: dict, token_shards: dict,
                tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
-    """The pretrained GPT: a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) that resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
+    """The pretrained model (GPT-2 or llama family, as the plan says): a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) that resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
     with failing_on_config_errors():
         fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
                   "max_steps": training_plan["max_steps"]}

@@ -1,4 +1,5 @@
-"""Release bundle: safetensors weights and tokenizer files in the Hugging Face GPT-2 layout, config, card, kiln.json, checksums.
+"""Release bundle: safetensors weights and tokenizer files in the Hugging Face layout of the model's family (GPT-2,
+Llama, Qwen3), config, card, kiln.json, checksums.
 
 Use: ``write_release(checkpoint, out_dir, card, extra)``; ``load_release(dir)`` reads it back (``kiln generate DIR``).
 """
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.common.files import atomic_path, atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.families import build_model
 from kiln.release.hf import ReleaseError, from_hf_state_dict, hf_config, to_hf_state_dict, write_hf_tokenizer
 from kiln.train.checkpoint import load_state, resolve_checkpoint
 
@@ -36,7 +37,7 @@ def write_release(checkpoint: str | Path, out_dir: Path, card: str, extra: dict[
     enc = load_encoding(ckpt / "tokenizer.json")
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(out_dir / "model.safetensors") as tmp:
-        save_file(to_hf_state_dict(state["model"]), str(tmp), metadata={"format": "pt"})
+        save_file(to_hf_state_dict(state["model"], cfg), str(tmp), metadata={"format": "pt"})
     atomic_write_json(out_dir / "config.json", hf_config(cfg, enc.eot_token))
     atomic_write_json(out_dir / "generation_config.json", {
         "bos_token_id": enc.eot_token, "eos_token_id": enc.eot_token, "pad_token_id": enc.eot_token, "do_sample": True,
@@ -71,13 +72,14 @@ def verify_release(bundle: Path) -> None:
 
 
 def load_release(bundle: str | Path, map_location: str = "cpu"):
-    """(GPT in eval mode, tokenizer) from a release bundle, after verifying its checksums."""
+    """(model of the bundle's family in eval mode, tokenizer) from a release bundle, after verifying its checksums."""
     from kiln.tokenizer import load_encoding
 
     bundle = Path(bundle)
     verify_release(bundle)
     info = json.loads((bundle / "kiln.json").read_text())
-    model = GPT(ModelConfig(**info["model"]))
-    model.load_state_dict(from_hf_state_dict(load_file(str(bundle / "model.safetensors"), device=map_location)))
+    cfg = ModelConfig(**info["model"])
+    model = build_model(cfg)
+    model.load_state_dict(from_hf_state_dict(load_file(str(bundle / "model.safetensors"), device=map_location), cfg))
     model.eval()
     return model, load_encoding(bundle / "tokenizer.kiln.json")

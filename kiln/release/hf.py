@@ -1,6 +1,8 @@
-"""Hugging Face formats of a Kiln model: GPT-2 weights (Conv1D layout), config, and the tokenizer with Kiln's ids.
+"""Hugging Face formats of a Kiln model: GPT-2 weights (Conv1D layout) or Llama / Qwen3 weights, config, and the
+tokenizer with Kiln's ids.
 
-Use: ``to_hf_state_dict(state)``, ``hf_tokenizer(enc).encode(text).ids``; ``write_release`` writes them into a bundle.
+Use: ``to_hf_state_dict(state, cfg)``, ``hf_config(cfg, eot)``, ``hf_tokenizer(enc).encode(text).ids``;
+``write_release`` writes them into a bundle.
 """
 
 from __future__ import annotations
@@ -40,8 +42,13 @@ class ReleaseError(ValueError):
     """A bundle is incomplete or damaged, or its files cannot be made to match Kiln; the message names the file."""
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Kiln parameter names already follow GPT2LMHeadModel; transpose Conv1D weights, drop the tied head."""
+def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """Kiln parameter names already follow GPT2LMHeadModel (LlamaForCausalLM, Qwen3ForCausalLM for llama); for
+    GPT-2 transpose the Conv1D weights; drop a tied head (transformers ties it again from the embedding)."""
+    if cfg is not None and cfg.family == "llama":
+        tied = cfg.tie_embeddings
+        return {name: t.detach().to(torch.float32).contiguous() for name, t in state.items()
+                if not (tied and name == "lm_head.weight")}
     out = {}
     for name, t in state.items():
         if name == "lm_head.weight":
@@ -51,13 +58,22 @@ def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """The inverse of to_hf_state_dict: Kiln's state dict, with a tied head pointing at the embedding."""
+    if cfg is not None and cfg.family == "llama":
+        out = {name: t.contiguous() for name, t in state.items()}
+        if cfg.tie_embeddings:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
     out = {name: (t.t() if name.endswith(CONV1D) else t).contiguous() for name, t in state.items()}
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
 
 def hf_config(cfg: ModelConfig, eot: int) -> dict[str, Any]:
+    """config.json for transformers: GPT2LMHeadModel, LlamaForCausalLM, or Qwen3ForCausalLM (llama with qk_norm)."""
+    if cfg.family == "llama":
+        return hf_llama_config(cfg, eot)
     if not cfg.bias:
         raise ValueError("Hugging Face GPT-2 needs biases: release a model trained with model.bias=true")
     return {
@@ -68,6 +84,28 @@ def hf_config(cfg: ModelConfig, eot: int) -> dict[str, Any]:
         "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True, "torch_dtype": "float32",
         "dtype": "float32",
     }
+
+
+def hf_llama_config(cfg: ModelConfig, eot: int) -> dict[str, Any]:
+    """A llama-family config as LlamaForCausalLM's (Qwen3ForCausalLM's with qk_norm, which is where they differ).
+    The rotary base is written both ways transformers has read it (rope_theta; rope_parameters since v5)."""
+    out = {
+        "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
+        "model_type": "qwen3" if cfg.qk_norm else "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
+        "torch_dtype": "float32", "dtype": "float32",
+    }
+    if cfg.qk_norm:  # Qwen3's sliding-window attention, off: every layer attends to the whole context
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
+                   layer_types=["full_attention"] * cfg.n_layer)
+    else:
+        out.update(mlp_bias=False, pretraining_tp=1)
+    return out
 
 
 # ---- tokenizer files for transformers -------------------------------------------------------------------
