@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from kiln.train.checkpoint import Checkpointer, load_state, save_checkpoint  # noqa: E402
 from kiln.model.config import ModelConfig  # noqa: E402
-from kiln.model.gpt import GPT, padded_vocab  # noqa: E402
+from kiln.model.config import padded_vocab  # noqa: E402
+from kiln.model.families import build_model  # noqa: E402
 from kiln.train.optim import OptimConfig, make_optimizer  # noqa: E402
 
 CHUNK = 8 << 20
@@ -62,9 +63,9 @@ def disk_bandwidth(folder: Path, nbytes: int) -> tuple[float, float]:
     return write, read
 
 
-def trained(layers: int, width: int, vocab: int) -> tuple[GPT, torch.optim.Optimizer]:
+def trained(layers: int, width: int, vocab: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=vocab, block_size=256, n_layer=layers, n_head=max(1, width // 64), n_embd=width))
+    model = build_model(ModelConfig(vocab_size=vocab, block_size=256, n_layer=layers, n_head=max(1, width // 64), n_embd=width))
     opt = make_optimizer(model, OptimConfig(), torch.device("cpu"))
     model(torch.randint(0, vocab, (2, 16)), torch.randint(0, vocab, (2, 16))).backward()
     opt.step()  # AdamW's moments exist: the state is weights + 2 moments, as in training

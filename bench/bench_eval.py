@@ -18,7 +18,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from kiln.evaluation.adapter import KilnLM  # noqa: E402
 from kiln.model.config import ModelConfig  # noqa: E402
-from kiln.model.gpt import GPT, padded_vocab  # noqa: E402
+from kiln.model.config import padded_vocab  # noqa: E402
+from kiln.model.families import build_model  # noqa: E402
 from kiln.tokenizer import train_bpe  # noqa: E402
 
 TARGET = 1.3  # the adapter may take at most 30% longer than raw forward passes over the same tokens
@@ -65,7 +66,7 @@ def main() -> None:
     enc = train_bpe(paras, 4096)
     cfg = ModelConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=256, n_layer=4, n_head=4, n_embd=256)  # the demo model
     torch.manual_seed(0)
-    model = GPT(cfg).eval()
+    model = build_model(cfg).eval()
     lm = KilnLM(model, enc, batch_size=args.batch_size)
     reqs = requests(paras, args.requests, seed=0)
 

@@ -3,7 +3,7 @@
 CPU (the issue's setting): python bench/bench_train.py            # 4 layers x 4 heads x 128 wide, T=64, B=12, fp32, 2 threads
 GPU (bench/gpu.sh):        python bench/bench_train.py --device cuda --preset gpt2 --seq-len 1024 --micro-batch 16 --steps 100
 The step is Kiln's own (kiln.train.trainer.accumulate_gradients, clipping, fused AdamW, the cosine schedule) on random
-tokens, so data loading is not measured. FLOPs per token are PaLM's 6N + 12 L C T (kiln.model.gpt.flops_per_token).
+tokens, so data loading is not measured. FLOPs per token are PaLM's 6N + 12 L C T (kiln.model.families.flops_per_token).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.model.config import ModelConfig  # noqa: E402
-from kiln.model.gpt import GPT, flops_per_token, preset_fields  # noqa: E402
+from kiln.model.config import ModelConfig, preset_fields  # noqa: E402
+from kiln.model.families import build_model, flops_per_token  # noqa: E402
 from kiln.model.parallel import clip_grad_norm, parallelize  # noqa: E402
 from kiln.plan import gpu_peak_tflops, measure_matmul_peak  # noqa: E402
 from kiln.train.optim import OptimConfig, lr_lambda, make_optimizer  # noqa: E402
@@ -51,7 +51,12 @@ def gemm_ceiling(cfg: ModelConfig, tokens: int, device: torch.device, reps: int 
     """FLOP/s of the model's own matrix products alone (every Linear's forward, input-gradient and weight-gradient
     GEMM, best of ``reps`` each): what a step could reach if everything else cost nothing."""
     c, v = cfg.n_embd, cfg.vocab_size
-    shapes = [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)] * cfg.n_layer + [(c, v)]  # (in, out) of each Linear
+    if cfg.family == "llama":
+        kv, i = cfg.n_kv_head * cfg.head_dim, cfg.intermediate_size
+        block = [(c, c), (c, kv), (c, kv), (c, c), (c, i), (c, i), (i, c)]  # q, k, v, o, gate, up, down
+    else:
+        block = [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)]
+    shapes = block * cfg.n_layer + [(c, v)]  # (in, out) of each Linear
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     flops = seconds = 0.0
@@ -74,7 +79,8 @@ def gemm_ceiling(cfg: ModelConfig, tokens: int, device: torch.device, reps: int 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="", help="named model size (kiln.model.gpt.MODEL_PRESETS); default 4x4x128")
+    p.add_argument("--preset", default="", help="named model size of --family (kiln.model.config.MODEL_PRESETS); default 4x4x128")
+    p.add_argument("--family", default="gpt2", help="model family: gpt2 or llama")
     p.add_argument("--vocab", type=int, default=8192, help="padded vocabulary (8192: the demo tokenizer; 50304 for GPT-2)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=12)
@@ -89,11 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
-    fields = preset_fields(a.preset) if a.preset else dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+    fields = preset_fields(a.preset, a.family) if a.preset else dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+    fields["family"] = a.family
     fields["block_size"] = max(fields["block_size"], a.seq_len)
     cfg = ModelConfig(vocab_size=a.vocab, **fields)
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model = build_model(cfg).to(device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     step_model = parallelize(model, "none", False, a.compile, device)
     opt_cfg = OptimConfig(lr=6e-4, warmup_steps=10)
