@@ -41,7 +41,7 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
                    raw_documents: dict, instruction_data: dict, storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The released model, the last post-training stage (SFT -> DPO -> RL): safetensors weights in the Hugging Face GPT-2 layout, config, tokenizer, a model card written from lineage, and SHA256SUMS."""
+    """The released model, the last post-training stage (SFT -> DPO -> RL): safetensors weights in the Hugging Face layout of the model's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM), config, tokenizer, a model card written from lineage, and SHA256SUMS."""
     up = {"raw_documents": raw_documents, "clean_corpus": clean_corpus, "tokenizer": tokenizer, "token_shards": token_shards,
           "training_plan": training_plan, "base_model": base_model, "eval_scores": eval_scores,
           "instruction_data": instruction_data, "preference_data": preference_data, "sft_model": sft_model,
