@@ -422,13 +422,21 @@ def plan_from_config(n_vocab: int, model_preset: str = "", model: dict | None = 
     return make_plan(cfg, bc, hw, par), cfg, bc, hw
 
 
+def _family_note(model: dict) -> str:
+    """What a llama-family plan adds to the model line (a GPT-2 plan's line reads as before families)."""
+    if model.get("family") != "llama":
+        return ""
+    return (f"; llama: {model['n_kv_head']} key/value heads, SwiGLU {model['intermediate_size']} wide, "
+            f"{'tied' if model['tie_embeddings'] else 'untied'} head{', QK-norm' if model['qk_norm'] else ''}")
+
+
 def describe_plan(plan: TrainingPlan) -> str:
     """A plan as a few lines for a terminal: decisions first, then memory per rank and the options considered."""
     mem = plan.memory_gb
     lines = [
         f"model        {plan.params / 1e6:,.1f}M parameters ({plan.params_non_embedding / 1e6:,.1f}M non-embedding): "
         f"{plan.model['n_layer']} layers x {plan.model['n_head']} heads x {plan.model['n_embd']} wide, "
-        f"vocabulary {plan.model['vocab_size']:,}",
+        f"vocabulary {plan.model['vocab_size']:,}" + _family_note(plan.model),
         f"ranks        {plan.world_size}: {plan.parallelism}"
         f"{', activation checkpointing' if plan.activation_checkpointing else ''}{', torch.compile' if plan.compile else ''}",
         f"batch        {plan.global_batch} x {plan.seq_len} tokens = micro_batch {plan.micro_batch} x grad_accum "

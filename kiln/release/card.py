@@ -25,14 +25,19 @@ def table(rows: list[dict]) -> str:
 
 def _model(name: str, license: str, plan: dict, tok: dict) -> str:
     m = plan["model"]
+    if m.get("family") == "llama":  # GPT-2 plans omit the family (kiln.model.config.model_dict)
+        style, heads = "A Llama-style", f"{m['n_head']} heads ({m['n_kv_head']} key/value)"
+        layout = "Qwen3ForCausalLM" if m.get("qk_norm") else "LlamaForCausalLM"
+    else:
+        style, heads, layout = "A GPT-2-style", f"{m['n_head']} heads", "GPT-2"
     return f"""# {name}
 
-A GPT-2-style language model trained with Kiln from public text. Released {dt.date.today().isoformat()} under {license}.
+{style} language model trained with Kiln from public text. Released {dt.date.today().isoformat()} under {license}.
 
 ## Model
-{plan['params']:,} parameters; {m['n_layer']} layers, {m['n_head']} heads, width {m['n_embd']},
+{plan['params']:,} parameters; {m['n_layer']} layers, {heads}, width {m['n_embd']},
 context {m['block_size']} tokens, vocabulary {m['vocab_size']} ({tok['kind']} tokenizer, {tok['n_vocab']} tokens,
-{tok['bytes_per_token']:.2f} bytes/token on held-out text). Weights: `model.safetensors` in the Hugging Face GPT-2 layout.
+{tok['bytes_per_token']:.2f} bytes/token on held-out text). Weights: `model.safetensors` in the Hugging Face {layout} layout.
 
 """
 
