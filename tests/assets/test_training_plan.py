@@ -57,3 +57,33 @@ def test_plan_that_cannot_fit_says_what_would(tmp_path):
     with pytest.raises(Failure, match="PlanError: .*GiB") as err:  # a plan error is final: not retried
         run(tmp_path, hardware={"memory_gb": 0.01})
     assert isinstance(err.value.__cause__, PlanError) and err.value.allow_retries is False
+
+
+def test_model_schema_shows_every_family_field_with_its_doc():
+    from assets.training import ModelOverrides
+    from kiln.common.config import field_docs
+    from kiln.model.config import ModelConfig
+
+    fields = ModelOverrides.model_fields
+    docs = field_docs(ModelConfig)
+    assert set(fields) == set(docs) >= {"family", "n_kv_head", "intermediate_size", "rope_theta", "qk_norm", "tie_embeddings"}
+    for name, f in fields.items():
+        assert f.description == docs[name] and f.description, name
+    assert "llama" in fields["family"].description and "llama" in TrainingPlanConfig.model_fields["model_preset"].description
+
+
+def test_llama_family_picks_its_named_size_and_wrong_fields_fail_as_config_errors(tmp_path):
+    from dagster import Failure
+
+    from kiln.common.config import ConfigError
+
+    plan = run(tmp_path, model_preset="tiny", model={"family": "llama"},
+               batch={"seq_len": 64, "global_batch": 8, "max_steps": 10}).value
+    assert {k: plan["model"][k] for k in ("family", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size")} == {
+        "family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "intermediate_size": 192}
+    assert "bias" not in plan["model"] and plan["params"] == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 128) + 64 + 4160 * 64
+    with pytest.raises(Failure, match="ConfigError: training_plan: model.n_kv_head applies to the llama family only") as err:
+        run(tmp_path, model_preset="tiny", model={"n_kv_head": 2})
+    assert isinstance(err.value.__cause__, ConfigError) and err.value.allow_retries is False
+    with pytest.raises(Failure, match="unknown model preset 'gpt2-large' for family llama"):
+        run(tmp_path, model_preset="gpt2-large", model={"family": "llama"})

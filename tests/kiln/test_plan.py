@@ -286,10 +286,12 @@ def test_gpu_peak_table_and_measured_cpu_peak() -> None:
 
 
 @pytest.mark.slow
-def test_memory_estimate_is_within_25_percent_of_measured_peak(tmp_path, pretrain_job, train_runner, model_dict) -> None:
+@pytest.mark.parametrize("family", [{}, {"family": "llama", "n_kv_head": 2}], ids=["gpt2", "llama"])
+def test_memory_estimate_is_within_25_percent_of_measured_peak(tmp_path, pretrain_job, train_runner, model_dict,
+                                                               family) -> None:
     """A 3M-parameter model trains 3 steps on CPU; the planner's estimate is compared with the peak resident
     memory the run added (reported by kiln.train.loop), as the issue requires."""
-    model = {**model_dict, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 256, "dropout": 0.0}
+    model = {**model_dict, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 256, "dropout": 0.0, **family}
     job = pretrain_job(tmp_path, model=model, seq_len=128, micro_batch=16, max_steps=3, eval_interval=100,
                        eval_batches=1, ckpt_interval=100, keep_last=1, log_interval=1, peak_flops=-1)
     proc = train_runner(job)

@@ -12,15 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.families import build_model
 from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, param_digest, parallelize
 
 CFG = dict(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
-def make(dropout: float = 0.0) -> GPT:
+FAMILY = {"gpt2": {}, "llama": {"family": "llama", "n_head": 4, "n_kv_head": 2}}  # llama: grouped-query attention
+
+
+def make(dropout: float = 0.0, family: str = "gpt2") -> torch.nn.Module:
     torch.manual_seed(0)
-    return GPT(ModelConfig(**CFG, dropout=dropout))
+    return build_model(ModelConfig(**{**CFG, **FAMILY[family]}, dropout=dropout))
 
 
 def loss_and_grads(model: torch.nn.Module, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -33,8 +36,9 @@ def loss_and_grads(model: torch.nn.Module, seed: int = 1) -> tuple[torch.Tensor,
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_activation_checkpointing_gives_bit_identical_loss_and_gradients_even_with_dropout() -> None:
-    plain, recomputed = make(0.1), make(0.1)
+@pytest.mark.parametrize("family", list(FAMILY))
+def test_activation_checkpointing_gives_bit_identical_loss_and_gradients_even_with_dropout(family) -> None:
+    plain, recomputed = make(0.1, family), make(0.1, family)
     parallelize(recomputed, "none", activation_checkpointing=True, compile=False, device=torch.device("cpu"))
     assert recomputed.checkpoint_blocks and not plain.checkpoint_blocks
     (l1, g1), (l2, g2) = loss_and_grads(plain), loss_and_grads(recomputed)
@@ -45,8 +49,9 @@ def test_activation_checkpointing_gives_bit_identical_loss_and_gradients_even_wi
         recomputed(torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_compile_keeps_parameter_names_and_outputs() -> None:
-    plain, compiled = make(), make()
+@pytest.mark.parametrize("family", list(FAMILY))
+def test_compile_keeps_parameter_names_and_outputs(family) -> None:
+    plain, compiled = make(family=family), make(family=family)
     out = parallelize(compiled, "none", activation_checkpointing=True, compile=True, device=torch.device("cpu"),
                       compile_backend="eager")  # the wiring, without the C++ toolchain inductor needs
     assert out is compiled
