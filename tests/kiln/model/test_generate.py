@@ -165,16 +165,16 @@ def test_padding_ids_are_never_drawn(family: str) -> None:
 
 # ---- contexts past the window -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("length", [1, 25, 32, 40])
+@pytest.mark.parametrize("length", [20, 25, 40])
 def test_window_overflow_gives_the_cropping_loops_tokens(family: str, length: int) -> None:
-    m = make(family)  # block_size 32: 20 new tokens after `length` run past it
+    m = make(family)  # block_size 32: 12 new tokens after 20 fill it exactly, after 25 run past it, 40 start past it
     x = prompts(3, length)
     for temperature in (0.0, 1.0):
-        a = generate(m, x, 20, temperature=temperature, generator=torch.Generator().manual_seed(7))
-        b = uncached_loop(m, x, 20, temperature, generator=torch.Generator().manual_seed(7))
-        assert a.shape == (3, length + 20) and torch.equal(a, b)
+        a = generate(m, x, 12, temperature=temperature, generator=torch.Generator().manual_seed(7))
+        b = uncached_loop(m, x, 12, temperature, generator=torch.Generator().manual_seed(7))
+        assert a.shape == (3, length + 12) and torch.equal(a, b)
     # a window shorter than block_size (the lm-eval adapter's max_length) crops there instead
-    assert torch.equal(generate(m, x, 20, window=10), uncached_loop(m, x, 20, window=10))
+    assert torch.equal(generate(m, x, 12, window=10), uncached_loop(m, x, 12, window=10))
 
 
 # ---- ragged rows --------------------------------------------------------------------------------------------------
