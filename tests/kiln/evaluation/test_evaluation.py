@@ -29,6 +29,7 @@ from kiln.evaluation import (
     run_suite,
     sample_generations,
 )
+from kiln.model.cache import KVCache
 from kiln.model.gpt import GPT, GPTConfig
 
 PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -54,7 +55,9 @@ class TableLM(nn.Module):
         self.config = GPTConfig(vocab_size=table.shape[1], block_size=block_size, n_layer=1, n_head=1, n_embd=8)
         self.table = nn.Parameter(table.clone(), requires_grad=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:  # nothing to remember: only the position moves on
+            cache.advance(idx.size(1))
         return self.table[idx]  # (B, T) -> (B, T, V)
 
 
