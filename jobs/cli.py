@@ -195,6 +195,8 @@ def load_any_model(path: str | Path):
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from kiln.model.generate import generate
+
     path, _ = resolve_model_path(args.model, args.tracking_uri)
     try:
         model, enc = load_any_model(path)
@@ -209,8 +211,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             prompt_ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
         ids = torch.tensor([prompt_ids])  # (1, T)
-        out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             stop_token=enc.eot_token, generator=g)
+        out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       stop_token=enc.eot_token, n_vocab=enc.n_vocab, generator=g)
         text = enc.decode([t for t in out[0].tolist()[ids.size(1):] if t != enc.eot_token])
         print(f"{prompt} ->{text}" if args.chat else f"{prompt}{text}")
     return 0

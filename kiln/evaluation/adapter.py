@@ -17,6 +17,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from kiln.model.generate import generate
 from kiln.model.gpt import GPT
 
 log = logging.getLogger(__name__)
@@ -202,41 +203,21 @@ class KilnLM(LM):
     def _generate_batch(
         self, contexts: Sequence[str], max_new: int, temperature: float, top_k: int | None, until: Sequence[str]
     ) -> list[str]:
-        """Decode up to max_new tokens per context, all rows in one forward pass per step (no KV cache).
+        """Decode up to max_new tokens per context, all rows together through one KV cache (kiln.model.generate).
 
         Greedy when temperature <= 0. A row stops at EOT or once its text holds a stop string; the rest go on.
-        Rows are right-padded, so each reads the logits at its own last real position.
+        Rows are right-padded; a longer context is fed a token a step while the shorter ones already decode.
         """
         self.model.eval()
-        dev = self._device
         seqs = [self._encode(c) if c else [self.eot] for c in contexts]
-        new: list[list[int]] = [[] for _ in contexts]
-        live = list(range(len(contexts)))
-        for _ in range(max_new):
-            if not live:
-                break
-            wins = [(seqs[i] + new[i])[-self.max_length :] for i in live]
-            T = max(len(w) for w in wins)
-            x = torch.tensor([w + [0] * (T - len(w)) for w in wins], dtype=torch.long, device=dev)  # (A, T)
-            last = torch.tensor([len(w) - 1 for w in wins], device=dev)  # (A,)
-            logits = self.model(x)[torch.arange(len(live), device=dev), last, : self.n_vocab].float()  # (A, Vr)
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1)  # (A,)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (A, 1)
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=self.generator)[:, 0]  # (A,)
-            still = []
-            for i, t in zip(live, nxt.tolist()):
-                if t == self.eot:
-                    continue
-                new[i].append(t)
-                if not (until and any(s in self.enc.decode(new[i]) for s in until)):
-                    still.append(i)
-            live = still
-        texts = [self.enc.decode(n) for n in new]
+        T = max(len(s) for s in seqs)
+        x = torch.tensor([s + [self.eot] * (T - len(s)) for s in seqs], dtype=torch.long, device=self._device)  # (B, T)
+        stop = (lambda i, toks: any(s in self.enc.decode(toks) for s in until)) if until else None
+        out = generate(self.model, x, max_new, temperature=temperature, top_k=top_k, stop_token=self.eot,
+                       n_vocab=self.n_vocab, generator=self.generator, lengths=[len(s) for s in seqs],
+                       window=self.max_length, stop=stop).tolist()
+        new = [row[len(s) : len(s) + max_new] for row, s in zip(out, seqs)]
+        texts = [self.enc.decode(n[: n.index(self.eot)] if self.eot in n else n) for n in new]
         return [t[: min([t.find(s) for s in until if s in t], default=len(t))] for t in texts]
 
     def _generate(self, context: str, max_new: int, temperature: float, top_k: int | None, until: Sequence[str]) -> str:

@@ -134,33 +134,6 @@ class GPT(nn.Module):
             return LinearCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))  # ()
         return self.lm_head(x).float()  # (B, T, V)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        stop_token: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample continuations of idx (B, T); temperature 0 means greedy."""
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.config.block_size :]  # (B, <=block)
-            logits = self(ctx)[:, -1, :]  # (B, V)
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
-            idx = torch.cat([idx, nxt], dim=1)
-            if stop_token is not None and bool((nxt == stop_token).all()):
-                break
-        return idx
-
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""

@@ -29,6 +29,7 @@ from kiln.evaluation import (
     run_suite,
     sample_generations,
 )
+from kiln.model.cache import KVCache
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 
@@ -55,7 +56,9 @@ class TableLM(nn.Module):
         self.config = ModelConfig(vocab_size=table.shape[1], block_size=block_size, n_layer=1, n_head=1, n_embd=8)
         self.table = nn.Parameter(table.clone(), requires_grad=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:  # nothing to remember: only the position moves on
+            cache.advance(idx.size(1))
         return self.table[idx]  # (B, T) -> (B, T, V)
 
 

@@ -1,4 +1,4 @@
-"""Tests for kiln.model.gpt: shapes, weight tying, parameter counts, causality, generation, FLOPs.
+"""Tests for kiln.model.gpt: shapes, weight tying, parameter counts, causality, FLOPs (generation: test_generate.py).
 
 Run: python -m pytest tests/kiln/model/test_model.py -q
 """
@@ -102,35 +102,6 @@ def test_residual_projections_get_scaled_init() -> None:
     assert abs(proj.std().item() - 0.01) < 0.001
     assert abs(fc.std().item() - 0.02) < 0.001
     assert all(torch.count_nonzero(b.attn.c_attn.bias) == 0 for b in m.transformer.h)
-
-
-def test_greedy_generate_is_deterministic_and_uses_the_argmax() -> None:
-    m = make().eval()
-    start = torch.tensor([[1, 2, 3]])
-    out = m.generate(start, max_new_tokens=5, temperature=0)
-    assert out.shape == (1, 8)
-    assert torch.equal(out[:, :3], start)
-    assert torch.equal(out, m.generate(start, max_new_tokens=5, temperature=0))
-    with torch.no_grad():
-        assert out[0, 3].item() == m(start)[0, -1].argmax().item()
-
-
-def test_generate_stops_at_stop_token_and_crops_context() -> None:
-    m = make().eval()
-    start = torch.tensor([[5]])
-    first = m.generate(start, 1, temperature=0)[0, -1].item()
-    out = m.generate(start, max_new_tokens=10, temperature=0, stop_token=first)
-    assert out.tolist() == [[5, first]]
-    # a prompt longer than block_size is cropped rather than rejected
-    long = torch.randint(0, 300, (1, 40))
-    assert m.generate(long, 2, temperature=0).shape == (1, 42)
-
-
-def test_sampling_with_top_k_1_equals_greedy() -> None:
-    m = make().eval()
-    start = torch.tensor([[4, 9]])
-    g = torch.Generator().manual_seed(0)
-    assert torch.equal(m.generate(start, 6, temperature=1.0, top_k=1, generator=g), m.generate(start, 6, temperature=0))
 
 
 def test_flops_per_token() -> None:

@@ -1,0 +1,145 @@
+"""Benchmark, side by side in one run: generation tokens/s of the KV-cached loop (kiln.model.generate) against the
+uncached loop it replaced (one full forward pass of the cropped context per new token), for both families at demo
+size, and the RL stage's step (rollout_loss + backward) with each loop.
+
+Run: python bench/bench_generate.py [--repeat 2] [--threads N] [--json bench_generate.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kiln.posttrain.sampling as sampling  # noqa: E402
+from kiln.model.config import ModelConfig, padded_vocab, preset_fields  # noqa: E402
+from kiln.model.families import build_model  # noqa: E402
+from kiln.model.generate import generate  # noqa: E402
+from kiln.posttrain.instructions import arithmetic, arithmetic_reward  # noqa: E402
+from kiln.posttrain.rl import RlJob, rollout_loss  # noqa: E402
+from kiln.tokenizer import train_bpe  # noqa: E402
+
+CASES = [(1, 16, 64), (8, 16, 64), (8, 128, 64), (4, 224, 48)]  # (rows, prompt, new); the last runs 16 tokens past block 256
+RL_SHAPES = {"demo": dict(prompts=8, group_size=8, max_new_tokens=16),  # RlJob's defaults (the demo preset sets none)
+             "smoke": dict(prompts=4, group_size=4, max_new_tokens=10)}  # conf/presets/smoke.yaml rl_model
+
+
+@torch.no_grad()
+def uncached_loop(model, x, max_new_tokens, temperature, stop_token=None, generator=None, n_vocab=None):
+    """The loop kiln.posttrain.sampling.sample ran before the KV cache: the whole cropped context every step."""
+    done = torch.zeros(x.size(0), dtype=torch.bool, device=x.device)  # (B,)
+    for _ in range(max_new_tokens):
+        logits = model(x[:, -model.config.block_size :])[:, -1, :]  # (B, V)
+        if n_vocab is not None:
+            logits[:, n_vocab:] = float("-inf")
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1)  # (B,)
+        else:
+            nxt = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=generator).squeeze(-1)
+        if stop_token is not None:
+            nxt = torch.where(done, torch.full_like(nxt, stop_token), nxt)
+            done |= nxt == stop_token
+        x = torch.cat([x, nxt[:, None]], dim=1)  # (B, L+1)
+        if bool(done.all()):
+            break
+    return x
+
+
+def timed(fn, repeat: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def demo_model(family: str, vocab: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(**preset_fields("demo", family), vocab_size=vocab)).eval()
+
+
+def bench_tokens(family: str, vocab: int, repeat: int) -> list[dict]:
+    """Greedy decoding of random prompts at each CASES shape, uncached then cached; tokens must agree."""
+    model = demo_model(family, vocab)
+    rows = []
+    for b, t, n in CASES:
+        x = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(t))  # (B, T)
+        generate(model, x[:, :4], 4)  # warm up
+        t_old, old = timed(lambda: uncached_loop(model, x, n, 0.0), repeat)
+        t_new, new = timed(lambda: generate(model, x, n), repeat)
+        r = {"family": family, "rows": b, "prompt": t, "new": n, "same_tokens": bool(torch.equal(old, new)),
+             "uncached_tok_s": b * n / t_old, "cached_tok_s": b * n / t_new, "speedup": t_old / t_new}
+        print(f"{family:5} rows {b} prompt {t:3} new {n:3}: uncached {r['uncached_tok_s']:7.1f} tok/s, cached "
+              f"{r['cached_tok_s']:7.1f} tok/s, x{r['speedup']:.2f}{'' if r['same_tokens'] else '  TOKENS DIFFER'}", flush=True)
+        rows.append(r)
+    return rows
+
+
+def bench_rl(family: str, enc, repeat: int) -> list[dict]:
+    """One RL step's work on the demo-size model: rollout_loss (sampling the groups, rewards, reference and policy
+    log-probs, GRPO loss) and its backward, with the uncached loop patched into ``complete`` and then the cached one."""
+    policy = demo_model(family, padded_vocab(enc.n_vocab))
+    reference = demo_model(family, padded_vocab(enc.n_vocab))
+    items = list(arithmetic(64, seed=3))
+    old = lambda m, x, n, *, temperature, stop_token, n_vocab, generator: uncached_loop(  # noqa: E731
+        m, x, n, temperature, stop_token, generator, n_vocab)
+
+    def ref_logits(x):
+        with torch.no_grad():
+            return reference(x)
+
+    def step(shape: dict) -> tuple[float, float]:
+        job = RlJob(group_size=shape["group_size"], max_new_tokens=shape["max_new_tokens"], temperature=1.0)
+        g = torch.Generator().manual_seed(11)
+        loss, stats = rollout_loss(policy, policy, ref_logits, enc, items[: shape["prompts"]],
+                                   lambda text, it: arithmetic_reward(text, it["answer"]), job, g)
+        loss.backward()
+        policy.zero_grad(set_to_none=True)
+        return float(loss.detach()), stats["answer_tokens"]
+
+    rows = []
+    for name, shape in RL_SHAPES.items():
+        with mock.patch.object(sampling, "generate", old):
+            t_old, (loss_old, answer) = timed(lambda: step(shape), repeat)
+        t_new, (loss_new, _) = timed(lambda: step(shape), repeat)
+        r = {"family": family, "shape": name, **shape, "answer_tokens_mean": answer, "same_loss": loss_old == loss_new,
+             "uncached_step_s": t_old, "cached_step_s": t_new, "speedup": t_old / t_new}
+        print(f"{family:5} {name:5} {r['prompts']} prompts x {r['group_size']}, {r['max_new_tokens']} new: uncached "
+              f"{t_old:.3f} s, cached {t_new:.3f} s, x{r['speedup']:.2f}{'' if r['same_loss'] else '  LOSS DIFFERS'}",
+              flush=True)
+        rows.append(r)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json", default="", help="also write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from pydoc_data.topics import topics
+
+    enc = train_bpe([" ".join(t.split()) for t in topics.values()], 8192)  # the demo tokenizer's size, no download
+    vocab = padded_vocab(enc.n_vocab)
+    print(f"demo-size models (4 layers, width 256, block 256, vocab {vocab}); CPU threads {args.threads}; "
+          f"best of {args.repeat}; greedy", flush=True)
+    gen = [r for fam in ("gpt2", "llama") for r in bench_tokens(fam, vocab, args.repeat)]
+    print("RL step (rollout_loss + backward; sampling at temperature 1, untrained model: answers run to max_new_tokens)")
+    rl = [r for fam in ("gpt2", "llama") for r in bench_rl(fam, enc, args.repeat)]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"threads": args.threads, "repeat": args.repeat, "generation": gen,
+                                               "rl_step": rl}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
