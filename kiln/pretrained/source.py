@@ -84,7 +84,8 @@ def load_pretrained(folder: str | Path, texts: Iterable[str] = ()) -> tuple[dict
 
 def import_pretrained(folder: str | Path, out_dir: str | Path, texts: Iterable[str] = ()) -> dict[str, Any]:
     """Write ``out_dir``/tokenizer.json (Kiln's encoding), ``checkpoints/step_0000000`` (the weights as a Kiln
-    checkpoint whose meta records the source) and pretrained.json; return the record with those paths."""
+    checkpoint whose meta records the source) and pretrained.json (paths relative to ``out_dir``); return the record
+    with absolute paths."""
     from kiln.tokenizer import encoding_fingerprint, save_encoding
     from kiln.train.checkpoint import save_checkpoint, weights_digest
 
@@ -97,8 +98,8 @@ def import_pretrained(folder: str | Path, out_dir: str | Path, texts: Iterable[s
             "weights_digest": weights_digest(state)}
     ckpt = save_checkpoint(out / "checkpoints", 0, {"model": state}, meta,
                            extra_files={"tokenizer.json": out / "tokenizer.json"}, keep_last=1)
-    record = {**record, "checkpoint": str(ckpt), "tokenizer": str(out / "tokenizer.json"),
-              "n_vocab": tok.encoding.n_vocab, "eot": tok.encoding.eot_token,
+    record = {**record, "n_vocab": tok.encoding.n_vocab, "eot": tok.encoding.eot_token,
               "fingerprint": encoding_fingerprint(tok.encoding)}
-    atomic_write_json(out / "pretrained.json", record)
-    return record
+    atomic_write_json(out / "pretrained.json", {**record, "checkpoint": str(ckpt.relative_to(out)),
+                                                "tokenizer": "tokenizer.json"})  # relative: the folder may move
+    return {**record, "checkpoint": str(ckpt), "tokenizer": str(out / "tokenizer.json")}

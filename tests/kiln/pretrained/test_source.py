@@ -65,7 +65,8 @@ def test_import_writes_a_checkpoint_that_records_its_source(folders, tmp_path):
     model = build_model(load_pretrained(folder)[1])
     model.load_state_dict(state["model"])
     assert (tmp_path / "out" / "checkpoints" / "step_0000000" / "tokenizer.json").is_file()
-    assert json.loads((tmp_path / "out" / "pretrained.json").read_text())["checkpoint"] == record["checkpoint"]
+    assert json.loads((tmp_path / "out" / "pretrained.json").read_text())["checkpoint"] == "checkpoints/step_0000000"
+    assert record["checkpoint"] == str(tmp_path / "out" / "checkpoints" / "step_0000000")
 
 
 def test_folder_hash_follows_content(folders, tmp_path):
