@@ -16,7 +16,7 @@ from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
 FROM_SCRATCH = {"path": "", "kind": "none", "version": "none"}  # a fixed version: downstream versions stay as they were
-LINEAGE_KEYS = ("source", "sha256", "license", "model_type", "architectures", "version")  # what lineage and the card show
+LINEAGE_KEYS = ("source", "sha256", "license", "model_type", "architectures", "version", "imported_vocab", "added_tokens")  # what lineage and the card show
 
 
 class PretrainedModelConfig(Config):
