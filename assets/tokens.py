@@ -6,6 +6,7 @@ Materialize with the pipeline (``kiln run --preset smoke``) or alone: ``kiln run
 
 import time
 from pathlib import Path
+from typing import Optional
 
 from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
@@ -57,10 +58,10 @@ def imported_tokenizer(context, clean_corpus: dict, pretrained_model: dict, held
 
 
 @asset(code_version="1", group_name="data")
-def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_corpus: dict, pretrained_model: dict,
-              storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_corpus: dict, storage: KilnStorageResource,
+              mlflow: MlflowResource, pretrained_model: Optional[dict] = None) -> Output[dict]:
     """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens, its compression on held-out text compared with the other vocabulary's; or the pretrained model's own tokenizer when one is imported."""
-    if pretrained_model["path"]:
+    if pretrained_model and pretrained_model["path"]:
         return imported_tokenizer(context, clean_corpus, pretrained_model, config.heldout_mb, storage, mlflow)
     ktok.check_kind(config.kind)
     with asset_output(context, mlflow, parent=storage.path("tokenizer"), config=config,

@@ -5,6 +5,8 @@ Materialize with the pipeline (``kiln run --preset smoke``); ``kiln plan --prese
 """
 
 
+from typing import Optional
+
 from dagster import AssetExecutionContext, Backoff, Config, MetadataValue, Output, RetryPolicy, asset
 from pydantic import Field
 
@@ -60,11 +62,13 @@ class TrainingPlanConfig(Config):
 
 @asset(code_version="3", group_name="training")
 def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, tokenizer: dict, token_shards: dict,
-                  pretrained_model: dict, mlflow: MlflowResource) -> Output[dict]:
-    """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; the architecture is the pretrained model's when one is imported."""
+                  mlflow: MlflowResource, pretrained_model: Optional[dict] = None) -> Output[dict]:
+    """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; with an imported pretrained model, its architecture and the checkpoint base_model starts from."""
     with failing_on_config_errors():
         made, _, batch, hw = config.plan(tokenizer["n_vocab"], pretrained_model)
     plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
+    if pretrained_model and pretrained_model["path"]:  # base_model continues from these weights
+        plan["pretrained"] = {**lineage_of(pretrained_model), "checkpoint": pretrained_model["checkpoint"]}
     plan["epochs"] = plan["total_tokens"] / max(token_shards["totals"]["train"]["tokens"], 1)
     context.log.info(f"plan: {plan['reason']}")
     with asset_output(context, mlflow, params=plan, reuse={"plan": plan}) as out:
@@ -97,18 +101,16 @@ class BaseModelConfig(schema_of(JobConfig, include=PRETRAIN_FIELDS, name="Pretra
 
 @asset(code_version="2", group_name="training", retry_policy=TRAINING_RETRY)
 def base_model(context: AssetExecutionContext, config: BaseModelConfig, training_plan: dict, token_shards: dict,
-               tokenizer: dict, pretrained_model: dict, storage: KilnStorageResource, torchrun: TorchrunResource,
-               mlflow: MlflowResource) -> Output[dict]:
+               tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The pretrained model: a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) from random weights, or continued pretraining of the imported pretrained model; it resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
     with failing_on_config_errors():
         fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
                   "max_steps": training_plan["max_steps"]}
         inputs = {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}
-        extra = {}
-        if pretrained_model["path"]:  # continued pretraining: start from the imported weights
-            fields["init_from"] = pretrained_model["checkpoint"]
-            inputs["pretrained_model"] = pretrained_model["version"]
-            extra["pretrained"] = lineage_of(pretrained_model)
+        start = training_plan.get("pretrained")  # continued pretraining: the imported weights (in the plan's key)
+        extra = {"pretrained": {k: v for k, v in start.items() if k != "checkpoint"}} if start else {}
+        if start:
+            fields["init_from"] = start["checkpoint"]
         spec = RunSpec("pretrain", fields, training_plan, inputs, tokenizer["path"])
         with torchrun.training_run(context, spec, storage, mlflow) as job:
             if job.reused is not None:
