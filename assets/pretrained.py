@@ -30,6 +30,18 @@ def lineage_of(pretrained: dict) -> dict:
     return {k: pretrained[k] for k in LINEAGE_KEYS if k in pretrained}
 
 
+def start_of(pretrained: dict) -> dict:
+    """What a training plan records of the weights base_model starts from (plain keys: the plan is logged as params)."""
+    return {"source": pretrained["source"], "sha256": pretrained["sha256"], "version": pretrained["version"],
+            "checkpoint": pretrained["checkpoint"]}
+
+
+def recorded_start(start: dict) -> dict:
+    """The lineage record of an imported checkpoint named by ``start_of``, read from its pretrained.json."""
+    folder = Path(start["checkpoint"]).parent.parent  # pretrained_model/<version>/checkpoints/step_0000000
+    return {**lineage_of(json.loads((folder / "pretrained.json").read_text())), "version": start["version"]}
+
+
 def import_folder(storage: KilnStorageResource, path: str, where: str) -> dict:
     """The Kiln checkpoint and tokenizer of a Hugging Face folder, imported once per folder content (its sha256) into
     ``pretrained_model/<sha256[:16]>``; an error fails the asset without retries, naming ``where`` (the config key)."""

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
 from assets._config import schema_of
-from assets.pretrained import lineage_of
+from assets.pretrained import recorded_start, start_of
 from kiln.common.config import ConfigError
 from kiln.common.files import stable_hash
 from kiln.model.gpt import GPTConfig
@@ -68,7 +68,7 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
         made, _, batch, hw = config.plan(tokenizer["n_vocab"], pretrained_model)
     plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
     if pretrained_model and pretrained_model["path"]:  # base_model continues from these weights
-        plan["pretrained"] = {**lineage_of(pretrained_model), "checkpoint": pretrained_model["checkpoint"]}
+        plan["pretrained"] = start_of(pretrained_model)
     plan["epochs"] = plan["total_tokens"] / max(token_shards["totals"]["train"]["tokens"], 1)
     context.log.info(f"plan: {plan['reason']}")
     with asset_output(context, mlflow, params=plan, reuse={"plan": plan}) as out:
@@ -108,7 +108,7 @@ def base_model(context: AssetExecutionContext, config: BaseModelConfig, training
                   "max_steps": training_plan["max_steps"]}
         inputs = {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}
         start = training_plan.get("pretrained")  # continued pretraining: the imported weights (in the plan's key)
-        extra = {"pretrained": {k: v for k, v in start.items() if k != "checkpoint"}} if start else {}
+        extra = {"pretrained": recorded_start(start)} if start else {}
         if start:
             fields["init_from"] = start["checkpoint"]
         spec = RunSpec("pretrain", fields, training_plan, inputs, tokenizer["path"])

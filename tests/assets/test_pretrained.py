@@ -55,7 +55,7 @@ def test_folder_is_imported_once_with_its_hash_and_licence(env):
     first, again = run_pretrained(env, str(folder)), run_pretrained(env, str(folder))
     v = first.value
     assert v["sha256"] == folder_hash(folder) and v["version"] == v["sha256"][:16] == first.data_version.value
-    assert v["license"] == "bsd-3-clause" and first.metadata["license"] == "bsd-3-clause"
+    assert v["license"] == "bsd-3-clause" and first.metadata["license"].value == "bsd-3-clause"
     assert again.value["checkpoint"] == v["checkpoint"] and checkpoint_identity(v["checkpoint"])
 
 
