@@ -50,14 +50,14 @@ def _pretrained(up: Mapping[str, dict[str, Any]]) -> str:
              f"folder content sha256 `{p['sha256']}` (imported as version `{p['version']}`, safetensors only)"
              for k, p in starts.items()]
     first = next(iter(starts.values()))
-    added = ", ".join(f"`{t}` = {i}" for t, i in (first.get("added_tokens") or {}).items()) or "none"
+    added = ", ".join(f"`{t}` = {i}" for t, i in sorted((first.get("added_tokens") or {}).items(), key=lambda kv: kv[1]))
     return f"""## Starting weights
 Not trained from scratch: these weights continue released ones.
 
 {chr(10).join(lines)}
 
 The imported tokenizer is kept with every id unchanged ({first.get('imported_vocab')} tokens); the chat tokens it lacked
-were appended ({added}), each embedding row starting as the mean of the imported rows. The starting weights' licence
+were appended ({added or "none"}), each embedding row starting as the mean of the imported rows. The starting weights' licence
 ({', '.join(sorted({p['license'] for p in starts.values()}))}) applies to these weights as well as the one below.
 
 """
