@@ -3,12 +3,14 @@
 
 from typing import Any, Callable
 
-from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
+from dagster import AssetExecutionContext, Config, Failure, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, md_table, report_metadata
 from assets._config import schema_of
+from assets.pretrained import import_folder, lineage_of
 from kiln.evaluation.contamination import DEFAULT_N
+from kiln.model.config import ModelConfig
 from kiln.model.lora import LoRAConfig
 from kiln.posttrain import instructions as kinst
 from kiln.posttrain.measures import (comparison_line, comparison_table, heldout_suite, log_comparison, measure_before,
@@ -18,6 +20,8 @@ from kiln.posttrain.preferences import build_preferences
 from kiln.posttrain.report import dpo_report, rl_report
 from kiln.posttrain.rl import RlJob
 from kiln.posttrain.sft import read_pairs
+from kiln.pretrained.source import is_hf_folder
+from kiln.train.checkpoint import checkpoint_identity, resolve_checkpoint
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, pretrain_report
 from kiln.train.optim import OptimConfig
@@ -98,6 +102,30 @@ def preference_data(context: AssetExecutionContext, config: PreferenceDataConfig
         })
 
 
+def init_from_field():
+    return Field(default="", description="Start from these weights instead of the previous stage's: a local Hugging "
+                 "Face folder (config.json, safetensors, tokenizer.json; the same architecture and tokenizer as the "
+                 "run's, e.g. pretrained_model.path's or a fine-tune of it) or a Kiln checkpoint. Empty: the previous stage.")
+
+
+def start_weights(stage: str, init_from: str, upstream: dict, training_plan: dict, tokenizer: dict,
+                  storage: KilnStorageResource) -> tuple[dict, dict, dict]:
+    """(the starting model as measure_before takes it, the run-key input naming it, fields for the asset's value):
+    the upstream stage's output, or ``init_from`` (a Hugging Face folder, imported once; or a Kiln checkpoint)."""
+    if not init_from:
+        return upstream, {}, {}
+    if not is_hf_folder(init_from):
+        ckpt = resolve_checkpoint(init_from)
+        return {"checkpoint": str(ckpt)}, {"init_from": checkpoint_identity(ckpt)}, {"init_from": str(ckpt)}
+    rec = import_folder(storage, init_from, f"{stage}.init_from")
+    if rec["fingerprint"] != tokenizer["fingerprint"] or ModelConfig(**rec["model"]) != ModelConfig(**training_plan["model"]):
+        what = "tokenizer" if rec["fingerprint"] != tokenizer["fingerprint"] else "architecture"
+        raise Failure(description=f"{stage}.init_from: {init_from} has another {what} than this run's; set "
+                      f"pretrained_model.path to {init_from} (or a folder with the same {what})", allow_retries=False)
+    return ({"checkpoint": rec["checkpoint"]}, {"init_from": rec["version"]},
+            {"init_from": rec["checkpoint"], "pretrained": lineage_of(rec)})
+
+
 Lora = schema_of(LoRAConfig, name="Lora")
 SftOptim = schema_of(OptimConfig, defaults={"warmup_steps": 20}, name="SftOptim")
 DpoOptim = schema_of(OptimConfig, defaults={"lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0}, name="DpoOptim")
@@ -108,6 +136,7 @@ RlOptim = schema_of(OptimConfig, defaults={"lr": 3e-5, "warmup_steps": 5, "min_l
 class SftModelConfig(schema_of(JobConfig, include=("max_steps", "micro_batch", "eval_interval", "seed"),
                                defaults={"max_steps": 150, "micro_batch": 16, "eval_interval": 50}, name="SftJobFields")):
     optim: SftOptim = Field(default_factory=SftOptim, description="AdamW and its schedule for fine-tuning.")
+    init_from: str = init_from_field()
 
 
 @asset(code_version="1", group_name="posttraining")
@@ -115,15 +144,16 @@ def sft_model(context: AssetExecutionContext, config: SftModelConfig, base_model
               preference_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
               torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The base model fine-tuned on instruction pairs (loss on response tokens only, packed sequences, its own schedule) by a torchrun job; held-out measures before and after."""
+    start, start_key, extra = start_weights("sft_model", config.init_from, base_model, training_plan, tokenizer, storage)
     fields = {**config.job_fields(), "train_files": [instruction_data["path"]], "val_files": [instruction_data["path"]],
               "eval_batches": 8, "ckpt_interval": config.max_steps, "keep_last": 1, "log_interval": 25,
-              "init_from": base_model["checkpoint"]}
+              "init_from": start["checkpoint"]}
     plan = {**training_plan, "micro_batch": fields.pop("micro_batch"), "grad_accum": 1}  # a plan field, not a job one
     suite = heldout_suite(instruction_data, preference_data)
     device = training_plan["hardware"]["device"]
-    before = measure_before(base_model, suite, device)
-    spec = RunSpec("sft", fields, plan, {"base_model": base_model["version"], "instruction_data": instruction_data["version"]},
-                   tokenizer["path"])
+    before = measure_before(start, suite, device)
+    spec = RunSpec("sft", fields, plan, {**(start_key or {"base_model": base_model["version"]}),
+                                         "instruction_data": instruction_data["version"]}, tokenizer["path"])
     with torchrun.training_run(context, spec, storage, mlflow) as job:
         if job.reused is not None:
             out = job.reused
@@ -132,13 +162,14 @@ def sft_model(context: AssetExecutionContext, config: SftModelConfig, base_model
     after = measure_checkpoint(out.value["checkpoint"], suite, device)
     rows = log_comparison(before, after, mlflow.resolved_uri(), out.value["mlflow_run_id"], out.value["steps"])
     context.log.info(comparison_line(rows))
-    value = {**out.value, "before": before, "after": after, "before_after": rows, "suite_key": suite_key(suite)}
+    value = {**out.value, "before": before, "after": after, "before_after": rows, "suite_key": suite_key(suite), **extra}
     return Output(value, data_version=out.data_version,
                   metadata={**out.metadata, "before_after": md_table(comparison_table(rows))})
 
 
 def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], storage: KilnStorageResource,
-          torchrun: TorchrunResource, mlflow: MlflowResource, report: Callable[..., dict[str, Any]]) -> Output[dict]:
+          torchrun: TorchrunResource, mlflow: MlflowResource, report: Callable[..., dict[str, Any]],
+          extra: dict[str, Any] | None = None) -> Output[dict]:
     """Shared by dpo_model and rl_model: measure ``init`` on the held-out suite, run the job (its folder keyed by its
     inputs, so a rerun resumes), measure the result; ``report`` adds the stage's own plots and tables."""
     device = spec.plan["hardware"]["device"]
@@ -151,7 +182,7 @@ def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], stor
         rows = log_comparison(before, after, job.run.tracking_uri, job.run.run_id, result["steps"])
         context.log.info(comparison_line(rows))
         return job.output(report_metadata(report(result, rows, job.out_dir), job.run), before=before, after=after,
-                          before_after=rows, suite_key=suite_key(suite))
+                          before_after=rows, suite_key=suite_key(suite), **(extra or {}))
 
 
 DPO_FIELDS = ("beta", "label_smoothing", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
@@ -161,6 +192,7 @@ class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps"
                                name="DpoJobFields")):
     optim: DpoOptim = Field(default_factory=DpoOptim, description="AdamW and its schedule for DPO.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true, rank: 8} trains adapters only (merged into the saved weights).")
+    init_from: str = init_from_field()
 
 
 @asset(code_version="1", group_name="posttraining")
@@ -168,13 +200,16 @@ def dpo_model(context: AssetExecutionContext, config: DpoModelConfig, sft_model:
               instruction_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
               torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The SFT model trained by Direct Preference Optimization against itself frozen as the reference (a torchrun job), reporting reward margins and chosen/rejected log-probabilities; held-out measures before and after."""
+    start, start_key, extra = start_weights("dpo_model", config.init_from, sft_model, training_plan, tokenizer, storage)
     plan = {**training_plan, "micro_batch": config.micro_batch}
     fields = {**config.job_fields(), "train_files": [preference_data["path"]], "ckpt_interval": config.max_steps,
               "keep_last": 1, "log_interval": 25}
+    del fields["init_from"]  # the job's start is RunSpec.init
     suite = heldout_suite(instruction_data, preference_data)
-    spec = RunSpec("dpo", fields, plan, {"sft_model": sft_model["version"], "preference_data": preference_data["version"]},
-                   tokenizer["path"], init=sft_model["checkpoint"], reuse={"suite": suite_key(suite)})
-    return align(context, spec, sft_model, suite, storage, torchrun, mlflow, dpo_report)
+    spec = RunSpec("dpo", fields, plan, {**(start_key or {"sft_model": sft_model["version"]}),
+                                         "preference_data": preference_data["version"]},
+                   tokenizer["path"], init=start["checkpoint"], reuse={"suite": suite_key(suite)})
+    return align(context, spec, start, suite, storage, torchrun, mlflow, dpo_report, extra)
 
 
 RL_FIELDS = ("reward", "max_steps", "group_size", "max_new_tokens", "temperature", "partial_credit", "kl_coef",
@@ -186,6 +221,7 @@ class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defa
     prompts_per_step: int = Field(default=RlJob.micro_batch, description="Prompts per rank per step (the job's micro_batch).")
     optim: RlOptim = Field(default_factory=RlOptim, description="AdamW and its schedule for RL.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains adapters only.")
+    init_from: str = init_from_field()
 
 
 @asset(code_version="1", group_name="posttraining")
@@ -193,11 +229,14 @@ def rl_model(context: AssetExecutionContext, config: RlModelConfig, dpo_model: d
              preference_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
              torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """The DPO model trained by reinforcement learning on checkable arithmetic (GRPO-style group-relative advantages, KL penalty to the DPO model) by a torchrun job; reward over steps, held-out measures before and after."""
+    start, start_key, extra = start_weights("rl_model", config.init_from, dpo_model, training_plan, tokenizer, storage)
     fields = {**config.job_fields(), "train_files": [instruction_data["path"]], "ckpt_interval": config.max_steps,
               "keep_last": 1, "log_interval": 10}
     fields["micro_batch"] = fields.pop("prompts_per_step")
+    del fields["init_from"]  # the job's start is RunSpec.init
     plan = {**training_plan, "micro_batch": config.prompts_per_step}
     suite = heldout_suite(instruction_data, preference_data)
-    spec = RunSpec("rl", fields, plan, {"dpo_model": dpo_model["version"], "instruction_data": instruction_data["version"]},
-                   tokenizer["path"], init=dpo_model["checkpoint"], reuse={"suite": suite_key(suite)})
-    return align(context, spec, dpo_model, suite, storage, torchrun, mlflow, rl_report)
+    spec = RunSpec("rl", fields, plan, {**(start_key or {"dpo_model": dpo_model["version"]}),
+                                        "instruction_data": instruction_data["version"]},
+                   tokenizer["path"], init=start["checkpoint"], reuse={"suite": suite_key(suite)})
+    return align(context, spec, start, suite, storage, torchrun, mlflow, rl_report, extra)

@@ -1,9 +1,12 @@
-"""Steps 2-3 as assets: the tokenizer (with a compression report) and the token shards (published to the durable root).
+"""Steps 2-3 as assets: the tokenizer (trained with a compression report, or a pretrained model's) and the token shards
+(published to the durable root).
 
 Materialize with the pipeline (``kiln run --preset smoke``) or alone: ``kiln run --select tokenizer,token_shards``.
 """
 
 import time
+from pathlib import Path
+from typing import Optional
 
 from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
@@ -26,10 +29,40 @@ class TokenizerConfig(Config):
     compare: bool = Field(default=True, description="Also measure the other vocabulary on the same held-out text: GPT-2's for a trained BPE, a BPE of vocab_size for GPT-2.")
 
 
+def imported_tokenizer(context, clean_corpus: dict, pretrained_model: dict, heldout_mb: float,
+                       storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+    """The tokenizer asset when pretrained_model is set: the imported model's own encoding (its ids kept, Kiln's chat
+    tokens appended), measured on the same held-out documents a trained BPE would be."""
+    with asset_output(context, mlflow, parent=storage.path("tokenizer"),
+                      inputs={"clean_corpus": clean_corpus, "pretrained_model": pretrained_model}) as run:
+        if run.reused:
+            return run.reused
+        enc = ktok.load_encoding(pretrained_model["tokenizer"])
+        _, held_out = ktok.holdout_split(corpus_texts(clean_corpus["path"]),
+                                         lambda doc_id: kshards.split_of(doc_id, TOKENIZER_HOLDOUT_PERMILLE) == "val", 0, heldout_mb)
+        bpt = ktok.bytes_per_token(enc, held_out) if held_out else float("nan")
+        ktok.save_encoding(enc, run.stage / "tokenizer.json")
+        final = run.commit()
+        published = storage.publish(final, "tokenizer", run.version, last="tokenizer.json")
+        run.log_metrics({"n_vocab": enc.n_vocab, "bytes_per_token": bpt})
+        label = f"{pretrained_model['model_type']} from {Path(pretrained_model['source']).name}"
+        value = {"path": str(final / "tokenizer.json"), "version": run.version, "n_vocab": enc.n_vocab, "kind": "pretrained",
+                 "bytes_per_token": bpt, "compression": {label: bpt}, "eot": enc.eot_token,
+                 "fingerprint": ktok.encoding_fingerprint(enc), "url": published.url, "pretrained": pretrained_model["version"]}
+        return run.result(value, {
+            "kind": "pretrained", "source": MetadataValue.path(pretrained_model["source"]), "n_vocab": enc.n_vocab,
+            "bytes_per_token_heldout": bpt, "heldout_documents": len(held_out),
+            "added_tokens": MetadataValue.json(pretrained_model["added_tokens"]),
+            "path": MetadataValue.path(value["path"]), "durable_copy": published.url,
+        })
+
+
 @asset(code_version="1", group_name="data")
-def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_corpus: dict,
-              storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens; its compression on held-out text is compared with the other vocabulary's."""
+def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_corpus: dict, storage: KilnStorageResource,
+              mlflow: MlflowResource, pretrained_model: Optional[dict] = None) -> Output[dict]:
+    """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens, its compression on held-out text compared with the other vocabulary's; or the pretrained model's own tokenizer when one is imported."""
+    if pretrained_model and pretrained_model["path"]:
+        return imported_tokenizer(context, clean_corpus, pretrained_model, config.heldout_mb, storage, mlflow)
     ktok.check_kind(config.kind)
     with asset_output(context, mlflow, parent=storage.path("tokenizer"), config=config,
                       inputs={"clean_corpus": clean_corpus}) as run:

@@ -1,14 +1,19 @@
-"""Steps 4-7 as assets: the training plan and the pretrained base model (a torchrun job through Pipes).
+"""Steps 4-7 as assets: the training plan and the base model (pretraining, or continued pretraining of an imported
+model: a torchrun job through Pipes).
 
 Materialize with the pipeline (``kiln run --preset smoke``); ``kiln plan --preset NAME`` shows the plan alone.
 """
 
+
+from typing import Optional
 
 from dagster import AssetExecutionContext, Backoff, Config, MetadataValue, Output, RetryPolicy, asset
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
 from assets._config import schema_of
+from assets.pretrained import recorded_start, start_of
+from kiln.common.config import ConfigError
 from kiln.common.files import stable_hash
 from kiln.model.config import ModelConfig
 from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, plan_from_config
@@ -41,19 +46,29 @@ class TrainingPlanConfig(Config):
     hardware: Hardware = Field(default_factory=Hardware, description="Where it trains: device, processes, nodes, memory.")
     parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile.")
 
-    def plan(self, n_vocab: int) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
-        """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it)."""
-        return plan_from_config(n_vocab, self.model_preset, self.model.to_dict(), self.batch.to_dict(),
+    def plan(self, n_vocab: int, pretrained: dict | None = None) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
+        """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it); with an imported
+        ``pretrained`` model its architecture replaces model_preset and model (only dropout may be set)."""
+        model = self.model.to_dict()
+        if pretrained and pretrained.get("path"):
+            if self.model_preset or set(model) - {"dropout"}:
+                raise ConfigError(f"training_plan.model_preset / training_plan.model: the architecture comes from "
+                                  f"pretrained_model.path ({pretrained['path']}); remove them (model.dropout may stay)")
+            return plan_from_config(n_vocab, "", {**pretrained["model"], **model}, self.batch.to_dict(),
+                                    self.hardware.to_dict(), self.parallel.to_dict())
+        return plan_from_config(n_vocab, self.model_preset, model, self.batch.to_dict(),
                                 self.hardware.to_dict(), self.parallel.to_dict())
 
 
 @asset(code_version="3", group_name="training")
 def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, tokenizer: dict, token_shards: dict,
-                  mlflow: MlflowResource) -> Output[dict]:
-    """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget."""
+                  mlflow: MlflowResource, pretrained_model: Optional[dict] = None) -> Output[dict]:
+    """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; with an imported pretrained model, its architecture and the checkpoint base_model starts from."""
     with failing_on_config_errors():
-        made, _, batch, hw = config.plan(tokenizer["n_vocab"])
+        made, _, batch, hw = config.plan(tokenizer["n_vocab"], pretrained_model)
     plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
+    if pretrained_model and pretrained_model["path"]:  # base_model continues from these weights
+        plan["pretrained"] = start_of(pretrained_model)
     plan["epochs"] = plan["total_tokens"] / max(token_shards["totals"]["train"]["tokens"], 1)
     context.log.info(f"plan: {plan['reason']}")
     with asset_output(context, mlflow, params=plan, reuse={"plan": plan}) as out:
@@ -87,14 +102,18 @@ class BaseModelConfig(schema_of(JobConfig, include=PRETRAIN_FIELDS, name="Pretra
 @asset(code_version="2", group_name="training", retry_policy=TRAINING_RETRY)
 def base_model(context: AssetExecutionContext, config: BaseModelConfig, training_plan: dict, token_shards: dict,
                tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
-    """The pretrained model (GPT-2 or llama family, as the plan says): a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) that resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
+    """The pretrained model (GPT-2 or llama family, as the plan says): a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) from random weights, or continued pretraining of the imported pretrained model; it resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
     with failing_on_config_errors():
         fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
                   "max_steps": training_plan["max_steps"]}
-        spec = RunSpec("pretrain", fields, training_plan,
-                       {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}, tokenizer["path"])
+        inputs = {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}
+        start = training_plan.get("pretrained")  # continued pretraining: the imported weights (in the plan's key)
+        extra = {"pretrained": recorded_start(start)} if start else {}
+        if start:
+            fields["init_from"] = start["checkpoint"]
+        spec = RunSpec("pretrain", fields, training_plan, inputs, tokenizer["path"])
         with torchrun.training_run(context, spec, storage, mlflow) as job:
             if job.reused is not None:
                 return job.reused
             result = job.launch()
-            return job.output(report_metadata(pretrain_report(result, job.out_dir), job.run))
+            return job.output(report_metadata(pretrain_report(result, job.out_dir), job.run), **extra)

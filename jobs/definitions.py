@@ -19,6 +19,7 @@ from assets.collect import clean_corpus, raw_documents
 from assets.tokens import token_shards, tokenizer
 from assets.evals import checkpoint_evals, contamination_below_threshold, contamination_report, eval_scores, eval_suite
 from assets.alignment import dpo_model, instruction_data, preference_data, rl_model, sft_model
+from assets.pretrained import pretrained_model
 from assets.publish import release_bundle, release_no_regression
 from assets.training import base_model, training_plan
 from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
@@ -29,7 +30,7 @@ from resources.tracking import MlflowResource
 PROJECT = Path(__file__).resolve().parent.parent
 KILN_HOME = PROJECT / ".kiln"
 
-ALL_ASSETS = [raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_suite,
+ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_suite,
               contamination_report, eval_scores, instruction_data, preference_data, sft_model, dpo_model, rl_model,
               release_bundle]
 PARTITIONED_ASSETS = [checkpoint_evals]  # one partition per training checkpoint; outside the pipeline job

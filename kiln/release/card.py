@@ -42,6 +42,32 @@ context {m['block_size']} tokens, vocabulary {m['vocab_size']} ({tok['kind']} to
 """
 
 
+def _pretrained(up: Mapping[str, dict[str, Any]]) -> str:
+    """Where the weights started, when a stage started from released weights (kiln.pretrained); else nothing."""
+    from kiln.release.lineage import pretrained_stages
+
+    starts = pretrained_stages(up)
+    if not starts:
+        return ""
+    what = {"base_model": "continued pretraining", "sft_model": "supervised fine-tuning", "dpo_model": "DPO",
+            "rl_model": "reinforcement learning"}
+    lines = [f"- {what[k]} started from `{p['source']}`: {p['model_type']} weights, licence {p['license']}, "
+             f"folder content sha256 `{p['sha256']}` (imported as version `{p['version']}`, safetensors only)"
+             for k, p in starts.items()]
+    first = next(iter(starts.values()))
+    added = ", ".join(f"`{t}` = {i}" for t, i in sorted((first.get("added_tokens") or {}).items(), key=lambda kv: kv[1]))
+    return f"""## Starting weights
+Not trained from scratch: these weights continue released ones.
+
+{chr(10).join(lines)}
+
+The imported tokenizer is kept with every id unchanged ({first.get('imported_vocab')} tokens); the chat tokens it lacked
+were appended ({added or "none"}), each embedding row starting as the mean of the imported rows. The starting weights' licence
+({', '.join(sorted({p['license'] for p in starts.values()}))}) applies to these weights as well as the one below.
+
+"""
+
+
 def _data(raw: dict, clean: dict, tok: dict, shards: dict) -> str:
     src_rows = [{"source": n, "package": s["package"] or "local", "version": s["version"] or "",
                  "sha256": (s["sha256"] or "")[:16], "documents": s["documents"], "licence": s["license"]}
@@ -128,6 +154,7 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
     """
     return "".join([
         _model(name, license, up["training_plan"], up["tokenizer"]),
+        _pretrained(up),
         _data(up["raw_documents"], up["clean_corpus"], up["tokenizer"], up["token_shards"]),
         _training(up["training_plan"], up["base_model"], up["tokenizer"]),
         _evaluation(up["eval_scores"]),

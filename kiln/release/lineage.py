@@ -15,6 +15,7 @@ from kiln.train.checkpoint import resolve_checkpoint
 # kiln.json sections a release can carry (all optional, passed in ``extra``), in the order ``lineage_tree`` shows them.
 LINEAGE_SECTIONS: dict[str, str] = {
     "lineage": "data versions of every upstream asset ({asset: version})",
+    "pretrained": "released weights the run started from ({stage: {source, sha256, license, model_type, version, ...}})",
     "sources": "the source manifest ([{name, kind, package, version, sha256, license, documents}])",
     "filters": "clean_corpus filter and dedup settings ({setting: value})",
     "corpus": "clean_corpus counts ({input_docs, kept_docs, kept_bytes, dedup_rate, removed: {reason: docs}})",
@@ -52,6 +53,8 @@ def checkpoint_lineage(path: str | Path) -> dict[str, Any]:
         "checkpoint": str(ckpt), "step": meta["step"], "task": task, "val_loss": meta.get("val_loss"),
         "model": meta["model"], "tokenizer": {"name": enc.name, "n_vocab": enc.n_vocab, "fingerprint": encoding_fingerprint(enc)},
     }
+    if meta.get("pretrained"):  # a checkpoint imported from a Hugging Face folder (kiln.pretrained)
+        info["pretrained"] = {k: meta["pretrained"].get(k) for k in ("source", "sha256", "license", "model_type")}
     if job:
         info["job"] = {k: job.get(k) for k in ("train_files", "val_files", "tokenizer", "seq_len", "micro_batch",
                                                "grad_accum", "max_steps", "seed", "optim") if k in job}
@@ -133,7 +136,7 @@ LINEAGE_ASSETS = ("raw_documents", "clean_corpus", "tokenizer", "token_shards", 
                   "instruction_data", "preference_data", "sft_model", "dpo_model", "rl_model")
 TRAINED = ("base_model", "sft_model", "dpo_model", "rl_model")  # assets with an MLflow training run
 POST_TRAINING = (("sft", "sft_model"), ("dpo", "dpo_model"), ("rl", "rl_model"))  # (stage, asset), in order
-STAGE_KEYS = ("version", "steps", "tokens", "initial_val_loss", "final_val_loss", "wall_s", "checkpoint")
+STAGE_KEYS = ("version", "steps", "tokens", "initial_val_loss", "final_val_loss", "wall_s", "checkpoint", "pretrained")
 PLAN_KEYS = ("params", "parallelism", "world_size", "micro_batch", "grad_accum", "tokens_per_step", "model", "hardware")
 
 
@@ -146,12 +149,20 @@ def _stage(out: dict[str, Any]) -> dict[str, Any]:
     return {k: out[k] for k in STAGE_KEYS if k in out}
 
 
+def pretrained_stages(up: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{asset: the released weights it started from} for the TRAINED assets that started from imported weights."""
+    return {k: up[k]["pretrained"] for k in TRAINED if k in up and up[k].get("pretrained")}
+
+
 def release_sections(name: str, license: str, up: dict[str, dict[str, Any]], scores: dict[str, float],
                      configs: dict[str, Any]) -> dict[str, Any]:
     """The LINEAGE_SECTIONS of a release's kiln.json, from the upstream outputs ``up`` (as ``lineage_versions``)
-    and the flat evaluation ``scores``; configs: {asset: its run config}."""
+    and the flat evaluation ``scores``; configs: {asset: its run config}. A run that started from released weights
+    also gets a ``pretrained`` section."""
     raw, rep, plan = up["raw_documents"], up["clean_corpus"]["report"], up["training_plan"]
+    pretrained = pretrained_stages(up)
     return {
+        **({"pretrained": pretrained} if pretrained else {}),
         "name": name, "lineage": lineage_versions(up), "mlflow_runs": {k: up[k]["mlflow_run_id"] for k in TRAINED},
         "license": license,
         "sources": [{**s, "documents": raw["stats"]["sources"].get(s["name"], {}).get("documents")} for s in raw["sources"]],

@@ -4,7 +4,7 @@ from dagster import AssetKey
 
 from jobs.definitions import ALL_ASSETS, defs
 
-EXPECTED = {"raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
+EXPECTED = {"pretrained_model", "raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
             "eval_suite", "contamination_report", "eval_scores", "checkpoint_evals", "instruction_data",
             "preference_data", "sft_model", "dpo_model", "rl_model", "release_bundle"}
 
@@ -28,6 +28,8 @@ def test_lineage_edges():
     parents = lambda k: {p.to_user_string() for p in graph.get(AssetKey(k)).parent_keys}  # noqa: E731
     assert parents("clean_corpus") == {"raw_documents"}
     assert parents("token_shards") == {"clean_corpus", "tokenizer"}
+    assert parents("tokenizer") == {"clean_corpus", "pretrained_model"}  # released weights -> tokenizer, plan -> base
+    assert "pretrained_model" in parents("training_plan") and "training_plan" in parents("base_model")
     assert {"training_plan", "token_shards", "tokenizer"} <= parents("base_model")
     assert {"base_model", "instruction_data"} <= parents("sft_model")
     assert {"sft_model", "preference_data"} <= parents("dpo_model")

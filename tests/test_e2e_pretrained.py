@@ -1,0 +1,119 @@
+"""End to end from released weights: a tiny random transformers model, saved to a folder, goes through continued
+pretraining, SFT, DPO, RL and release; transformers reloads the release with Kiln's logits."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dagster import DagsterInstance
+
+from hfmodels import save_tiny
+from jobs.cli import load_preset
+from jobs.definitions import ALL_ASSETS, make_definitions
+from kiln.model.config import ModelConfig
+from kiln.pretrained.source import folder_hash
+from kiln.release.lineage import checkpoint_lineage, lineage_tree, read_release_info
+from kiln.tokenizer import load_encoding
+from kiln.train import trainer as ktrainer
+from kiln.train.checkpoint import load_for_inference
+
+pytestmark = pytest.mark.slow
+
+# the smoke preset, fewer steps; the architecture comes from the imported model, so training_plan.model goes
+SHORTER = {"training_plan": {"batch": {"seq_len": 64, "global_batch": 16, "max_steps": 12}},
+           "base_model": {"eval_interval": 6, "ckpt_interval": 12, "log_interval": 6},
+           "sft_model": {"max_steps": 6, "eval_interval": 3}, "dpo_model": {"max_steps": 3, "eval_interval": 3},
+           "rl_model": {"max_steps": 2, "eval_interval": 2}}
+
+
+def pretrained_config(folder: Path) -> dict:
+    conf = copy.deepcopy(load_preset("smoke"))
+    del conf["ops"]["training_plan"]["config"]["model"]
+    for op, fields in SHORTER.items():
+        conf["ops"][op]["config"].update(fields)
+    conf["ops"]["pretrained_model"] = {"config": {"path": str(folder)}}
+    return conf
+
+
+def run_from(tmp_path_factory, arch: str):
+    folder = save_tiny(tmp_path_factory.mktemp(f"hf-{arch}") / "tiny", arch, extra_rows=0, license="mit")
+    home = tmp_path_factory.mktemp("kiln-home")
+    defs = make_definitions(home, str(tmp_path_factory.getbasetemp() / "source-cache"))
+    instance = DagsterInstance.ephemeral()
+    result = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
+        run_config=pretrained_config(folder), instance=instance, raise_on_error=True)
+    return folder, result
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory):
+    return run_from(tmp_path_factory, "gpt2")
+
+
+def test_every_asset_materialized_from_the_imported_model(gpt2_run):
+    folder, result = gpt2_run
+    assert result.success
+    assert {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()} >= {
+        a.key.to_user_string() for a in ALL_ASSETS}
+    pm = result.output_for_node("pretrained_model")
+    assert pm["sha256"] == folder_hash(folder) and pm["license"] == "mit" and pm["model_type"] == "gpt2"
+    assert ModelConfig(**result.output_for_node("training_plan")["model"]) == ModelConfig(**pm["model"])
+
+
+def test_tokenizer_is_the_imported_one_with_identical_ids(gpt2_run):
+    from tokenizers import Tokenizer
+
+    folder, result = gpt2_run
+    tok = result.output_for_node("tokenizer")
+    assert tok["kind"] == "pretrained"
+    enc, hf = load_encoding(tok["path"]), Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = "The shell reads a command line, 42 times.<|endoftext|>Then it runs."
+    assert enc.encode(text, allowed_special={"<|endoftext|>"}) == hf.encode(text).ids
+    assert enc.encode("<|user|>", allowed_special="all") == [hf.get_vocab_size()]  # appended after the imported ids
+
+
+def test_continued_pretraining_started_from_the_imported_weights(gpt2_run):
+    _, result = gpt2_run
+    pm, base = result.output_for_node("pretrained_model"), result.output_for_node("base_model")
+    assert base["pretrained"]["sha256"] == pm["sha256"]
+    info = checkpoint_lineage(base["checkpoint"])
+    assert info["init_from"]["checkpoint"] == pm["checkpoint"] and info["init_from"]["pretrained"]["license"] == "mit"
+    assert "fine-tuned from:" in lineage_tree(info)
+    assert base["final_val_loss"] < base["initial_val_loss"]
+
+
+def test_release_reloads_in_transformers_with_kilns_logits_and_names_its_start(gpt2_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, result = gpt2_run
+    bundle = Path(result.output_for_node("release_bundle")["dir"])
+    trained, _, _ = load_for_inference(result.output_for_node("rl_model")["checkpoint"])
+    hf = AutoModelForCausalLM.from_pretrained(str(bundle)).eval()
+    hf_tok = AutoTokenizer.from_pretrained(str(bundle))
+    text = "<|user|>What does ls do?<|assistant|>It lists files.<|endoftext|>"
+    ids = torch.tensor([hf_tok(text)["input_ids"]])
+    assert ids[0].tolist() == load_encoding(bundle / "tokenizer.kiln.json").encode(text, allowed_special="all")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits.float(), trained(ids), atol=1e-4, rtol=1e-4)
+    pm = result.output_for_node("pretrained_model")
+    card = (bundle / "README.md").read_text()
+    assert "## Starting weights" in card and pm["sha256"] in card and "licence mit" in card
+    info = read_release_info(bundle)
+    assert info["pretrained"]["base_model"]["sha256"] == pm["sha256"]
+
+
+@pytest.mark.skipif(not hasattr(ktrainer, "build_model"), reason="the trainer builds GPT-2 only until it builds models by family")
+def test_llama_imported_model_goes_through_every_stage(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    _, result = run_from(tmp_path_factory, "llama")
+    assert result.output_for_node("training_plan")["model"]["family"] == "llama"
+    bundle = Path(result.output_for_node("release_bundle")["dir"])
+    trained, _, _ = load_for_inference(result.output_for_node("rl_model")["checkpoint"])
+    ids = torch.tensor([[1, 5, 9, 200, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(str(bundle)).eval()(ids).logits.float(),
+                                   trained(ids), atol=1e-4, rtol=1e-4)
+    assert json.loads((bundle / "kiln.json").read_text())["pretrained"]["base_model"]["model_type"] == "llama"
