@@ -1,4 +1,4 @@
-"""The clean step on a real Ray cluster (head + second worker node on 127.0.0.1, see conftest.py): the same
+"""The clean step on a real Ray cluster (head + second worker node on 127.0.0.1: tests/ray_cluster.py): the same
 outputs and report as the local executor, a worker killed mid-stage (retried, same result), a worker that dies on
 every try (a clear error, earlier outputs untouched).
 

@@ -2,7 +2,7 @@
 store each), started with ``ray start`` in a temp dir of its own and stopped by killing exactly the processes that
 run from that temp dir (and their children), so other Ray clusters on the machine are left alone.
 
-``python tests/kiln/clean/ray_cluster.py`` starts one, prints its address, and stops it on Enter.
+``python tests/ray_cluster.py`` starts one, prints its address, and stops it on Enter.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
 OBJECT_STORE = 80 * 1024 * 1024  # bytes per node
 
