@@ -225,7 +225,8 @@ def clean_on_ray(in_path: str | Path, out_path: str | Path, removed_path: str | 
 
 
 def write_clean_corpus_on_ray(results: list[dict[str, Any]], folder: Path, cfg: CleanSettings,
-                              raw_path: str | Path, say: Progress, max_retries: int = 3) -> CleanReport:
+                              raw_path: str | Path, say: Progress, max_retries: int = 3,
+                              partitions: int | None = None) -> CleanReport:
     """``kiln.clean.corpus.write_clean_corpus`` with pass A's dedup on the connected cluster."""
-    return write_clean_corpus(results, folder, cfg, raw_path, say, stage=corpus_stage_on_ray(results, cfg, say,
-                                                                                             max_retries))
+    stage = corpus_stage_on_ray(results, cfg, say, max_retries, partitions)
+    return write_clean_corpus(results, folder, cfg, raw_path, say, stage=stage)
