@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from kiln.clean.config import CleanSettings
 from kiln.clean.corpus import CorpusStage
-from kiln.clean.dedup import LineDeduper, content_hash, url_key
+from kiln.clean.dedup import LineDeduper, content_hash, signatures, url_key
 
 class Map(Protocol):
     """Runs ``fn`` over argument tuples and returns the results in the order of ``jobs``; ``fn`` returns
@@ -52,14 +52,19 @@ def _part(key: bytes, partitions: int) -> int:
     return zlib.crc32(key) % partitions
 
 
-def dedup_keys(kept_path: str, offset: int, cfg: CleanSettings, partitions: int) -> list[dict[bytes, list[int]]]:
+def dedup_keys(kept_path: str, offset: int, cfg: CleanSettings, partitions: int,
+               sign: bool = False) -> list[dict[bytes, list[int]]]:
     """Map of pass A over one shard's kept.parquet (its first row at corpus position ``offset``): URL keys,
-    content hashes and band keys, each as ``partitions`` dicts key -> positions, flat (3 * partitions dicts)."""
-    cols = ["url", "text"] + (["minhash"] if cfg.minhash.enabled else [])
+    content hashes and band keys, each as ``partitions`` dicts key -> positions, flat (3 * partitions dicts).
+    ``sign``: compute the MinHash signatures from the text here instead of reading the ``minhash`` column."""
+    cols = ["url", "text"] + (["minhash"] if cfg.minhash.enabled and not sign else [])
     t = pq.read_table(kept_path, columns=cols)
     out: list[list[dict[bytes, list[int]]]] = [[{} for _ in range(partitions)] for _ in range(3)]
     urls, texts = t.column("url").to_pylist(), t.column("text").to_pylist()
-    sigs = t.column("minhash").to_pylist() if cfg.minhash.enabled else [None] * len(texts)
+    sigs = [None] * len(texts)
+    if cfg.minhash.enabled:
+        sigs = ([s.astype(np.uint32).tobytes() for s in signatures(texts, cfg.minhash)] if sign
+                else t.column("minhash").to_pylist())
     bands, rows = cfg.minhash.bands, cfg.minhash.rows
     for i, (url, text, sig) in enumerate(zip(urls, texts, sigs)):
         pos = offset + i
@@ -198,13 +203,15 @@ def _reduce(fmap: Map, fn: Callable, keyed: list[list], which: int, extra: Any, 
     return fmap(fn, jobs, label=label)
 
 
-def dedup_decisions(results: list[dict[str, Any]], cfg: CleanSettings, fmap: Map, partitions: int = 4) -> Decisions:
+def dedup_decisions(results: list[dict[str, Any]], cfg: CleanSettings, fmap: Map, partitions: int = 4,
+                    sign: bool = False) -> Decisions:
     """The sharded passes over ``clean_shard`` results (sorted by shard index here): map keys, reduce URL, then
-    exact, then band buckets, resolve near-duplicates, then count lines; each map or reduce runs through ``fmap``."""
+    exact, then band buckets, resolve near-duplicates, then count lines; each map or reduce runs through ``fmap``.
+    ``sign``: the maps compute the MinHash signatures themselves (MinHash alone over any id/url/text Parquet)."""
     results = sorted(results, key=lambda r: r["shard"]["index"])
     sizes = [r["report"]["input_docs"] - r["report"]["dropped_docs"] for r in results]
     offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(int).tolist() if sizes else []
-    keyed = fmap(dedup_keys, [(r["kept"], o, cfg, partitions) for r, o in zip(results, offsets)],
+    keyed = fmap(dedup_keys, [(r["kept"], o, cfg, partitions, sign) for r, o in zip(results, offsets)],
                  num_returns=3 * partitions, label="dedup keys")
     d = Decisions()
     for part in _reduce(fmap, reduce_first, keyed, 0, set(), partitions, "URL dedup"):
