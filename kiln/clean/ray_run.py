@@ -152,26 +152,29 @@ def _shard_task(in_path: str, shard: dict[str, Any], out_dir: str, cfg: CleanSet
 def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_dir: Callable[[dict], Path],
                         cfg: CleanSettings, say: Progress, filters: list[Filter] | None = None,
                         max_retries: int = 3) -> list[dict[str, Any]]:
-    """The per-document stage, one task per shard, into ``out_dir(shard)``; progress lines as shards finish,
-    with a line for each shard that a dead worker made Ray run again."""
-    from kiln.clean.run import _progress
-
-    rmap = RayMap(say, max_retries)
+    """The per-document stage, one task per shard, into ``out_dir(shard)``; a progress line as each shard
+    finishes, and one for each shard that a dead worker made Ray run again."""
     import ray
 
+    rmap, t0 = RayMap(say, max_retries), time.perf_counter()
     task = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(_shard_task)
     cfg_ref = ray.put(cfg)
     refs = [task.options(name=f"kiln.clean:shard {s['index']}").remote(str(in_path), s, str(out_dir(s)), cfg_ref,
                                                                         filters) for s in shards]
-
-    def finished() -> Iterator[dict[str, Any]]:
-        for _, r in rmap.wait(refs, "per-document stage"):
-            if r["attempt"] > 1:
-                say(f"clean on ray: shard {r['shard']['index']} ({r['shard']['source']}) finished on attempt "
-                    f"{r['attempt']}: Ray reran it after its worker died")
-            yield r
-
-    return sorted(_progress(finished(), cfg, say, time.perf_counter()), key=lambda r: r["shard"]["index"])
+    done: list[dict[str, Any]] = []
+    docs = passed = nbytes = 0
+    for _, r in rmap.wait(refs, "per-document stage"):
+        rep, shard = r["report"], r["shard"]
+        if r["attempt"] > 1:
+            say(f"clean on ray: shard {shard['index']} ({shard['source']}) finished on attempt {r['attempt']}: "
+                f"Ray reran it after its worker died")
+        done.append(r)
+        docs, passed = docs + rep["input_docs"], passed + rep["input_docs"] - rep["dropped_docs"]
+        nbytes += rep["input_bytes"]
+        dt = max(time.perf_counter() - t0, 1e-9)
+        say(f"clean on ray: {len(done)} of {len(shards)} shards, {docs} docs read, {passed} passed the document "
+            f"rules, {docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s")
+    return sorted(done, key=lambda r: r["shard"]["index"])
 
 
 def corpus_stage_on_ray(results: list[dict[str, Any]], cfg: CleanSettings, say: Progress, max_retries: int = 3,

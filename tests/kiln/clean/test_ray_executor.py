@@ -2,7 +2,7 @@
 outputs and report as the local executor, a worker killed mid-stage (retried, same result), a worker that dies on
 every try (a clear error, earlier outputs untouched).
 
-Run: python -m pytest tests/kiln/clean/test_ray.py -q (about a minute: the cluster starts once).
+Run: python -m pytest tests/kiln/clean/test_ray_executor.py -q (about a minute: the cluster starts once).
 """
 
 from __future__ import annotations
