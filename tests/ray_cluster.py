@@ -8,6 +8,7 @@ run from that temp dir (and their children), so other Ray clusters on the machin
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,7 +97,7 @@ class RayCluster:
         return sorted(out)
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL, every process of this cluster (found by its temp dir), by pid."""
+        """SIGTERM, then SIGKILL, every process of this cluster (found by its temp dir), by pid; then the temp dir."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             pids = pids_under(self.temp)
             for p in pids:
@@ -107,6 +108,7 @@ class RayCluster:
             deadline = time.time() + 5
             while pids and time.time() < deadline and pids_under(self.temp):
                 time.sleep(0.2)
+        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 if __name__ == "__main__":
