@@ -1,7 +1,10 @@
 """Step 1 as assets: raw documents from the sources, and the clean corpus, whose per-document stage fans out over
-shards (one op per shard, run in parallel by a multiprocess executor) before the corpus-wide stage."""
+shards (one op per shard, run in parallel by a multiprocess executor) before the corpus-wide stage; with
+``clean.executor: ray`` one op submits every shard, and the corpus stage's dedup, to the Ray cluster of the ``ray``
+resource."""
 
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from kiln.clean import report as kreport
 from kiln.clean import shard as kshard
 from kiln.clean.config import CleanConfig
 from kiln import sources as ksources
+from resources.ray import RayResource
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
@@ -95,14 +99,20 @@ def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, st
     kshard.remove_stale_staging(storage.path("clean_shards"))  # what killed runs left
     shards = kshard.plan_shards(raw_documents["path"], cfg.shard_docs)
     context.log.info(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
+    if cfg.executor == "ray":  # one op submits them all to the cluster
+        yield DynamicOutput({"raw": raw_documents["path"], "shards": shards, "clean": config.clean.to_dict(changed_only=True)},
+                           mapping_key="ray_all_shards")
+        return
     for shard in shards:
         yield DynamicOutput({"raw": raw_documents["path"], "shard": shard, "clean": config.clean.to_dict(changed_only=True)},
                            mapping_key=_shard_key(shard))
 
 
-@op(description="The per-document stage on one shard: extraction, Unicode repair, language ID, quality rules, PII, MinHash signatures; reused when the shard's rows and the stage config are unchanged.")
-def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, job: dict) -> dict:
+@op(description="The per-document stage on one shard (on the Ray cluster: on every shard): extraction, Unicode repair, language ID, quality rules, PII, MinHash signatures; reused when the shard's rows and the stage config are unchanged.")
+def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, ray: RayResource, job: dict) -> dict:
     cfg = CleanConfig.from_dict(job["clean"], "clean_corpus.clean")
+    if "shards" in job:
+        return _clean_shards_on_ray(context, storage, ray, job, cfg)
     shard = job["shard"]
     out_dir = storage.path("clean_shards", kshard.shard_stage_key(shard, cfg))
     cached = (out_dir / "report.json").is_file()
@@ -112,6 +122,25 @@ def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, job: 
                      f"{rep['input_docs'] - rep['dropped_docs']} passed the document rules"
                      + (" (reused: rows and config unchanged)" if cached else ""))
     return {**result, "cached": cached}
+
+
+def _clean_shards_on_ray(context: OpExecutionContext, storage: KilnStorageResource, ray: RayResource, job: dict,
+                         cfg) -> dict:
+    """Every shard as a Ray task into the same shard cache as the local ops; the results and the Ray job."""
+    from kiln.clean.ray_run import clean_shards_on_ray
+
+    info = ray.connect()
+    context.log.info(f"clean_corpus on ray: job {info.job_id} on {info.address} ({info.nodes} nodes, {info.cpus:g} "
+                     f"CPUs)" + (f", dashboard {info.dashboard_url}" if info.dashboard_url else ""))
+    out_dir = lambda s: storage.path("clean_shards", kshard.shard_stage_key(s, cfg))  # noqa: E731
+    cached = {s["index"] for s in job["shards"] if (out_dir(s) / "report.json").is_file()}
+    try:
+        results = clean_shards_on_ray(job["raw"], job["shards"], out_dir, cfg, context.log.info,
+                                      max_retries=ray.max_retries)
+    finally:
+        ray.disconnect()
+    return {"ray": dataclasses.asdict(info),
+            "results": [{**r, "cached": r["shard"]["index"] in cached} for r in results]}
 
 
 def _corpus_metadata(rep: dict, shards: list[dict]) -> dict[str, Any]:
@@ -132,15 +161,18 @@ def _corpus_metadata(rep: dict, shards: list[dict]) -> dict[str, Any]:
     }
 
 
-@op(description="The corpus stage: URL, exact and MinHash dedup, line dedup, token outliers, the trained quality classifier and the source mix; writes the clean corpus and the removal report.")
+@op(description="The corpus stage: URL, exact and MinHash dedup (on the Ray cluster: sharded), line dedup, token outliers, the trained quality classifier and the source mix; writes the clean corpus and the removal report.")
 def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict, shards: list[dict],
-                       storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+                       storage: KilnStorageResource, mlflow: MlflowResource, ray: RayResource) -> Output[dict]:
     cfg = config.clean.to_dataclass("clean_corpus.clean")
+    on_ray = [s for s in shards if "results" in s]
+    shards = [r for s in on_ray for r in s["results"]] if on_ray else shards
+    same = {k: v for k, v in config.clean.to_dict(changed_only=True).items() if k != "executor"}  # either executor
     with asset_output(context, mlflow, parent=storage.path("clean_corpus"), params={"clean": cfg.__dict__},
-                      inputs={"raw_documents": raw_documents}, reuse={"clean": config.clean.to_dict(changed_only=True)}) as out:
+                      inputs={"raw_documents": raw_documents}, reuse={"clean": same}) as out:
         if out.reused:
             return out.reused
-        report = kcorpus.write_clean_corpus(shards, out.stage, cfg, raw_documents["path"], progress=context.log.info)
+        report = _write_corpus(context, cfg, ray, shards, out.stage, raw_documents["path"])
         rep = report.to_dict()
         final = out.commit(volatile=("report.json",))  # timings
         out.log_metrics(kreport.report_metrics(rep))
@@ -149,7 +181,32 @@ def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, r
                 out.log_artifact(final / name)
         value = {"path": str(final / "corpus.parquet"), "removed": str(final / "removed.parquet"), "version": out.version,
                  "report": rep}
-        return out.result(value, {**_corpus_metadata(rep, shards), "path": MetadataValue.path(value["path"])})
+        meta = {**_corpus_metadata(rep, shards), **_executor_metadata(cfg, on_ray), "path": MetadataValue.path(value["path"])}
+        return out.result(value, meta)
+
+
+def _write_corpus(context: OpExecutionContext, cfg, ray: RayResource, shards: list[dict], folder: Path, raw: str):
+    if cfg.executor != "ray":
+        return kcorpus.write_clean_corpus(shards, folder, cfg, raw, progress=context.log.info)
+    from kiln.clean.ray_run import write_clean_corpus_on_ray
+
+    info = ray.connect()
+    context.log.info(f"clean_corpus on ray: sharded dedup as job {info.job_id} on {info.address}")
+    try:
+        return write_clean_corpus_on_ray(shards, folder, cfg, raw, context.log.info, ray.max_retries,
+                                         ray.partitions or None)
+    finally:
+        ray.disconnect()
+
+
+def _executor_metadata(cfg, on_ray: list[dict]) -> dict[str, Any]:
+    """Where the step ran: the executor, and on Ray the job id of the per-document stage and the dashboard link."""
+    if not on_ray:
+        return {"executor": cfg.executor}
+    info = on_ray[0]["ray"]
+    link = MetadataValue.url(info["dashboard_url"]) if info["dashboard_url"] else MetadataValue.md("_no dashboard_")
+    return {"executor": "ray", "ray_job_id": info["job_id"], "ray_address": info["address"], "ray_dashboard": link,
+            "ray_cluster": f"{info['nodes']} nodes, {info['cpus']:g} CPUs"}
 
 
 @config_mapping(config_schema=CleanCorpusConfig.to_config_schema())

@@ -1,8 +1,15 @@
 """Cleaning benchmark on the demo corpus: throughput per core with each stage's share of the time, MinHash
-signature rate against datasketch's own batch update in the same run, and peak memory when the input doubles.
+signature rate against datasketch's own batch update in the same run, and peak memory when the input doubles;
+the scaling table (``--sections scaling``): MB/s of the whole clean step, of its per-document stage and of MinHash
+alone, in-process and on a local Ray cluster of 1 and 2 one-CPU nodes, on the demo corpus replicated 4 times (copy 1
+as is, copy 2 with the words of every line reversed, copies 3 and 4 with them shuffled: no copy near-duplicates
+another); and (``--sections datatrove``) MinHash removals on the 66,000-document schelling_point corpus of
+evals 3.0.1.post1 (owt_5, wikipedia_5 and mix, every row flattened into its 11 variants), with and without
+datatrove's text normalisation, in-process and sharded.
 
-Run: ``python bench/bench_clean.py [--cache-dir DIR] [--repeats 5]`` (about a minute on 2 cores; the demo sources
-are fetched by name on the first run and cached in $KILN_SOURCE_CACHE or ~/.cache/kiln/sources).
+Run: ``python bench/bench_clean.py [--cache-dir DIR] [--repeats 5] [--sections demo,scaling,datatrove]`` (demo: about
+a minute on 2 cores; scaling: about 5 minutes; the demo sources are fetched by name on the first run and cached in
+$KILN_SOURCE_CACHE or ~/.cache/kiln/sources).
 """
 
 from __future__ import annotations
@@ -90,42 +97,259 @@ def minhash_rates(texts: list[str], repeats: int) -> dict:
     return {k: len(texts) / v for k, v in best.items()}
 
 
+def demo_section(raw: Path, tmp: Path, args: argparse.Namespace) -> None:
+    """The demo corpus: throughput, stage shares, MinHash signature rates, memory when the input doubles."""
+    one = run_clean(raw, tmp / "one")
+    rep = one["report"]
+    mb = rep["input_bytes"] / 1e6
+    print(f"demo corpus: {rep['input_docs']:,} documents, {mb:.2f} MB in, {rep['kept_docs']:,} kept "
+          f"({rep['kept_bytes'] / 1e6:.2f} MB), {rep['shards']} shards")
+    print(f"throughput: {mb / one['cpu_s']:.3f} MB/s per core (CPU {one['cpu_s']:.1f} s, one process), "
+          f"{mb / one['wall_s']:.3f} MB/s wall ({one['wall_s']:.1f} s)")
+    stages = rep["stage_seconds"]
+    total = sum(stages.values())
+    print("share of time per stage:")
+    for name, s in sorted(stages.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {s:7.2f} s  {s / total:6.1%}")
+
+    texts = pq.read_table(tmp / "one" / "c.parquet", columns=["text"]).column("text").to_pylist()
+    rates = minhash_rates(texts, args.repeats)
+    print(f"MinHash signatures, {len(texts):,} clean documents, best of {args.repeats} (docs/s):")
+    print(f"  datasketch MinHash.bulk on byte shingles (crc32)  {rates['datasketch_bytes']:9.0f}")
+    print(f"  kiln.clean.dedup.signatures from text (shingling incl.) {rates['pipeline']:9.0f}  "
+          f"ratio {rates['pipeline'] / rates['datasketch_bytes']:.2f} (target >= 0.80)")
+    print(f"  of which datasketch's update on hashed shingles   {rates['datasketch_inside_pipeline']:9.0f}")
+
+    two = run_clean(doubled(raw, tmp / "raw2.parquet"), tmp / "two")
+    peak1, peak2 = one["peak_kib"] / 1024, two["peak_kib"] / 1024
+    grow1, grow2 = (one["peak_kib"] - one["base_kib"]) / 1024, (two["peak_kib"] - two["base_kib"]) / 1024
+    print(f"memory: peak RSS {peak1:.0f} MiB on {mb:.1f} MB, {peak2:.0f} MiB on "
+          f"{two['report']['input_bytes'] / 1e6:.1f} MB: ratio {peak2 / peak1:.2f} (target <= 1.20); "
+          f"above the imports: {grow1:.0f} -> {grow2:.0f} MiB")
+
+
+# ---------------------------------------------------------------------------------------------- scaling on Ray
+
+
+def replicated(raw: Path, out: Path, copies: int = 4) -> Path:
+    """The corpus ``copies`` times: as is, words of every line reversed, then shuffled (seeded per copy)."""
+    import random
+
+    t = pq.read_table(raw)
+    rows = t.to_pylist()
+    for k in range(2, copies + 1):
+        rng = random.Random(k)
+        for r in t.to_pylist():
+            r["id"], r["url"] = f"copy{k}/{r['id']}", f"{r['url']}?copy={k}"
+            lines = []
+            for line in r["text"].split("\n"):
+                words = line.split(" ")
+                if k == 2:
+                    words.reverse()
+                else:
+                    rng.shuffle(words)
+                lines.append(" ".join(words))
+            r["text"] = "\n".join(lines)
+            r["bytes"] = len(r["text"].encode())
+            rows.append(r)
+    pq.write_table(pa.Table.from_pylist(rows, schema=t.schema), out, row_group_size=2000)
+    return out
+
+
+MINHASH_ONLY = {"url_dedup": False, "exact_dedup": False, "line_dedup": {"enabled": False}}
+
+
+def measure_local(raw: Path, work: Path, texts: list[str]) -> dict:
+    """In this process: the per-document stage (one process), then the corpus stage; MinHash alone on ``texts``
+    (signatures and the in-memory LSH index)."""
+    from kiln.clean.config import CleanConfig
+    from kiln.clean.corpus import merge_shards
+    from kiln.clean.dedup import MinHashDeduper, signatures
+    from kiln.clean.run import _clean_shards
+    from kiln.clean.shard import plan_shards
+
+    cfg = CleanConfig()
+    t0 = time.perf_counter()
+    shards = plan_shards(raw, cfg.shard_docs)
+    results = _clean_shards([(raw, s, work / f"s{s['index']:05d}", cfg, None) for s in shards], cfg, False,
+                            lambda m: None, t0)
+    t1 = time.perf_counter()
+    rep = merge_shards(results, work / "c.parquet", work / "r.parquet", cfg, work_dir=work)
+    t2 = time.perf_counter()
+    t3 = time.perf_counter()
+    d = MinHashDeduper(cfg.minhash)
+    near = sum(x is not None for x in d.check([str(i) for i in range(len(texts))], signatures(texts, cfg.minhash)))
+    t4 = time.perf_counter()
+    return {"step_s": t2 - t0, "doc_s": t1 - t0, "minhash_s": t4 - t3, "near": near, "kept": rep.kept_docs,
+            "in_mb": rep.input_bytes / 1e6, "ids": pq.read_table(work / "c.parquet", columns=["id"]).column("id").to_pylist()}
+
+
+def _warm() -> float:
+    """Start this job's workers (one per CPU, each importing the clean step) before anything is timed."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def ready() -> None:
+        import kiln.clean.ray_dedup  # noqa: F401
+        import kiln.clean.shard  # noqa: F401
+
+        time.sleep(1.0)  # so each CPU's worker takes one
+
+    t = time.perf_counter()
+    ray.get([ready.remote() for _ in range(int(ray.cluster_resources().get("CPU", 1)))])
+    return time.perf_counter() - t
+
+
+def measure_ray(raw: Path, work: Path, address: str, blocks: list[dict]) -> dict:
+    """On the cluster: the same two stages, then MinHash alone over the Parquet ``blocks`` (signatures computed in
+    the map tasks); each a fresh Ray job whose workers are started (``_warm``) before the timing."""
+    import ray
+
+    from kiln.clean.config import CleanConfig
+    from kiln.clean.corpus import merge_shards
+    from kiln.clean.ray_dedup import dedup_decisions
+    from kiln.clean.ray_run import RayMap, clean_shards_on_ray, connect, corpus_stage_on_ray
+    from kiln.clean.shard import plan_shards
+
+    cfg, say = CleanConfig(executor="ray"), (lambda m: None)
+    connect(address)
+    try:
+        warm = _warm()
+        t0 = time.perf_counter()
+        shards = plan_shards(raw, cfg.shard_docs)
+        mine = clean_shards_on_ray(raw, shards, lambda s: work / f"s{s['index']:05d}", cfg, say)
+        t1 = time.perf_counter()
+        rep = merge_shards(mine, work / "c.parquet", work / "r.parquet", cfg, work_dir=work,
+                           stage=corpus_stage_on_ray(mine, cfg, say))
+        t2 = time.perf_counter()
+    finally:
+        ray.shutdown()
+    connect(address)
+    try:
+        parts = max(2, int(ray.cluster_resources().get("CPU", 1)) * 2)
+        warm += _warm()
+        t3 = time.perf_counter()
+        near = len(dedup_decisions(blocks, CleanConfig.from_dict(MINHASH_ONLY), RayMap(say), parts, sign=True).near)
+        t4 = time.perf_counter()
+    finally:
+        ray.shutdown()
+    return {"step_s": t2 - t0, "doc_s": t1 - t0, "minhash_s": t4 - t3, "near": near, "kept": rep.kept_docs,
+            "warm_s": warm, "ids": pq.read_table(work / "c.parquet", columns=["id"]).column("id").to_pylist()}
+
+
+def scaling_section(raw: Path, tmp: Path, cache_dir: str):
+    """The scaling table; returns the 2-node cluster (still running) for the next section."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from ray_cluster import RayCluster
+
+    big = replicated(raw, tmp / "raw4.parquet")
+    blocks, n_mh, text_mb = schelling_blocks(cache_dir, tmp / "schelling")
+    texts = [x for r in blocks for x in pq.read_table(r["kept"], columns=["text"]).column("text").to_pylist()]
+    runs = {}
+    (tmp / "local").mkdir()
+    runs["in-process"] = local = measure_local(big, tmp / "local", texts)
+    del texts
+    cluster = RayCluster(workers=0).start()
+    try:
+        for n in (1, 2):
+            if n == 2:
+                cluster.add_worker()
+            (tmp / f"ray{n}").mkdir()
+            runs[f"Ray, {n} worker{'s' * (n > 1)}"] = measure_ray(big, tmp / f"ray{n}", cluster.address, blocks)
+    except BaseException:
+        cluster.stop()
+        raise
+    mb = local["in_mb"]
+    print(f"scaling: clean step on the demo corpus x4 (copy 2 words reversed per line, copies 3-4 shuffled), "
+          f"{mb:.1f} MB raw, {len(local['ids']):,} kept; MinHash alone (signatures + dedup) on the {n_mh:,}-document "
+          f"schelling_point corpus, {text_mb:.1f} MB; Ray workers started before each timing")
+    print(f"  {'executor':16s} {'clean step MB/s':>15s} {'per-document MB/s':>17s} {'MinHash MB/s':>12s} "
+          f"{'near dups':>9s} {'kept ids = in-process':>21s} {'worker start s':>14s}")
+    for name, r in runs.items():
+        print(f"  {name:16s} {mb / r['step_s']:15.3f} {mb / r['doc_s']:17.3f} {text_mb / r['minhash_s']:12.3f} "
+              f"{r['near']:9,d} {str(r['ids'] == local['ids']):>21s} {r.get('warm_s', 0.0):14.1f}")
+    one, two = runs["Ray, 1 worker"], runs["Ray, 2 workers"]
+    print(f"  per-document stage, 2 workers / 1 worker: {one['doc_s'] / two['doc_s']:.2f}x (target >= 1.7); "
+          f"MinHash on 1 Ray worker: {one['minhash_s'] / local['minhash_s']:.2f}x the in-process time "
+          f"(target <= 1.5)")
+    return cluster
+
+
+def schelling_blocks(cache_dir: str, folder: Path, block: int = 6000) -> tuple[list[dict], int, float]:
+    """The 66,000 documents of schelling_point (owt_5, wikipedia_5, mix; fields "0".."10" of every row) as
+    Parquet blocks of ``block`` rows in file, row, field order: (fake shard results, documents, MB)."""
+    base = next(Path(cache_dir).glob("evals-3.0.1.post1-*")) / "evals/registry/data/schelling_point"
+    rows = []
+    for name in ("owt_5", "wikipedia_5", "mix"):
+        for i, line in enumerate((base / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()):
+            rec = json.loads(line)
+            rows += [{"id": f"{name}/{i}/{k}", "url": "", "text": rec[str(k)]} for k in range(11)]
+    folder.mkdir(parents=True, exist_ok=True)
+    results = []
+    for j in range(0, len(rows), block):
+        path = folder / f"b{j // block:03d}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows[j:j + block]), path)
+        n = len(rows[j:j + block])
+        results.append({"shard": {"index": j // block}, "kept": str(path), "report": {"input_docs": n, "dropped_docs": 0}})
+    return results, len(rows), sum(len(r["text"].encode()) for r in rows) / 1e6
+
+
+def datatrove_section(cache_dir: str, tmp: Path, cluster) -> None:
+    """MinHash removals on the schelling_point corpus (FineWeb's 5-grams, 14 x 8), without and with datatrove's
+    normalisation; in-process, and sharded on the 2-node cluster when there is one (the caller stops it)."""
+    import ray
+
+    from kiln.clean.config import CleanConfig
+    from kiln.clean.dedup import MinHashDeduper, signatures
+    from kiln.clean.ray_dedup import LocalMap, dedup_decisions
+    from kiln.clean.ray_run import RayMap, connect
+
+    results, n, mb = schelling_blocks(cache_dir, tmp / "schelling-dt")
+    texts = [x for r in results for x in pq.read_table(r["kept"], columns=["text"]).column("text").to_pylist()]
+    print(f"schelling_point corpus (evals 3.0.1.post1, owt_5 + wikipedia_5 + mix, 11 variants a row): "
+          f"{n:,} documents, {mb:.1f} MB")
+    for norm in ("none", "datatrove"):
+        cfg = CleanConfig.from_dict({**MINHASH_ONLY, "minhash": {"normalise": norm}})
+        t = time.perf_counter()
+        removed = sum(x is not None for x in MinHashDeduper(cfg.minhash).check(
+            [str(i) for i in range(n)], signatures(texts, cfg.minhash)))
+        dt = time.perf_counter() - t
+        line = f"  normalise={norm:9s} in-process: {removed:,} removed ({removed / n:.1%}), {mb / dt:.2f} MB/s"
+        if cluster is not None:
+            connect(cluster.address)
+            try:
+                t = time.perf_counter()
+                sharded = len(dedup_decisions(results, cfg, RayMap(lambda m: None), 4, sign=True).near)
+                line += f"; Ray, 2 workers: {sharded:,} removed, {mb / (time.perf_counter() - t):.2f} MB/s"
+            finally:
+                ray.shutdown()
+        else:
+            line += f"; sharded in-process: {len(dedup_decisions(results, cfg, LocalMap(), 4, sign=True).near):,}"
+        print(line)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-dir", default=os.environ.get("KILN_SOURCE_CACHE") or
                         os.path.expanduser("~/.cache/kiln/sources"))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sections", default="demo", help="comma-separated: demo, scaling, datatrove")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     with tempfile.TemporaryDirectory(prefix="kiln-bench-clean-") as tmp:
         tmp = Path(tmp)
         raw = demo_raw(args.cache_dir, tmp / "raw.parquet")
-        one = run_clean(raw, tmp / "one")
-        rep = one["report"]
-        mb = rep["input_bytes"] / 1e6
-        print(f"demo corpus: {rep['input_docs']:,} documents, {mb:.2f} MB in, {rep['kept_docs']:,} kept "
-              f"({rep['kept_bytes'] / 1e6:.2f} MB), {rep['shards']} shards")
-        print(f"throughput: {mb / one['cpu_s']:.3f} MB/s per core (CPU {one['cpu_s']:.1f} s, one process), "
-              f"{mb / one['wall_s']:.3f} MB/s wall ({one['wall_s']:.1f} s)")
-        stages = rep["stage_seconds"]
-        total = sum(stages.values())
-        print("share of time per stage:")
-        for name, s in sorted(stages.items(), key=lambda kv: -kv[1]):
-            print(f"  {name:28s} {s:7.2f} s  {s / total:6.1%}")
-
-        texts = pq.read_table(tmp / "one" / "c.parquet", columns=["text"]).column("text").to_pylist()
-        rates = minhash_rates(texts, args.repeats)
-        print(f"MinHash signatures, {len(texts):,} clean documents, best of {args.repeats} (docs/s):")
-        print(f"  datasketch MinHash.bulk on byte shingles (crc32)  {rates['datasketch_bytes']:9.0f}")
-        print(f"  kiln.clean.dedup.signatures from text (shingling incl.) {rates['pipeline']:9.0f}  "
-              f"ratio {rates['pipeline'] / rates['datasketch_bytes']:.2f} (target >= 0.80)")
-        print(f"  of which datasketch's update on hashed shingles   {rates['datasketch_inside_pipeline']:9.0f}")
-
-        two = run_clean(doubled(raw, tmp / "raw2.parquet"), tmp / "two")
-        peak1, peak2 = one["peak_kib"] / 1024, two["peak_kib"] / 1024
-        grow1, grow2 = (one["peak_kib"] - one["base_kib"]) / 1024, (two["peak_kib"] - two["base_kib"]) / 1024
-        print(f"memory: peak RSS {peak1:.0f} MiB on {mb:.1f} MB, {peak2:.0f} MiB on "
-              f"{two['report']['input_bytes'] / 1e6:.1f} MB: ratio {peak2 / peak1:.2f} (target <= 1.20); "
-              f"above the imports: {grow1:.0f} -> {grow2:.0f} MiB")
+        if "demo" in sections:
+            demo_section(raw, tmp, args)
+        cluster = None
+        try:
+            if "scaling" in sections:
+                cluster = scaling_section(raw, tmp, args.cache_dir)
+            if "datatrove" in sections:
+                datatrove_section(args.cache_dir, tmp, cluster)
+        finally:
+            if cluster is not None:
+                cluster.stop()
     return 0
 
 

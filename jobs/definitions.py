@@ -23,6 +23,7 @@ from assets.pretrained import pretrained_model
 from assets.publish import release_bundle, release_no_regression
 from assets.training import base_model, training_plan
 from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
+from resources.ray import RayResource
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
@@ -47,6 +48,7 @@ def make_resources(home: Path = KILN_HOME, source_cache: str = "") -> dict:
         "storage": KilnStorageResource(root=str(home / "storage"), cache=str(home / "cache"), source_cache=source_cache),
         "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "mlartifacts")),
         "torchrun": TorchrunResource(),
+        "ray": RayResource(),  # used only when clean.executor is ray
         "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles")),
     }
 

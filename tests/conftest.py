@@ -138,3 +138,17 @@ def run_train(config: Path, nproc: int = 1, timeout: float = 180) -> subprocess.
 @pytest.fixture(scope="session")
 def train_runner():
     return run_train
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real Ray cluster on 127.0.0.1 (tests/ray_cluster.py: a head node and a second worker node, one CPU and a
+    small object store each), started once per session by the first test that asks for it, stopped at the end."""
+    from ray_cluster import RayCluster
+
+    cluster = RayCluster(workers=1)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

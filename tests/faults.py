@@ -1,5 +1,6 @@
 """Test-only fault injection for training jobs: crash once at a step, SIGKILL rank 0 at steps (once each), pause
-inside checkpoint writes, train one data batch at a multiplied learning rate, slow every step down.
+inside checkpoint writes, train one data batch at a multiplied learning rate, slow every step down; and for the
+clean step on Ray, a document rule that kills its worker process once (``KillWorkerOnce``).
 
 One process:   python tests/faults.py --faults F.json --config job.json --device cpu
 Under torchrun: python -m torch.distributed.run --nproc_per_node=2 -m tests.faults --faults F.json --config job.json
@@ -23,6 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kiln.common.config import from_dict  # noqa: E402
+from kiln.filters.base import Filter  # noqa: E402
 from kiln.train.trainer import Callback  # noqa: E402
 
 
@@ -76,6 +78,26 @@ class FaultInjector(Callback):
 def injector(**faults) -> FaultInjector:
     """``injector(fail_at_step=2)``: the callback to pass to an entry point's ``main(argv, reporter, callbacks)``."""
     return FaultInjector(from_dict(Faults, faults, "faults"))
+
+
+class KillWorkerOnce(Filter):
+    """A clean-step document rule that keeps every document, but SIGKILLs its own process at document ``doc_id``
+    the first time (``marker`` records that it did), so a Ray worker dies mid-stage once and the retry passes."""
+
+    name = "fault:kill_worker"
+    reasons: tuple[str, ...] = ()
+
+    def __init__(self, doc_id: str, marker: str | Path, every_time: bool = False) -> None:
+        self.doc_id, self.marker, self.every_time = doc_id, str(marker), every_time
+
+    def reason(self, doc) -> None:
+        if doc.id == self.doc_id and (self.every_time or not Path(self.marker).exists()):
+            Path(self.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return None
+
+    def detail(self, doc) -> str:
+        return ""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ from kiln.filters.base import Filter
 from kiln.filters.gopher_quality import GopherQualityConfig
 from kiln.filters.registry import FilterSpec, RegistryError
 
+EXECUTORS = ("local", "ray")  # where the clean step runs (clean.executor)
 CODE_VERSION = "2"  # bump when a change alters what the per-document stage writes (invalidates shard caches)
 
 # reason -> config key of the rules the cleaning stages apply themselves (not a registered filter)
@@ -61,6 +62,7 @@ class CleanSettings(GopherQualityConfig):
     quality_model: QualityModelConfig = field(default_factory=QualityModelConfig)  # corpus-trained classifier
     mix: MixConfig = field(default_factory=MixConfig)  # target shares per group of sources
     shard_docs: int = 4000  # documents per shard of the per-document stage (the unit run in parallel and cached)
+    executor: str = "local"  # "local": this process (and cfg.workers); "ray": a Ray cluster (kiln.clean.ray_run)
     workers: int = 1  # processes for the per-document stage when called as a library (Dagster fans out itself)
     batch_size: int = 1024  # documents read from Parquet per batch
     progress_every: int = 2000  # call the progress callback about every this many documents
@@ -87,6 +89,8 @@ class CleanSettings(GopherQualityConfig):
                               f"clean.min_words or raise clean.max_words.")
         if self.min_mean_word_length > self.max_mean_word_length:
             raise ConfigError("clean: min_mean_word_length exceeds max_mean_word_length.")
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"clean.executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}.")
         if min(self.batch_size, self.progress_every, self.shard_docs, self.workers) < 1:
             raise ConfigError("clean: batch_size, progress_every, shard_docs and workers must be >= 1.")
         if min(self.max_input_bytes, self.max_html_depth) < 1 or self.progress_seconds <= 0:
@@ -102,9 +106,10 @@ class CleanSettings(GopherQualityConfig):
         """Hash of what the per-document stage depends on (shard caches are keyed by it)."""
         d = dataclasses.asdict(self)
         for k in ("url_dedup", "exact_dedup", "line_dedup", "token_outliers", "quality_model", "mix", "workers",
-                  "batch_size", "progress_every", "progress_seconds", "examples_per_reason", "shard_docs"):
+                  "batch_size", "progress_every", "progress_seconds", "examples_per_reason", "shard_docs", "executor"):
             d.pop(k)
-        d["minhash"] = {k: v for k, v in d["minhash"].items() if k in ("enabled", "ngram", "num_perm", "seed")}
+        keys = ("enabled", "ngram", "num_perm", "seed") + (("normalise",) if self.minhash.normalise != "none" else ())
+        d["minhash"] = {k: v for k, v in d["minhash"].items() if k in keys}
         return stable_hash([CODE_VERSION, d])
 
 

@@ -300,37 +300,39 @@ class CorpusStage:
 
 def merge_shards(results: list[dict[str, Any]], out_path: str | Path, removed_path: str | Path,
                  cfg: CleanSettings, progress: Progress | None = None, work_dir: str | Path | None = None,
-                 artifacts_dir: str | Path | None = None) -> CleanReport:
+                 artifacts_dir: str | Path | None = None, stage: type[CorpusStage] = CorpusStage) -> CleanReport:
     """The corpus stage over the shards (in shard order): URL, exact and MinHash dedup; line dedup; token
-    outliers; the quality classifier; mixing. Writes the kept corpus and every removed row atomically."""
+    outliers; the quality classifier; mixing. Writes the kept corpus and every removed row atomically.
+    ``stage`` is the class of the passes (kiln.clean.ray_dedup's takes pass A's dedup from a cluster)."""
     t0 = time.perf_counter()
     results = sorted(results, key=lambda r: r["shard"]["index"])
-    report = CleanReport(config=dataclasses.asdict(cfg), shards=len(results))
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "executor"}  # the same report either way
+    report = CleanReport(config=config, shards=len(results))
     for r in results:
         report.merge(r["report"], cfg.examples_per_reason)
     where = Path(results[0]["kept"]).parent if results else Path(".")
     tmp_root = Path(tempfile.mkdtemp(prefix="kiln-clean-", dir=work_dir))
     try:
         with atomic_path(removed_path) as rm_tmp, pq.ParquetWriter(rm_tmp, REMOVED_SCHEMA) as rm_w:
-            stage = CorpusStage(cfg, report, rm_w, tmp_root, progress or (lambda _m: None))
-            stage.copy_shard_removed([r["removed"] for r in results])
-            path_a = stage.dedup([r["kept"] for r in results])
-            model = stage.train_quality_model(artifacts_dir)
-            path_b = stage.edit_and_score(path_a, model)
-            kl_limit, min_score, mix = stage.limits(model)
-            stage.write_kept(path_b, out_path, kl_limit, min_score, mix, t0, where)
+            passes = stage(cfg, report, rm_w, tmp_root, progress or (lambda _m: None))
+            passes.copy_shard_removed([r["removed"] for r in results])
+            path_a = passes.dedup([r["kept"] for r in results])
+            model = passes.train_quality_model(artifacts_dir)
+            path_b = passes.edit_and_score(path_a, model)
+            kl_limit, min_score, mix = passes.limits(model)
+            passes.write_kept(path_b, out_path, kl_limit, min_score, mix, t0, where)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
     return report
 
 
 def write_clean_corpus(results: list[dict[str, Any]], folder: Path, cfg: CleanSettings, raw_path: str | Path,
-                       progress: Progress | None = None) -> CleanReport:
+                       progress: Progress | None = None, stage: type[CorpusStage] = CorpusStage) -> CleanReport:
     """``merge_shards`` into ``folder`` (corpus.parquet, removed.parquet, quality_model.pt) with report.json and
     removed_examples.md beside them; EmptyCorpusError names the raw corpus ``raw_path``."""
     try:
         report = merge_shards(results, folder / "corpus.parquet", folder / "removed.parquet", cfg,
-                              progress=progress, artifacts_dir=folder)
+                              progress=progress, artifacts_dir=folder, stage=stage)
     except EmptyCorpusError as e:
         raise EmptyCorpusError(e.report, Path(raw_path), rule_keys(cfg)) from None
     rep = report.to_dict()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import re
 import string
+import unicodedata
 import uuid
 import zlib
 from collections import Counter
@@ -25,6 +27,7 @@ from kiln.common.config import ConfigError, check_types
 from kiln.common.text import ngram_hashes
 
 BACKENDS = ("memory", "redis")
+NORMALISE = ("none", "datatrove")  # text normalisation before shingling (see normalise_datatrove)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class MinHashConfig:
     redis_db: int = 0  # Redis database number (backend redis)
     redis_basename: str = ""  # key prefix of the index in Redis; empty: a fresh one per run, deleted afterwards
     keep_index: bool = False  # backend redis: leave the index in Redis after the run (to dedup later runs against it)
+    normalise: str = "none"  # "datatrove": numbers to 0, punctuation and accents stripped before shingling (FineWeb)
 
     def __post_init__(self) -> None:
         check_types(self, "clean.minhash")
@@ -51,6 +55,8 @@ class MinHashConfig:
             )
         if self.ngram < 1:
             raise ConfigError(f"clean.minhash.ngram must be >= 1, got {self.ngram}.")
+        if self.normalise not in NORMALISE:
+            raise ConfigError(f"clean.minhash.normalise must be one of {', '.join(NORMALISE)}, got {self.normalise!r}.")
         if self.backend not in BACKENDS:
             raise ConfigError(f"clean.minhash.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
 
@@ -142,6 +148,21 @@ class LineDeduper:
 # typographic marks by bytes.replace, both in C (a str.translate dict or a regex costs 2-3x more per document).
 _ASCII_PUNCT = bytes.maketrans(string.punctuation.encode(), b" " * len(string.punctuation))
 _UNICODE_PUNCT = tuple(c.encode() for c in "“”‘’«»„…–—·•")
+_ASCII_PUNCT_STR = str.maketrans(string.punctuation, " " * len(string.punctuation))
+
+
+_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
+
+
+def normalise_datatrove(text: str) -> str:
+    """Text as datatrove's ``simplify_text`` (its MinHash default) makes it: lower-cased, every number (digits,
+    optionally a decimal part) replaced by 0, Unicode punctuation and symbols removed, accents stripped
+    (NFD, combining marks dropped), whitespace collapsed to single spaces."""
+    text = _NUMBERS.sub("0", text.lower())
+    text = unicodedata.normalize("NFD", text)
+    text = "".join(" " if unicodedata.category(c)[0] in "PS" else c for c in text
+                   if not unicodedata.combining(c)) if not text.isascii() else text.translate(_ASCII_PUNCT_STR)
+    return " ".join(text.split())
 
 
 def words_of(text: str) -> list[bytes]:
@@ -192,13 +213,14 @@ def _hashed_shingle_sets(texts: list[str], n: int) -> list[list[int]]:
 
 
 def signatures(texts: Iterable[str], cfg: MinHashConfig, batch: int = 512) -> list[np.ndarray]:
-    """One (num_perm,) hash-value array per text, from ``MinHash.generator`` (datasketch's batch update).
+    """One (num_perm,) hash-value array per text, from ``MinHash.generator`` (datasketch's batch update), of the
+    text as it is or, with ``cfg.normalise == "datatrove"``, of ``normalise_datatrove(text)``.
 
     The shingles arrive already hashed to 32 bits (``shingle_hashes``), so datasketch's per-item hash function
     is the identity (``operator.index``); its affine32 scheme re-mixes every input hash with the MurmurHash3
     finalizer before permuting, exactly as for crc32 of the shingle bytes.
     """
-    texts = list(texts)
+    texts = list(texts) if cfg.normalise == "none" else [normalise_datatrove(t) for t in texts]
     sets = chain.from_iterable(_hashed_shingle_sets(texts[i : i + batch], cfg.ngram)
                                for i in range(0, len(texts), batch))
     return [m.hashvalues for m in MinHash.generator(sets, num_perm=cfg.num_perm, seed=cfg.seed,

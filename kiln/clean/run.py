@@ -60,13 +60,20 @@ def clean(
     filters: list[Filter] | None = None,
     work_dir: str | Path | None = None,
     artifacts_dir: str | Path | None = None,
+    ray_address: str = "127.0.0.1:6379",
 ) -> CleanReport:
     """Clean ``in_path`` in one call: every shard through ``clean_shard`` (``cfg.workers`` processes), then
     ``merge_shards``. Writes kept docs (input order, clean text, signal columns) to ``out_path`` and dropped ones
     (id, source, url, reason, bytes, detail, duplicate_of) to ``removed_path``, both atomically. Raises
     EmptyCorpusError, writing neither file, when no document is kept. ``filters`` replaces the document rules.
+    With ``cfg.executor == "ray"`` both stages run on the Ray cluster at ``ray_address`` (kiln.clean.ray_run).
     """
     in_path, cfg = Path(in_path), cfg or CleanConfig()
+    if cfg.executor == "ray":
+        from kiln.clean.ray_run import clean_on_ray
+
+        return clean_on_ray(in_path, out_path, removed_path, cfg, ray_address, progress, filters, work_dir,
+                            artifacts_dir)
     say = progress or (lambda _m: None)
     t0 = time.perf_counter()
     shards = plan_shards(in_path, cfg.shard_docs)

@@ -15,6 +15,7 @@ import pytest
 from dagster import AssetKey, DagsterInstance, DagsterInvalidConfigError, FilesystemIOManager, materialize
 
 from assets.collect import clean_corpus, raw_documents
+from resources.ray import RayResource
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
@@ -42,6 +43,7 @@ def run(home: Path, sources: list[dict], clean: dict, instance: DagsterInstance,
         "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art"),
                                  reuse_runs=reuse),
         "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles")),
+        "ray": RayResource(),  # clean.executor local: not contacted
     }
     config = {"ops": {"raw_documents": {"config": {"manifest": "", "sources": sources}},
                       "clean_corpus": {"config": {"clean": clean}}}}
