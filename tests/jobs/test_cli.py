@@ -86,15 +86,20 @@ def test_run_refuses_an_unknown_op_or_resource_name_in_a_preset_before_anything_
     assert ran == [] and not (tmp_path / "home" / "storage").exists()
 
 
-SOURCE_CACHE = Path("/tmp/srccache")  # the smoke manifest's packages, so that nothing is downloaded
+SOURCE_CACHE = Path("/tmp/srccache")  # the smoke manifest's packages, when cached there already (else fetched once)
+
+
+@pytest.fixture(scope="session")
+def source_cache(tmp_path_factory) -> Path:
+    return SOURCE_CACHE if SOURCE_CACHE.is_dir() else tmp_path_factory.getbasetemp() / "source-cache"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SOURCE_CACHE.is_dir(), reason="needs the smoke sources cached in /tmp/srccache")
-def test_a_failed_run_says_first_which_step_failed_and_why_and_where_the_trace_is(tmp_path, capsys, monkeypatch):
+def test_a_failed_run_says_first_which_step_failed_and_why_and_where_the_trace_is(tmp_path, capsys, monkeypatch,
+                                                                                    source_cache):
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
     preset = tmp_path / "strict.yaml"
-    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {SOURCE_CACHE}}}\n"
+    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {source_cache}}}\n"
                       "ops:\n  clean_corpus: {config: {clean: {min_words: 50000}}}\n")
     home = tmp_path / "home"
     args = ["run", "--preset", str(preset), "--select", "raw_documents,clean_corpus", "--home", str(home)]
