@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from jobs.console import format_seconds
+
 PROJECT = Path(__file__).resolve().parent.parent
 PRESETS = PROJECT / "conf" / "presets"
 USAGE = """The ``kiln`` command line: run the pipeline with a preset, sample from a model, show a model's lineage.
@@ -80,11 +82,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"kiln: preset {args.preset}: {unknown}", file=sys.stderr)
         return 2
     run_config = complete_resource_config(select_config(preset, keys), make_resources(home))
+    from dagster._core.utils import make_new_run_id
+
+    from jobs.console import RunConsole
+
+    run_id = make_new_run_id()
+    console = RunConsole(home / "logs" / f"{run_id}-events.log", keys, verbose=args.verbose)
+    run_config = {**run_config, "loggers": {**(run_config.get("loggers") or {}), **console.loggers_config()}}
+    print(f"kiln: run {run_id}, preset {args.preset}, {len(keys)} assets; full log: {console.log_path}", flush=True)
     start = time.time()
     try:  # Dagster's progress log goes to stdout, so that stderr holds kiln's own lines, a failure's first
-        with DagsterInstance.get() as instance, contextlib.redirect_stderr(sys.stdout):
-            result = job.execute_in_process(run_config=run_config, instance=instance, raise_on_error=False,
-                                            asset_selection=[AssetKey(k) for k in keys], tags={"kiln/preset": args.preset})
+        with console, run_output(console), DagsterInstance.get() as instance:
+            result = job.with_logger_defs(console.logger_defs()).execute_in_process(
+                run_config=run_config, instance=instance, raise_on_error=False, run_id=run_id,
+                asset_selection=[AssetKey(k) for k in keys], tags={"kiln/preset": args.preset})
     except DagsterInvalidConfigError as e:  # refused before the run: a typo or a wrong type in the preset
         print(f"kiln: preset {args.preset}: {config_error_line(e, job)}", file=sys.stderr)
         return 2
@@ -93,18 +104,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         report_failure(result, home, args.verbose)
         print(f"kiln: run {result.run_id} FAILED after {took:.0f}s", file=sys.stderr)
         return 1
-    print(f"kiln: run {result.run_id} materialized {len(keys)} assets in {took:.0f}s (preset {args.preset})")
-    for k in keys:
-        try:
-            value = result.output_for_node(k)
-        except Exception:
-            continue
-        where = value.get("dir") or value.get("path") or value.get("checkpoint") if isinstance(value, dict) else None
-        if where:
-            print(f"  {k:18s} {where}")
+    print(f"kiln: run {result.run_id} materialized {len(keys)} assets in {format_seconds(took)} (preset {args.preset})")
     summarize(result, keys)
-    print("Open the UI with: make ui   (Dagster at http://127.0.0.1:3000, MLflow at http://127.0.0.1:5000)")
+    print(f"Every event of the run: {console.log_path}\n"
+          "Open the UI with: make ui   (Dagster at http://127.0.0.1:3000, MLflow at http://127.0.0.1:5000)")
     return 0
+
+
+@contextlib.contextmanager
+def run_output(console):
+    """Where what libraries print during a run goes: with --verbose to stdout (stderr keeps kiln's own lines, a
+    failure's first); otherwise into the run's log file, so that the terminal shows only the console's lines."""
+    if console.verbose:
+        with contextlib.redirect_stderr(sys.stdout):
+            yield
+        return
+    console.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(console.log_path, "a", encoding="utf-8", buffering=1) as log, \
+            contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        yield
 
 
 # Dagster's own exceptions wrap the error raised in an asset body (as its cause); they are not what went wrong.
@@ -169,14 +187,21 @@ def resolve_model_path(ref: str, tracking_uri: str):
 
 
 def summarize(result, keys: list[str]) -> None:
-    """One line on what training achieved, when this run trained the base model."""
+    """What the run achieved: the base model's loss against a uniform guess, each task's primary score beside
+    chance, and where the release is."""
     import math
 
-    if "base_model" not in keys or "tokenizer" not in keys:
-        return
-    base, tok = result.output_for_node("base_model"), result.output_for_node("tokenizer")
-    print(f"  base model validation loss {base['initial_val_loss']:.3f} -> {base['final_val_loss']:.3f} nats/token "
-          f"(a uniform guess over {tok['n_vocab']} tokens scores {math.log(tok['n_vocab']):.3f})")
+    from jobs.console import score_line
+
+    if "base_model" in keys and "tokenizer" in keys:
+        base, tok = result.output_for_node("base_model"), result.output_for_node("tokenizer")
+        print(f"  base model validation loss {base['initial_val_loss']:.3f} -> {base['final_val_loss']:.3f} nats/token "
+              f"(a uniform guess over {tok['n_vocab']} tokens scores {math.log(tok['n_vocab']):.3f})")
+    if "eval_scores" in keys:
+        for task, row in result.output_for_node("eval_scores")["tasks"].items():
+            print(f"  {task:22s} {score_line(task, row)}")
+    if "release_bundle" in keys:
+        print(f"  release bundle {result.output_for_node('release_bundle')['dir']}")
 
 
 def load_any_model(path: str | Path):

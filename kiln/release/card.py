@@ -13,6 +13,19 @@ from typing import Any, Mapping
 from kiln.posttrain.measures import MEASURES
 
 
+def task_score(task: str, row: dict[str, Any]) -> dict[str, Any] | None:
+    """{metric, value, stderr, chance} of a task's primary metric (kiln.evaluation.registry) in one row of scores;
+    None when the row holds no number for it (e.g. a clean copy with no items left)."""
+    from kiln.evaluation.registry import REGISTRY
+
+    metric = REGISTRY.primary(task, row)
+    if metric is None:
+        return None
+    stderr = row.get(f"{metric}_stderr")
+    return {"metric": metric, "value": row[metric], "stderr": stderr if isinstance(stderr, (int, float)) else None,
+            "chance": row.get("chance", REGISTRY.chance(task))}
+
+
 def table(rows: list[dict]) -> str:
     """A markdown table (columns from the first row), or ``_none_``; floats to 4 significant digits."""
     if not rows:
