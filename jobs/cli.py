@@ -344,6 +344,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import logging
+
+    home = Path(args.home).resolve()
+    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    from dagster import DagsterInstance
+
+    from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources
+    from jobs.status import StatusReader, format_status, status_json
+    from resources.tracking import MlflowResource
+
+    defs = make_definitions(home)
+    preset = load_preset(args.preset)
+    unknown = unknown_name_line(preset, defs.resolve_job_def("kiln_pipeline_job"))
+    if unknown:
+        print(f"kiln: fix preset {args.preset} first: {unknown}", file=sys.stderr)
+        return 2
+    resources = make_resources(home)
+    config = complete_resource_config(preset, resources)
+    mlflow_conf = ((config.get("resources") or {}).get("mlflow") or {}).get("config")
+    mlflow = MlflowResource(**mlflow_conf) if mlflow_conf else resources["mlflow"]
+    Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), DagsterInstance.get() as instance:
+        rows = StatusReader(defs, instance, config, mlflow).status([a.key.to_user_string() for a in ALL_ASSETS])
+    if args.json:
+        print(status_json(rows))
+    else:
+        print(f"kiln status: the next `kiln run --preset {args.preset}` in {home}")
+        print(format_status(rows), end="")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     print(yaml.safe_dump(load_preset(args.preset), sort_keys=False), end="")
     return 0
@@ -368,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
     gen.set_defaults(fn=cmd_generate)
+    stat = sub.add_parser("status", help="what the next run with a preset would reuse, resume or recompute, why, and how long")
+    stat.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
+    stat.add_argument("--home", default=str(PROJECT / ".kiln"), help="the Kiln home whose runs to read")
+    stat.add_argument("--json", action="store_true", help="one record per asset as JSON, for scripts")
+    stat.set_defaults(fn=cmd_status)
     conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
     conf.add_argument("--preset", default="demo")
     conf.set_defaults(fn=cmd_config)
