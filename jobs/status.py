@@ -27,6 +27,7 @@ class AssetStatus:
     estimate_s: float | None = None  # seconds the next run would spend on it (None: unknown)
     estimate_from: str = ""  # "last run", "training plan", "reuse"
     roots: list[str] = field(default_factory=list)  # the assets whose own change makes this one run
+    next_version: str | None = None  # the data version the next run gives it when it is reused
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -85,18 +86,33 @@ class StatusReader:
         when = dt.datetime.fromtimestamp(ev.timestamp, dt.timezone.utc).isoformat(timespec="seconds")
         st = AssetStatus(name, tags.get("dagster/data_version"), when, "recompute")
         own, upstream = self.changes(name, ev)
-        st.roots = sorted({r for p in upstream for r in self.decided[p].roots}) if not own else [name]
+        st.roots = sorted(({name} if own else set()) | {r for p in upstream for r in self.decided[p].roots})
         st.reasons = own + [f"upstream {r} changes: {self.decided[r].reasons[0]}" for r in st.roots if r != name]
-        if not st.reasons:
-            found, problems = self.reusable(name, meta)
+        earlier = self.earlier_match(name, ev) if own and not upstream else None
+        candidate = earlier or (ev if not st.reasons else None)
+        if candidate is not None:
+            found, problems = self.reusable(name, candidate.asset_materialization.metadata)
             if found:
-                st.action, st.reasons = "reuse", [f"inputs, config and code unchanged since MLflow run {found[:8]}"]
+                said = "unchanged since" if candidate is ev else "the same as an earlier run,"
+                st.action, st.reasons, st.roots = "reuse", [f"inputs, config and code {said} MLflow run {found[:8]}"], []
                 st.estimate_s, st.estimate_from = 0.0, "reuse"
+                st.next_version = candidate.asset_materialization.tags.get("dagster/data_version")
                 return st
-            st.reasons, st.roots = problems, [name]
-            st.action = "resume" if name in TRAINING else "recompute"
+            if candidate is ev:
+                st.reasons, st.roots = problems, [name]
+                st.action = "resume" if name in TRAINING else "recompute"
         st.estimate_s, st.estimate_from = self.estimate(name, meta)
         return st
+
+    def earlier_match(self, name: str, latest):
+        """An earlier materialization of ``name`` made with the next run's code, config and upstream versions (the
+        next run reuses it, as run reuse looks past the latest one), or None."""
+        records = self.instance.fetch_materializations(_key(name), limit=25).records
+        for rec in records:
+            ev = rec.event_log_entry
+            if ev.run_id != latest.run_id and self.changes(name, ev) == ([], []):
+                return ev
+        return None
 
     def changes(self, name: str, ev) -> tuple[list[str], list[str]]:
         """(why the recorded output of ``name`` no longer answers the next run: code, config, an upstream data
@@ -117,9 +133,9 @@ class StatusReader:
                 continue
             if up.action != "reuse":
                 upstream.append(parent)
-            elif tags.get(f"dagster/input_data_version/{parent}") not in (None, up.version):
+            elif tags.get(f"dagster/input_data_version/{parent}") not in (None, up.next_version):
                 reasons.append(f"upstream {parent} data version {tags[f'dagster/input_data_version/{parent}']} -> "
-                               f"{up.version}")
+                               f"{up.next_version}")
         if not self.mlflow.reuse_runs:
             reasons.append("resources.mlflow.config.reuse_runs is false")
         return reasons, upstream
