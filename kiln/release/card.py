@@ -113,6 +113,12 @@ def _cell(s: dict[str, Any] | None, row: dict[str, Any] | None) -> str:
     return f"{s['value']:.3f}{err} ({row.get('items', '?')})"
 
 
+def _contaminated(row: dict[str, Any]) -> str:
+    if "contaminated_share" in row:
+        return f"{row['contaminated_share']:.0%}"
+    return f"{row['contaminated']} items" if "contaminated" in row else "-"
+
+
 def _evaluation(scores: dict, figures: Mapping[str, bytes]) -> str:
     rows = []
     for task, row in scores["tasks"].items():
@@ -121,7 +127,7 @@ def _evaluation(scores: dict, figures: Mapping[str, bytes]) -> str:
         rows.append({"task": task, "metric": s["metric"] if s else "-", "all items (n)": _cell(s, row),
                      "clean items (n)": _cell(task_score(task, clean), clean),
                      "chance": "-" if chance is None else f"{chance:.2f}",
-                     "contaminated": f"{row['contaminated_share']:.0%}" if "contaminated_share" in row else "-"})
+                     "contaminated": _contaminated(row)})
     plot = f"\n![Primary scores by checkpoint]({CHECKPOINT_PLOT})\n" if CHECKPOINT_PLOT in figures else ""
     return f"""## Evaluation
 Validation bits per byte {scores['val_bits_per_byte']:.4f}. The tasks are built from held-out documents (MMLU from its
