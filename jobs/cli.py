@@ -21,13 +21,17 @@ from jobs.console import format_seconds
 
 PROJECT = Path(__file__).resolve().parent.parent
 PRESETS = PROJECT / "conf" / "presets"
-USAGE = """The ``kiln`` command line: run the pipeline with a preset, sample from a model, show a model's lineage.
+USAGE = """Kiln: raw public text -> a released language model, every step a Dagster asset (see README.md).
 
-kiln run --preset demo            materialize every asset with conf/presets/demo.yaml
-kiln run --preset smoke --select eval_scores,release_bundle
-kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
-kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
-kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
+Start with `kiln run --preset smoke` (two minutes), then `kiln status --preset smoke` after changing a setting to see
+what the next run would redo and why. Examples:
+
+  kiln run --preset demo                      materialize every asset with conf/presets/demo.yaml
+  kiln run --preset smoke --select eval_scores,release_bundle
+  kiln status --preset demo                   each asset: reused, resumed or recomputed next run, why, how long
+  kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
+  kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
+  kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
 """
 
 
@@ -38,11 +42,12 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
         path = PRESETS / f"{name_or_path}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-        raise SystemExit(f"kiln: no preset '{name_or_path}' ({path}); known presets: {known}")
+        raise SystemExit(f"kiln: give a preset name or a YAML path: no preset '{name_or_path}' ({path}); known presets: {known}")
     data = yaml.safe_load(path.read_text()) or {}
     unknown = set(data) - {"ops", "resources", "execution", "loggers", "extends"}
     if unknown:
-        raise SystemExit(f"kiln: {path}: unknown top-level key(s) {sorted(unknown)}; a preset is Dagster run config (ops: ...)")
+        raise SystemExit(f"kiln: keep to ops, resources, execution, loggers and extends at the top of {path}: unknown "
+                         f"top-level key(s) {sorted(unknown)} (a preset is Dagster run config)")
     base = data.pop("extends", None)
     return deep_merge(load_preset(base), data) if base else data
 
@@ -74,7 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     keys = [k.strip() for k in args.select.split(",")] if args.select else names
     bad = [k for k in keys if k not in names]
     if bad:
-        raise SystemExit(f"kiln: unknown asset(s) {bad}; assets are: {', '.join(names)}")
+        raise SystemExit(f"kiln: pick --select from {', '.join(names)}: unknown asset(s) {bad}")
     job = defs.resolve_job_def("kiln_pipeline_job")
     preset = load_preset(args.preset)
     unknown = unknown_name_line(preset, job)
@@ -383,15 +388,17 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kiln", description=USAGE, formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
+        prog, width=120, max_help_position=16))
+    sub = parser.add_subparsers(title="commands", dest="command", required=True)
     run = sub.add_parser("run", help="materialize assets with a preset")
     run.add_argument("--preset", default="demo", help="name under conf/presets (smoke, demo, gpt2-124m-1gpu, ...) or a YAML path")
     run.add_argument("--select", default="", help="comma-separated asset names (default: all)")
     run.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
-    run.add_argument("--verbose", action="store_true", help="on a failure, print every failed step's full trace too")
+    run.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
+                     "terminal (not only in the run's log file), and every failed step's full trace")
     run.set_defaults(fn=cmd_run)
-    gen = sub.add_parser("generate", help="sample text from a release bundle or checkpoint")
+    gen = sub.add_parser("generate", help="sample text from a release bundle, checkpoint or registered model")
     gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default 'The')")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (<|user|>...<|assistant|>)")
@@ -409,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
     conf.add_argument("--preset", default="demo")
     conf.set_defaults(fn=cmd_config)
-    pl = sub.add_parser("plan", help="the training plan a preset gets (parallelism, micro-batch, memory, hours), without running")
+    pl = sub.add_parser("plan", help="the training plan a preset gets (parallelism, batch, memory, hours) without running")
     pl.add_argument("--preset", default="demo")
     pl.add_argument("--vocab", type=int, default=0, help="tokenizer size to plan for (default: from the preset's tokenizer config)")
     pl.add_argument("--json", action="store_true", help="the whole plan as JSON")
