@@ -116,20 +116,25 @@ class RunConsole:
             self._warnings = warnings.catch_warnings()
             self._warnings.__enter__()
             quiet_dependency_warnings(self._log_warning)
-        if not self.plain:
+        return self
+
+    def _bars(self):
+        """The live progress display, started with the first bar (and stopped when the last one ends)."""
+        if self._progress is None:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(TextColumn("  {task.description:<12}"), BarColumn(bar_width=30),
-                                      MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-                                      TimeRemainingColumn(compact=True), TextColumn("left"),
-                                      console=Console(file=self.stream), transient=True)
+                                      MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                                      TextColumn("{task.fields[left]}"), console=Console(file=self.stream),
+                                      transient=True, redirect_stdout=False, redirect_stderr=False)
             self._progress.start()
-        return self
+        return self._progress
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:
             self._progress.stop()
+            self._progress = None
         if not self.verbose:
             self._warnings.__exit__(*exc)
 
@@ -163,6 +168,8 @@ class RunConsole:
         if kind == "STEP_START" and asset in self.assets and asset not in self.started:
             self.started[asset] = time.monotonic()
             self.say(f"▶ {asset}")
+            if not self.plain:  # a pulsing bar with the time so far, until progress lines give it steps
+                self.bars[asset] = self._bars().add_task(asset, total=None, status="", left="")
         elif kind == "ASSET_MATERIALIZATION":
             mat = event.event_specific_data.materialization
             self._finished(mat.asset_key.to_user_string(), dict(mat.metadata))
@@ -188,20 +195,27 @@ class RunConsole:
         fields = [f.strip() for f in status.split("|")]
         short = "  ".join(f for f in fields if f.startswith(("loss", "reward", "val ")) or f.endswith("tok/s"))
         short = (short or status)[:80]
-        if self._progress is not None:
+        left = next((f for f in fields if f.endswith(" left")), "")
+        if not self.plain:
+            bars = self._bars()
             if asset not in self.bars:
-                self.bars[asset] = self._progress.add_task(asset, total=total, status="")
-            self._progress.update(self.bars[asset], completed=step, total=total, status=short)
+                self.bars[asset] = bars.add_task(asset, total=total, status="", left="")
+            bars.update(self.bars[asset], completed=step, total=total, status=short, left=left)
             return
         now = time.monotonic()
         if step == total or now - self.bars.get(asset, 0.0) >= 30 or asset not in self.bars:
             self.bars[asset] = now
-            left = next((f for f in fields if f.endswith("left")), "")
             self.say(f"  {asset} step {step}/{total}  {short}{'  ' + left if left else ''}")
 
     def _end_bar(self, asset: str) -> None:
-        if self._progress is not None and asset in self.bars:
-            self._progress.remove_task(self.bars.pop(asset))
+        if asset not in self.bars:
+            return
+        task = self.bars.pop(asset)
+        if self._progress is not None:
+            self._progress.remove_task(task)
+            if not self._progress.tasks:
+                self._progress.stop()
+                self._progress = None
 
 
 class _Relay(logging.Handler):
