@@ -55,7 +55,7 @@ def _run_settings(context) -> tuple[list[dict] | None, dict]:
     return settings_rows(ops(given), ops(defaults)), ops(given)
 
 
-@asset(code_version="1", group_name="release")
+@asset(code_version="2", group_name="release")  # 2: plots and run_config.yaml in the bundle
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
