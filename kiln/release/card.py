@@ -128,7 +128,7 @@ def _evaluation(scores: dict, figures: Mapping[str, bytes]) -> str:
                      "clean items (n)": _cell(task_score(task, clean), clean),
                      "chance": "-" if chance is None else f"{chance:.2f}",
                      "contaminated": _contaminated(row)})
-    plot = f"\n![Primary scores by checkpoint]({CHECKPOINT_PLOT})\n" if CHECKPOINT_PLOT in figures else ""
+    plot = f"\n![Scores at each checkpoint]({CHECKPOINT_PLOT})\n" if CHECKPOINT_PLOT in figures else ""
     return f"""## Evaluation
 Validation bits per byte {scores['val_bits_per_byte']:.4f}. The tasks are built from held-out documents (MMLU from its
 own questions) and scored with lm-eval through Kiln's adapter. Each row gives the task's primary metric with its standard
