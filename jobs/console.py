@@ -17,8 +17,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-# "step 20/60: loss 4.1234 | val 4.3 | ... | 3,100 tok/s | ... | 40s left" (kiln.train.Stage.progress, every stage)
-PROGRESS = re.compile(r"^step (\d+)/(\d+): (.*)$")
+# "step 20/60: loss 4.1234 | val 4.3 | ... | 3,100 tok/s | ... | 40s left" (kiln.train.Stage.progress, every stage) and
+# "eval 120/400: loglikelihood | 35.2 requests/s | 8s left" (kiln.evaluation.adapter.RequestProgress)
+PROGRESS = re.compile(r"^(step|eval) (\d+)/(\d+): (.*)$")
+# The figures a progress line keeps on screen, in the order given, as many as fit (the event log has them all):
+# fields starting with one of these, and rates (ending in "/s"); the time left has its own column.
+KEY_FIGURES = ("loss", "val ", "reward", "margin", "held-out", "loglikelihood", "generate")
+WIDTH = 80  # columns a plain progress line keeps within
 # The figures shown when an asset ends: (metadata key, template); those present are printed.
 FIGURES: dict[str, list[tuple[str, str]]] = {
     "raw_documents": [("documents", "{:,} documents"), ("bytes", "{:,} bytes")],
@@ -66,6 +71,29 @@ def headline(asset: str, metadata: dict[str, Any]) -> str:
             except (ValueError, TypeError):  # not the type the template expects
                 parts.append(f"{key} {v}")
     return ", ".join(parts)
+
+
+def fit_status(status: str, room: int) -> tuple[str, str]:
+    """(the key figures of a progress line's status, as many as fit in ``room`` columns; its time left)."""
+    fields = [f.strip() for f in status.split("|")]
+    left = next((f for f in fields if f.endswith(" left")), "")
+    keep = [f for f in fields if f.startswith(KEY_FIGURES) or f.endswith("/s")] or [f for f in fields if f != left][:1]
+    while len(keep) > 1 and len("  ".join(keep)) > room:
+        keep.pop()
+    return "  ".join(keep)[:max(room, 0)], left
+
+
+def bar_width(columns: int) -> int:
+    """The bar's width on a terminal ``columns`` wide: 30, narrower below 100 columns to leave the figures room."""
+    return max(10, min(30, columns - 70))
+
+
+def bar_room(columns: int, asset: str, total: int, status: str) -> int:
+    """Columns left for the figures on a bar's line: the name, bar, N/M, elapsed time (7) and time left take the
+    rest, with a space between columns."""
+    left = fit_status(status, 0)[1]
+    used = len(f"  {asset:<12}") + bar_width(columns) + 2 * len(str(total)) + 1 + 7 + len(left) + 5
+    return columns - used - 1
 
 
 def format_seconds(s: float) -> str:
@@ -124,9 +152,10 @@ class RunConsole:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("  {task.description:<12}"), BarColumn(bar_width=30),
+            console = Console(file=self.stream)
+            self._progress = Progress(TextColumn("  {task.description:<12}"), BarColumn(bar_width=bar_width(console.width)),
                                       MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-                                      TextColumn("{task.fields[left]}"), console=Console(file=self.stream),
+                                      TextColumn("{task.fields[left]}"), console=console,
                                       transient=True, redirect_stdout=False, redirect_stderr=False)
             self._progress.start()
         return self._progress
@@ -161,7 +190,7 @@ class RunConsole:
         else:
             match = PROGRESS.match(meta.get("orig_message", ""))
             if match and asset:
-                self._step(asset, int(match[1]), int(match[2]), match[3])
+                self._step(asset, int(match[2]), int(match[3]), match[4], match[1])
 
     def _event(self, event, asset: str) -> None:
         kind = event.event_type_value
@@ -191,13 +220,10 @@ class RunConsole:
         figures = headline(asset, metadata)
         self.say(f"✓ {asset:<20} {format_seconds(took):>6}{reused}{'  ' + figures if figures else ''}")
 
-    def _step(self, asset: str, step: int, total: int, status: str) -> None:
-        fields = [f.strip() for f in status.split("|")]
-        short = "  ".join(f for f in fields if f.startswith(("loss", "reward", "val ")) or f.endswith("tok/s"))
-        short = (short or status)[:80]
-        left = next((f for f in fields if f.endswith(" left")), "")
+    def _step(self, asset: str, step: int, total: int, status: str, unit: str = "step") -> None:
         if not self.plain:
             bars = self._bars()
+            short, left = fit_status(status, bar_room(bars.console.width, asset, total, status))
             if asset not in self.bars:
                 self.bars[asset] = bars.add_task(asset, total=total, status="", left="")
             bars.update(self.bars[asset], completed=step, total=total, status=short, left=left)
@@ -205,7 +231,10 @@ class RunConsole:
         now = time.monotonic()
         if step == total or now - self.bars.get(asset, 0.0) >= 30 or asset not in self.bars:
             self.bars[asset] = now
-            self.say(f"  {asset} step {step}/{total}  {short}{'  ' + left if left else ''}")
+            head = f"  {asset} {unit} {step}/{total}  "
+            left = fit_status(status, WIDTH)[1]
+            short = fit_status(status, WIDTH - len(head) - (len(left) + 2 if left else 0))[0]
+            self.say(f"{head}{short}{'  ' + left if left else ''}")
 
     def _end_bar(self, asset: str) -> None:
         if asset not in self.bars:
