@@ -5,6 +5,9 @@ checkpoint) or recomputed, with the reasons: its code version, a config field wi
 asset that recomputes or whose data version moved (Dagster's staleness), or a recorded output whose files no longer
 match (the same check ``kiln run`` makes before reusing, resources.tracking.MlflowResource.find_reusable, here without
 touching any file); and about how long it would take (the last computing run's duration, else the training plan).
+A training asset whose newest attempt failed or was killed after writing checkpoints resumes: its run folder (keyed by
+the config and inputs the next run shares) holds a checkpoint that verifies, and the steps left take the last run's
+time per step (else the attempt's own, else the plan's).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 TRAINING = ("base_model", "sft_model", "dpo_model", "rl_model")  # recomputing these resumes from a checkpoint
@@ -81,7 +85,8 @@ class StatusReader:
         key = AssetKey(name)
         ev = self.instance.get_latest_materialization_event(key)
         if ev is None:
-            return AssetStatus(name, None, None, "compute", ["never materialized"], *self.estimate(name, None))
+            st = AssetStatus(name, None, None, "compute", ["never materialized"], *self.estimate(name, None))
+            return self.resumed(name, st, None)
         tags, meta = ev.asset_materialization.tags, ev.asset_materialization.metadata
         when = dt.datetime.fromtimestamp(ev.timestamp, dt.timezone.utc).isoformat(timespec="seconds")
         st = AssetStatus(name, tags.get("dagster/data_version"), when, "recompute")
@@ -102,7 +107,99 @@ class StatusReader:
                 st.reasons, st.roots = problems, [name]
                 st.action = "resume" if name in TRAINING else "recompute"
         st.estimate_s, st.estimate_from = self.estimate(name, meta)
+        return self.resumed(name, st, ev)
+
+    def resumed(self, name: str, st: AssetStatus, ev) -> AssetStatus:
+        """``st`` turned to "resume" when an unfinished attempt of training asset ``name`` after ``ev`` left a good
+        checkpoint in the run folder the next run trains in, with the time its remaining steps take."""
+        if name not in TRAINING:
+            return st
+        attempt = self.leftover(name, ev.timestamp if ev is not None else 0.0)
+        if attempt is None:
+            return st
+        st.action = "resume"
+        st.reasons.append(f"a {attempt.state} attempt left step {attempt.step} of {attempt.total} (checkpoint verified)")
+        seconds, where = self.remaining(name, attempt, ev)
+        if seconds is not None:
+            st.estimate_s, st.estimate_from = seconds, where
         return st
+
+    def leftover(self, name: str, after: float) -> "Attempt | None":
+        """The newest attempt of ``name`` whose run folder got a checkpoint after time ``after`` and ended before
+        its result: a failed or killed materialization that the next run continues, as its run folder is keyed by
+        the same config and inputs (kiln.train.launch.RunSpec.key). None when there is none, its newest good
+        checkpoint fails verification, or the next run's config or inputs differ from the attempt's."""
+        from kiln.train.checkpoint import latest_good_checkpoint, list_checkpoints, step_of
+
+        newest: tuple[float, Path] | None = None
+        for folder in _run_folders(self.storage_dir(name)):
+            found = list_checkpoints(folder / "checkpoints")
+            when = (found[-1] / "meta.json").stat().st_mtime if found else 0.0
+            if found and when > after and not (folder / "result.json").exists() and (newest is None or when > newest[0]):
+                newest = (when, folder)
+        if newest is None:
+            return None
+        when, folder = newest
+        good = latest_good_checkpoint(folder / "checkpoints", log=lambda _m: None)
+        job = _read_json(folder / "job.json")
+        if good is None or not job.get("max_steps"):
+            return None
+        attempt = Attempt(folder, step_of(good), int(job["max_steps"]), "unfinished", None, when)
+        run = self._mlflow_run(job.get("mlflow_run_id"))
+        if run is not None:
+            attempt.state = {"FAILED": "failed", "KILLED": "killed", "RUNNING": "killed"}.get(run.info.status, "unfinished")
+            attempt.started = run.info.start_time / 1000 if run.info.start_time else None
+            dagster_run = self.instance.get_run_by_id(run.data.tags.get("dagster.run_id", ""))
+            if dagster_run is not None and config_changes(
+                    resolved_ops(self.job, dagster_run.run_config).get(name, {}), self.new_ops.get(name, {})):
+                return None  # the next run trains with other settings, in another run folder
+        if not self.same_inputs(name, attempt.started or when):
+            return None
+        return attempt
+
+    def same_inputs(self, name: str, at: float) -> bool:
+        """True when every upstream asset of ``name`` is reused with the data version it had at time ``at``."""
+        for parent in sorted(p.to_user_string() for p in self.graph.get(_key(name)).parent_keys):
+            up = self.decided.get(parent)
+            if up is None:
+                continue
+            if up.action != "reuse":
+                return False
+            then = next((r.event_log_entry for r in self.instance.fetch_materializations(_key(parent), limit=25).records
+                         if r.event_log_entry.timestamp <= at), None)
+            if then is None or then.asset_materialization.tags.get("dagster/data_version") != up.next_version:
+                return False
+        return True
+
+    def remaining(self, name: str, attempt: "Attempt", ev) -> tuple[float | None, str]:
+        """Seconds for the steps an attempt left: at the last finished run's rate, else the attempt's own (its MLflow
+        run's start to its newest checkpoint), else the training plan's."""
+        left = attempt.total - attempt.step
+        if ev is not None:
+            meta = ev.asset_materialization.metadata
+            seconds, where = self.estimate(name, meta)
+            steps = _plain(meta.get("steps"))
+            if where == "last run" and isinstance(steps, (int, float)) and steps > 0:
+                return seconds / steps * left, "last run's rate"
+        if attempt.started and attempt.step > 0 and attempt.checkpoint_time > attempt.started:
+            return (attempt.checkpoint_time - attempt.started) / attempt.step * left, "the attempt's rate"
+        seconds, where = self.estimate(name, None)
+        return (seconds * left / attempt.total, where) if seconds is not None else (None, "")
+
+    def storage_dir(self, name: str) -> Path:
+        """The local folder holding ``name``'s run folders (KilnStorageResource.path, without creating it)."""
+        storage = self.defs.resources.get("storage")
+        if storage is None:
+            return Path("/nonexistent")
+        return Path(storage.cache if storage.durable else storage.root).expanduser().resolve() / name
+
+    def _mlflow_run(self, run_id: str | None):
+        if not run_id:
+            return None
+        try:
+            return self.client.get_run(run_id)
+        except Exception:  # deleted run, other tracking store
+            return None
 
     def earlier_match(self, name: str, latest):
         """An earlier materialization of ``name`` made with the next run's code, config and upstream versions (the
@@ -173,6 +270,29 @@ class StatusReader:
             if isinstance(hours, (int, float)):
                 return hours * 3600, "training plan"
         return None, ""
+
+
+@dataclass
+class Attempt:
+    """An unfinished training attempt's run folder, its newest good checkpoint and how far it got."""
+
+    folder: Path
+    step: int  # the newest verified checkpoint's step
+    total: int  # the job's max_steps
+    state: str  # "failed", "killed" or "unfinished" (its MLflow run's status)
+    started: float | None  # its MLflow run's start, seconds since the epoch
+    checkpoint_time: float  # when its newest checkpoint was written
+
+
+def _run_folders(parent: Path) -> list[Path]:
+    return sorted(p for p in parent.iterdir() if p.is_dir() and not p.name.startswith(".")) if parent.is_dir() else []
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _key(name: str):

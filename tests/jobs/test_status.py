@@ -98,3 +98,42 @@ def load_min_words() -> int:
     from kiln.clean.config import CleanSettings
 
     return CleanSettings().min_words
+
+
+@pytest.mark.slow
+def test_a_failed_training_attempt_resumes_from_its_verified_checkpoint(smoke_run, tmp_path, monkeypatch):
+    """base_model with checkpoints every 5 steps fails at step 7 (tests/faults.py): the next run with those
+    settings resumes from step 5; with other settings it trains in another run folder, so it recomputes."""
+    from dagster import AssetKey
+    from dagster._core.execution.retries import RetryMode
+    from dagster._core.executor.in_process import InProcessExecutor
+
+    from jobs.definitions import complete_resource_config
+    from tests.faults import Faults
+
+    _, defs, instance, _ = smoke_run
+    ops = smoke_ops(base_model={"config": {"ckpt_interval": 5}})
+    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
+    monkeypatch.setenv("KILN_FAULTS", str(Faults(fail_at_step=7).write(tmp_path / "faults.json")))
+    init = InProcessExecutor.__init__  # no Dagster retry and no torchrun restart: the attempt stays failed
+    monkeypatch.setattr(InProcessExecutor, "__init__", lambda self, retries, **kw: init(self, RetryMode.DISABLED, **kw))
+    run_config = complete_resource_config({"ops": ops, "resources": {"torchrun": {"config": {"max_restarts": 0}}}},
+                                          defs.resources)
+    failed = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
+        run_config=run_config, instance=instance, raise_on_error=False, asset_selection=[AssetKey("base_model")])
+    assert not failed.success
+    reader = StatusReader(defs, instance, {"ops": ops}, defs.resources["mlflow"])
+    rows = {r.asset: r for r in reader.status(NAMES)}
+    base = rows["base_model"]
+    assert base.action == "resume"
+    assert base.reasons == ["config ckpt_interval 20 -> 5", "a failed attempt left step 5 of 60 (checkpoint verified)"]
+    last = instance.get_latest_materialization_event(AssetKey("base_model")).asset_materialization.metadata
+    assert base.estimate_from == "last run's rate"
+    assert base.estimate_s == pytest.approx(reader.estimate("base_model", last)[0] / 60 * 55)
+    assert rows["sft_model"].reasons[0] == "upstream base_model changes: config ckpt_interval 20 -> 5"
+    line = next(ln for ln in format_status(list(rows.values())).splitlines() if ln.startswith("base_model "))
+    assert line.split()[4] == "resume" and line.endswith("(last run's rate)")
+    assert "    a failed attempt left step 5 of 60 (checkpoint verified)" in format_status(list(rows.values()))
+    other = status(smoke_run, smoke_ops(base_model={"config": {"ckpt_interval": 10}}))["base_model"]
+    assert other.action == "recompute" and other.reasons == ["config ckpt_interval 20 -> 10"]
+    print(line)
