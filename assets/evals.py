@@ -203,7 +203,8 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
         t0 = time.perf_counter()
         full, clean = score_full_and_clean(model, enc, [eval_suite["dir"], contamination_report["dir"]], tasks,
                                            contamination_report["tasks"], limit=config.limit,
-                                           batch_size=config.batch_size, seed=config.seed, device=device)
+                                           batch_size=config.batch_size, seed=config.seed, device=device,
+                                           progress=context.log.info)
         seconds = time.perf_counter() - t0
         val_loss, bpb = base_model["final_val_loss"], bits_per_byte(base_model["final_val_loss"], enc, docs)
         gens = sample_generations(model, enc, PROMPTS, config.max_new_tokens, config.seed, device=device)
@@ -263,7 +264,8 @@ def checkpoint_evals(context: AssetExecutionContext, config: CheckpointEvalsConf
     t0 = time.perf_counter()
     full, clean = kckpt.score_suites(model, enc, runs, suites, [eval_suite["dir"], contamination_report["dir"]],
                                      contamination_report["tasks"], context.log, limit=config.limit,
-                                     batch_size=config.batch_size, seed=config.seed, device=device)
+                                     batch_size=config.batch_size, seed=config.seed, device=device,
+                                     progress=context.log.info)
     seconds = time.perf_counter() - t0
     gens = sample_generations(model, enc, PROMPTS, config.max_new_tokens, config.seed, device=device)
     result = {"key": ref.key, "run": ref.run, "step": ref.step, "checkpoint": str(ref.path), "val_loss": meta.get("val_loss"),

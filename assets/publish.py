@@ -4,13 +4,15 @@ registered in MLflow's model registry. Materialize with ``kiln run``."""
 
 from pathlib import Path
 
+import yaml
+
 from dagster import AssetCheckResult, AssetExecutionContext, Config, MetadataValue, Output, asset, asset_check
 from pydantic import Field
 
 from assets._common import asset_output, md_table
 from kiln.posttrain.measures import stage_rows
 from kiln.release.bundle import write_release
-from kiln.release.card import model_card
+from kiln.release.card import CONFIG_FILE, card_figures, model_card, settings_rows
 from kiln.release.lineage import lineage_versions, release_sections
 from kiln.release.registry import flat_scores, register_unless_regressed
 from resources.storage import KilnStorageResource
@@ -36,7 +38,24 @@ def _bundle_metadata(value: dict, manifest: dict, ui_url: str, card: str) -> dic
     }
 
 
-@asset(code_version="1", group_name="release")
+def _run_settings(context) -> tuple[list[dict] | None, dict]:
+    """(each op setting of this run that differs from its default, every op's config with defaults filled in) from
+    the run config as Dagster resolves it; (None, {}) outside a run."""
+    from dagster._config import process_config
+
+    try:
+        schema = context.job_def.run_config_schema.config_type
+        given = process_config(schema, {"ops": context.run.run_config.get("ops") or {}})
+        defaults = process_config(schema, {})
+    except Exception:  # a direct invocation has no run
+        return None, {}
+    if not (given.success and defaults.success):
+        return None, {}
+    ops = lambda r: {k: (v or {}).get("config") or {} for k, v in r.value["ops"].items() if (v or {}).get("config")}  # noqa: E731
+    return settings_rows(ops(given), ops(defaults)), ops(given)
+
+
+@asset(code_version="2", group_name="release")  # 2: plots and run_config.yaml in the bundle
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
@@ -46,7 +65,9 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
           "training_plan": training_plan, "base_model": base_model, "eval_scores": eval_scores,
           "instruction_data": instruction_data, "preference_data": preference_data, "sft_model": sft_model,
           "dpo_model": dpo_model, "rl_model": rl_model}
-    card = model_card(config.name, config.license, up, stage_rows(sft_model, dpo_model, rl_model))
+    settings, full_config = _run_settings(context)
+    figures = card_figures(up)
+    card = model_card(config.name, config.license, up, stage_rows(sft_model, dpo_model, rl_model), settings, figures)
     lineage = lineage_versions(up)
     with asset_output(context, mlflow, parent=storage.path("release_bundle"), config=config, params={"name": config.name},
                       tags={f"input.{k}": v for k, v in lineage.items()}, reuse={"lineage": lineage}) as out:
@@ -54,7 +75,8 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
             return out.reused
         scores = flat_scores(eval_scores)
         extra = release_sections(config.name, config.license, up, scores, {"release_bundle": config.model_dump()})
-        manifest = write_release(rl_model["checkpoint"], out.stage, card, extra)
+        files = {**figures, CONFIG_FILE: yaml.safe_dump({"ops": full_config}, sort_keys=True).encode()} if full_config else figures
+        manifest = write_release(rl_model["checkpoint"], out.stage, card, extra, files)
         final = out.commit()
         out.log_artifact(final / "README.md")
         reg, prev, regressions = register_unless_regressed(mlflow.resolved_uri(), config.name, final, scores, lineage,

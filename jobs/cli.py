@@ -17,15 +17,21 @@ from typing import Any
 
 import yaml
 
+from jobs.console import format_seconds
+
 PROJECT = Path(__file__).resolve().parent.parent
 PRESETS = PROJECT / "conf" / "presets"
-USAGE = """The ``kiln`` command line: run the pipeline with a preset, sample from a model, show a model's lineage.
+USAGE = """Kiln: raw public text -> a released language model, every step a Dagster asset (see README.md).
 
-kiln run --preset demo            materialize every asset with conf/presets/demo.yaml
-kiln run --preset smoke --select eval_scores,release_bundle
-kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
-kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
-kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
+Start with `kiln run --preset smoke` (two minutes), then `kiln status --preset smoke` after changing a setting to see
+what the next run would redo and why. Examples:
+
+  kiln run --preset demo                      materialize every asset with conf/presets/demo.yaml
+  kiln run --preset smoke --select eval_scores,release_bundle
+  kiln status --preset demo                   each asset: reused, resumed or recomputed next run, why, how long
+  kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
+  kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
+  kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
 """
 
 
@@ -36,11 +42,12 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
         path = PRESETS / f"{name_or_path}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
-        raise SystemExit(f"kiln: no preset '{name_or_path}' ({path}); known presets: {known}")
+        raise SystemExit(f"kiln: give a preset name or a YAML path: no preset '{name_or_path}' ({path}); known presets: {known}")
     data = yaml.safe_load(path.read_text()) or {}
     unknown = set(data) - {"ops", "resources", "execution", "loggers", "extends"}
     if unknown:
-        raise SystemExit(f"kiln: {path}: unknown top-level key(s) {sorted(unknown)}; a preset is Dagster run config (ops: ...)")
+        raise SystemExit(f"kiln: keep to ops, resources, execution, loggers and extends at the top of {path}: unknown "
+                         f"top-level key(s) {sorted(unknown)} (a preset is Dagster run config)")
     base = data.pop("extends", None)
     return deep_merge(load_preset(base), data) if base else data
 
@@ -72,7 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     keys = [k.strip() for k in args.select.split(",")] if args.select else names
     bad = [k for k in keys if k not in names]
     if bad:
-        raise SystemExit(f"kiln: unknown asset(s) {bad}; assets are: {', '.join(names)}")
+        raise SystemExit(f"kiln: pick --select from {', '.join(names)}: unknown asset(s) {bad}")
     job = defs.resolve_job_def("kiln_pipeline_job")
     preset = load_preset(args.preset)
     unknown = unknown_name_line(preset, job)
@@ -80,11 +87,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"kiln: preset {args.preset}: {unknown}", file=sys.stderr)
         return 2
     run_config = complete_resource_config(select_config(preset, keys), make_resources(home))
+    from dagster._core.utils import make_new_run_id
+
+    from jobs.console import RunConsole
+
+    run_id = make_new_run_id()
+    console = RunConsole(home / "logs" / f"{run_id}-events.log", keys, verbose=args.verbose)
+    run_config = {**run_config, "loggers": {**(run_config.get("loggers") or {}), **console.loggers_config()}}
+    print(f"kiln: run {run_id}, preset {args.preset}, {len(keys)} assets; full log: {console.log_path}", flush=True)
     start = time.time()
     try:  # Dagster's progress log goes to stdout, so that stderr holds kiln's own lines, a failure's first
-        with DagsterInstance.get() as instance, contextlib.redirect_stderr(sys.stdout):
-            result = job.execute_in_process(run_config=run_config, instance=instance, raise_on_error=False,
-                                            asset_selection=[AssetKey(k) for k in keys], tags={"kiln/preset": args.preset})
+        with console, run_output(console), DagsterInstance.get() as instance:
+            result = job.with_logger_defs(console.logger_defs()).execute_in_process(
+                run_config=run_config, instance=instance, raise_on_error=False, run_id=run_id,
+                asset_selection=[AssetKey(k) for k in keys], tags={"kiln/preset": args.preset})
     except DagsterInvalidConfigError as e:  # refused before the run: a typo or a wrong type in the preset
         print(f"kiln: preset {args.preset}: {config_error_line(e, job)}", file=sys.stderr)
         return 2
@@ -93,18 +109,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         report_failure(result, home, args.verbose)
         print(f"kiln: run {result.run_id} FAILED after {took:.0f}s", file=sys.stderr)
         return 1
-    print(f"kiln: run {result.run_id} materialized {len(keys)} assets in {took:.0f}s (preset {args.preset})")
-    for k in keys:
-        try:
-            value = result.output_for_node(k)
-        except Exception:
-            continue
-        where = value.get("dir") or value.get("path") or value.get("checkpoint") if isinstance(value, dict) else None
-        if where:
-            print(f"  {k:18s} {where}")
+    print(f"kiln: run {result.run_id} materialized {len(keys)} assets in {format_seconds(took)} (preset {args.preset})")
     summarize(result, keys)
-    print("Open the UI with: make ui   (Dagster at http://127.0.0.1:3000, MLflow at http://127.0.0.1:5000)")
+    print(f"Every event of the run: {console.log_path}\n"
+          "Open the UI with: make ui   (Dagster at http://127.0.0.1:3000, MLflow at http://127.0.0.1:5000)")
     return 0
+
+
+@contextlib.contextmanager
+def run_output(console):
+    """Where what libraries print during a run goes: with --verbose to stdout (stderr keeps kiln's own lines, a
+    failure's first); otherwise into the run's log file, so that the terminal shows only the console's lines."""
+    if console.verbose:
+        with contextlib.redirect_stderr(sys.stdout):
+            yield
+        return
+    console.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(console.log_path, "a", encoding="utf-8", buffering=1) as log, \
+            contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        yield
 
 
 # Dagster's own exceptions wrap the error raised in an asset body (as its cause); they are not what went wrong.
@@ -169,14 +192,21 @@ def resolve_model_path(ref: str, tracking_uri: str):
 
 
 def summarize(result, keys: list[str]) -> None:
-    """One line on what training achieved, when this run trained the base model."""
+    """What the run achieved: the base model's loss against a uniform guess, each task's primary score beside
+    chance, and where the release is."""
     import math
 
-    if "base_model" not in keys or "tokenizer" not in keys:
-        return
-    base, tok = result.output_for_node("base_model"), result.output_for_node("tokenizer")
-    print(f"  base model validation loss {base['initial_val_loss']:.3f} -> {base['final_val_loss']:.3f} nats/token "
-          f"(a uniform guess over {tok['n_vocab']} tokens scores {math.log(tok['n_vocab']):.3f})")
+    from jobs.console import score_line
+
+    if "base_model" in keys and "tokenizer" in keys:
+        base, tok = result.output_for_node("base_model"), result.output_for_node("tokenizer")
+        print(f"  base model validation loss {base['initial_val_loss']:.3f} -> {base['final_val_loss']:.3f} nats/token "
+              f"(a uniform guess over {tok['n_vocab']} tokens scores {math.log(tok['n_vocab']):.3f})")
+    if "eval_scores" in keys:
+        for task, row in result.output_for_node("eval_scores")["tasks"].items():
+            print(f"  {task:22s} {score_line(task, row)}")
+    if "release_bundle" in keys:
+        print(f"  release bundle {result.output_for_node('release_bundle')['dir']}")
 
 
 def load_any_model(path: str | Path):
@@ -321,21 +351,56 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import logging
+
+    home = Path(args.home).resolve()
+    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    from dagster import DagsterInstance
+
+    from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources
+    from jobs.status import StatusReader, format_status, status_json
+    from resources.tracking import MlflowResource
+
+    defs = make_definitions(home)
+    preset = load_preset(args.preset)
+    unknown = unknown_name_line(preset, defs.resolve_job_def("kiln_pipeline_job"))
+    if unknown:
+        print(f"kiln: fix preset {args.preset} first: {unknown}", file=sys.stderr)
+        return 2
+    resources = make_resources(home)
+    config = complete_resource_config(preset, resources)
+    mlflow_conf = ((config.get("resources") or {}).get("mlflow") or {}).get("config")
+    mlflow = MlflowResource(**mlflow_conf) if mlflow_conf else resources["mlflow"]
+    Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), DagsterInstance.get() as instance:
+        rows = StatusReader(defs, instance, config, mlflow).status([a.key.to_user_string() for a in ALL_ASSETS])
+    if args.json:
+        print(status_json(rows))
+    else:
+        print(f"kiln status: the next `kiln run --preset {args.preset}` in {home}")
+        print(format_status(rows), end="")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     print(yaml.safe_dump(load_preset(args.preset), sort_keys=False), end="")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kiln", description=USAGE, formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
+        prog, width=120, max_help_position=16))
+    sub = parser.add_subparsers(title="commands", dest="command", required=True)
     run = sub.add_parser("run", help="materialize assets with a preset")
     run.add_argument("--preset", default="demo", help="name under conf/presets (smoke, demo, gpt2-124m-1gpu, ...) or a YAML path")
     run.add_argument("--select", default="", help="comma-separated asset names (default: all)")
     run.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
-    run.add_argument("--verbose", action="store_true", help="on a failure, print every failed step's full trace too")
+    run.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
+                     "terminal (not only in the run's log file), and every failed step's full trace")
     run.set_defaults(fn=cmd_run)
-    gen = sub.add_parser("generate", help="sample text from a release bundle or checkpoint")
+    gen = sub.add_parser("generate", help="sample text from a release bundle, checkpoint or registered model")
     gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default 'The')")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (<|user|>...<|assistant|>)")
@@ -345,10 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
     gen.set_defaults(fn=cmd_generate)
+    stat = sub.add_parser("status", help="what the next run with a preset would reuse, resume or recompute, why, and how long")
+    stat.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
+    stat.add_argument("--home", default=str(PROJECT / ".kiln"), help="the Kiln home whose runs to read")
+    stat.add_argument("--json", action="store_true", help="one record per asset as JSON, for scripts")
+    stat.set_defaults(fn=cmd_status)
     conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
     conf.add_argument("--preset", default="demo")
     conf.set_defaults(fn=cmd_config)
-    pl = sub.add_parser("plan", help="the training plan a preset gets (parallelism, micro-batch, memory, hours), without running")
+    pl = sub.add_parser("plan", help="the training plan a preset gets (parallelism, batch, memory, hours) without running")
     pl.add_argument("--preset", default="demo")
     pl.add_argument("--vocab", type=int, default=0, help="tokenizer size to plan for (default: from the preset's tokenizer config)")
     pl.add_argument("--json", action="store_true", help="the whole plan as JSON")

@@ -83,9 +83,10 @@ class MlflowResource(ConfigurableResource):
         return stable_hash({"asset": asset, "code_version": code_version, "storage_root": root, **reuse})[:32]
 
     def find_reusable(self, client, experiment_id: str, asset: str, key: str,
-                      log=None) -> tuple[str, dict[str, Any]] | None:
+                      log=None, set_aside: bool = True) -> tuple[str, dict[str, Any]] | None:
         """(run id, recorded output) of the newest finished run of ``asset`` with this reuse key whose files are
-        intact (output_problem); ``log`` is told which file failed for a run passed over."""
+        intact (output_problem); ``log`` is told which file failed for a run passed over. ``set_aside=False``
+        only looks (``kiln status``): a damaged file is named but left where it is."""
         runs = client.search_runs([experiment_id], f"tags.`kiln.reuse_key` = '{key}' and tags.`dagster.asset_key` = '{asset}' "
                                   "and attributes.status = 'FINISHED' and tags.`kiln.output_recorded` = 'true'",
                                   order_by=["attributes.start_time DESC"], max_results=5)
@@ -96,7 +97,7 @@ class MlflowResource(ConfigurableResource):
                     recorded = json.loads(Path(client.download_artifacts(r.info.run_id, OUTPUT_ARTIFACT, tmp)).read_text())
             except Exception:
                 continue
-            problem = output_problem(recorded)
+            problem = output_problem(recorded, set_aside)
             if problem is None:
                 return r.info.run_id, recorded
             if log is not None and problem not in said:
@@ -181,7 +182,7 @@ def output_witnesses(value: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def output_problem(recorded: dict[str, Any]) -> str | None:
+def output_problem(recorded: dict[str, Any], set_aside_damaged: bool = True) -> str | None:
     """None when the files of a recorded output are intact, else what is wrong, naming the file: each file whose size
     or time changed is hashed against its witness. A damaged file (not a checkpoint's: training skips and rewrites
     those) is set aside, so that recomputing the output writes it again (kiln.common.files.commit_dir). An output
@@ -200,7 +201,7 @@ def output_problem(recorded: dict[str, Any]) -> str | None:
         if found is None:
             continue
         bad, problem = found
-        if not w.get("checkpoint") and bad.is_file():
+        if set_aside_damaged and not w.get("checkpoint") and bad.is_file():
             problem += f"; set aside as {set_aside(bad).name}"
         return problem
     return None

@@ -152,3 +152,33 @@ def ray_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+# A test skipped because something it needs is not installed ("... is not installed (apt-get install X)") fails
+# the run unless KILN_ALLOW_SKIPS=1: the README's test command (make test) runs every test or says what is missing.
+MISSING_DEPENDENCY = ("not installed", "apt-get install", "could not import")
+MISSING_SKIPS: list[str] = []  # "test id: reason" of each such skip in this session
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if any(s in reason for s in MISSING_DEPENDENCY):
+            MISSING_SKIPS.append(f"{report.nodeid}: {reason}")
+
+
+def skips_fail() -> bool:
+    return bool(MISSING_SKIPS) and os.environ.get("KILN_ALLOW_SKIPS") != "1"
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if exitstatus == 0 and skips_fail():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if skips_fail():
+        reasons = sorted({m.split(": ", 1)[1] for m in MISSING_SKIPS})
+        terminalreporter.write_line(f"kiln: {len(MISSING_SKIPS)} test(s) skipped for a missing dependency, so this run "
+                                    f"fails: {'; '.join(reasons)}. Run bash scripts/test-deps.sh as root (it installs "
+                                    "them), or set KILN_ALLOW_SKIPS=1 to allow the skips.", red=True)

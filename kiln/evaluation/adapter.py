@@ -1,13 +1,15 @@
 """lm-eval adapter: a Kiln GPT + tiktoken encoding as an ``lm_eval`` model registered as ``kiln``.
 
-In code: ``KilnLM(model, encoding)``; CLI: ``python -m kiln.evaluation.suite --model kiln --model_args checkpoint=P``.
+In code: ``KilnLM(model, encoding, progress=print)`` (``progress`` gets ``eval 120/400: loglikelihood | 35.2 requests/s |
+8s left`` lines as requests are answered); CLI: ``python -m kiln.evaluation.suite --model kiln --model_args checkpoint=P``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: get_model() skips them once "kiln" is in)
 import tiktoken
@@ -19,11 +21,36 @@ from lm_eval.api.registry import register_model
 
 from kiln.model.generate import generate
 from kiln.model.gpt import GPT
+from kiln.train.telemetry import format_duration
 
 log = logging.getLogger(__name__)
 
 Row = tuple[list[int], list[int]]  # (model input tokens, targets: the tokens after its last len(targets) positions)
 KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k"}
+
+
+class RequestProgress:
+    """Counts the answered requests of one lm-eval call and tells ``sink`` a line such as
+    ``eval 120/400: loglikelihood | 35.2 requests/s | 8s left``: at the first update, then every ``every_s`` seconds,
+    and at the last request (``kiln run`` draws these as a bar with the time left)."""
+
+    def __init__(self, sink: Callable[[str], None] | None, kind: str, total: int, every_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.sink, self.kind, self.total, self.every_s, self.clock = sink, kind, int(total), every_s, clock
+        self.done, self.t0, self.last = 0, clock(), None
+
+    def reached(self, done: int) -> None:
+        """``done`` of ``total`` requests are answered."""
+        if self.sink is None or self.total <= 0:
+            return
+        self.done = min(self.total, max(self.done, int(done)))
+        now = self.clock()
+        if self.done < self.total and self.last is not None and now - self.last < self.every_s:
+            return
+        self.last = now
+        rate = self.done / max(now - self.t0, 1e-9)
+        left = (self.total - self.done) / rate if rate > 0 else 0.0
+        self.sink(f"eval {self.done}/{self.total}: {self.kind} | {rate:,.1f} requests/s | {format_duration(left)} left")
 
 
 @register_model("kiln")
@@ -43,6 +70,7 @@ class KilnLM(LM):
         max_length: int | None = None,
         max_gen_toks: int = 256,
         seed: int = 1234,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
         block = model.config.block_size
@@ -66,6 +94,7 @@ class KilnLM(LM):
         self.batch_size = int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.generator = torch.Generator(device=self._device).manual_seed(int(seed))
+        self.progress = progress  # told each request type's progress (RequestProgress lines); None: silent
 
     # ---- construction from lm-eval's --model_args -------------------------------------------------
     @classmethod
@@ -115,12 +144,13 @@ class KilnLM(LM):
         return rows
 
     @torch.inference_mode()
-    def _score_rows(self, rows: Sequence[Row]) -> list[tuple[float, bool]]:
+    def _score_rows(self, rows: Sequence[Row], scored: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
         """(sum of target log-probs, all targets greedy) per row; batched longest first, padded right.
 
         Rows with the same input tokens (e.g. one-token answers " A".." D" after one question) share one forward
         pass, each gathering its own targets from the shared logits. A batch holds batch_size x max_length input
         tokens: batch_size rows of full length, proportionally more shorter ones (same memory, fewer passes).
+        ``scored(n)`` is told the number of rows scored so far after each batch.
         """
         self.model.eval()
         out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
@@ -133,7 +163,7 @@ class KilnLM(LM):
         order = sorted(range(len(inputs)), key=lambda u: -len(inputs[u]))
         dev = self._device
         budget = self.batch_size * self.max_length  # input tokens per forward pass, padding included
-        start = 0
+        start = done = 0
         while start < len(order):
             T = len(inputs[order[start]])  # the longest input of this batch (sorted longest first)
             us = order[start : start + max(1, budget // max(T, 1))]
@@ -157,12 +187,17 @@ class KilnLM(LM):
             greedy = ((logp.argmax(dim=-1) == y) | ~valid).all(dim=1)  # (R,)
             for i, lp, g in zip(ridx, total.tolist(), greedy.tolist()):
                 out[i] = (lp, g)
+            done += len(ridx)
+            if scored is not None:
+                scored(done)
         return out
 
-    def _score_groups(self, groups: list[list[Row]]) -> list[tuple[float, bool]]:
-        """Score every row of every group in shared batches; sum log-probs and AND greediness per group."""
+    def _score_groups(self, groups: list[list[Row]], kind: str) -> list[tuple[float, bool]]:
+        """Score every row of every group in shared batches; sum log-probs and AND greediness per group. Progress
+        counts requests (groups) in proportion to the rows scored, as batches mix rows of many requests."""
         flat = [row for g in groups for row in g]
-        scores = iter(self._score_rows(flat))
+        tell = RequestProgress(self.progress, kind, len(groups))
+        scores = iter(self._score_rows(flat, lambda n: tell.reached(len(groups) * n // max(len(flat), 1))))
         results = []
         for g in groups:
             parts = [next(scores) for _ in g]
@@ -180,7 +215,7 @@ class KilnLM(LM):
                 context, continuation = context[:-n_sp], context[-n_sp:] + continuation
             ctx = self._encode(context) if context else [self.eot]
             groups.append(self._rows(ctx, self._encode(continuation)))
-        results = self._score_groups(groups)
+        results = self._score_groups(groups, "loglikelihood")
         for req, res in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", req.args, res)
         return results
@@ -194,7 +229,7 @@ class KilnLM(LM):
                 token_list=self._encode(text), prefix_token=self.eot, max_seq_len=self.max_length, context_len=1
             )
             groups.append([row for w in map(lm_utils.make_disjoint_window, windows) for row in self._rows(*w)])
-        results = [lp for lp, _ in self._score_groups(groups)]
+        results = [lp for lp, _ in self._score_groups(groups, "loglikelihood_rolling")]
         for req, res in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, res)
         return results
@@ -249,6 +284,7 @@ class KilnLM(LM):
             key = (max_new, temp, top_k, until)
             groups.setdefault(key, []).append(n)
         out: list[str] = [""] * len(requests)
+        tell, answered = RequestProgress(self.progress, "generate_until", len(requests)), 0
         for (max_new, temp, top_k, until), idx in groups.items():
             idx = sorted(idx, key=lambda n: -len(requests[n].args[0]))
             for start in range(0, len(idx), self.batch_size):
@@ -256,6 +292,8 @@ class KilnLM(LM):
                 texts = self._generate_batch([requests[n].args[0] for n in chunk], max_new, temp, top_k, until)
                 for n, text in zip(chunk, texts):
                     out[n] = text
+                answered += len(chunk)
+                tell.reached(answered)
         for req, text in zip(requests, out):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out

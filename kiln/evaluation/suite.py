@@ -10,7 +10,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tiktoken
 
@@ -70,10 +70,12 @@ def run_suite(
     device: str = "cpu",
     bootstrap_iters: int = 1000,
     seed: int = 1234,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate ``model`` on ``tasks`` (local ones from task_dir, one folder or several; lm-eval's own names too).
 
-    Returns flat scores {task: {metric: value, metric_stderr: value, "chance": c, "items": n}}.
+    Returns flat scores {task: {metric: value, metric_stderr: value, "chance": c, "items": n}}. ``progress`` is told
+    ``eval N/M: <request type> | R requests/s | T left`` lines as the model answers (KilnLM's RequestProgress).
 
     Standard task names (e.g. hellaswag) load lm-eval's defaults (~15 s of indexing) and need their data in
     the local Hugging Face cache. The model is put in eval mode on ``device`` and its train/eval mode restored.
@@ -97,7 +99,7 @@ def run_suite(
         )
     was_training = model.training
     try:
-        lm = KilnLM(model, encoding, device=device, batch_size=batch_size, seed=seed)
+        lm = KilnLM(model, encoding, device=device, batch_size=batch_size, seed=seed, progress=progress)
         # lm-eval bootstraps perplexity stderr in a forked multiprocessing pool unless DISABLE_MULTIPROC is
         # set; forking a process that holds torch threads and an orchestrator's signal handlers is unsafe.
         with _env(DISABLE_MULTIPROC="1"):

@@ -21,7 +21,7 @@ from kiln.posttrain.logprobs import sequence_logps
 from kiln.posttrain.sft import PackedLoader, encode_example, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo, all_mean
 from kiln.train.entry import run_job
-from kiln.train.telemetry import Reporter
+from kiln.train.telemetry import Reporter, format_duration
 from kiln.train.trainer import StepReport, Trainer
 
 
@@ -150,10 +150,11 @@ class DpoStage(PosttrainStage):
         return {"step": step, **{f"train_{k}": train[k] for k in ("loss", "reward_accuracy", "reward_margin")}, **val}
 
     def progress(self, r: StepReport) -> str:
-        t = r.train
-        return (f"step {r.step}/{r.max_steps}: loss {t['loss']:.4f} reward acc {t['reward_accuracy']:.2f} "
-                f"margin {t['reward_margin']:.3f} chosen {t['chosen_logp']:.2f} "
-                f"rejected {t['rejected_logp']:.2f} grad_norm {r.metrics['grad_norm']:.2f}")
+        t, m = r.train, r.metrics
+        tok = f" | {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else ""
+        return (f"step {r.step}/{r.max_steps}: loss {t['loss']:.4f} | reward acc {t['reward_accuracy']:.2f} | "
+                f"margin {t['reward_margin']:.3f} | chosen {t['chosen_logp']:.2f} | "
+                f"rejected {t['rejected_logp']:.2f} | grad_norm {m['grad_norm']:.2f}{tok} | {format_duration(r.left_s)} left")
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         vals = [h for h in trainer.run.history if "val_loss" in h]

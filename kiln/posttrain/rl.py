@@ -24,7 +24,7 @@ from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo
 from kiln.train.entry import run_job
-from kiln.train.telemetry import Reporter
+from kiln.train.telemetry import Reporter, format_duration
 from kiln.train.trainer import StepReport, Trainer
 
 RewardFn = Callable[[str, dict], float]  # (decoded response, item) -> reward
@@ -208,10 +208,11 @@ class RlStage(PosttrainStage):
         return f"step 0: held-out reward {val['val_reward']:.3f}"
 
     def progress(self, r: StepReport) -> str:
-        t = r.train
-        return (f"step {r.step}/{r.max_steps}: reward {t['reward_mean']:.3f} (exact {t['exact_answer']:.3f}) "
-                f"kl {t['kl']:.4f} groups with signal {t['groups_with_signal']:.2f} answer tokens {t['answer_tokens']:.1f}"
-                + (f" held-out reward {r.val['val_reward']:.3f}" if r.val else ""))
+        t, m = r.train, r.metrics
+        return (f"step {r.step}/{r.max_steps}: reward {t['reward_mean']:.3f} | exact {t['exact_answer']:.3f} | "
+                f"kl {t['kl']:.4f} | groups with signal {t['groups_with_signal']:.2f} | answer tokens {t['answer_tokens']:.1f}"
+                + (f" | held-out reward {r.val['val_reward']:.3f}" if r.val else "")
+                + (f" | {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else "") + f" | {format_duration(r.left_s)} left")
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         job = self.job

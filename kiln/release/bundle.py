@@ -1,14 +1,14 @@
 """Release bundle: safetensors weights and tokenizer files in the Hugging Face layout of the model's family (GPT-2,
 Llama, Qwen3), config, card, kiln.json, checksums.
 
-Use: ``write_release(checkpoint, out_dir, card, extra)``; ``load_release(dir)`` reads it back (``kiln generate DIR``).
+Use: ``write_release(checkpoint, out_dir, card, extra, files)`` (files: the card's plots and the run config); ``load_release(dir)`` reads it back (``kiln generate DIR``).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from safetensors.torch import load_file, save_file
 
@@ -23,11 +23,13 @@ __all__ = ["RELEASE_FORMAT", "ReleaseError", "load_release", "verify_release", "
 RELEASE_FORMAT = "kiln-release/1"
 
 
-def write_release(checkpoint: str | Path, out_dir: Path, card: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_release(checkpoint: str | Path, out_dir: Path, card: str, extra: dict[str, Any] | None = None,
+                  files: Mapping[str, bytes] | None = None) -> dict[str, Any]:
     """Write the bundle into ``out_dir`` (which must be a fresh staging folder); return its manifest.
 
     ``extra`` goes into kiln.json beside what the checkpoint says (model, step, tokenizer); the sections
-    ``lineage_tree`` renders are listed in kiln.release.lineage.LINEAGE_SECTIONS.
+    ``lineage_tree`` renders are listed in kiln.release.lineage.LINEAGE_SECTIONS. ``files``: more files by name
+    (the card's plots, the run config), written beside the card and listed in SHA256SUMS.
     """
     ckpt = resolve_checkpoint(checkpoint)
     state, meta = load_state(ckpt)
@@ -53,6 +55,10 @@ def write_release(checkpoint: str | Path, out_dir: Path, card: str, extra: dict[
         **(extra or {}),
     })
     atomic_write_text(out_dir / "README.md", card)
+    for name, data in (files or {}).items():
+        if "/" in name or name in ("README.md", "kiln.json", "SHA256SUMS", "model.safetensors"):
+            raise ReleaseError(f"write_release: extra file name {name!r} is a path or one of the bundle's own files")
+        atomic_write_bytes(out_dir / name, data)
     files = {p.name: sha256_file(p) for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != "SHA256SUMS"}
     atomic_write_text(out_dir / "SHA256SUMS", "".join(f"{h}  {n}\n" for n, h in files.items()))
     return {"files": files, "bytes": sum((out_dir / n).stat().st_size for n in files), "checkpoint": str(ckpt)}

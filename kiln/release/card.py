@@ -1,16 +1,36 @@
 """The model card (README.md of a release bundle), written from the outputs of the assets that made the model.
 
-``model_card("kiln-demo", "Apache-2.0", upstream, stages)``: upstream is {asset name: its output}, as release_bundle has them.
+``model_card("kiln-demo", "Apache-2.0", upstream, stages, settings, figures)``: upstream is {asset name: its output},
+as release_bundle has them; ``card_figures(upstream)`` renders the PNGs the card shows (the loss curve, scores by
+checkpoint), which the bundle holds beside the card with the run's whole config (CONFIG_FILE).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import math
+from pathlib import Path
 from typing import Any, Mapping
 
 from kiln.posttrain.measures import MEASURES
+
+CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
+LOSS_PLOT, CHECKPOINT_PLOT = "loss_curve.png", "scores_by_checkpoint.png"
+
+
+def task_score(task: str, row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """{metric, value, stderr, chance} of a task's primary metric (kiln.evaluation.registry) in one row of scores;
+    None when the row holds no number for it (e.g. a clean copy with no items left)."""
+    from kiln.evaluation.registry import REGISTRY
+
+    metric = REGISTRY.primary(task, row) if row else None
+    if metric is None:
+        return None
+    stderr = row.get(f"{metric}_stderr")
+    return {"metric": metric, "value": row[metric], "stderr": stderr if isinstance(stderr, (int, float)) else None,
+            "chance": row.get("chance", REGISTRY.chance(task))}
 
 
 def table(rows: list[dict]) -> str:
@@ -73,14 +93,14 @@ def _data(raw: dict, clean: dict, tok: dict, shards: dict) -> str:
                  "sha256": (s["sha256"] or "")[:16], "documents": s["documents"], "licence": s["license"]}
                 for n, s in raw["stats"]["sources"].items()]
     rep = clean["report"]
-    drop_rows = [{"reason": r, "documents": v["docs"], "MB": v["bytes"] / 1e6} for r, v in rep["reasons"].items()]
+    drop_rows = [{"reason": r, "documents": v["docs"], "MB": f"{v['bytes'] / 1e6:.3f}"} for r, v in rep["reasons"].items()]
     return f"""## Training data (lineage)
 Raw documents version `{raw['version']}`: {raw['stats']['totals']['documents']:,} documents.
 
 {table(src_rows)}
 Clean corpus version `{clean['version']}`: kept {rep['kept_docs']:,} of {rep['input_docs']:,} documents
-({rep['kept_bytes'] / 1e6:.2f} MB); dedup rate {rep['dedup_rate']:.1%}. Filter settings:
-`{json.dumps(rep['config'], sort_keys=True)}`
+({rep['kept_bytes'] / 1e6:.2f} MB); dedup rate {rep['dedup_rate']:.1%}. The filter settings that differ from the defaults
+are listed under Settings below; all of them are `filters` in `kiln.json`.
 
 Removed, by reason:
 
@@ -92,22 +112,61 @@ Tokenizer version `{tok['version']}`.
 """
 
 
-def _training(plan: dict, base: dict, tok: dict) -> str:
-    return f"""## Training
-{plan['parallelism']} on {plan['world_size']} x {plan['hardware']['device']}; {base['steps']} steps of {plan['tokens_per_step']:,} tokens
-({base['tokens']:,} tokens, {plan['tokens_per_param']:.2f} tokens/parameter); micro-batch {plan['micro_batch']} x accumulation {plan['grad_accum']}.
-Validation loss {base['initial_val_loss']:.4f} -> {base['final_val_loss']:.4f} nats/token (a uniform guess scores {math.log(tok['n_vocab']):.4f}).
-Base checkpoint `{base['version']}` (MLflow run `{base['mlflow_run_id']}`).
+def _hardware(plan: dict) -> str:
+    """``1 CPU process`` / ``8 CUDA devices with DDP (data parallel)`` / ``16 CUDA devices on 2 nodes, sharded with FSDP2``."""
+    hw, n = plan["hardware"], plan["world_size"]
+    if hw["device"] == "cpu":
+        where = f"{n} CPU process{'es' if n > 1 else ''}"
+    else:
+        where = f"{n} {hw['device'].upper()} device{'s' if n > 1 else ''}"
+    if hw.get("nnodes", 1) > 1:
+        where += f" on {hw['nnodes']} nodes,"
+    how = {"none": "", "ddp": " with DDP (data parallel)", "fsdp": " sharded with FSDP2"}
+    return where + how.get(plan["parallelism"], f" ({plan['parallelism']})")
 
+
+def _training(plan: dict, base: dict, tok: dict, figures: Mapping[str, bytes]) -> str:
+    curve = f"\n![Training and validation loss by step]({LOSS_PLOT})\n" if LOSS_PLOT in figures else ""
+    return f"""## Training
+Trained on {_hardware(plan)}: {base['steps']} steps of {plan['tokens_per_step']:,} tokens ({base['tokens']:,} tokens,
+{plan['tokens_per_param']:.2f} tokens per parameter); micro-batch {plan['micro_batch']} x gradient accumulation {plan['grad_accum']}.
+Validation loss fell from {base['initial_val_loss']:.4f} to {base['final_val_loss']:.4f} nats/token (guessing uniformly over
+the vocabulary scores {math.log(tok['n_vocab']):.4f}). Base checkpoint `{base['version']}`, MLflow run `{base['mlflow_run_id']}`.
+{curve}
 """
 
 
-def _evaluation(scores: dict) -> str:
-    task_rows = [{"task": t, **{m: v for m, v in row.items() if not m.endswith("stderr")}} for t, row in scores["tasks"].items()]
-    return f"""## Evaluation
-Validation bits per byte {scores['val_bits_per_byte']:.4f}. Tasks built from held-out documents, scored with lm-eval through Kiln's adapter:
+def _cell(s: dict[str, Any] | None, row: dict[str, Any] | None) -> str:
+    """``0.150 ± 0.082 (20)``: a score, its standard error and the number of items."""
+    if s is None:
+        return "no items" if row is not None and row.get("items") == 0 else "-"
+    err = f" ± {s['stderr']:.3f}" if s["stderr"] is not None else ""
+    return f"{s['value']:.3f}{err} ({row.get('items', '?')})"
 
-{table(task_rows)}
+
+def _contaminated(row: dict[str, Any]) -> str:
+    if "contaminated_share" in row:
+        return f"{row['contaminated_share']:.0%}"
+    return f"{row['contaminated']} items" if "contaminated" in row else "-"
+
+
+def _evaluation(scores: dict, figures: Mapping[str, bytes]) -> str:
+    rows = []
+    for task, row in scores["tasks"].items():
+        s, clean = task_score(task, row), scores.get("tasks_clean", {}).get(task)
+        chance = s["chance"] if s else row.get("chance")
+        rows.append({"task": task, "metric": s["metric"] if s else "-", "all items (n)": _cell(s, row),
+                     "clean items (n)": _cell(task_score(task, clean), clean),
+                     "chance": "-" if chance is None else f"{chance:.2f}",
+                     "contaminated": _contaminated(row)})
+    plot = f"\n![Scores at each checkpoint]({CHECKPOINT_PLOT})\n" if CHECKPOINT_PLOT in figures else ""
+    return f"""## Evaluation
+Validation bits per byte {scores['val_bits_per_byte']:.4f}. The tasks are built from held-out documents (MMLU from its
+own questions) and scored with lm-eval through Kiln's adapter. Each row gives the task's primary metric with its standard
+error and number of items, on all items and on the clean items (those sharing no 13-word run with the training data),
+beside what guessing scores:
+
+{table(rows)}{plot}
 """
 
 
@@ -118,10 +177,10 @@ def _post_training(instr: dict, prefs: dict, sft: dict, dpo: dict, rl: dict, sta
 Three stages, each a torchrun job starting from the previous stage's weights; these weights are the last stage's.
 
 1. Supervised fine-tuning ({sft['steps']} steps) on instruction data version `{instr['version']}`
-   ({json.dumps(instr['counts'])}), loss on response tokens only. Pairs sharing a {decon['ngram_words']}-word run
+   ({_counts(instr['counts'])}), loss on response tokens only. Pairs sharing a {decon['ngram_words']}-word run
    with an evaluation item were removed ({decon['pairs_sharing_eval_ngrams']}), and held-out pages were not used.
 2. Direct Preference Optimization ({dpo['steps']} steps, beta {dpo['beta']}) on preference data version `{prefs['version']}`
-   ({json.dumps(prefs['counts'])}: the correct response chosen, a wrong one rejected), against the SFT model as reference.
+   ({_counts(prefs['counts'])}; the correct response chosen, a wrong one rejected), against the SFT model as reference.
 3. Reinforcement learning ({rl['steps']} steps, GRPO-style, {rl['group_size']} answers per prompt, KL weight {rl['kl_coef']} to the
    DPO model) on {rl['reward']} prompts whose answers are checked exactly (a near miss earns {rl['partial_credit']} x its
    closeness); held-out greedy exact-answer rate {rl['initial_val_reward']:.3f} -> {rl['final_val_reward']:.3f}.
@@ -141,23 +200,112 @@ unreliable text, knows little, and must not be used for decisions. Evaluation it
 the same corpus, so scores measure in-distribution modelling, not general ability.
 
 ## Data licences
-{', '.join(sorted({s['license'] for s in raw['stats']['sources'].values()}))}. The weights are derived from data under these licences.
+The weights are derived from data under these licences:
+
+{chr(10).join(f"- {lic}" for lic in sorted({s['license'] for s in raw['stats']['sources'].values()}))}
 """
 
 
-def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages: list[dict]) -> str:
-    """README.md of a release: model, training data lineage, training, evaluation, post-training, limits, licences.
+def _counts(counts: Mapping[str, Any]) -> str:
+    """``arithmetic 241 + 9 held out, doc_section 34 + 3 held out`` from {kind: {train, val}} (or {kind: n})."""
+    return ", ".join(f"{k} {v['train']:,} + {v['val']:,} held out" if isinstance(v, Mapping) else f"{k} {v:,}"
+                     for k, v in counts.items())
+
+
+
+def _settings(settings: list[dict[str, Any]]) -> str:
+    rows = [{"asset": r["asset"], "setting": r["field"], "value": _short(r["value"]), "default": _short(r["default"])}
+            for r in settings]
+    return f"""## Settings
+The settings of this run that differ from Kiln's defaults; every setting, defaults included, is in
+[`{CONFIG_FILE}`]({CONFIG_FILE}).
+
+{table(rows) if rows else "Every setting is at its default." + chr(10)}
+"""
+
+
+def settings_rows(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """{asset, field, value, default} of every setting in ``config`` ({asset: its config}) that differs from
+    ``defaults`` (the same shape, every field at its default); nested fields are dotted (``clean.min_words``)."""
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, Mapping) or not d:
+            return {prefix: d}
+        return {k: v for key, val in d.items() for k, v in flat(val, f"{prefix}.{key}" if prefix else key).items()}
+
+    rows = []
+    for asset in sorted(config):
+        given, default = flat(config[asset] or {}), flat(defaults.get(asset) or {})
+        rows += [{"asset": asset, "field": f, "value": v, "default": default.get(f)}
+                 for f, v in sorted(given.items()) if f and default.get(f) != v]
+    return rows
+
+
+def _short(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages: list[dict],
+               settings: list[dict[str, Any]] | None = None, figures: Mapping[str, bytes] | None = None) -> str:
+    """README.md of a release: model, training data lineage, training, evaluation, post-training, settings, limits.
 
     up: the outputs of raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_scores,
     instruction_data, preference_data, sft_model, dpo_model and rl_model; stages: one row per held-out measure with
-    a column per model (base, sft, dpo, rl).
+    a column per model (base, sft, dpo, rl); settings: {asset, field, value, default} of each setting that differs
+    from its default (None: no Settings section); figures: {file name: PNG} the bundle holds (card_figures).
     """
+    figures = figures or {}
     return "".join([
         _model(name, license, up["training_plan"], up["tokenizer"]),
         _pretrained(up),
         _data(up["raw_documents"], up["clean_corpus"], up["tokenizer"], up["token_shards"]),
-        _training(up["training_plan"], up["base_model"], up["tokenizer"]),
-        _evaluation(up["eval_scores"]),
+        _training(up["training_plan"], up["base_model"], up["tokenizer"], figures),
+        _evaluation(up["eval_scores"], figures),
         _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages),
+        _settings(settings) if settings is not None else "",
         _limits(up["raw_documents"]),
     ])
+
+
+def card_figures(up: Mapping[str, dict[str, Any]]) -> dict[str, bytes]:
+    """{file name: PNG} for the card: the base model's train and validation loss by step; each task's primary score at
+    every checkpoint the per-checkpoint evaluation scored (``<storage>/checkpoint_evals/<run>``), or the validation loss
+    at each checkpoint's evaluation when none was scored."""
+    from kiln.evaluation.checkpoints import curves, score_history
+
+    base = up["base_model"]
+    val = [(h["step"], h["val_loss"]) for h in base.get("history", []) if h.get("val_loss") is not None]
+    out = {}
+    if base.get("curve") or val:
+        out[LOSS_PLOT] = _plot({"train loss": [tuple(p) for p in base.get("curve", [])], "validation loss": val},
+                               "Base model loss by step", "step", "nats/token")
+    run = Path(base["out_dir"]) if base.get("out_dir") else None
+    scored = run.parents[1] / "checkpoint_evals" / run.name if run is not None else None
+    series = curves(score_history(scored)).get("accuracy", {}) if scored is not None and scored.is_dir() else {}
+    if any(series.values()):
+        out[CHECKPOINT_PLOT] = _plot(series, "Primary scores by checkpoint", "step", "accuracy")
+    elif len(val) > 1:
+        out[CHECKPOINT_PLOT] = _plot({"validation loss": val}, "Validation loss at each checkpoint's evaluation",
+                                     "step", "nats/token")
+    return out
+
+
+def _plot(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=90)
+    for label, pts in series.items():
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=label)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})  # no version stamp: the same plot gives the same bytes
+    plt.close(fig)
+    return buf.getvalue()

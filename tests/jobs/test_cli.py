@@ -36,9 +36,12 @@ def test_help_lists_the_commands_with_examples(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: kiln [-h] {run,generate,config,plan,lineage} ...")
+    assert out.startswith("usage: kiln [-h] {run,generate,status,config,plan,lineage} ...")
     assert "kiln run --preset smoke --select eval_scores,release_bundle" in out
     assert "kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware" in out
+    verbs = out.split("\ncommands:\n", 1)[1].split("\noptions:", 1)[0].splitlines()[1:]
+    assert [line.split()[0] for line in verbs if line.strip()] == ["run", "generate", "status", "config", "plan", "lineage"]
+    assert all(len(line.split(None, 1)) == 2 for line in verbs if line.strip())  # each verb with its one line
 
 
 def test_run_rejects_unknown_asset(tmp_path):
@@ -86,15 +89,20 @@ def test_run_refuses_an_unknown_op_or_resource_name_in_a_preset_before_anything_
     assert ran == [] and not (tmp_path / "home" / "storage").exists()
 
 
-SOURCE_CACHE = Path("/tmp/srccache")  # the smoke manifest's packages, so that nothing is downloaded
+SOURCE_CACHE = Path("/tmp/srccache")  # the smoke manifest's packages, when cached there already (else fetched once)
+
+
+@pytest.fixture(scope="session")
+def source_cache(tmp_path_factory) -> Path:
+    return SOURCE_CACHE if SOURCE_CACHE.is_dir() else tmp_path_factory.getbasetemp() / "source-cache"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SOURCE_CACHE.is_dir(), reason="needs the smoke sources cached in /tmp/srccache")
-def test_a_failed_run_says_first_which_step_failed_and_why_and_where_the_trace_is(tmp_path, capsys, monkeypatch):
+def test_a_failed_run_says_first_which_step_failed_and_why_and_where_the_trace_is(tmp_path, capsys, monkeypatch,
+                                                                                    source_cache):
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
     preset = tmp_path / "strict.yaml"
-    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {SOURCE_CACHE}}}\n"
+    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {source_cache}}}\n"
                       "ops:\n  clean_corpus: {config: {clean: {min_words: 50000}}}\n")
     home = tmp_path / "home"
     args = ["run", "--preset", str(preset), "--select", "raw_documents,clean_corpus", "--home", str(home)]

@@ -1,7 +1,9 @@
-"""The Dagster UI in a real browser: dagster-webserver over workspace.yaml, driven by headless Chromium through Selenium.
+"""The Dagster and MLflow UIs in a real browser: dagster-webserver over workspace.yaml and ``mlflow ui`` over a Kiln home
+where the smoke preset trained a base model, driven by headless Chromium through Selenium.
 
-Run: python -m pytest tests/ui -q   (needs Debian's chromium and chromium-driver, which .ci/run installs; skipped without them)
-Screenshots of the asset graph, the catalog and the release's lineage are saved in the test's temporary folder.
+Run: python -m pytest tests/ui -q   (needs Debian's chromium and chromium-driver, which make test installs as root)
+Screenshots of the asset graph, the catalog, the release's lineage and base_model's MLflow run are saved in the test's
+temporary folder.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--window-size=1600,1800")  # tall: the graph draws only nodes on screen
 START_TIMEOUT_S = 240  # importing the definitions (torch, mlflow, dagster) on a loaded 2-core machine
+SOURCE_CACHE = Path("/tmp/srccache")  # the smoke sources, when cached there already (else fetched once)
+TRAINED = "raw_documents,clean_corpus,tokenizer,token_shards,training_plan,base_model"
 PAGE_TIMEOUT_S = 90
 
 pytestmark = [
@@ -49,14 +53,71 @@ def graphql(url: str, query: str) -> dict:
     return body["data"]
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a server started in its own session, with every child it started (they share its process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # any child that ignored SIGTERM
+
+
 @pytest.fixture(scope="module")
-def webserver(tmp_path_factory):
-    """(base URL, log path) of dagster-webserver on a free 127.0.0.1 port with a temporary DAGSTER_HOME.
+def kiln_home(tmp_path_factory):
+    """(home, MLflow port): a Kiln home where ``kiln run --preset smoke`` materialized the assets up to base_model,
+    with MLflow links pointing at the port the mlflow_ui fixture serves."""
+    home = tmp_path_factory.mktemp("kiln_home")
+    (home / "dagster").mkdir()
+    (home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    port = free_port()
+    cache = SOURCE_CACHE if SOURCE_CACHE.is_dir() else tmp_path_factory.getbasetemp() / "source-cache"
+    preset = home / "ui.yaml"
+    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {cache}}}\n"
+                      f"  mlflow:\n    config: {{ui_url: 'http://127.0.0.1:{port}'}}\n")
+    env = {**os.environ, "DAGSTER_HOME": str(home / "dagster"), "PYTHONPATH": str(ROOT), "CI": "1"}
+    run = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--preset", str(preset), "--select", TRAINED,
+                          "--home", str(home)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return home, port
+
+
+@pytest.fixture(scope="module")
+def mlflow_ui(kiln_home):
+    """Base URL of ``mlflow ui`` over the Kiln home's tracking database, job workers off."""
+    home, port = kiln_home
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with open(home / "mlflow-ui.log", "wb") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "ui", "--backend-store-uri",
+                                 f"sqlite:///{home / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
+                                 "--workers", "1"], cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlflow ui did not answer on {url}:\n{(home / 'mlflow-ui.log').read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        stop_group(proc)
+
+
+@pytest.fixture(scope="module")
+def webserver(kiln_home):
+    """(base URL, log path) of dagster-webserver on a free 127.0.0.1 port over the Kiln home's DAGSTER_HOME.
 
     Started in its own session and stopped by signalling that process group, so no child outlives the test.
     """
-    home = tmp_path_factory.mktemp("dagster_home")
-    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    home = kiln_home[0] / "dagster"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = home / "webserver.log"
@@ -81,15 +142,7 @@ def webserver(tmp_path_factory):
         graphql(url, "mutation { setNuxSeen }")  # no first-visit 'Join the community' dialog over the pages
         yield url, log_path
     finally:  # the server and its code-location subprocess share the group whose id is the server's pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # any child that ignored SIGTERM
+        stop_group(proc)
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +291,25 @@ def test_launchpad_shows_training_plan_config_as_typed_fields(webserver, browser
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
     body = text(browser)
     assert "n_layr" in body and ("unexpected" in body.lower() or "not defined" in body.lower() or "error" in body.lower())
+
+
+def test_base_model_links_to_its_mlflow_run_which_shows_the_training_metrics(webserver, mlflow_ui, kiln_home, browser,
+                                                                          tmp_path) -> None:
+    """The asset page of base_model links to its MLflow run; that page lists the metrics training logged."""
+    from selenium.webdriver.common.by import By
+
+    url, _ = webserver
+    browser.get(f"{url}/assets/base_model")
+    link = "//a[contains(@href, '#/experiments/') and contains(@href, '/runs/')]"
+    wait_for(browser, lambda d: d.find_elements(By.XPATH, link), lambda: "base_model's page shows no MLflow run link",
+             tmp_path / "base_model_failed.png")
+    href = browser.find_element(By.XPATH, link).get_attribute("href")
+    assert href.startswith(f"{mlflow_ui}/#/experiments/"), href
+    browser.get(href)
+    text = lambda d: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
+    wait_for(browser, lambda d: all(m in text(d) for m in ("train_loss", "val_loss")),
+             lambda: f"the MLflow run page lacks the training metrics: {text(browser)[:800]}", tmp_path / "mlflow_run_failed.png")
+    assert "base_model" in text(browser)
+    time.sleep(1)
+    shot = tmp_path / "mlflow_run.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000

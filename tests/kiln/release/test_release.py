@@ -406,19 +406,22 @@ def test_model_card_tells_the_lineage_section_by_section() -> None:
                      "## Data licences"]
     for needle in ("(bpe tokenizer, 300 tokens,\n4.10 bytes/token on held-out text)",
                    "| python-docs | sphinx | 8.1.0 | abababababababab | 120 | BSD-2-Clause |\n| notes | local |  |  | 3 | CC-BY-4.0 |\n\n",
-                   "kept 1,184 of 1,234 documents\n(3.46 MB); dedup rate 1.6%. Filter settings:\n`{\"min_words\": 20}`",
-                   "| near_duplicate | 20 | 2.5 |", "1,234,567 train tokens,\n45,678 validation tokens (fixed split, 20/1000",
-                   "ddp on 2 x cpu; 30 steps of 4,096 tokens\n(122,880 tokens, 0.12 tokens/parameter); micro-batch 4 x accumulation 2.",
-                   "Validation loss 5.7000 -> 3.2100 nats/token (a uniform guess scores 5.7038).",
-                   "Validation bits per byte 1.8765.", "| task | acc | acc_norm | chance | items | contaminated |\n",
-                   "| kiln_continuation | 0.41 | 0.4 | 0.25 | 40 | 0 |\n\n## Post-training",
+                   "kept 1,184 of 1,234 documents\n(3.46 MB); dedup rate 1.6%. The filter settings that differ from the defaults",
+                   "| near_duplicate | 20 | 2.500 |", "1,234,567 train tokens,\n45,678 validation tokens (fixed split, 20/1000",
+                   "Trained on 2 CPU processes with DDP (data parallel): 30 steps of 4,096 tokens (122,880 tokens,\n0.12 tokens per "
+                   "parameter); micro-batch 4 x gradient accumulation 2.",
+                   "Validation loss fell from 5.7000 to 3.2100 nats/token (guessing uniformly over\nthe vocabulary scores 5.7038).",
+                   "Validation bits per byte 1.8765.", "| task | metric | all items (n) | clean items (n) | chance | contaminated |\n",
+                   "| kiln_continuation | acc_norm | 0.400 (40) | - | 0.25 | 0 items |\n\n## Post-training",
                    "Pairs sharing a 13-word run\n   with an evaluation item were removed (2)",
                    "Direct Preference Optimization (10 steps, beta 0.1) on preference data version `qqqq`",
                    "rate 0.100 -> 0.250.\n Adapters (LoRA) were trained and merged into these weights.\n",
                    "| measure | base | sft | dpo | rl |\n|---|---|---|---|---|\n| response_loss | 2 | 1.5 | 1.4 | 1.4 |\n\n- `"):
         assert needle in card, needle
     assert "acc_stderr" not in card
-    assert card.endswith("\n\n## Data licences\nBSD-2-Clause, CC-BY-4.0. The weights are derived from data under these licences.\n")
+    assert '`{"min_words": 20}`' not in card  # the filter settings are a table of changes (Settings), not a JSON line
+    assert card.endswith("\n\n## Data licences\nThe weights are derived from data under these licences:\n\n"
+                         "- BSD-2-Clause\n- CC-BY-4.0\n")
 
 
 def test_release_sections_record_every_upstream_version_and_run() -> None:

@@ -1,0 +1,330 @@
+"""``kiln status``: each asset's latest version and time, and what the next run with a preset would do with it.
+
+Run: ``kiln status --preset smoke [--json]``. Each asset is reused, resumed (training continues from its newest good
+checkpoint) or recomputed, with the reasons: its code version, a config field with its old and new value, an upstream
+asset that recomputes or whose data version moved (Dagster's staleness), or a recorded output whose files no longer
+match (the same check ``kiln run`` makes before reusing, resources.tracking.MlflowResource.find_reusable, here without
+touching any file); and about how long it would take (the last computing run's duration, else the training plan).
+A training asset whose newest attempt failed or was killed after writing checkpoints resumes: its run folder (keyed by
+the config and inputs the next run shares) holds a checkpoint that verifies, and the steps left take the last run's
+time per step (else the attempt's own, else the plan's).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TRAINING = ("base_model", "sft_model", "dpo_model", "rl_model")  # recomputing these resumes from a checkpoint
+
+
+@dataclass
+class AssetStatus:
+    asset: str
+    version: str | None  # data version of the latest materialization (None: never materialized)
+    materialized_at: str | None  # its time, ISO 8601 UTC
+    action: str  # "reuse", "resume", "recompute" (or "compute" when it was never materialized)
+    reasons: list[str] = field(default_factory=list)
+    estimate_s: float | None = None  # seconds the next run would spend on it (None: unknown)
+    estimate_from: str = ""  # "last run", "training plan", "reuse"
+    roots: list[str] = field(default_factory=list)  # the assets whose own change makes this one run
+    next_version: str | None = None  # the data version the next run gives it when it is reused
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """{"clean.min_words": 50, ...} from nested config mappings."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def resolved_ops(job, run_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{op: its config with every default filled in}, as Dagster resolves ``run_config`` for ``job``."""
+    from dagster._config import process_config
+
+    result = process_config(job.run_config_schema.config_type, {"ops": run_config.get("ops") or {}})
+    if not result.success:
+        raise SystemExit(f"kiln status: fix the preset first: {result.errors[0].message}")
+    return {name: (block or {}).get("config") or {} for name, block in result.value["ops"].items()}
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``config clean.min_words 50 -> 80`` for each field whose value differs."""
+    a, b = flatten(old), flatten(new)
+    return [f"config {k} {json.dumps(a.get(k), default=str)} -> {json.dumps(b.get(k), default=str)}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+class StatusReader:
+    """Reads the Dagster instance and MLflow of one Kiln home, and decides asset by asset in graph order."""
+
+    def __init__(self, defs, instance, run_config: dict[str, Any], mlflow):
+        self.defs, self.instance, self.mlflow = defs, instance, mlflow
+        self.job = defs.resolve_job_def("kiln_pipeline_job")
+        self.graph = defs.resolve_asset_graph()
+        self.new_ops = resolved_ops(self.job, run_config)
+        self.client = mlflow.client()
+        exp = self.client.get_experiment_by_name(mlflow.experiment)
+        self.experiment_id = exp.experiment_id if exp is not None else None
+        self.decided: dict[str, AssetStatus] = {}
+
+    def status(self, names: list[str]) -> list[AssetStatus]:
+        for name in names:  # ALL_ASSETS order: every asset after its upstream
+            self.decided[name] = self.decide(name)
+        return [self.decided[n] for n in names]
+
+    def decide(self, name: str) -> AssetStatus:
+        from dagster import AssetKey
+
+        key = AssetKey(name)
+        ev = self.instance.get_latest_materialization_event(key)
+        if ev is None:
+            st = AssetStatus(name, None, None, "compute", ["never materialized"], *self.estimate(name, None))
+            return self.resumed(name, st, None)
+        tags, meta = ev.asset_materialization.tags, ev.asset_materialization.metadata
+        when = dt.datetime.fromtimestamp(ev.timestamp, dt.timezone.utc).isoformat(timespec="seconds")
+        st = AssetStatus(name, tags.get("dagster/data_version"), when, "recompute")
+        own, upstream = self.changes(name, ev)
+        st.roots = sorted(({name} if own else set()) | {r for p in upstream for r in self.decided[p].roots})
+        st.reasons = own + [f"upstream {r} changes: {self.decided[r].reasons[0]}" for r in st.roots if r != name]
+        earlier = self.earlier_match(name, ev) if own and not upstream else None
+        candidate = earlier or (ev if not st.reasons else None)
+        if candidate is not None:
+            found, problems = self.reusable(name, candidate.asset_materialization.metadata)
+            if found:
+                said = "unchanged since" if candidate is ev else "the same as an earlier run,"
+                st.action, st.reasons, st.roots = "reuse", [f"inputs, config and code {said} MLflow run {found[:8]}"], []
+                st.estimate_s, st.estimate_from = 0.0, "reuse"
+                st.next_version = candidate.asset_materialization.tags.get("dagster/data_version")
+                return st
+            if candidate is ev:
+                st.reasons, st.roots = problems, [name]
+                st.action = "resume" if name in TRAINING else "recompute"
+        st.estimate_s, st.estimate_from = self.estimate(name, meta)
+        return self.resumed(name, st, ev)
+
+    def resumed(self, name: str, st: AssetStatus, ev) -> AssetStatus:
+        """``st`` turned to "resume" when an unfinished attempt of training asset ``name`` after ``ev`` left a good
+        checkpoint in the run folder the next run trains in, with the time its remaining steps take."""
+        if name not in TRAINING:
+            return st
+        attempt = self.leftover(name, ev.timestamp if ev is not None else 0.0)
+        if attempt is None:
+            return st
+        st.action = "resume"
+        st.reasons.append(f"a {attempt.state} attempt left step {attempt.step} of {attempt.total} (checkpoint verified)")
+        seconds, where = self.remaining(name, attempt, ev)
+        if seconds is not None:
+            st.estimate_s, st.estimate_from = seconds, where
+        return st
+
+    def leftover(self, name: str, after: float) -> "Attempt | None":
+        """The newest attempt of ``name`` whose run folder got a checkpoint after time ``after`` and ended before
+        its result: a failed or killed materialization that the next run continues, as its run folder is keyed by
+        the same config and inputs (kiln.train.launch.RunSpec.key). None when there is none, its newest good
+        checkpoint fails verification, or the next run's config or inputs differ from the attempt's."""
+        from kiln.train.checkpoint import latest_good_checkpoint, list_checkpoints, step_of
+
+        newest: tuple[float, Path] | None = None
+        for folder in _run_folders(self.storage_dir(name)):
+            found = list_checkpoints(folder / "checkpoints")
+            when = (found[-1] / "meta.json").stat().st_mtime if found else 0.0
+            if found and when > after and not (folder / "result.json").exists() and (newest is None or when > newest[0]):
+                newest = (when, folder)
+        if newest is None:
+            return None
+        when, folder = newest
+        good = latest_good_checkpoint(folder / "checkpoints", log=lambda _m: None)
+        job = _read_json(folder / "job.json")
+        if good is None or not job.get("max_steps"):
+            return None
+        attempt = Attempt(folder, step_of(good), int(job["max_steps"]), "unfinished", None, when)
+        run = self._mlflow_run(job.get("mlflow_run_id"))
+        if run is not None:
+            attempt.state = {"FAILED": "failed", "KILLED": "killed", "RUNNING": "killed"}.get(run.info.status, "unfinished")
+            attempt.started = run.info.start_time / 1000 if run.info.start_time else None
+            dagster_run = self.instance.get_run_by_id(run.data.tags.get("dagster.run_id", ""))
+            if dagster_run is not None and config_changes(
+                    resolved_ops(self.job, dagster_run.run_config).get(name, {}), self.new_ops.get(name, {})):
+                return None  # the next run trains with other settings, in another run folder
+        if not self.same_inputs(name, attempt.started or when):
+            return None
+        return attempt
+
+    def same_inputs(self, name: str, at: float) -> bool:
+        """True when every upstream asset of ``name`` is reused with the data version it had at time ``at``."""
+        for parent in sorted(p.to_user_string() for p in self.graph.get(_key(name)).parent_keys):
+            up = self.decided.get(parent)
+            if up is None:
+                continue
+            if up.action != "reuse":
+                return False
+            then = next((r.event_log_entry for r in self.instance.fetch_materializations(_key(parent), limit=25).records
+                         if r.event_log_entry.timestamp <= at), None)
+            if then is None or then.asset_materialization.tags.get("dagster/data_version") != up.next_version:
+                return False
+        return True
+
+    def remaining(self, name: str, attempt: "Attempt", ev) -> tuple[float | None, str]:
+        """Seconds for the steps an attempt left: at the last finished run's rate, else the attempt's own (its MLflow
+        run's start to its newest checkpoint), else the training plan's."""
+        left = attempt.total - attempt.step
+        if ev is not None:
+            meta = ev.asset_materialization.metadata
+            seconds, where = self.estimate(name, meta)
+            steps = _plain(meta.get("steps"))
+            if where == "last run" and isinstance(steps, (int, float)) and steps > 0:
+                return seconds / steps * left, "last run's rate"
+        if attempt.started and attempt.step > 0 and attempt.checkpoint_time > attempt.started:
+            return (attempt.checkpoint_time - attempt.started) / attempt.step * left, "the attempt's rate"
+        seconds, where = self.estimate(name, None)
+        return (seconds * left / attempt.total, where) if seconds is not None else (None, "")
+
+    def storage_dir(self, name: str) -> Path:
+        """The local folder holding ``name``'s run folders (KilnStorageResource.path, without creating it)."""
+        storage = self.defs.resources.get("storage")
+        if storage is None:
+            return Path("/nonexistent")
+        return Path(storage.cache if storage.durable else storage.root).expanduser().resolve() / name
+
+    def _mlflow_run(self, run_id: str | None):
+        if not run_id:
+            return None
+        try:
+            return self.client.get_run(run_id)
+        except Exception:  # deleted run, other tracking store
+            return None
+
+    def earlier_match(self, name: str, latest):
+        """An earlier materialization of ``name`` made with the next run's code, config and upstream versions (the
+        next run reuses it, as run reuse looks past the latest one), or None."""
+        records = self.instance.fetch_materializations(_key(name), limit=25).records
+        for rec in records:
+            ev = rec.event_log_entry
+            if ev.run_id != latest.run_id and self.changes(name, ev) == ([], []):
+                return ev
+        return None
+
+    def changes(self, name: str, ev) -> tuple[list[str], list[str]]:
+        """(why the recorded output of ``name`` no longer answers the next run: code, config, an upstream data
+        version, reuse off; the upstream assets that will run first)."""
+        from dagster import AssetKey
+
+        tags = ev.asset_materialization.tags
+        reasons, upstream = [], []
+        code = self.graph.get(AssetKey(name)).code_version
+        if tags.get("dagster/code_version") != code:
+            reasons.append(f"code version {tags.get('dagster/code_version')} -> {code}")
+        run = self.instance.get_run_by_id(ev.run_id)
+        if run is not None:
+            reasons += config_changes(resolved_ops(self.job, run.run_config).get(name, {}), self.new_ops.get(name, {}))
+        for parent in sorted(p.to_user_string() for p in self.graph.get(AssetKey(name)).parent_keys):
+            up = self.decided.get(parent)
+            if up is None:
+                continue
+            if up.action != "reuse":
+                upstream.append(parent)
+            elif tags.get(f"dagster/input_data_version/{parent}") not in (None, up.next_version):
+                reasons.append(f"upstream {parent} data version {tags[f'dagster/input_data_version/{parent}']} -> "
+                               f"{up.next_version}")
+        if not self.mlflow.reuse_runs:
+            reasons.append("resources.mlflow.config.reuse_runs is false")
+        return reasons, upstream
+
+    def reusable(self, name: str, meta: dict[str, Any]) -> tuple[str | None, list[str]]:
+        """(MLflow run whose recorded output the next run would reuse, or None; why not) via find_reusable."""
+        run_id = _plain(meta.get("mlflow_run_id"))
+        if not run_id or self.experiment_id is None:
+            return None, ["no MLflow run is recorded for its latest materialization"]
+        try:
+            key = self.client.get_run(run_id).data.tags.get("kiln.reuse_key")
+        except Exception as e:  # deleted run, other tracking store
+            return None, [f"MLflow run {run_id} is not in {self.mlflow.resolved_uri()} ({type(e).__name__})"]
+        if not key:
+            return None, ["its output is never reused (no reuse key)"]
+        said: list[str] = []
+        found = self.mlflow.find_reusable(self.client, self.experiment_id, name, key, said.append, set_aside=False)
+        if found:
+            return found[0], []
+        return None, [m.split(": ", 1)[-1].split(". Recomputing")[0] for m in said] or ["no finished run recorded its output"]
+
+    def estimate(self, name: str, meta: dict[str, Any] | None) -> tuple[float | None, str]:
+        """Seconds of the run that last computed ``name`` (not a reuse), else the training plan's estimate."""
+        if meta is not None:
+            run_id = _plain(meta.get("reused_mlflow_run_id")) or _plain(meta.get("mlflow_run_id"))
+            try:
+                info = self.client.get_run(run_id).info
+                if info.end_time and info.start_time:
+                    return (info.end_time - info.start_time) / 1000, "last run"
+            except Exception:  # no such run: fall through
+                pass
+        if name == "base_model":
+            plan = self.instance.get_latest_materialization_event(_key("training_plan"))
+            hours = _plain(plan.asset_materialization.metadata.get("estimated_hours")) if plan else None
+            if isinstance(hours, (int, float)):
+                return hours * 3600, "training plan"
+        return None, ""
+
+
+@dataclass
+class Attempt:
+    """An unfinished training attempt's run folder, its newest good checkpoint and how far it got."""
+
+    folder: Path
+    step: int  # the newest verified checkpoint's step
+    total: int  # the job's max_steps
+    state: str  # "failed", "killed" or "unfinished" (its MLflow run's status)
+    started: float | None  # its MLflow run's start, seconds since the epoch
+    checkpoint_time: float  # when its newest checkpoint was written
+
+
+def _run_folders(parent: Path) -> list[Path]:
+    return sorted(p for p in parent.iterdir() if p.is_dir() and not p.name.startswith(".")) if parent.is_dir() else []
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _key(name: str):
+    from dagster import AssetKey
+
+    return AssetKey(name)
+
+
+def _plain(v: Any) -> Any:
+    return getattr(v, "value", v)
+
+
+def format_status(rows: list[AssetStatus]) -> str:
+    """A table for people: asset, version, time, action, estimate, then the reasons indented below."""
+    from jobs.console import format_seconds
+
+    lines = [f"{'asset':<21} {'version':<17} {'materialized':<20} {'next run':<10} time"]
+    total = 0.0
+    for r in rows:
+        when = r.materialized_at.replace("T", " ")[:16] if r.materialized_at else "-"
+        est = "-" if r.estimate_s is None else ("" if r.action == "reuse" else "~" + format_seconds(r.estimate_s))
+        total += r.estimate_s or 0.0
+        lines.append(f"{r.asset:<21} {r.version or '-':<17} {when:<20} {r.action:<10} {est}"
+                     + (f" ({r.estimate_from})" if r.estimate_from not in ("", "reuse", "last run") else ""))
+        if r.action != "reuse":
+            lines += [f"    {why}" for why in r.reasons]
+    n = sum(r.action != "reuse" for r in rows)
+    lines.append(f"{n} of {len(rows)} assets would run, about {format_seconds(total)} (from the last runs' durations); "
+                 "one below a change is reused after all when its inputs come out byte-identical"
+                 if n else f"nothing to run: all {len(rows)} assets would be reused")
+    return "\n".join(lines) + "\n"
+
+
+def status_json(rows: list[AssetStatus]) -> str:
+    return json.dumps([asdict(r) for r in rows], indent=2)
