@@ -11,7 +11,8 @@ import torch
 from lm_eval.api.instance import Instance
 
 from kiln.evaluation.adapter import KilnLM, RequestProgress
-from kiln.model.gpt import GPT, GPTConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 
 PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -37,7 +38,7 @@ def test_progress_lines_give_done_of_total_rate_and_time_left():
 
 def test_the_adapter_reports_each_request_type_to_the_last_request():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
     lines: list[str] = []
     lm = KilnLM(model, byte_encoding(), batch_size=2, progress=lines.append)
     reqs = [Instance("loglikelihood", {}, (f"question {i}", f" answer {i % 3}"), 0) for i in range(7)]
