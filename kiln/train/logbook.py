@@ -188,7 +188,49 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def run_folders(path: str | Path) -> list[tuple[str, Path]]:
+    """(stage, run folder) of each training run behind ``path``: a run folder, a checkpoint in one, or a release
+    bundle (its kiln.json names the checkpoint of every stage: base model, then SFT, DPO and RL)."""
+    path = Path(path)
+    if (path / "kiln.json").is_file():
+        info = json.loads((path / "kiln.json").read_text())
+        stages = [("base_model", info.get("training", {}).get("base_model", {}))]
+        stages += [(s.get("stage", "?"), s) for s in info.get("post_training", [])]
+        return [(name, Path(s["checkpoint"]).parent.parent) for name, s in stages if s.get("checkpoint")]
+    if (path / LOGBOOK).is_file():
+        return [(path.name, path)]
+    if (path.parent.parent / LOGBOOK).is_file():  # <run folder>/checkpoints/step_N
+        return [(path.parent.parent.name, path.parent.parent)]
+    raise FileNotFoundError(f"{path}: neither a run folder with {LOGBOOK}, a checkpoint in one, nor a release bundle "
+                            "(kiln.json); give .kiln/storage/<asset>/<run> or .kiln/storage/release_bundle/<version>")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kiln logbook RUN_OR_RELEASE [--json]``: the attempts of each training run behind it, as tables."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="kiln logbook", description=main.__doc__)
+    p.add_argument("run", help="run folder (.kiln/storage/base_model/<key>), checkpoint, or release bundle folder")
+    p.add_argument("--json", action="store_true", help="every attempt's row as JSON")
+    a = p.parse_args(argv)
+    try:
+        folders = run_folders(a.run)
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        raise SystemExit(f"kiln logbook: {e}") from e
+    if a.json:
+        print(json.dumps({name: attempts(folder) for name, folder in folders}, indent=2))
+        return 0
+    for name, folder in folders:
+        rows = attempts(folder)
+        s = summary(rows)
+        print(f"{name} ({folder}): {s['attempts']} attempts, "
+              + ", ".join(f"{s[o]} {o.replace('_', ' ')}" for o in OUTCOMES if s[o])
+              + f"; {s['steps_lost']} steps lost, {s['spikes']} spikes, {s['skipped_batches']} batches skipped\n")
+        print(format_table(rows))
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
-    print(format_table(attempts(Path(sys.argv[1]))), end="")
+    sys.exit(main())

@@ -36,7 +36,7 @@ def test_help_lists_the_commands_with_examples(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: kiln [-h] {run,generate,config,plan,lineage} ...")
+    assert out.startswith("usage: kiln [-h] {run,generate,config,plan,lineage,logbook} ...")
     assert "kiln run --preset smoke --select eval_scores,release_bundle" in out
     assert "kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware" in out
 
