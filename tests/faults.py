@@ -35,7 +35,8 @@ class Faults:
     spike_batch: int = -1  # data batch trained at spike_lr_factor x the learning rate (a poisoned batch)
     spike_lr_factor: float = 1.0
     step_sleep_s: float = 0.0  # sleep after every step: a run slow enough for a test to act while it trains
-    term_at_step: int = -1  # rank 0 sends itself SIGTERM at this step, once (.termed_at_N): a preemption
+    term_at_step: int = -1  # rank term_rank sends itself SIGTERM at this step, once (.termed_at_N): a preemption
+    term_rank: int = 0
 
     def write(self, path: Path) -> Path:
         Path(path).write_text(json.dumps(asdict(self)))
@@ -57,7 +58,7 @@ class FaultInjector(Callback):
         if step in f.kill_at_steps and main and not (out / f".killed_at_{step}").exists():
             (out / f".killed_at_{step}").write_text(str(step))
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == f.term_at_step and main and not (out / f".termed_at_{step}").exists():
+        if step == f.term_at_step and trainer.info.rank == f.term_rank and not (out / f".termed_at_{step}").exists():
             (out / f".termed_at_{step}").write_text(str(step))
             os.kill(os.getpid(), signal.SIGTERM)
         if f.step_sleep_s:
