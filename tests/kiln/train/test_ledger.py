@@ -155,3 +155,10 @@ def test_a_training_run_records_mlflow_system_metrics(tmp_path, pretrain_job) ->
     history = client.get_metric_history(run_id, "system/system_memory_usage_megabytes")
     assert len(history) >= 2 and all(m.value > 0 for m in history)
     assert [m.step for m in history] == list(range(len(history)))  # MLflow's own sample count
+    # a second attempt in the same MLflow run (a torchrun restart; here with a longer run) keeps the first values of
+    # its params (MLflow refuses changed ones) and continues the sample count
+    job.write_text(json.dumps({**json.loads(job.read_text()), "max_steps": 12}))
+    main(["--config", str(job), "--device", "cpu"], reporter=ListReporter(), callbacks=[injector(step_sleep_s=0.3)])
+    assert client.get_run(run_id).data.params["job.max_steps"] == "8"
+    again = client.get_metric_history(run_id, "system/system_memory_usage_megabytes")
+    assert [m.step for m in again] == list(range(len(again))) and len(again) > len(history)
