@@ -170,7 +170,7 @@ class TorchrunResource(ConfigurableResource):
     timeout_s: int = Field(default=6 * 3600, description="Upper bound on the whole launch; the job is killed past it.")
     pg_timeout_s: int = Field(default=600, description="Process-group timeout: a hung collective fails after this.")
     python: str = Field(default="", description="Python interpreter for the workers (default: this one).")
-    launcher: str = Field(default="local", description="'local': torchrun on this machine (one node of a multi-node job); 'slurm': sbatch --wait a script that runs the same torchrun command on every node of an allocation (the run folder must be on storage the nodes share).")
+    launcher: str = Field(default="local", description="'local': torchrun on this machine (one node of a multi-node job); 'slurm': submit (sbatch) and follow (scontrol) a script that runs the same torchrun command on every node of an allocation (the run folder must be on storage the nodes share).")
     slurm_partition: str = Field(default="", description="Slurm partition for launcher 'slurm' (empty: the cluster's default).")
     slurm_account: str = Field(default="", description="Slurm account for launcher 'slurm' (empty: the user's default).")
     slurm_cpus_per_node: int = Field(default=0, description="CPUs to ask for per node with launcher 'slurm' (0: the cluster's default).")

@@ -108,15 +108,20 @@ class SystemMetrics:
         if not (info.is_main and job.mlflow_tracking_uri and job.mlflow_run_id and job.system_metrics_s > 0):
             return
         import logging
-
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        import sys
 
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notes are noise here
-        # resume_logging: a restarted attempt in the same MLflow run continues its sample count
-        self.monitor = SystemMetricsMonitor(job.mlflow_run_id, sampling_interval=job.system_metrics_s,
-                                            samples_before_logging=1, resume_logging=True,
-                                            tracking_uri=job.mlflow_tracking_uri)
-        self.monitor.start()
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            # resume_logging: a restarted attempt in the same MLflow run continues its sample count
+            self.monitor = SystemMetricsMonitor(job.mlflow_run_id, sampling_interval=job.system_metrics_s,
+                                                samples_before_logging=1, resume_logging=True,
+                                                tracking_uri=job.mlflow_tracking_uri)
+            self.monitor.start()
+        except Exception as e:  # psutil missing, tracking unreachable: train on without system metrics
+            self.monitor = None
+            print(f"system metrics are off: {type(e).__name__}: {e} (pip install psutil nvidia-ml-py)", file=sys.stderr)
 
     def stop(self) -> None:
         if self.monitor is not None:
