@@ -124,8 +124,17 @@ class SystemMetrics:
             print(f"system metrics are off: {type(e).__name__}: {e} (pip install psutil nvidia-ml-py)", file=sys.stderr)
 
     def stop(self) -> None:
-        if self.monitor is not None:
-            try:
-                self.monitor.finish()
-            finally:
-                self.monitor = None
+        """Stop the monitor and publish the samples of its last, unfinished interval (MLflow drops them), so a run
+        shorter than one interval still has a sample."""
+        if self.monitor is None:
+            return
+        try:
+            self.monitor.finish()
+            last = self.monitor.aggregate_metrics()
+            if last:
+                self.monitor.publish_metrics(last)
+                self.monitor.mlflow_logger.flush()
+        except Exception:  # a run already ended elsewhere: the samples logged so far stand
+            pass
+        finally:
+            self.monitor = None

@@ -162,3 +162,23 @@ def test_a_training_run_records_mlflow_system_metrics(tmp_path, pretrain_job) ->
     assert client.get_run(run_id).data.params["job.max_steps"] == "8"
     again = client.get_metric_history(run_id, "system/system_memory_usage_megabytes")
     assert [m.step for m in again] == list(range(len(again))) and len(again) > len(history)
+
+
+def test_a_run_shorter_than_one_sampling_interval_still_has_a_system_sample(tmp_path) -> None:
+    import types
+
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from kiln.train.dist import DistInfo
+    from kiln.train.telemetry import SystemMetrics
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("short")).info.run_id
+    job = types.SimpleNamespace(mlflow_tracking_uri=uri, mlflow_run_id=run_id, system_metrics_s=30.0)
+    SystemMetrics(job, DistInfo(0, 0, 1, torch.device("cpu"))).stop()  # stopped long before the first interval ends
+    [sample] = client.get_metric_history(run_id, "system/system_memory_usage_megabytes")
+    assert sample.step == 0 and sample.value > 0
+    off = SystemMetrics(types.SimpleNamespace(**{**vars(job), "system_metrics_s": 0.0}), DistInfo(0, 0, 1, torch.device("cpu")))
+    assert off.monitor is None
