@@ -87,7 +87,20 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
             "device_memory_gb": plan["device_memory_gb"], "estimated_flops": plan["total_flops"],
             "peak_tflops_per_device": plan["peak_tflops"],
             "estimated_hours": float(f"{plan['est_hours']:.4g}"), "model": MetadataValue.json(plan["model"]),
+            **plan_cost_metadata(plan),
         }, version=stable_hash(plan)[:16])
+
+
+def plan_cost_metadata(plan: dict) -> dict:
+    """Planned device-hours, energy and money (conf/cost.yaml) and the distance from Chinchilla's compute-optimal size."""
+    from kiln.plan import compute_optimal, load_cost, planned_costs
+
+    cost = planned_costs(plan, load_cost(plan["hardware"]["device"]))
+    opt = compute_optimal(plan["params"], plan["total_tokens"])
+    return {"planned_device_hours": cost["device_hours"], "planned_energy_kwh_estimate": cost["energy_kwh"],
+            f"planned_cost_{cost['currency'].lower()}": cost["cost"], "compute_optimal_params": opt["optimal_params"],
+            "compute_optimal_tokens": opt["optimal_tokens"], "params_vs_compute_optimal": round(opt["params_ratio"], 3),
+            "tokens_vs_compute_optimal": round(opt["tokens_ratio"], 3)}
 
 
 PRETRAIN_FIELDS = ("eval_interval", "eval_batches", "ckpt_interval", "keep_last", "keep_every", "async_save",

@@ -32,6 +32,7 @@ what the next run would redo and why. Examples:
   kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
   kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
   kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
+  kiln logbook RUN_OR_RELEASE                 every attempt of a training run (or each stage of a release), how it ended
 """
 
 
@@ -330,7 +331,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from assets.training import TrainingPlanConfig
     from kiln.common.config import ConfigError
-    from kiln.plan import PlanError, describe_plan
+    from kiln.plan import PlanError, describe_costs, describe_plan, load_cost
 
     ops = load_preset(args.preset).get("ops") or {}
     conf = dict((ops.get("training_plan") or {}).get("config") or {})
@@ -339,7 +340,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"kiln: preset {args.preset}: unknown training_plan.config key(s) {sorted(unknown)}")
     n_vocab = args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
     try:  # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.plan_from_config
-        plan, *_ = TrainingPlanConfig(**conf).plan(n_vocab)
+        plan, _, _, hw = TrainingPlanConfig(**conf).plan(n_vocab)
     except ValidationError as e:
         bad = e.errors()[0]
         print(f"kiln: preset {args.preset}: training_plan.{'.'.join(map(str, bad['loc']))}: {bad['msg']}", file=sys.stderr)
@@ -348,6 +349,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"kiln: preset {args.preset}: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else describe_plan(plan), end="\n" if args.json else "")
+    if not args.json:  # device-hours, energy and money at conf/cost.yaml's prices; the compute-optimal size
+        print(describe_costs(plan, load_cost(hw.device)), end="")
     return 0
 
 
@@ -382,6 +385,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"kiln status: the next `kiln run --preset {args.preset}` in {home}")
         print(format_status(rows), end="")
     return 0
+
+
+def cmd_logbook(args: argparse.Namespace) -> int:
+    from kiln.train.logbook import main as logbook_main
+
+    return logbook_main([args.run] + (["--json"] if args.json else []))
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -429,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     lin.add_argument("--full", action="store_true", help="show every list item (the tree shows 12 per section)")
     lin.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
     lin.set_defaults(fn=cmd_lineage)
+    lb = sub.add_parser("logbook", help="every attempt of a training run or of each stage of a release: how each ended")
+    lb.add_argument("run", help="run folder (.kiln/storage/base_model/<key>), checkpoint, or release bundle folder")
+    lb.add_argument("--json", action="store_true", help="every attempt's row as JSON")
+    lb.set_defaults(fn=cmd_logbook)
     args = parser.parse_args(argv)
     if getattr(args, "prompt", "x") is None:
         args.prompt = ["The"]

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 from kiln.common.files import process_alive
 from kiln.train.entry import entry_point
+from kiln.train.preempt import exit_code
 
 
 class PipesReporter:
@@ -93,9 +94,12 @@ def main(argv: list[str], callbacks: Iterable = ()) -> None:
 
         with open_dagster_pipes() as pipes:
             summary = run_job(argv, PipesReporter(pipes), callbacks)
-            pipes.report_custom_message({"final_val_loss": summary.get("final_val_loss"), "steps": summary.get("steps")})
+            pipes.report_custom_message({"final_val_loss": summary.get("final_val_loss"), "steps": summary.get("steps"),
+                                         "outcome": summary.get("outcome")})
     else:
-        run_job(argv, None, callbacks)
+        summary = run_job(argv, None, callbacks)
+    if exit_code(summary):  # preempted: a checkpoint of the last step is saved; the launcher reads result.json
+        sys.exit(exit_code(summary))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,6 +28,7 @@ from dagster import (
     PipesFileMessageReader,
     PipesTempFileContextInjector,
     PipesTempFileMessageReader,
+    RetryRequested,
     open_pipes_session,
 )
 from pydantic import Field
@@ -34,13 +36,32 @@ from pydantic import Field
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.train.launch import RunSpec
+from kiln.train.preempt import TORCHELASTIC_SIGNALS
 from resources.pipes_worker import LAUNCHER_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORKER_MODULE = "resources.pipes_worker"  # what every torchrun worker runs (tests swap in tests.faults)
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
 RDZV_PORT = 29500
+# a deleted or evicted pod's SIGTERM-to-SIGKILL time: torchrun passes SIGTERM on and gives its workers 30 s to save
+K8S_GRACE_S = 60
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+              "DEADLINE")  # terminal JobState values (scontrol show job)
+
+
+class Preempted(RetryRequested):
+    """The job was preempted (a stop signal) and saved its last step: not a failure. Dagster puts the step up for
+    retry, and the retry resumes from that checkpoint; resources.tracking ends the MLflow run as KILLED."""
+
+    def __init__(self, message: str, max_retries: int, seconds_to_wait: float):
+        super().__init__(max_retries=max_retries, seconds_to_wait=seconds_to_wait)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 CONFIG_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(ConfigError|PlanError)\b")  # kiln's config errors, as a worker prints them
@@ -149,10 +170,14 @@ class TorchrunResource(ConfigurableResource):
     timeout_s: int = Field(default=6 * 3600, description="Upper bound on the whole launch; the job is killed past it.")
     pg_timeout_s: int = Field(default=600, description="Process-group timeout: a hung collective fails after this.")
     python: str = Field(default="", description="Python interpreter for the workers (default: this one).")
-    launcher: str = Field(default="local", description="'local': torchrun on this machine (one node of a multi-node job); 'slurm': sbatch --wait a script that runs the same torchrun command on every node of an allocation (the run folder must be on storage the nodes share).")
+    launcher: str = Field(default="local", description="'local': torchrun on this machine (one node of a multi-node job); 'slurm': submit (sbatch) and follow (scontrol) a script that runs the same torchrun command on every node of an allocation (the run folder must be on storage the nodes share).")
     slurm_partition: str = Field(default="", description="Slurm partition for launcher 'slurm' (empty: the cluster's default).")
     slurm_account: str = Field(default="", description="Slurm account for launcher 'slurm' (empty: the user's default).")
     slurm_cpus_per_node: int = Field(default=0, description="CPUs to ask for per node with launcher 'slurm' (0: the cluster's default).")
+    slurm_signal_s: int = Field(default=120, description="Slurm sends SIGUSR1 this many seconds before the job's time limit (sbatch --signal): the workers save and stop as if preempted.")
+    slurm_poll_s: float = Field(default=2.0, description="Seconds between looks at a Slurm job's state (scontrol show job).")
+    preempt_retries: int = Field(default=3, description="A preempted launch (stop signal, checkpoint saved) is retried this many times, each resuming from that checkpoint.")
+    preempt_retry_wait_s: float = Field(default=10.0, description="Seconds before the retry of a preempted launch.")
 
     # -- the command
 
@@ -192,6 +217,7 @@ class TorchrunResource(ConfigurableResource):
         hours, rem = divmod(self.timeout_s, 3600)
         lines = ["#!/bin/bash", f"#SBATCH --job-name=kiln-{run_id}", f"#SBATCH --nodes={self.nnodes}",
                  "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={hours:02d}:{rem // 60:02d}:{rem % 60:02d}",
+                 f"#SBATCH --signal=USR1@{self.slurm_signal_s}",  # before the time limit: save and stop (kiln.train.preempt)
                  f"#SBATCH --output={output or Path(job_path).parent / 'slurm-%j.log'}"]
         if device == "cuda":
             lines.append(f"#SBATCH --gpus-per-node={nproc_per_node}")
@@ -209,6 +235,7 @@ class TorchrunResource(ConfigurableResource):
             f"cd {shlex.quote(project_dir)}",
             'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             f"export OMP_NUM_THREADS={threads}",
+            f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHELASTIC_SIGNALS}  # torchrun passes SIGUSR1 on to its workers",
             f"export PYTHONPATH={shlex.quote(project_dir)}${{PYTHONPATH:+:$PYTHONPATH}}",
             "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " + _sh(cmd),
         ]
@@ -252,6 +279,7 @@ class TorchrunResource(ConfigurableResource):
             "activeDeadlineSeconds": self.timeout_s,
             "template": {"metadata": {"labels": {"kiln/run": name}}, "spec": {
                 "subdomain": name, "restartPolicy": "Never", "containers": [container],
+                "terminationGracePeriodSeconds": K8S_GRACE_S,
                 "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}},
                             {"name": "shm", "emptyDir": {"medium": "Memory"}}]}}}}
         return [service, job]
@@ -263,7 +291,7 @@ class TorchrunResource(ConfigurableResource):
         limits: dict[str, Any] = {"cpu": str(cpus), "memory": f"{memory_gb}Gi"}
         if device == "cuda":
             limits["nvidia.com/gpu"] = nproc_per_node
-        return {"restartPolicy": "Never", "containers": [{
+        return {"restartPolicy": "Never", "terminationGracePeriodSeconds": K8S_GRACE_S, "containers": [{
                     "name": "dagster-pipes-execution", "workingDir": workdir,
                     "env": [{"name": "PYTHONPATH", "value": workdir},
                             {"name": "OMP_NUM_THREADS", "value": str(max(1, cpus // nproc_per_node))}],
@@ -282,11 +310,14 @@ class TorchrunResource(ConfigurableResource):
         job_path = out / "job.json"
         atomic_write_json(job_path, job)
         (out / "result.json").unlink(missing_ok=True)
+        (out / "slurm_job_id").unlink(missing_ok=True)
         log_path = out / "train.log"
         cmd, injector, reader, own_log = self._plan_launch(context, out, job_path, nproc_per_node, device)
         context.log.info("launching: " + " ".join(cmd))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node))),
+               "KILN_LAUNCH_ID": uuid.uuid4().hex[:12],  # one launch in the run's logbook (kiln.train.logbook)
+               "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHELASTIC_SIGNALS}
         start = time.time()
         with open_pipes_session(context=context, context_injector=injector, message_reader=reader) as session:
             env.update(session.get_bootstrap_env_vars())
@@ -294,9 +325,16 @@ class TorchrunResource(ConfigurableResource):
                 env[LAUNCHER_ENV] = str(os.getpid())
             else:  # the workers run on other machines, where this pid means nothing
                 env.pop(LAUNCHER_ENV, None)
-            rc, timed_out, tail = self._run(cmd, env, own_log)
+            if self.launcher == "slurm":
+                rc, timed_out, tail = self._run_slurm(context, cmd, env, own_log)
+            else:
+                rc, timed_out, tail = self._run(cmd, env, own_log)
+        slurm_ids = [m.group(1) for ln in tail[:1] if (m := re.search(r"Submitted batch job (\d+)", ln))]
+        if slurm_ids:
+            atomic_write_text(out / "slurm_job_id", slurm_ids[0])  # read back by TrainingLaunch for the metadata
         if own_log != log_path and log_path.exists():  # the job's own output, written on the cluster
             tail = log_path.read_text(errors="replace").splitlines(keepends=True)[-400:]
+        self._raise_if_preempted(out, time.time() - start)
         if timed_out:
             raise Failure(f"training exceeded torchrun.timeout_s={self.timeout_s}s and was killed; "
                           f"see {log_path}. Rematerialize to resume from the last checkpoint.")
@@ -323,7 +361,7 @@ class TorchrunResource(ConfigurableResource):
             # the workers run on other machines: Pipes goes through files in the (shared) run folder
             pipes = out / ".pipes"
             pipes.mkdir(exist_ok=True)
-            return (["sbatch", "--wait", str(script)], PipesFileContextInjector(str(pipes / "context.json")),
+            return (["sbatch", "--parsable", str(script)], PipesFileContextInjector(str(pipes / "context.json")),
                     PipesFileMessageReader(str(pipes / "messages.jsonl")), out / "sbatch.log")
         if self.launcher == "local":
             check_local_devices(device, nproc_per_node)
@@ -331,6 +369,51 @@ class TorchrunResource(ConfigurableResource):
                     PipesTempFileMessageReader(), out / "train.log")
         raise Failure(f"torchrun.launcher must be 'local' or 'slurm', not {self.launcher!r} "
                       "(for Kubernetes see deploy/README.md)")
+
+    def _raise_if_preempted(self, out: Path, seconds: float) -> None:
+        """Raise Preempted when the workers stopped on a stop signal with their last step saved (result.json says
+        so, whatever torchrun's or Slurm's exit code)."""
+        path = out / "result.json"
+        result = json.loads(path.read_text()) if path.exists() else {}
+        if result.get("outcome") != "preempted":
+            return
+        p = result.get("preemption") or {}
+        raise Preempted(f"preempted by {p.get('signal') or 'a stop signal'} after {seconds:.0f}s: step {p.get('saved_step')} "
+                        f"saved in {p.get('save_s')}s; the retry resumes from it ({out / 'logbook.jsonl'})",
+                        self.preempt_retries, self.preempt_retry_wait_s)
+
+    def _run_slurm(self, context, cmd: list[str], env: dict[str, str], own_log: Path) -> tuple[int, bool, list[str]]:
+        """Submit the sbatch script and follow the job to its end through ``scontrol show job``, each state change in
+        the Dagster log; (exit code, whether it timed out, sbatch's lines). Stopping the Dagster step scancels it."""
+        sub = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=120)
+        with open(own_log, "a", encoding="utf-8") as log:
+            log.write(sub.stdout + sub.stderr)
+        if sub.returncode != 0:
+            raise Failure(f"sbatch exited with code {sub.returncode}: {sub.stderr.strip() or sub.stdout.strip()}; "
+                          f"is Slurm reachable (SLURM_CONF, sinfo)? Script: {cmd[-1]}")
+        found = re.search(r"(\d+)", sub.stdout)  # --parsable prints "<id>" or "<id>;<cluster>"
+        if not found:
+            raise Failure(f"sbatch printed no job id: {sub.stdout.strip()!r}; see {own_log}")
+        job_id = found.group(1)
+        context.log.info(f"Slurm job {job_id} submitted ({cmd[-1]})")
+        lines = [f"Submitted batch job {job_id}\n"]
+        deadline, state, info = time.time() + self.timeout_s, None, {}
+        try:
+            while state not in SLURM_DONE:
+                if time.time() > deadline:
+                    self._cancel(lines)
+                    return 1, True, lines
+                time.sleep(self.slurm_poll_s if state else 0.2)
+                info = slurm_job(job_id, env) or info
+                if info.get("JobState") != state:
+                    state = info.get("JobState")
+                    context.log.info(f"Slurm job {job_id}: {state} on {info.get('NodeList') or '-'} "
+                                     f"(reason {info.get('Reason', '-')}, run time {info.get('RunTime', '-')})")
+        except BaseException:  # the Dagster run was stopped: the job stops too (its workers save first)
+            self._cancel(lines)
+            raise
+        code, _, sig = info.get("ExitCode", "1:0").partition(":")
+        return (int(code) or (128 + int(sig or 0) if state != "COMPLETED" else 0)), False, lines
 
     def _run(self, cmd: list[str], env: dict[str, str], own_log: Path) -> tuple[int, bool, list[str]]:
         """Run ``cmd``, appending its output to ``own_log``; (exit code, whether it timed out, its last lines)."""
@@ -390,6 +473,16 @@ class TorchrunResource(ConfigurableResource):
             subprocess.run(["scancel", ids[0]], check=False, capture_output=True, timeout=60)
 
 
+def slurm_job(job_id: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``scontrol show job -o ID`` as {field: value} (JobState, ExitCode, NodeList, Reason, RunTime, ...); {} when
+    Slurm no longer knows the job."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=60,
+                         env=env)
+    if out.returncode != 0:
+        return {}
+    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", out.stdout))
+
+
 class TrainingLaunch:
     """One training job inside its asset's MLflow run (made by ``TorchrunResource.training_run``)."""
 
@@ -399,12 +492,40 @@ class TrainingLaunch:
         self.result: dict[str, Any] = {}
 
     def launch(self) -> dict[str, Any]:
-        """Write the job file, run it to the end, tag the MLflow run with its checkpoint; return result.json."""
+        """Write the job file, run it to the end, tag the MLflow run with its checkpoint; return result.json with the
+        run's logbook, its cost and energy ledger, the Slurm job id and the peaks of the system metrics added. The
+        logbook reaches MLflow however the launch ends (completed, preempted, failed)."""
         hardware = self.spec.plan["hardware"]
         job = self.spec.job(self.out_dir, self.run.tracking_uri, self.run.run_id)
-        self.result = self.torchrun.launch(self.context, job, hardware["nproc_per_node"], hardware["device"])
+        try:
+            self.result = self.torchrun.launch(self.context, job, hardware["nproc_per_node"], hardware["device"])
+        finally:
+            operations = self.operations(hardware["device"])
+        self.result.update(operations)
         self.run.set_tags({"checkpoint": self.result["checkpoint"]})
         return self.result
+
+    def operations(self, device: str) -> dict[str, Any]:
+        """The run's logbook rows, ledger, Slurm job id and system-metric peaks; the logbook table and ledger go
+        to the MLflow run (an artifact and ``cost.*`` metrics), the outcome to its ``kiln.outcome`` tag."""
+        from kiln.plan import load_cost
+        from kiln.train.ledger import run_ledger
+        from kiln.train.logbook import attempts, format_table
+
+        rows = attempts(self.out_dir)
+        ledger = run_ledger(rows, self.spec.plan, load_cost(device if device in ("cpu", "cuda") else "cpu"))
+        job_file = self.out_dir / "slurm_job_id"
+        ops = {"logbook": rows, "ledger": ledger, "system_metrics_peaks": self.run.system_peaks(),
+               "slurm_job_id": job_file.read_text().strip() if job_file.exists() else None}
+        try:
+            self.run.log_text(format_table(rows), "logbook.md")
+            self.run.log_metrics({f"cost.{k}": v for k, v in ledger.items() if isinstance(v, (int, float))
+                                  and not isinstance(v, bool)})
+            self.run.set_tags({"kiln.outcome": rows[-1]["outcome"] if rows else "not started",
+                               **({"slurm.job_id": ops["slurm_job_id"]} if ops["slurm_job_id"] else {})})
+        except Exception as e:  # tracking trouble must not hide how the launch itself ended
+            self.context.log.warning(f"could not record the logbook in MLflow: {e}")
+        return ops
 
     def value(self, **extra: Any) -> dict[str, Any]:
         """The asset's value: result.json, the run folder, the data version (the final weights' identity)."""
@@ -412,5 +533,33 @@ class TrainingLaunch:
         return {**self.result, "out_dir": str(self.out_dir), "version": version, "mlflow_run_id": self.run.run_id, **extra}
 
     def output(self, metadata: dict[str, Any], **extra: Any):
+        """The Output, its metadata followed by the run's operations: logbook, cost and energy, system-metric peaks."""
         value = self.value(**extra)
-        return self.run.output(value, value["version"], metadata)
+        return self.run.output(value, value["version"], {**metadata, **operations_metadata(value)})
+
+
+def operations_metadata(result: dict[str, Any]) -> dict[str, Any]:
+    """Dagster metadata of a training run's operations (kiln.train.logbook, kiln.train.ledger, MLflow system metrics)."""
+    from dagster import MetadataValue
+
+    from kiln.train.ledger import ledger_table
+    from kiln.train.logbook import format_table
+
+    def md(rows: list[dict[str, Any]]) -> MetadataValue:
+        cols = list(rows[0]) if rows else []
+        fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+        return MetadataValue.md("\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                                          + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows])
+                                if rows else "_none_")
+
+    ledger = result.get("ledger") or {}
+    meta: dict[str, Any] = {"logbook": MetadataValue.md(format_table(result.get("logbook") or []))}
+    if ledger:
+        meta.update({"cost_and_energy": md(ledger_table(ledger)), "device_hours": ledger["device_hours"],
+                     "energy_kwh": ledger["energy_kwh"], "energy_basis": ledger["energy_basis"],
+                     f"cost_{ledger['currency'].lower()}": ledger["cost"]})
+    peaks = result.get("system_metrics_peaks") or {}
+    meta["system_metrics_peaks"] = md([{"metric": k, "peak": v} for k, v in sorted(peaks.items())])
+    if result.get("slurm_job_id"):
+        meta["slurm_job_id"] = result["slurm_job_id"]
+    return meta

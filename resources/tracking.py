@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, RetryRequested
 from pydantic import Field
 
 from kiln.common.files import stable_hash
@@ -139,6 +139,10 @@ class MlflowResource(ConfigurableResource):
         try:
             yield handle
             status = "FINISHED"
+        except RetryRequested:  # preempted (resources.torchrun.Preempted): stopped with its work saved, not failed
+            status = "KILLED"
+            handle.logger.set_tags({"kiln.outcome": "preempted"})
+            raise
         finally:
             handle.logger.flush()
             client.set_terminated(run.info.run_id, status)
@@ -255,3 +259,13 @@ class AssetRun:
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.logger.set_tags(tags)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def system_peaks(self) -> dict[str, float]:
+        """{metric: highest value} of the run's MLflow system metrics (``system/*``: CPU, memory, GPU utilisation,
+        memory, temperature, power), {} when none were logged."""
+        keys = [k for k in self.client.get_run(self.run_id).data.metrics if k.startswith("system/")]
+        return {k.removeprefix("system/"): max(m.value for m in self.client.get_metric_history(self.run_id, k))
+                for k in keys}

@@ -1,6 +1,7 @@
 """Test-only fault injection for training jobs: crash once at a step, SIGKILL rank 0 at steps (once each), pause
-inside checkpoint writes, train one data batch at a multiplied learning rate, slow every step down; and for the
-clean step on Ray, a document rule that kills its worker process once (``KillWorkerOnce``).
+inside checkpoint writes, train one data batch at a multiplied learning rate, slow every step down, send SIGTERM
+(a preemption) at a step; and for the clean step on Ray, a document rule that kills its worker process once
+(``KillWorkerOnce``).
 
 One process:   python tests/faults.py --faults F.json --config job.json --device cpu
 Under torchrun: python -m torch.distributed.run --nproc_per_node=2 -m tests.faults --faults F.json --config job.json
@@ -36,6 +37,8 @@ class Faults:
     spike_batch: int = -1  # data batch trained at spike_lr_factor x the learning rate (a poisoned batch)
     spike_lr_factor: float = 1.0
     step_sleep_s: float = 0.0  # sleep after every step: a run slow enough for a test to act while it trains
+    term_at_step: int = -1  # rank term_rank sends itself SIGTERM at this step, once (.termed_at_N): a preemption
+    term_rank: int = 0
 
     def write(self, path: Path) -> Path:
         Path(path).write_text(json.dumps(asdict(self)))
@@ -57,6 +60,9 @@ class FaultInjector(Callback):
         if step in f.kill_at_steps and main and not (out / f".killed_at_{step}").exists():
             (out / f".killed_at_{step}").write_text(str(step))
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == f.term_at_step and trainer.info.rank == f.term_rank and not (out / f".termed_at_{step}").exists():
+            (out / f".termed_at_{step}").write_text(str(step))
+            os.kill(os.getpid(), signal.SIGTERM)
         if f.step_sleep_s:
             time.sleep(f.step_sleep_s)
 

@@ -35,7 +35,10 @@ class MetricLogger:
     def log_params(self, params: dict[str, Any]) -> None:
         if self.client is None:
             return
-        items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        # a restarted attempt logs into the same run: MLflow refuses a changed value (a re-measured CPU peak), so
+        # the first attempt's values stand and the logbook records what changed
+        logged = self.client.get_run(self.run_id).data.params
+        items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items() if k not in logged]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 

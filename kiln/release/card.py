@@ -245,6 +245,52 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+TRAINING_STAGES = (("base", "base_model"), ("sft", "sft_model"), ("dpo", "dpo_model"), ("rl", "rl_model"))
+
+
+def logbook_summary(up: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per training stage from its logbook (kiln.train.logbook): attempts, how they ended, steps lost,
+    spikes, skipped batches; then its ledger (kiln.train.ledger): device-hours, energy and cost. A stage whose
+    output was recorded before logbooks existed is left out."""
+    from kiln.train.logbook import OUTCOMES, summary
+
+    rows = []
+    for stage, asset in TRAINING_STAGES:
+        out = up.get(asset) or {}
+        if "logbook" not in out:
+            continue
+        s, led = summary(out["logbook"]), out.get("ledger") or {}
+        rows.append({"stage": stage, "attempts": s["attempts"],
+                     "ended": ", ".join(f"{s[o]} {o.replace('_', ' ')}" for o in OUTCOMES if s[o]),
+                     "steps lost": s["steps_lost"], "spikes": s["spikes"], "skipped batches": s["skipped_batches"],
+                     "device-hours": led.get("device_hours", 0.0), "energy kWh": led.get("energy_kwh", 0.0),
+                     f"cost {led.get('currency', '')}".strip(): led.get("cost", 0.0),
+                     "energy basis": led.get("energy_basis", "")})
+    return rows
+
+
+def _operations(up: Mapping[str, dict[str, Any]]) -> str:
+    """The card's record of how training went (every attempt) and what it cost, for the whole chain."""
+    rows = logbook_summary(up)
+    if not rows:
+        return ""
+    cost_key = next(k for k in rows[0] if k.startswith("cost"))
+    total = {k: sum(r[k] for r in rows) for k in ("device-hours", "energy kWh", cost_key)}
+    led = (up.get("base_model") or {}).get("ledger") or {}
+    planned = (f" The plan estimated {led['planned_device_hours']:.4g} device-hours ({led['planned_energy_kwh']:.4g} kWh, "
+               f"{led['planned_cost']:.4g} {led['currency']}) for the base model." if "planned_device_hours" in led else "")
+    estimated = any("estimate" in r["energy basis"] for r in rows)
+    return f"""## Training operations, cost and energy
+Every attempt of every training stage is in its run logbook (`kiln logbook <this folder>`): how each ended, steps lost,
+loss spikes and the batches skipped after them. Device-hours count each attempt's wall time on all its devices
+(work redone after a failure included); money is at {led.get('price_per_device_hour', 0):g} {led.get('currency', '')} per device-hour.
+
+{table(rows)}
+Whole chain: {total['device-hours']:.4g} device-hours, {total['energy kWh']:.4g} kWh{' (partly or wholly estimated)' if estimated else ' (measured)'}, {total[cost_key]:.4g} {led.get('currency', '')}.{planned}
+
+"""
+
+
 def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages: list[dict],
                settings: list[dict[str, Any]] | None = None, figures: Mapping[str, bytes] | None = None) -> str:
     """README.md of a release: model, training data lineage, training, evaluation, post-training, settings, limits.
@@ -262,6 +308,7 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
         _training(up["training_plan"], up["base_model"], up["tokenizer"], figures),
         _evaluation(up["eval_scores"], figures),
         _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages),
+        _operations(up),
         _settings(settings) if settings is not None else "",
         _limits(up["raw_documents"]),
     ])

@@ -3,5 +3,6 @@
 import sys
 
 from kiln.train.entry import main
+from kiln.train.preempt import exit_code
 
-main(sys.argv[1:])
+sys.exit(exit_code(main(sys.argv[1:])))  # PREEMPTED_EXIT after a stop signal

@@ -56,4 +56,6 @@ def main(argv: list[str] | None = None, reporter=None, callbacks: Iterable = ())
 
 
 if __name__ == "__main__":
-    main()
+    from kiln.train.preempt import exit_code
+
+    sys.exit(exit_code(main()))

@@ -37,6 +37,8 @@ class TrainJob:
     seed: int = 1337  # seeds init, data order and dropout
     mlflow_tracking_uri: str = ""  # where rank 0 streams metrics
     mlflow_run_id: str = ""  # the MLflow run that receives them
+    preempt_grace_s: float = 30.0  # seconds a stop signal leaves to save (Slurm's KillWait, Kubernetes' grace period)
+    system_metrics_s: float = 10.0  # seconds between MLflow system-metric samples on rank 0 (CPU, memory, GPU; 0: off)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0: GPU table, or a matmul measured on CPU; <0: no MFU
 
 

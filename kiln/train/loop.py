@@ -42,4 +42,6 @@ def main(argv: list[str] | None = None, reporter: Reporter | None = None, callba
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from kiln.train.preempt import exit_code
+
+    sys.exit(exit_code(main(sys.argv[1:])))

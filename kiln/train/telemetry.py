@@ -96,3 +96,45 @@ def checkpoint_table(root: Path) -> list[dict[str, Any]]:
         rows.append({"step": meta["step"], "path": str(p), "val_loss": meta.get("val_loss"), "format": meta.get("format"),
                      "bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file())})
     return rows
+
+
+class SystemMetrics:
+    """MLflow's own system-metrics logging (``mlflow.system_metrics``: CPU, memory, disk, network through psutil;
+    GPU utilisation, memory, temperature and power through NVML on CUDA) into the job's MLflow run, from rank 0,
+    every ``job.system_metrics_s`` seconds, as ``system/*`` metrics. A no-op without a run or with the interval 0."""
+
+    def __init__(self, job, info: DistInfo):
+        self.monitor = None
+        if not (info.is_main and job.mlflow_tracking_uri and job.mlflow_run_id and job.system_metrics_s > 0):
+            return
+        import logging
+        import sys
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notes are noise here
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            # resume_logging: a restarted attempt in the same MLflow run continues its sample count
+            self.monitor = SystemMetricsMonitor(job.mlflow_run_id, sampling_interval=job.system_metrics_s,
+                                                samples_before_logging=1, resume_logging=True,
+                                                tracking_uri=job.mlflow_tracking_uri)
+            self.monitor.start()
+        except Exception as e:  # psutil missing, tracking unreachable: train on without system metrics
+            self.monitor = None
+            print(f"system metrics are off: {type(e).__name__}: {e} (pip install psutil nvidia-ml-py)", file=sys.stderr)
+
+    def stop(self) -> None:
+        """Stop the monitor and publish the samples of its last, unfinished interval (MLflow drops them), so a run
+        shorter than one interval still has a sample."""
+        if self.monitor is None:
+            return
+        try:
+            self.monitor.finish()
+            last = self.monitor.aggregate_metrics()
+            if last:
+                self.monitor.publish_metrics(last)
+                self.monitor.mlflow_logger.flush()
+        except Exception:  # a run already ended elsewhere: the samples logged so far stand
+            pass
+        finally:
+            self.monitor = None

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import shutil
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,9 +31,12 @@ from kiln.train.checkpoint import (Checkpointer, CheckpointError, list_checkpoin
 from kiln.train.dist import DistInfo, all_gather, all_mean, rank_digests
 from kiln.train.goodput import GoodputLedger, summarize
 from kiln.train.job import TrainJob
+from kiln.train.ledger import EnergyMeter
+from kiln.train.logbook import Logbook
 from kiln.train.optim import OptimConfig, make_optimizer, make_scheduler
+from kiln.train.preempt import PreemptionWatch
 from kiln.train.spikes import SpikeConfig, SpikeDetector, SpikeError
-from kiln.train.telemetry import (Reporter, checkpoint_table, make_logger, peak_memory_gb, resident_gb,
+from kiln.train.telemetry import (Reporter, SystemMetrics, checkpoint_table, make_logger, peak_memory_gb, resident_gb,
                                   resolve_peak_flops)
 
 MAX_SKIPPED_IN_A_ROW = 10  # spiking updates dropped back to back (no checkpoint yet) before the run gives up
@@ -181,6 +186,11 @@ class Trainer:
         self.run, self.events, self.resumed_from = RunState(), [], None  # events: rollbacks, kept across restarts
         self.session_steps, self.tokens_s, self.mfus, self.grad_spikes, self.skipped_in_a_row = 0, [], [], 0, 0
         self.last_stats: dict[str, float] = {}
+        self.preempt, self.stop_agreed, self.saved_step = PreemptionWatch(), False, -1
+        self.logbook = Logbook(self.out, info.is_main)  # one record per attempt: how it started, how it ended
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.energy = EnergyMeter(info.device.type, local) if info.is_main else EnergyMeter("none")
+        self.nodes, self.energy_mark = max(1, info.world_size // local), 0.0
         self.latest = self.ckpt.latest()
         self.build()
 
@@ -225,7 +235,23 @@ class Trainer:
     # -- the run
 
     def fit(self) -> dict[str, Any]:
-        """Train to max_steps from wherever the run folder says the run is; return the summary (also result.json)."""
+        """Train to max_steps from wherever the run folder says the run is; return the summary (also result.json).
+        A stop signal (kiln.train.preempt) ends it early, after a step, with a checkpoint of that step saved."""
+        self.preempt.install()
+        system = SystemMetrics(self.job, self.info)
+        try:
+            return self._fit()
+        except Exception as e:
+            self.end_attempt("crashed", self.run.step, error=f"{type(e).__name__}: {e}")
+            raise
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: stopped from outside without a save
+            self.end_attempt("killed", self.run.step, error=type(e).__name__)
+            raise
+        finally:
+            system.stop()
+            self.preempt.restore()
+
+    def _fit(self) -> dict[str, Any]:
         self.start()
         t_start = time.time()
         self.ledger.ready(self.run.step, self.run.lineage_s)
@@ -252,6 +278,8 @@ class Trainer:
                 self.grad_spike(norm, verdict[1])
             self.optimizer_step(batch)
             self.end_step(train, norm, time.perf_counter() - t0)
+            if self.stop_agreed if self.info.world_size > 1 else self.preempt.requested:
+                return self.preempted(t_start)
         return self.finish(t_start)
 
     def start(self) -> None:
@@ -275,6 +303,29 @@ class Trainer:
         line = self.stage.describe(self)
         if line:
             self.say(line)
+        from kiln.common.files import process_start_time
+
+        self.begin_attempt("resume" if self.latest is not None else "fresh", process_start_time())
+
+    def env_config(self) -> dict[str, Any]:
+        """What the logbook compares between attempts beside the job: where and on what this attempt runs."""
+        return {"world_size": self.info.world_size, "device": self.info.device.type, "parallelism": self.strategy,
+                "torch": torch.__version__, "host": socket.gethostname()}
+
+    def begin_attempt(self, how: str, t: float | None = None) -> None:
+        self.energy_mark = self.energy.joules() or 0.0
+        self.logbook.begin(self.run.step, how, self.job_params(), self.env_config(), self.ledger.session,
+                           str(self.latest) if how == "resume" else None, t)
+
+    def end_attempt(self, outcome: str, step: int, **fields: Any) -> None:
+        """Close this attempt in the logbook, with the energy its devices used where NVML counts it."""
+        if self.logbook.attempt is None:  # failed before the attempt began (a bad config, no data)
+            return
+        joules = self.energy.joules()
+        if joules is not None:
+            fields["energy_j"] = (joules - self.energy_mark) * self.nodes  # rank 0's node, scaled to every node
+        self.logbook.end(outcome, step, **fields)
+        self.logbook.attempt = None
 
     def train_step(self, index: int) -> tuple[dict[str, float], float]:
         """Forward and backward every micro-batch of data batch ``index``; return the step's training measures
@@ -283,7 +334,11 @@ class Trainer:
                                            self.job.grad_accum, self.info.device)
         self.run.data_batches += 1
         norm = clip_grad_norm(self.model, self.opt_cfg.grad_clip)
-        train = all_mean({"train_loss": loss}, self.info)
+        values = {"train_loss": loss}
+        if self.info.world_size > 1:  # a stop signal on any rank rides on the loss all-reduce: all stop together
+            values["stop_signal"] = float(self.preempt.requested)
+        train = all_mean(values, self.info)
+        self.stop_agreed = train.pop("stop_signal", 0.0) > 0
         return {**train, **(all_mean(stats, self.info) if stats else {})}, norm
 
     def optimizer_step(self, batch: int) -> None:
@@ -353,6 +408,7 @@ class Trainer:
         """A gradient-norm spike: clipped, reported, trained on."""
         self.grad_spikes += 1
         self.logger.log({"grad_norm_spike": norm}, self.run.step + 1)
+        self.logbook.event("grad_norm", self.run.step + 1, reason=why)
         self.warn(f"step {self.run.step + 1}: {why} (clipped to {self.opt_cfg.grad_clip}; a rollback follows only "
                   "if the loss spikes)")
 
@@ -371,6 +427,7 @@ class Trainer:
                 "parallelism": self.strategy, "history": self.run.history, "job": self.job_params(), **self.stage.meta()}
         weights = (lambda: merged_state_dict(self.raw)) if lora else None  # readers get plain GPT weights
         self.ledger.add("save_s", self.ckpt.save(step, self.raw, self.optimizer, extras, meta, weights))
+        self.saved_step = step
 
     def restore(self, path: Path, rolling_back: bool = False) -> None:
         if "job" not in json.loads((Path(path) / "meta.json").read_text()):  # DPO and RL saved less before the Trainer
@@ -406,10 +463,14 @@ class Trainer:
         if target is None:  # too early for any checkpoint: drop this batch's update (a run of them means trouble)
             self.warn(f"loss spike at step {spike_step}: {reason}; no checkpoint to roll back to, so this update is skipped")
             self.events.append({"event": "skipped_update", "step": spike_step, "reason": reason, "loss": loss})
+            self.logbook.event("skipped_update", spike_step, reason=reason, loss=loss)
             self.logger.log({"spike": 1.0}, spike_step)
             self.skipped_in_a_row += 1
             return
         skip = self.rewind(target, spike_batches)
+        self.end_attempt("rolled_back", spike_step - 1, to_step=self.run.step, skipped_batches=skip, reason=reason,
+                         loss=loss)
+        self.begin_attempt("rollback")
         self.events.append({"event": "rollback", "step": spike_step, "to_step": self.run.step, "skipped_batches": skip,
                             "reason": reason, "loss": loss})
         self.ledger.add("restore_s", time.perf_counter() - t0)
@@ -436,8 +497,25 @@ class Trainer:
 
     # -- the end
 
-    def finish(self, t_start: float) -> dict[str, Any]:
-        """Wait for the last save, check the ranks agree, account for goodput; write and return result.json."""
+    def preempted(self, t_start: float) -> dict[str, Any]:
+        """A stop signal came: save this step's checkpoint now unless it is being saved already, wait for it, say how
+        long it took against the grace period, and finish as "preempted"."""
+        step, t0 = self.run.step, time.perf_counter()
+        if self.saved_step != step:
+            self.save(step)
+        self.ledger.add("save_s", self.ckpt.wait())
+        save_s, since = time.perf_counter() - t0, self.preempt.seconds_since()
+        within = since <= self.job.preempt_grace_s
+        self.logger.log({"preempted": 1.0, "preempt_save_s": save_s}, step)
+        self.warn(f"preempted ({self.preempt.signal_name or 'a stop signal on another rank'}): stopped after step {step} "
+                  f"and saved its checkpoint in {save_s:.1f}s, {since:.1f}s after the signal "
+                  f"({'within' if within else 'OVER'} the {self.job.preempt_grace_s:g}s grace period); launch again to resume")
+        return self.finish(t_start, "preempted", {"signal": self.preempt.signal_name, "saved_step": step,
+                                                  "save_s": round(save_s, 3), "within_grace": within})
+
+    def finish(self, t_start: float, outcome: str = "completed", end: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Wait for the last save, check the ranks agree, account for goodput; close the attempt in the logbook;
+        write and return result.json (``outcome``: completed or preempted)."""
         self.ledger.add("save_s", self.ckpt.wait())
         self.logger.flush()
         digests = rank_digests(self.model, self.info)
@@ -449,7 +527,8 @@ class Trainer:
             self.logger.log({f"goodput_{k}" if k != "goodput" else k: v for k, v in goodput.items()
                              if isinstance(v, (int, float))}, self.run.step)
             self.logger.flush()
-        summary = self.summary(t_start, digests, goodput)
+        self.end_attempt(outcome, self.run.step, **(end or {}))
+        summary = {**self.summary(t_start, digests, goodput), "outcome": outcome, "preemption": end or None}
         if self.info.is_main:
             atomic_write_json(self.out / "result.json", summary)
         return summary

@@ -109,7 +109,10 @@ SLURM_JOB_ID=4242 SLURM_JOB_NODELIST=localhost SLURM_NNODES=1 SLURM_NODEID=0 bas
 while [[ "$1" == --* ]]; do shift; done
 exec "$@"
 """,
-    "scontrol": "#!/bin/bash\necho localhost\n",
+    "scontrol": """#!/bin/bash
+if [ "$1" = show ] && [ "$2" = job ]; then echo "JobId=4242 JobState=COMPLETED ExitCode=0:0 NodeList=localhost"
+else echo localhost; fi
+""",
 }
 
 
@@ -291,3 +294,90 @@ def test_a_worker_config_error_is_not_worth_a_retry():
     crash = ["RuntimeError: injected failure at step 3\n", "ChildFailedError: \n"]
     assert is_config_error(config) and "unknown key 'lrr'" in root_cause(config)
     assert not is_config_error(crash) and not is_config_error(["no exception here\n"])
+
+
+K8S_VERSION = "1.34"  # the Kubernetes API version the rendered files are checked against (kubernetes-validate's schemas)
+
+
+def test_rendered_kubernetes_files_validate_against_the_kubernetes_schema(tmp_path):
+    """No cluster runs here: the Job, its Service and the dagster-k8s pod spec are checked against Kubernetes' own
+    OpenAPI schema (strict: an unknown field is an error), and a broken manifest is refused."""
+    import kubernetes_validate
+
+    proc = subprocess.run([sys.executable, "deploy/render.py", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    [k8s] = tmp_path.glob("*.k8s.yaml")
+    service, job = yaml.safe_load_all(k8s.read_text())
+    for doc in (service, job):
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
+    assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+    [pipes] = tmp_path.glob("*.pipes-k8s.yaml")
+    spec = yaml.safe_load(pipes.read_text())
+    container = {**spec["base_pod_spec"]["containers"][0], "image": spec["image"], "command": spec["command"]}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kiln-pipes"},
+           "spec": {**spec["base_pod_spec"], "containers": [container]}}  # as PipesK8sClient fills it in
+    assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True) == K8S_VERSION
+    broken = json.loads(json.dumps(job))
+    broken["spec"]["template"]["spec"]["containers"][0]["resources"]["limitz"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError, match="limitz"):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_slurm_script_asks_for_a_stop_signal_before_the_time_limit_and_torchrun_passes_it_on():
+    script = TorchrunResource(slurm_signal_s=90).slurm_script("/shared/runs/x/job.json", 2, "cpu", "/opt/kiln")
+    assert "#SBATCH --signal=USR1@90" in script.splitlines()
+    assert "export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in script
+
+
+def test_slurm_job_state_is_parsed_from_scontrol(tmp_path, monkeypatch):
+    from resources.torchrun import slurm_job
+
+    (tmp_path / "scontrol").write_text("#!/bin/bash\necho 'JobId=7 JobName=kiln-x JobState=CANCELLED Reason=None "
+                                       "ExitCode=0:15 RunTime=00:00:12 NodeList=localhost'\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    info = slurm_job("7")
+    assert info["JobState"] == "CANCELLED" and info["ExitCode"] == "0:15" and info["NodeList"] == "localhost"
+
+
+@pytest.mark.slow
+def test_a_preempted_launch_is_retried_and_resumes_from_the_step_it_saved(tmp_path, pretrain_job, monkeypatch):
+    """torchrun gets SIGTERM mid-run (a node preempted) and passes it on: the worker saves its step and exits 75; the
+    launch reports Preempted (Dagster: up for retry, MLflow: KILLED), and the retry resumes from that step."""
+    from resources.torchrun import descendants
+
+    job = json.loads(pretrain_job(tmp_path, max_steps=40, ckpt_interval=100, eval_interval=20, log_interval=1).read_text())
+    out = Path(job["out_dir"])
+
+    def preempt() -> None:  # SIGTERM torchrun itself once the run is past step 12
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            log = out / "train.log"
+            if log.exists() and "step 12/40" in log.read_text():
+                for pid in descendants(os.getpid()):
+                    try:
+                        if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                            os.kill(pid, signal.SIGTERM)
+                            return
+                    except OSError:
+                        continue
+            time.sleep(0.05)
+
+    import threading
+
+    threading.Thread(target=preempt, daemon=True).start()
+    instance = DagsterInstance.ephemeral()
+    result = materialize([launch_asset(job, 1)], instance=instance,
+                         resources={"torchrun": TorchrunResource(timeout_s=300, preempt_retry_wait_s=0.5)})
+    value = result.output_for_node("trained")
+    from kiln.train.logbook import attempts
+
+    rows = attempts(out)
+    assert [r["outcome"] for r in rows] == ["preempted", "completed"], rows
+    saved = rows[0]["to_step"]
+    assert saved >= 12 and rows[0]["steps_lost"] == 0 and rows[0]["note"] == "SIGTERM"
+    assert value["steps"] == 40 and value["resumed_from"].endswith(f"step_{saved:07d}")  # no periodic save before 40
+    events = [e.dagster_event for e in instance.all_logs(result.run_id) if e.dagster_event is not None]
+    retries = [e for e in events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    assert len(retries) == 1 and not [e for e in events if e.event_type_value == "STEP_FAILURE"]

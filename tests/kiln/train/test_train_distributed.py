@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,33 @@ def test_ranks_get_disjoint_windows_that_make_up_the_single_process_batch(tiny_s
         assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
         assert torch.equal(x0[:, 1:], y0[:, :-1])  # targets are the inputs shifted by one
 
+
+
+@pytest.mark.slow
+def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, pretrain_job, train_runner, ddp) -> None:
+    """SIGTERM reaches rank 1 alone after step 3: the flag rides on step 4's loss all-reduce, both ranks stop after
+    step 4, its checkpoint is saved, the job exits with PREEMPTED_EXIT; the relaunch ends where the uninterrupted
+    DDP run did, bit for bit."""
+    from kiln.train import logbook
+    from kiln.train.preempt import PREEMPTED_EXIT
+    from tests.conftest import subprocess_env
+    from tests.faults import Faults
+
+    job = job_for(pretrain_job, tmp_path, 2, parallelism="ddp")
+    faults = Faults(term_at_step=3, term_rank=1).write(tmp_path / "faults.json")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "tests.faults", "--faults", str(faults), "--config", str(job), "--device", "cpu",
+                           "--timeout-s", "120"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode != 0 and str(PREEMPTED_EXIT) in proc.stderr, proc.stderr[-3000:]  # torchrun's summary
+    res = result_of(job)
+    assert res["outcome"] == "preempted" and res["steps"] == 4 and res["preemption"]["saved_step"] == 4
+    assert res["preemption"]["signal"] == ""  # rank 0 got no signal itself: it stopped on rank 1's
+    assert len(set(res["rank_param_digests"])) == 1
+    resumed = train_runner(job, nproc=2)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    res = result_of(job)
+    assert res["resumed_from"].endswith("step_0000004") and res["steps"] == STEPS
+    assert res["rank_param_digests"] == result_of(ddp[0])["rank_param_digests"]
+    rows = logbook.attempts(Path(json.loads(job.read_text())["out_dir"]))
+    assert [(r["outcome"], r["to_step"], r["steps_lost"]) for r in rows] == [("preempted", 4, 0), ("completed", STEPS, 0)]
