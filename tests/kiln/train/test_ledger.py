@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.model.gpt import GPTConfig, preset_fields
+from kiln.model.config import ModelConfig, preset_fields
 from kiln.plan import (BatchConfig, CostConfig, HardwareConfig, PlanError, compute_optimal, describe_costs, load_cost,
                        make_plan, planned_costs)
 from kiln.train import logbook
@@ -23,7 +23,7 @@ from kiln.train.ledger import EnergyMeter, ledger_table, run_ledger
 
 def gpt2_plan(nproc: int = 8):
     fields = {**preset_fields("gpt2"), "vocab_size": 50304}
-    return make_plan(GPTConfig(**fields), BatchConfig(1024, 512, None, 19073), HardwareConfig("cuda", nproc, 1, 80))
+    return make_plan(ModelConfig(**fields), BatchConfig(1024, 512, None, 19073), HardwareConfig("cuda", nproc, 1, 80))
 
 
 def test_compute_optimal_is_twenty_tokens_per_parameter_at_the_same_budget() -> None:
