@@ -10,7 +10,6 @@ from pathlib import Path
 from dagster import (
     AssetSelection,
     Definitions,
-    FilesystemIOManager,
     define_asset_job,
     in_process_executor,
 )
@@ -24,7 +23,7 @@ from assets.publish import release_bundle, release_no_regression
 from assets.training import base_model, training_plan
 from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
 from resources.ray import RayResource
-from resources.storage import KilnStorageResource
+from resources.storage import HandleIOManager, KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
@@ -49,7 +48,7 @@ def make_resources(home: Path = KILN_HOME, source_cache: str = "") -> dict:
         "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "mlartifacts")),
         "torchrun": TorchrunResource(),
         "ray": RayResource(),  # used only when clean.executor is ray
-        "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles")),
+        "io_manager": HandleIOManager(base_dir=str(home / "storage" / "handles")),
     }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, FilesystemIOManager, InputContext, IOManager, OutputContext
 from pydantic import Field
 
 from kiln import store
@@ -93,3 +93,38 @@ class KilnStorageResource(ConfigurableResource):
             p.mkdir(parents=True, exist_ok=True)
             return p
         return self.path("cache", "sources")
+
+
+
+class HandleIOManager(FilesystemIOManager):
+    """The assets' handles on disk (Dagster's filesystem IO manager); an optional upstream asset that was never
+    materialized in this home loads as None instead of failing on a missing file.
+
+    Optional means listed in ``optional``: ``pretrained_model``, which tokenizer and training_plan read. A home made
+    before that asset existed, or a run whose selection leaves it out, then trains from scratch (the asset's own
+    meaning of "no path set"). Every other missing handle is an error as before.
+    """
+
+    optional: list[str] = Field(default_factory=lambda: ["pretrained_model"],
+                                description="Assets whose missing handle loads as None (never materialized here).")
+
+    def create_io_manager(self, context) -> IOManager:
+        return _OptionalInputs(super().create_io_manager(context), set(self.optional))
+
+
+class _OptionalInputs(IOManager):
+    def __init__(self, inner: IOManager, optional: set[str]):
+        self.inner, self.optional = inner, optional
+
+    def handle_output(self, context: OutputContext, obj: Any) -> None:
+        self.inner.handle_output(context, obj)
+
+    def load_input(self, context: InputContext) -> Any:
+        try:
+            return self.inner.load_input(context)
+        except FileNotFoundError:
+            name = context.asset_key.to_user_string() if context.has_asset_key else ""
+            if name not in self.optional:
+                raise
+            context.log.info(f"{name} was never materialized in this home: treated as not set")
+            return None

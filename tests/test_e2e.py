@@ -118,7 +118,7 @@ def test_mlflow_has_a_parent_run_and_a_child_per_asset(smoke_run):
     parents = [r for r in runs if r.data.tags.get("kiln.kind") == "dagster_run"]
     children = [r for r in runs if r.data.tags.get("kiln.kind") == "asset"]
     assert len(parents) == 1
-    assert {r.data.tags["dagster.asset_key"] for r in children} == {a.key.to_user_string() for a in ALL_ASSETS}
+    assert {r.data.tags["dagster.asset_key"] for r in children} == TRACKED
     assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
     train_run = next(r for r in children if r.data.tags["dagster.asset_key"] == "base_model")
     history = client.get_metric_history(train_run.info.run_id, "train_loss")
@@ -160,6 +160,10 @@ def test_unknown_nested_config_key_is_named(smoke_run):
     with pytest.raises(DagsterInvalidConfigError, match=r'unexpected config entry "min_wrds" at path '
                                                          r"root:ops:clean_corpus:config:clean\."):
         rerun(smoke_run, ["clean_corpus"], {"clean_corpus": {"config": {"clean": {"min_wrds": 5}}}})
+
+
+# Assets that log an MLflow run: all but pretrained_model, which with no path imports nothing (a fixed version).
+TRACKED = {a.key.to_user_string() for a in ALL_ASSETS} - {"pretrained_model"}
 
 
 def computed_assets(smoke_run, run_id: str) -> set[str]:
@@ -214,7 +218,7 @@ def test_recomputing_everything_without_reuse_gives_the_same_data_versions(smoke
     job = defs.resolve_job_def("kiln_pipeline_job")
     result = job.execute_in_process(run_config=config, instance=instance, raise_on_error=False)
     assert result.success, failure_message(result)
-    assert computed_assets(smoke_run, result.run_id) == set(names)  # everything really ran again
+    assert computed_assets(smoke_run, result.run_id) == TRACKED  # everything really ran again
     after = {n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags["dagster/data_version"]
              for n in names}
     changed = {n for n in names if before[n] != after[n]}

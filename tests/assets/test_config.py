@@ -94,7 +94,7 @@ def test_gpt_schema_lists_types_defaults_and_the_trailing_comments():
     got = {k: (f.config_type.key, f.default_value, f.description) for k, f in fields.items()}
     assert got["n_layer"] == ("Noneable.IntSourceType", 4, "transformer blocks")
     assert got["dropout"] == ("Noneable.Float", 0.0, "dropout on attention and MLP outputs (0 for pretraining)")
-    assert got["bias"] == ("Noneable.BoolSourceType", True, "biases in Linear and LayerNorm, as GPT-2 has")
+    assert got["bias"] == ("Noneable.BoolSourceType", True, "gpt2: biases in Linear and LayerNorm, as GPT-2 has (llama has none)")
     assert got["n_embd"][2] == "residual stream width; must divide by n_head"
     lora = schema_of(LoRAConfig).to_fields_dict()["targets"]  # a bare `list`: the element type comes from the default
     assert lora.config_type.key == "Noneable.Array.StringSourceType"

@@ -36,8 +36,12 @@ def test_llama_tiny_preset_plans_trains_and_releases_for_transformers(tmp_path, 
     def tokenizer_stub() -> dict:
         return {"path": str(tok_path), "version": "tok-v1", "n_vocab": enc.n_vocab}
 
+    @asset(name="pretrained_model")
+    def pretrained_stub() -> dict:
+        return {"path": "", "version": "none"}  # from scratch
+
     mlflow = MlflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=str(tmp_path / "art"))
-    result = materialize([shards_stub, tokenizer_stub, training_plan, base_model], run_config=config,
+    result = materialize([pretrained_stub, shards_stub, tokenizer_stub, training_plan, base_model], run_config=config,
                          instance=DagsterInstance.ephemeral(),
                          resources={"storage": KilnStorageResource(root=str(tmp_path / "storage")), "mlflow": mlflow,
                                     "torchrun": TorchrunResource(timeout_s=300)})

@@ -25,7 +25,7 @@ from resources.tracking import MlflowResource
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("slurmctld") is None or os.geteuid() != 0,
-                                 reason="needs root and Slurm (apt-get install -y slurm-wlm munge; .ci/run does)")]
+                                 reason="needs root and Slurm: not installed (apt-get install -y slurm-wlm munge; make test does it as root)")]
 
 
 @pytest.fixture(scope="session")

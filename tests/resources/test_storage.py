@@ -111,3 +111,38 @@ def test_a_run_starts_by_removing_the_staging_that_killed_runs_left(tmp_path: Pa
     assert sorted(p.name for p in (root / "raw_documents").iterdir()) == [".partial-notes", "v1"]
     logs = [e.user_message for e in instance.all_logs(result.run_id) if e.dagster_event is None]
     assert sum(f"removed {p}: a staging folder left by a run that was killed" in logs for p in left) == 2
+
+
+def test_a_never_materialized_optional_asset_loads_as_none_and_any_other_missing_handle_fails(tmp_path):
+    from dagster import DagsterInstance, asset, materialize
+
+    from resources.storage import HandleIOManager
+
+    @asset(name="pretrained_model")
+    def pretrained() -> dict:
+        return {"path": "/released"}
+
+    @asset(name="clean_corpus")
+    def corpus() -> dict:
+        return {"rows": 3}
+
+    @asset
+    def tokenizer(clean_corpus: dict, pretrained_model: dict | None = None) -> dict:
+        return {"from": pretrained_model, "rows": clean_corpus["rows"]}
+
+    handles = HandleIOManager(base_dir=str(tmp_path / "handles"))
+    instance = DagsterInstance.ephemeral()
+    materialize([pretrained, corpus, tokenizer], selection=[corpus], resources={"io_manager": handles}, instance=instance)
+    result = materialize([pretrained, corpus, tokenizer], selection=[tokenizer], resources={"io_manager": handles},
+                         instance=instance)
+    assert result.output_for_node("tokenizer") == {"from": None, "rows": 3}  # never imported: from scratch
+
+    materialize([pretrained, corpus, tokenizer], selection=[pretrained], resources={"io_manager": handles}, instance=instance)
+    result = materialize([pretrained, corpus, tokenizer], selection=[tokenizer], resources={"io_manager": handles},
+                         instance=instance)
+    assert result.output_for_node("tokenizer") == {"from": {"path": "/released"}, "rows": 3}
+
+    (tmp_path / "handles" / "clean_corpus").unlink()
+    failed = materialize([pretrained, corpus, tokenizer], selection=[tokenizer], resources={"io_manager": handles},
+                         instance=instance, raise_on_error=False)
+    assert not failed.success and not failed.get_asset_materialization_events()  # a required input is never None
