@@ -5,7 +5,6 @@ An asset body: ``with asset_output(context, mlflow, parent=storage.path("x"), co
 
 import base64
 import contextlib
-import io
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -13,6 +12,7 @@ from dagster import DataVersion, Failure, MetadataValue, Output
 
 from kiln.common.config import ConfigError
 from kiln.common.files import commit_dir, manifest_of_dir, stable_hash, staging_dir
+from kiln.common.plots import line_plot_png
 from kiln.plan import PlanError
 
 # Errors in the run config (a wrong key or value, a plan that cannot fit): the same config fails the same way again.
@@ -162,28 +162,10 @@ def md_table(rows: Iterable[dict[str, Any]], columns: list[str] | None = None) -
 def line_plot(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str,
               save_to: Path | None = None) -> MetadataValue:
     """A small PNG line plot embedded as markdown (and saved to ``save_to`` for MLflow)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=90)
-    for name, pts in series.items():
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=name)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
+    png = line_plot_png(series, title, xlabel, ylabel)
     if save_to is not None:
-        save_to.write_bytes(buf.getvalue())
-    return MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})")
+        save_to.write_bytes(png)
+    return MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})")
 
 
 def mlflow_meta(run) -> dict[str, Any]:

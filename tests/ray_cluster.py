@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from procs import children_of
+
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
 OBJECT_STORE = 80 * 1024 * 1024  # bytes per node
@@ -26,18 +28,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    return kids
 
 
 def pids_under(marker: str) -> list[int]:
@@ -50,7 +40,7 @@ def pids_under(marker: str) -> list[int]:
                     found.append(int(d.name))
             except OSError:
                 continue
-    kids, out = _children(), []
+    kids, out = children_of(), []
     while found:
         p = found.pop()
         if p not in out:

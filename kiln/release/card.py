@@ -8,12 +8,12 @@ checkpoint), which the bundle holds beside the card with the run's whole config 
 from __future__ import annotations
 
 import datetime as dt
-import io
 import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from kiln.common.plots import line_plot_png
 from kiln.posttrain.measures import MEASURES
 
 CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
@@ -338,21 +338,4 @@ def card_figures(up: Mapping[str, dict[str, Any]]) -> dict[str, bytes]:
 
 
 def _plot(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=90)
-    for label, pts in series.items():
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=label)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})  # no version stamp: the same plot gives the same bytes
-    plt.close(fig)
-    return buf.getvalue()
+    return line_plot_png(series, title, xlabel, ylabel)

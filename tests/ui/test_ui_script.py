@@ -16,25 +16,13 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+from procs import children_of
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the started processes through /proc")]
-
-
-def children_of() -> dict[int, list[int]]:
-    """{parent pid: child pids} of every process now (from /proc/<pid>/stat)."""
-    out: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(d.name))
-    return out
 
 
 def descendants(pid: int) -> set[int]:

@@ -1,0 +1,31 @@
+"""Small line plots as PNG bytes, for asset metadata, MLflow and the model card.
+
+``line_plot_png({"train loss": [(step, loss), ...]}, "Loss by step", "step", "nats/token")`` -> PNG bytes.
+"""
+
+from __future__ import annotations
+
+import io
+
+
+def line_plot_png(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str) -> bytes:
+    """One line per named series of (x, y) points (empty series are left out). No version stamp is written, so the
+    same plot gives the same bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=90)
+    for label, pts in series.items():
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=label)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
