@@ -33,6 +33,8 @@ from kiln.train.trainer import Callback  # noqa: E402
 class Faults:
     fail_at_step: int = -1  # raise at this step once (a crash); the marker out_dir/.failed_once makes it once
     kill_at_steps: list = field(default_factory=list)  # rank 0 SIGKILLs itself at these steps, once each (.killed_at_N)
+    kill_after_save: bool = False  # before such a kill, wait for the checkpoint save in flight to commit (a kill that
+    # must find the last interval's checkpoint, however slow the machine makes the background save)
     save_pause_s: float = 0.0  # pause inside each checkpoint write: a window for kill-during-save tests
     spike_batch: int = -1  # data batch trained at spike_lr_factor x the learning rate (a poisoned batch)
     spike_lr_factor: float = 1.0
@@ -58,6 +60,8 @@ class FaultInjector(Callback):
                 (out / ".failed_once").write_text(str(step))
             raise RuntimeError(f"injected failure at step {step} (fail_at_step)")
         if step in f.kill_at_steps and main and not (out / f".killed_at_{step}").exists():
+            if f.kill_after_save:
+                trainer.ckpt.wait()
             (out / f".killed_at_{step}").write_text(str(step))
             os.kill(os.getpid(), signal.SIGKILL)
         if step == f.term_at_step and trainer.info.rank == f.term_rank and not (out / f".termed_at_{step}").exists():

@@ -173,7 +173,7 @@ def test_torchrun_restarts_a_killed_worker_and_a_dagster_retry_resumes_after_a_f
     from tests.faults import Faults
 
     monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
-    monkeypatch.setenv("KILN_FAULTS", str(Faults(kill_at_steps=[6], fail_at_step=9).write(tmp_path / "faults.json")))
+    monkeypatch.setenv("KILN_FAULTS", str(Faults(kill_at_steps=[6], kill_after_save=True, fail_at_step=9).write(tmp_path / "faults.json")))
     job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4).read_text())
     instance = DagsterInstance.ephemeral()
     result = materialize([launch_asset(job, 1, RetryPolicy(max_retries=1))], instance=instance,
