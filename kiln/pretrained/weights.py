@@ -16,13 +16,12 @@ import torch
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
 from kiln.pretrained.config import PretrainedError
+from kiln.release.hf import CONV1D  # GPT-2's Conv1D projections: transposed against nn.Linear
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt", "tf_model.h5",
            "flax_model.msgpack")
-# Hugging Face's GPT-2 stores these projections as Conv1D, whose weight is the transpose of nn.Linear's.
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # non-weights older files carry
 EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
 
