@@ -176,7 +176,7 @@ class Trainer:
         self.logger = make_logger(job, info)  # rank 0 alone tracks
         self.ckpt = Checkpointer(self.out / "checkpoints", info.rank, info.world_size, sharded=self.strategy == "fsdp",
                                  async_save=job.async_save, keep_last=job.keep_last, keep_every=job.keep_every,
-                                 extra_files={"tokenizer.json": Path(job.tokenizer)}, log=self.say,
+                                 extra_files={"tokenizer.json": Path(job.tokenizer)} if job.tokenizer else {}, log=self.say,
                                  on_write=self._on_checkpoint_write)
         self.bf16 = info.device.type == "cuda" and torch.cuda.is_bf16_supported()
         # with FSDP2's mixed precision the sharded parameters are cast to bf16 already; otherwise autocast on CUDA
