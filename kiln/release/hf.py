@@ -157,12 +157,58 @@ def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
+def special_layout(enc, vocab: dict[str, int]) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Place the encoding's special tokens for ``tokenizers``: (in the BPE vocabulary at their ids, added after it).
+
+    ``tokenizers`` numbers an added token that is not in the model's vocabulary after that vocabulary (its size,
+    then one up), so the longest run of specials that continues a gapless vocabulary is added after it (Kiln's
+    own layout: specials right after the ranks) and every other special (SmolLM's at ids 0..k-1, or after a gap)
+    is written into the vocabulary at its id, as such tokenizers ship. ``vocab``: the ranks' byte-level text -> id.
+    Raises ReleaseError naming a special whose id or text collides with a mergeable token or another special.
+    """
+    by_id = {i: t for t, i in vocab.items()}
+    specials = sorted(enc._special_tokens.items(), key=lambda kv: kv[1])
+    for n, (t, i) in enumerate(specials):
+        if i in by_id:
+            raise ReleaseError(f"special token {t!r} has id {i}, which is also the mergeable token {by_id[i]!r}; "
+                               "one id cannot be two tokens: give the special an unused id")
+        if t in vocab:
+            raise ReleaseError(f"special token {t!r} (id {i}) is spelled like the vocabulary token of id {vocab[t]}; "
+                               "a Hugging Face tokenizer would give that id for it: rename the special")
+        if n and specials[n - 1][1] == i:
+            raise ReleaseError(f"special tokens {specials[n - 1][0]!r} and {t!r} share id {i}; give each its own id")
+    for j in range(len(specials)):
+        start = len(vocab) + j  # where tokenizers puts the first added token after vocab + specials[:j]
+        if (max([*by_id, *(i for _, i in specials[:j])], default=-1) < start
+                and all(i == start + n for n, (_, i) in enumerate(specials[j:]))):
+            return specials[:j], specials[j:]
+    return specials, []
+
+
+def _check_unreachable(tok, inner: list[tuple[str, int]]) -> None:
+    """Refuse a special in the BPE vocabulary that a piece of ordinary text spells: ``ignore_merges`` would give the
+    special's id there, where tiktoken gives ordinary tokens."""
+    u2b = {c: b for b, c in bytes_to_unicode().items()}
+    for t, i in inner:
+        if not all(c in u2b for c in t):
+            continue
+        try:
+            raw = bytes(u2b[c] for c in t).decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # no text has these bytes
+        if [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(raw)] == [t]:
+            raise ReleaseError(f"special token {t!r} (id {i}) is the byte-level spelling of the text {raw!r}, one "
+                               "whole piece of the split; a Hugging Face tokenizer would give the special's id for "
+                               "that text: rename the special")
+
+
 def hf_tokenizer(enc):
     """A ``tokenizers.Tokenizer`` that gives exactly ``enc.encode(text, allowed_special="all")``.
 
     Byte-level BPE with the merges recovered from the ranks; the split is the encoding's own regex (Oniguruma
     supports its possessive quantifiers); whole pieces found in the vocabulary are taken as one token before
-    any merge (``ignore_merges``), as tiktoken does; special tokens keep Kiln's ids.
+    any merge (``ignore_merges``), as tiktoken does; special tokens keep Kiln's ids wherever they are
+    (``special_layout``).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
@@ -174,19 +220,21 @@ def hf_tokenizer(enc):
 
     ranks: dict[bytes, int] = enc._mergeable_ranks
     vocab = {text(t): r for t, r in ranks.items()}
+    inner, after = special_layout(enc, vocab)
     merges = [(text(a), text(b)) for a, b in recover_merges(ranks)]
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(BPE(vocab={**vocab, **dict(inner)}, merges=merges, ignore_merges=True, fuse_unk=False,
+                        byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(enc._pat_str), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    specials = sorted(enc._special_tokens.items(), key=lambda kv: kv[1])
-    if [i for _, i in specials] != list(range(len(ranks), len(ranks) + len(specials))):
-        raise ReleaseError(f"special tokens {dict(specials)} do not follow the {len(ranks)} mergeable ranks; "
-                           "Hugging Face tokenizers number added tokens after the vocabulary")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _ in specials])
+    _check_unreachable(tok, inner)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _ in inner + after])
+    got = {t: tok.token_to_id(t) for t, _ in inner + after}
+    if got != enc._special_tokens:  # what tokenizers numbered differs from Kiln's ids
+        raise ReleaseError(f"special tokens {enc._special_tokens} came out as {got} in the Hugging Face tokenizer")
     return tok
 
 
