@@ -16,7 +16,7 @@ from kiln.model.config import ModelConfig, model_dict
 from kiln.model.families import build_model
 from kiln.pretrained.config import PretrainedError, model_config
 from kiln.pretrained.tokenizer import ImportedTokenizer, check_same_ids, encoding_from_hf
-from kiln.pretrained.weights import grow_vocab, kiln_state, read_weights, weight_files
+from kiln.pretrained.weights import grow_vocab, grown_config, kiln_state, read_weights, weight_files
 
 IMPORT_FORMAT = "kiln-pretrained/1"
 LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "COPYING")
@@ -58,17 +58,31 @@ def _check_vocab(folder: Path, tok: ImportedTokenizer, cfg: ModelConfig) -> None
                               "not belong to these weights")
 
 
-def load_pretrained(folder: str | Path, texts: Iterable[str] = ()) -> tuple[dict, ModelConfig, ImportedTokenizer, dict]:
-    """(Kiln state dict, its ModelConfig, the imported tokenizer, the record) of a Hugging Face folder. Each chat token
-    added to the tokenizer gets an embedding row set to the mean of the imported rows (the embedding grows if needed)."""
-    folder = Path(folder)
+def _config_and_tokenizer(folder: Path) -> tuple[ModelConfig, dict[str, Any], ImportedTokenizer]:
+    """(ModelConfig of config.json, the raw config.json, the imported tokenizer) of a folder, checked to belong together."""
     if not folder.is_dir():
         raise PretrainedError(f"{folder}: not a folder; give the Hugging Face model's local folder "
                               "(huggingface-cli download NAME --local-dir FOLDER makes one)")
     cfg, doc = model_config(folder)
-    files = weight_files(folder)
     tok = encoding_from_hf(folder / "tokenizer.json", name=f"hf-{folder.name}")
     _check_vocab(folder, tok, cfg)
+    return cfg, doc, tok
+
+
+def pretrained_architecture(folder: str | Path) -> tuple[ModelConfig, ImportedTokenizer]:
+    """The ModelConfig that training on an imported folder uses (config.json's, with the embedding grown for Kiln's
+    added chat tokens as load_pretrained grows it) and the imported tokenizer, from config.json and tokenizer.json
+    alone: no weights are read (``kiln plan`` sizes a run with it)."""
+    cfg, _, tok = _config_and_tokenizer(Path(folder))
+    return grown_config(cfg, sorted(tok.added.values())), tok
+
+
+def load_pretrained(folder: str | Path, texts: Iterable[str] = ()) -> tuple[dict, ModelConfig, ImportedTokenizer, dict]:
+    """(Kiln state dict, its ModelConfig, the imported tokenizer, the record) of a Hugging Face folder. Each chat token
+    added to the tokenizer gets an embedding row set to the mean of the imported rows (the embedding grows if needed)."""
+    folder = Path(folder)
+    cfg, doc, tok = _config_and_tokenizer(folder)
+    files = weight_files(folder)
     checked = check_same_ids(tok, folder / "tokenizer.json", texts)
     state = kiln_state(folder, cfg, read_weights(folder))
     state, cfg = grow_vocab(state, cfg, sorted(tok.added.values()), tok.imported_vocab)

@@ -107,13 +107,18 @@ def kiln_state(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor])
     return state
 
 
+def grown_config(cfg: ModelConfig, new_ids: list[int]) -> ModelConfig:
+    """``cfg`` with an embedding long enough for the token ids ``new_ids`` (the rows grow_vocab adds)."""
+    return replace(cfg, vocab_size=max(cfg.vocab_size, max(new_ids) + 1)) if new_ids else cfg
+
+
 def grow_vocab(state: dict[str, torch.Tensor], cfg: ModelConfig, new_ids: list[int], mean_of: int) -> tuple[dict, ModelConfig]:
     """Embedding (and untied head) rows for tokens added to the tokenizer (``new_ids``), each the mean of the first
     ``mean_of`` rows (the imported tokenizer's own tokens), so a new token starts as an average one; the embedding
     grows when an id is past its last row."""
     if not new_ids:
         return state, cfg
-    new_cfg = replace(cfg, vocab_size=max(cfg.vocab_size, max(new_ids) + 1))
+    new_cfg = grown_config(cfg, new_ids)
     out = dict(state)
     emb = EMBEDDING[cfg.family]
     tied = cfg.family == "gpt2" or cfg.tie_embeddings
