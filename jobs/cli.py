@@ -326,21 +326,52 @@ def preset_n_vocab(tok: dict[str, Any]) -> int:
     return GPT2_N_VOCAB if cfg.kind == "gpt2" else cfg.vocab_size
 
 
+def preset_pretrained(ops: dict[str, Any], preset: str) -> tuple[dict | None, dict]:
+    """The pretrained model a preset starts from, as the training_plan asset receives it (``path`` and ``model``,
+    the architecture kiln.pretrained reads from config.json and tokenizer.json; no weights are read or imported),
+    and what the plan shows of it; (None, {}) when the preset trains from scratch. Raises PretrainedError naming
+    the folder."""
+    from assets.pretrained import PretrainedModelConfig
+    from kiln.model.config import model_dict
+    from kiln.pretrained.source import pretrained_architecture
+
+    conf = (ops.get("pretrained_model") or {}).get("config") or {}
+    unknown = set(conf) - set(PretrainedModelConfig.model_fields)
+    if unknown:
+        raise SystemExit(f"kiln: preset {preset}: unknown pretrained_model.config key(s) {sorted(unknown)}; it takes only 'path'")
+    if not conf.get("path"):
+        return None, {}
+    folder = Path(conf["path"]).expanduser()
+    cfg, tok = pretrained_architecture(folder)
+    shown = {"source": str(folder.resolve()), "family": cfg.family, "imported_vocab": tok.imported_vocab,
+             "added_tokens": tok.added, "n_vocab": tok.encoding.n_vocab}
+    return {"path": str(folder), "model": model_dict(cfg)}, shown
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from assets.training import TrainingPlanConfig
     from kiln.common.config import ConfigError
     from kiln.plan import PlanError, describe_costs, describe_plan, load_cost
+    from kiln.pretrained.config import PretrainedError
 
     ops = load_preset(args.preset).get("ops") or {}
     conf = dict((ops.get("training_plan") or {}).get("config") or {})
     unknown = set(conf) - set(TrainingPlanConfig.model_fields)
     if unknown:
         raise SystemExit(f"kiln: preset {args.preset}: unknown training_plan.config key(s) {sorted(unknown)}")
-    n_vocab = args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
+    try:  # the architecture of an imported model, as the training_plan asset gets it from pretrained_model
+        pretrained, shown = preset_pretrained(ops, args.preset)
+    except PretrainedError as e:
+        print(f"kiln: preset {args.preset}: pretrained_model.path: {e}", file=sys.stderr)
+        return 2
+    if pretrained and args.vocab:
+        print(f"kiln: --vocab: the vocabulary comes from pretrained_model.path ({pretrained['path']})", file=sys.stderr)
+        return 2
+    n_vocab = shown.get("n_vocab") or args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
     try:  # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.plan_from_config
-        plan, _, _, hw = TrainingPlanConfig(**conf).plan(n_vocab)
+        plan, _, _, hw = TrainingPlanConfig(**conf).plan(n_vocab, pretrained)
     except ValidationError as e:
         bad = e.errors()[0]
         print(f"kiln: preset {args.preset}: training_plan.{'.'.join(map(str, bad['loc']))}: {bad['msg']}", file=sys.stderr)
@@ -348,9 +379,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (PlanError, ConfigError) as e:
         print(f"kiln: preset {args.preset}: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else describe_plan(plan), end="\n" if args.json else "")
-    if not args.json:  # device-hours, energy and money at conf/cost.yaml's prices; the compute-optimal size
-        print(describe_costs(plan, load_cost(hw.device)), end="")
+    if args.json:
+        print(json.dumps({**plan.to_dict(), **({"pretrained": shown} if shown else {})}, indent=2))
+        return 0
+    if shown:
+        added = ", ".join(f"{t}={i}" for t, i in shown["added_tokens"].items()) or "none"
+        print(f"pretrained   {shown['source']} ({shown['family']}: config.json and tokenizer.json; "
+              f"{shown['imported_vocab']:,} imported tokens, added {added})")
+    print(describe_plan(plan), end="")
+    print(describe_costs(plan, load_cost(hw.device)), end="")  # device-hours, energy and money; the compute-optimal size
     return 0
 
 

@@ -272,3 +272,51 @@ def test_plan_names_a_wrong_type(tmp_path, capsys):
     preset.write_text("ops:\n  training_plan:\n    config:\n      batch: {seq_len: long}\n")
     assert main(["plan", "--preset", str(preset)]) == 2
     assert f"kiln: preset {preset}: training_plan.batch.seq_len: Input should be a valid integer" in capsys.readouterr().err
+
+
+def _pretrained_preset(tmp_path: Path, folder: Path, extra: str = "") -> Path:
+    preset = tmp_path / "import.yaml"
+    preset.write_text(f"ops:\n  pretrained_model:\n    config:\n      path: {folder}\n  training_plan:\n    config:\n"
+                      "      batch: {seq_len: 32, global_batch: 8, max_steps: 10}\n"
+                      "      hardware: {device: cpu, nproc_per_node: 1, memory_gb: 4}\n" + extra)
+    return preset
+
+
+def test_plan_of_a_preset_with_a_pretrained_model_uses_its_architecture(tmp_path, capsys):
+    from hfmodels import save_tiny
+
+    from assets.training import TrainingPlanConfig
+    from kiln.pretrained.source import import_pretrained
+
+    folder = save_tiny(tmp_path / "tiny-llama", "llama", "smollm", extra_rows=0)  # the chat tokens grow the embedding
+    preset = _pretrained_preset(tmp_path, folder)
+    assert main(["plan", "--preset", str(preset), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    record = import_pretrained(folder, tmp_path / "imported")  # what the pretrained_model asset hands training_plan
+    conf = load_preset(str(preset))["ops"]["training_plan"]["config"]
+    want = TrainingPlanConfig(**conf).plan(record["n_vocab"], {"path": str(folder), "model": record["model"]})[0]
+    assert {k: v for k, v in got.items() if k != "pretrained"} == json.loads(json.dumps(want.to_dict()))
+    assert got["model"]["family"] == "llama" and (got["model"]["n_layer"], got["model"]["n_embd"]) == (2, 32)
+    assert got["model"]["vocab_size"] == record["n_vocab"] == record["imported_vocab"] + 2  # <|user|>, <|assistant|>
+    assert got["pretrained"] == {"source": str(folder.resolve()), "family": "llama",
+                                 "imported_vocab": record["imported_vocab"], "added_tokens": record["added_tokens"],
+                                 "n_vocab": record["n_vocab"]}
+    assert main(["plan", "--preset", str(preset)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"pretrained   {folder.resolve()} (llama: config.json and tokenizer.json; ")
+    assert f"{want.params / 1e6:,.1f}M parameters" in out and "2 layers x 4 heads x 32 wide" in out
+
+
+def test_plan_names_a_missing_pretrained_folder_and_its_key(tmp_path, capsys):
+    missing = tmp_path / "models" / "smollm2-135m"
+    assert main(["plan", "--preset", str(_pretrained_preset(tmp_path, missing))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kiln: preset {tmp_path / 'import.yaml'}: pretrained_model.path: {missing}: not a folder")
+
+
+def test_plan_refuses_a_model_size_beside_a_pretrained_model(tmp_path, capsys):
+    from hfmodels import save_tiny
+
+    folder = save_tiny(tmp_path / "tiny-gpt2", "gpt2")
+    assert main(["plan", "--preset", str(_pretrained_preset(tmp_path, folder, "      model_preset: tiny\n"))]) == 2
+    assert "the architecture comes from pretrained_model.path" in capsys.readouterr().err
