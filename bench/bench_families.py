@@ -3,8 +3,8 @@
 python bench/bench_families.py --shards DIR [--steps 150] [--threads 1] [--json out.json]
 DIR is a token_shards folder (train_*.bin, val_*.bin, manifest.json): a demo home's `.kiln/storage/token_shards/<v>`
 (`kiln run --preset demo --select token_shards`), or the smoke preset's (`kiln run --preset smoke --select
-token_shards --home H`). Both models train the same steps on the same batches in the same order (same seed, AdamW,
-warmup + cosine) with Kiln's model code and optimizer; the llama's SwiGLU width is chosen so its parameter count is
+token_shards --home H`). Both models train the same steps on the same batches in the same order (same seed, optimizer
+and schedule) with Kiln's model code and optimizer; the llama's SwiGLU width is chosen so its parameter count is
 closest to GPT-2's. Reported: validation loss at equal tokens (the end of the budget), at equal wall time (the
 slower model's curve read at the faster one's total training time), and training tokens/s. Validation time is not
 counted as training time.
@@ -58,7 +58,7 @@ def train(cfg: ModelConfig, shards: Path, a: argparse.Namespace) -> dict:
     """Train ``cfg`` for ``a.steps`` steps; the curve is (step, tokens, training seconds, val loss) every eval."""
     torch.manual_seed(0)
     model = build_model(cfg)
-    opt_cfg = OptimConfig(lr=a.lr, warmup_steps=a.warmup)
+    opt_cfg = OptimConfig(name=a.optim, lr=a.lr, warmup_steps=a.warmup, schedule=a.schedule)
     optimizer = make_optimizer(model, opt_cfg, torch.device("cpu"))
     scheduler = make_scheduler(optimizer, opt_cfg, a.steps)
     loader = TokenLoader(shard_paths(shards, "train"), a.batch, a.seq_len, seed=0)
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=150, help="the token budget is steps x batch x seq_len")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--optim", default="adamw", help="adamw, or muon (Muon on the blocks' matrices, AdamW on the rest)")
+    p.add_argument("--schedule", default="cosine", help="cosine or wsd (warmup-stable-decay)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="1 on a shared machine: two threads on busy cores run several times slower")

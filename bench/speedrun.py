@@ -13,6 +13,9 @@ Speedrun (the default): (a) ``baseline``, the recipe the demo used before the sp
 runs now (kiln.train.recipe.DEMO_RECIPE). The target is the baseline's final validation loss; printed: each recipe's
 time to reach it, the ratio, tokens/s, FLOPs to target, and both loss-vs-time curves (``--plot``).
 
+Time is steps x the median step time of the run (the measured total is reported too): on a shared machine a burst
+of other work would otherwise bend one curve and not another.
+
 Ablation (``--ablate``): each lever alone on top of the baseline and the default itself, every one trained for the
 same wall-time budget (its steps set from a short timing run, so each schedule completes); printed: validation loss
 at equal time, steps, tokens/s.
@@ -44,7 +47,7 @@ LEVERS: dict[str, dict] = {
     "llama family": {"model": {"family": "llama", "n_kv_head": 2, "bias": False}},
     "batch 8 x 256": {"micro_batch": 8},
     "seq 128 x 32": {"seq_len": 128, "micro_batch": 32},
-    "ddp 2 x 1 thread": {"layout": "ddp2"},
+    "ddp 2 x 1 thread": {"layout": "ddp2", "micro_batch": 8},  # the same 16 sequences a step over two ranks
 }
 
 
@@ -74,22 +77,27 @@ def run(recipe: dict, shards: Path, max_steps: int, eval_interval: int, label: s
         (Path(tmp) / "job.json").write_text(json.dumps(job))
         times = Path(tmp) / "times.json"
         ddp = recipe.get("layout") == "ddp2"
-        cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0"] if ddp
+        cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if ddp
                else [sys.executable]) + [__file__, "--worker", str(Path(tmp) / "job.json"), "--times", str(times)]
         env = {**os.environ, "OMP_NUM_THREADS": "1" if ddp else str(os.cpu_count() or 1), "PYTHONPATH": str(ROOT)}
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise SystemExit(f"{label}: training failed (exit {proc.returncode})\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         result = json.loads((Path(tmp) / "run" / "result.json").read_text())
         seconds = {int(k): v for k, v in json.loads(times.read_text()).items()}
     tokens_per_step = job["micro_batch"] * job["seq_len"] * (2 if ddp else 1)
-    curve = [(h["step"], h["step"] * tokens_per_step, seconds.get(h["step"], 0.0), h["val_loss"]) for h in result["history"]]
+    steps = sorted(seconds)
+    durations = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:]) if a >= 2]  # the first steps warm up
+    step_s = float(np.median(durations)) if durations else seconds[steps[-1]] / max(1, steps[-1])
+    # time axis: steps x the median step time, so a burst of other work on a shared machine does not bend a curve
+    curve = [(h["step"], h["step"] * tokens_per_step, h["step"] * step_s, h["val_loss"]) for h in result["history"]]
     from kiln.model.config import ModelConfig
     from kiln.model.families import flops_per_token
 
     cfg = ModelConfig(**job["model"])
-    return {"label": label, "recipe": recipe, "steps": max_steps, "train_s": curve[-1][2], "wall_s": time.perf_counter() - t0,
+    return {"label": label, "recipe": recipe, "steps": max_steps, "train_s": curve[-1][2], "step_s": step_s,
+            "measured_train_s": seconds[steps[-1]], "wall_s": time.perf_counter() - t0,
             "tokens_per_s": curve[-1][1] / curve[-1][2], "final_val_loss": curve[-1][3], "curve": curve,
             "params": result["params"], "flops_per_token": flops_per_token(cfg, job["seq_len"])}
 
@@ -109,8 +117,7 @@ def loss_at(curve: list, seconds: float) -> float:
 
 def step_seconds(recipe: dict, shards: Path) -> float:
     """Seconds per training step of ``recipe`` here, from a 10-step run."""
-    r = run(recipe, shards, 10, 10**9, "timing")
-    return r["train_s"] / 10
+    return run(recipe, shards, 12, 10**9, "timing")["step_s"]
 
 
 def speedrun(a: argparse.Namespace) -> dict:
@@ -150,8 +157,9 @@ def ablate(a: argparse.Namespace) -> dict:
     if a.only:
         variants = [v for v in variants if v[0] in a.only.split(",")]
     rows = []
+    budgets = {label: max(20, int(a.budget_s / step_seconds(recipe, shards))) for label, recipe in variants}
     for label, recipe in variants:
-        steps = max(20, int(a.budget_s / step_seconds(recipe, shards)))
+        steps = budgets[label]
         r = run(recipe, shards, steps, max(5, steps // 12), label)
         rows.append(r)
         print(f"  {label}: {steps} steps in {r['train_s']:.0f} s, val {r['final_val_loss']:.4f}", flush=True)
