@@ -14,6 +14,9 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
   then sum bf16 partial products across ranks and drift from the one-process update (about 3% of its size on a
   48 x 16 matrix) while communicating in every iteration. FullMatrixMuon instead gathers each update matrix whole,
   orthogonalises it on every rank (the compute DDP spends) and keeps this rank's rows: the same numbers as one process.
+  Muon's update is not smooth in the gradient where the gradient's singular values are tiny (a fresh llama's
+  o_proj: a 2e-7 change in its gradient moved the bf16 update by 3%), so DDP and FSDP runs follow the one-process
+  loss curve closely but not its weights bit for bit.
 - ``schedule: cosine``: linear warmup, cosine decay to ``min_lr_ratio`` at max_steps. ``schedule: wsd``: linear
   warmup, constant, then a linear decay to ``min_lr_ratio`` over the last ``decay_fraction`` of the steps.
 """

@@ -1,6 +1,6 @@
 """Tests for training the llama family (kiln.model.llama) with kiln.train: its loss falls, a SIGKILL mid-run resumes
 bit-identical to an uninterrupted run, and DDP and FSDP2 on two gloo processes follow the one-process curve (the
-FSDP2 sharded checkpoint reassembles into a llama on one rank).
+FSDP2 sharded checkpoint reassembles into a llama on one rank). The SIGKILL resume runs with AdamW and with Muon.
 
 Run: python -m pytest tests/kiln/train/test_train_llama.py -q   (a few subprocess runs of a tiny model; marked slow)
 """
