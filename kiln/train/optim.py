@@ -133,6 +133,8 @@ class FullMatrixMuon(torch.optim.Muon):
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():  # a torch build without distributed has no DTensor
+        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)

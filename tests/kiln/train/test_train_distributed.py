@@ -1,6 +1,6 @@
 """Tests for kiln.train.loop on several CPU processes (gloo): DDP and FSDP2 follow the one-process loss curve with
 identical parameters on every rank (with AdamW, and with Muon on the block matrices), two "nodes" rendezvous on
-127.0.0.1, a sharded checkpoint resumes on one rank, and the data is sharded across ranks.
+127.0.0.1, a sharded checkpoint resumes on one rank or bit-identical on two, and the data is sharded across ranks.
 
 Run: python -m pytest tests/kiln/train/test_train_distributed.py -q   (a few torchrun launches; OMP_NUM_THREADS=1 each)
 """
@@ -120,9 +120,10 @@ def test_ddp_on_two_processes_follows_the_one_process_curve(ddp_runs, references
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", list(OPTIMS))
-def test_fsdp2_trains_the_same_and_its_sharded_checkpoint_resumes_on_one_rank(tmp_path, pretrain_job, train_runner,
-                                                                            references, optim) -> None:
-    """With muon, FullMatrixMuon orthogonalises each sharded matrix whole. Muon's bf16 Newton-Schulz magnifies the
+def test_fsdp2_trains_the_same_and_its_sharded_checkpoint_resumes_on_one_or_two_ranks(tmp_path, pretrain_job,
+                                                                                    train_runner, references,
+                                                                                    optim) -> None:
+    """On two ranks the resume is bit-identical to the uninterrupted run. With muon, FullMatrixMuon orthogonalises each sharded matrix whole. Muon's bf16 Newton-Schulz magnifies the
     ranks' 1e-7 gradient rounding (the muon curves sit 5e-5 to 6e-5 from one process here, AdamW's far closer) but
     stays within the AdamW tolerance; torch's Muon on the DTensor shards misses it (1.1e-4 at step 12)."""
     reference = references(optim)
@@ -148,16 +149,29 @@ def test_fsdp2_trains_the_same_and_its_sharded_checkpoint_resumes_on_one_rank(tm
 
     # resume onto one rank: drop the last checkpoint, continue from the sharded step-6 one with 4 sequences a step
     run = Path(json.loads(job.read_text())["out_dir"])
-    one = tmp_path / "one_rank"
-    shutil.copytree(run, one / "run")
-    shutil.rmtree(one / "run" / "checkpoints" / f"step_{STEPS:07d}")
-    (one / "run" / "result.json").unlink()
-    job1 = job_for(pretrain_job, one, 1, **OPTIMS[optim])
+    job1 = copy_before_the_end(run, tmp_path / "one_rank", pretrain_job, 1, **OPTIMS[optim])
     resumed = train_runner(job1)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     res1 = result_of(job1)
     assert res1["resumed_from"].endswith("step_0000006") and res1["parallelism"] == "none"
     assert_same_curve(res1, reference)
+
+    # and onto two ranks again (each rank's optimizer state from its own shards): the uninterrupted run, bit for bit
+    job2 = copy_before_the_end(run, tmp_path / "two_ranks", pretrain_job, 2, parallelism="fsdp", **OPTIMS[optim])
+    resumed = train_runner(job2, nproc=2)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    res2 = result_of(job2)
+    assert res2["resumed_from"].endswith("step_0000006") and res2["parallelism"] == "fsdp"
+    assert res2["rank_param_digests"] == res["rank_param_digests"]
+    assert res2["history"] == res["history"] and res2["curve"] == res["curve"]
+
+
+def copy_before_the_end(run: Path, dest: Path, pretrain_job, ranks: int, **kw) -> Path:
+    """A copy of finished ``run`` in ``dest`` without its last checkpoint and result; its job for ``ranks``."""
+    shutil.copytree(run, dest / "run")
+    shutil.rmtree(dest / "run" / "checkpoints" / f"step_{STEPS:07d}")
+    (dest / "run" / "result.json").unlink()
+    return job_for(pretrain_job, dest, ranks, **kw)
 
 
 @pytest.mark.slow
