@@ -142,8 +142,6 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def muon_update(p: torch.Tensor, state: dict, group: dict) -> None:
     """One Muon step of parameter ``p`` (rows, cols), a plain tensor or a DTensor, orthogonalising the full matrix."""
-    from torch.distributed.tensor import distribute_tensor
-
     momentum = group["momentum"]
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
@@ -153,6 +151,8 @@ def muon_update(p: torch.Tensor, state: dict, group: dict) -> None:
     whole = update.full_tensor() if _is_dtensor(update) else update  # (rows, cols) on every rank
     ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
     if _is_dtensor(p):  # this rank's rows of the full result, split locally as p is
+        from torch.distributed.tensor import distribute_tensor
+
         ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
     lr = _to_scalar(group["lr"])
     p.mul_(1 - lr * group["weight_decay"])

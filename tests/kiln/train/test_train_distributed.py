@@ -123,9 +123,10 @@ def test_ddp_on_two_processes_follows_the_one_process_curve(ddp_runs, references
 def test_fsdp2_trains_the_same_and_its_sharded_checkpoint_resumes_on_one_or_two_ranks(tmp_path, pretrain_job,
                                                                                     train_runner, references,
                                                                                     optim) -> None:
-    """On two ranks the resume is bit-identical to the uninterrupted run. With muon, FullMatrixMuon orthogonalises each sharded matrix whole. Muon's bf16 Newton-Schulz magnifies the
-    ranks' 1e-7 gradient rounding (the muon curves sit 5e-5 to 6e-5 from one process here, AdamW's far closer) but
-    stays within the AdamW tolerance; torch's Muon on the DTensor shards misses it (1.1e-4 at step 12)."""
+    """On two ranks the resume is bit-identical to the uninterrupted run. With muon, FullMatrixMuon orthogonalises
+    each sharded matrix whole. Muon's bf16 Newton-Schulz magnifies the ranks' 1e-7 gradient rounding (the muon
+    curves sit 5e-5 to 6e-5 from one process here, AdamW's far closer) but stays within the AdamW tolerance; torch's
+    Muon on the DTensor shards misses it (1.1e-4 at step 12)."""
     reference = references(optim)
     job = job_for(pretrain_job, tmp_path / "fsdp", 2, parallelism="fsdp", **OPTIMS[optim])
     proc = train_runner(job, nproc=2)
