@@ -100,13 +100,38 @@ def popen_train(job: Path, **faults) -> subprocess.Popen:
                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+# the job overrides of each optimizer the resume tests run: the tiny jobs' AdamW, and Muon with decay and wsd
+OPTIMS = {"adamw": {}, "muon": {"optim": {"name": "muon", "lr": 1e-2, "warmup_steps": 5, "weight_decay": 0.1,
+                                          "schedule": "wsd"}}}
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, pretrain_job, train_runner):
+def baselines(tmp_path_factory, pretrain_job, train_runner):
+    """``baselines(name)``: one uninterrupted 30-step run with optimizer ``name`` (made once): (job path, process)."""
+    runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def get(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if name not in runs:
+            job = pretrain_job(tmp_path_factory.mktemp(f"baseline-{name}"), **OPTIMS[name])
+            proc = train_runner(job)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            runs[name] = job, proc
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def baseline(baselines):
     """One uninterrupted 30-step run: (job path, completed process)."""
-    job = pretrain_job(tmp_path_factory.mktemp("baseline"))
-    proc = train_runner(job)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return job, proc
+    return baselines("adamw")
+
+
+def assert_muon_state(state: dict) -> None:
+    """The checkpoint holds Muon's momentum for a block matrix and AdamW's moments for the embedding."""
+    opt = state["optimizer"]["state"]
+    assert set(opt["transformer.h.0.attn.c_attn.weight"]) == {"momentum_buffer"}
+    assert set(opt["transformer.wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 @pytest.mark.slow
@@ -156,10 +181,12 @@ def test_checkpoints_are_kept_verified_and_loadable(baseline, tiny_tokenizer) ->
 
 
 @pytest.mark.slow
-def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, baseline, pretrain_job, train_runner) -> None:
-    ref_job, _ = baseline
+@pytest.mark.parametrize("optim", list(OPTIMS))
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, baselines, pretrain_job, train_runner,
+                                                               optim) -> None:
+    ref_job, _ = baselines(optim)
     kill_step = random.Random(time.time_ns()).randint(5, 27)  # anywhere: mid-interval, at or just after a save
-    job = pretrain_job(tmp_path, log_interval=1)  # progress lines say where the run is
+    job = pretrain_job(tmp_path, log_interval=1, **OPTIMS[optim])  # progress lines say where the run is
     proc = popen_train(job)
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith(f"step {kill_step}/30"):
@@ -178,6 +205,9 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, baselin
     assert got in saved[-2:], (kill_step, got)
     assert_same_final_state(ref_job, job)
     assert res["goodput"]["sessions"] == 2 and res["goodput"]["redone_steps_s"] > 0
+    if optim == "muon":  # Muon ran on the block matrices, and the tiny model learns with it
+        assert_muon_state(load_state(run / "checkpoints" / "step_0000030")[0])
+        assert res["final_val_loss"] < res["initial_val_loss"] - 1.0, res["history"]
 
     # rerunning a finished job trains nothing and keeps the reported results
     main(["--config", str(job), "--device", "cpu"], reporter=ListReporter())  # in-process: no startup cost
@@ -188,10 +218,11 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, baselin
 
 
 @pytest.mark.slow
-def test_kill_during_save_and_a_damaged_checkpoint_fall_back_to_an_older_one(tmp_path, baseline, pretrain_job,
-                                                                           train_runner) -> None:
-    ref_job, _ = baseline
-    job = pretrain_job(tmp_path, ckpt_interval=5, keep_last=3)
+@pytest.mark.parametrize("optim", list(OPTIMS))
+def test_kill_during_save_and_a_damaged_checkpoint_fall_back_to_an_older_one(tmp_path, baselines, pretrain_job,
+                                                                           train_runner, optim) -> None:
+    ref_job, _ = baselines(optim)
+    job = pretrain_job(tmp_path, ckpt_interval=5, keep_last=3, **OPTIMS[optim])
     run = run_dir(job)
     proc = popen_train(job, save_pause_s=2.0)  # each write holds for 2 s
     staging = run / "checkpoints" / ".step_0000010.partial" / "state.pt"

@@ -1,6 +1,6 @@
 """Tests for training the llama family (kiln.model.llama) with kiln.train: its loss falls, a SIGKILL mid-run resumes
 bit-identical to an uninterrupted run, and DDP and FSDP2 on two gloo processes follow the one-process curve (the
-FSDP2 sharded checkpoint reassembles into a llama on one rank).
+FSDP2 sharded checkpoint reassembles into a llama on one rank). The SIGKILL resume runs with AdamW and with Muon.
 
 Run: python -m pytest tests/kiln/train/test_train_llama.py -q   (a few subprocess runs of a tiny model; marked slow)
 """
@@ -18,7 +18,7 @@ import torch
 
 from kiln.train.checkpoint import list_checkpoints, load_for_inference, load_state, verify_checkpoint
 from kiln.train.loop import main
-from tests.kiln.train.test_train import COMPARED, ListReporter, assert_same, one_thread, popen_train, run_dir
+from tests.kiln.train.test_train import COMPARED, OPTIMS, ListReporter, assert_same, one_thread, popen_train, run_dir
 
 STEPS = 12
 
@@ -38,11 +38,25 @@ def result_of(job: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, pretrain_job, model_dict) -> tuple[Path, dict]:
+def references(tmp_path_factory, pretrain_job, model_dict):
+    """``references(optim)``: the 12 steps uninterrupted on one process with optimizer ``optim`` (OPTIMS), in-process
+    on one thread (as the subprocesses run), made once: (job path, summary)."""
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def get(optim: str) -> tuple[Path, dict]:
+        if optim not in runs:
+            job = llama_job(pretrain_job, model_dict, tmp_path_factory.mktemp(f"llama-one-{optim}"), **OPTIMS[optim])
+            with one_thread():
+                runs[optim] = job, main(["--config", str(job), "--device", "cpu"], reporter=ListReporter())
+        return runs[optim]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> tuple[Path, dict]:
     """The 12 steps uninterrupted on one process, in-process on one thread (as the subprocesses run)."""
-    job = llama_job(pretrain_job, model_dict, tmp_path_factory.mktemp("llama-one"))
-    with one_thread():
-        return job, main(["--config", str(job), "--device", "cpu"], reporter=ListReporter())
+    return references("adamw")
 
 
 def assert_same_curve(res: dict, ref: dict) -> None:
@@ -52,16 +66,17 @@ def assert_same_curve(res: dict, ref: dict) -> None:
 
 
 @pytest.mark.slow
-def test_llama_trains_and_resumes_bit_identical_after_a_sigkill(tmp_path, reference, pretrain_job, model_dict,
-                                                               train_runner) -> None:
-    ref_job, ref = reference
+@pytest.mark.parametrize("optim", list(OPTIMS))
+def test_llama_trains_and_resumes_bit_identical_after_a_sigkill(tmp_path, references, pretrain_job, model_dict,
+                                                               train_runner, optim) -> None:
+    ref_job, ref = references(optim)
     assert ref["steps"] == STEPS and ref["final_val_loss"] < ref["initial_val_loss"] - 0.3, ref["history"]
     model, _, meta = load_for_inference(run_dir(ref_job))
     assert type(model).__name__ == "Llama" and meta["model"]["family"] == "llama"
     assert model.num_params() == ref["params"]
 
     kill_step = random.Random(time.time_ns()).randint(5, 11)  # after the first save, mid-interval or at one
-    job = llama_job(pretrain_job, model_dict, tmp_path)
+    job = llama_job(pretrain_job, model_dict, tmp_path, **OPTIMS[optim])
     proc = popen_train(job)
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith(f"step {kill_step}/{STEPS}"):
@@ -80,6 +95,10 @@ def test_llama_trains_and_resumes_bit_identical_after_a_sigkill(tmp_path, refere
     for part in COMPARED:
         assert_same(ref_state[part], state[part], part)
     assert res["history"] == ref["history"] and res["final_train_loss"] == ref["final_train_loss"]
+    if optim == "muon":  # Muon's momentum for the projections, AdamW's moments for the head, both restored
+        opt = state["optimizer"]["state"]
+        assert set(opt["model.layers.1.mlp.gate_proj.weight"]) == {"momentum_buffer"}
+        assert set(opt["lm_head.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 @pytest.mark.slow
