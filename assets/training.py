@@ -19,7 +19,7 @@ from kiln.model.config import ModelConfig
 from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, plan_from_config
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, pretrain_report
-from kiln.train.optim import OptimConfig
+from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
 from kiln.train.spikes import SpikeConfig
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
@@ -35,7 +35,7 @@ ModelOverrides = schema_of(ModelConfig, optional=True, name="ModelOverrides")
 Batch = schema_of(BatchConfig, name="Batch")
 Hardware = schema_of(HardwareConfig, name="Hardware")
 Parallel = schema_of(ParallelConfig, name="Parallel")
-Optim = schema_of(OptimConfig, name="Optim")
+Optim = schema_of(OptimConfig, defaults=PRETRAIN_OPTIM, name="Optim")
 Spikes = schema_of(SpikeConfig, name="Spikes")
 
 
@@ -108,14 +108,14 @@ PRETRAIN_FIELDS = ("eval_interval", "eval_batches", "ckpt_interval", "keep_last"
 
 
 class BaseModelConfig(schema_of(JobConfig, include=PRETRAIN_FIELDS, name="PretrainJobFields")):
-    optim: Optim = Field(default_factory=Optim, description="AdamW and its schedule: peak lr, warmup, cosine floor, decay, clipping.")
+    optim: Optim = Field(default_factory=Optim, description="Optimizer (Muon on the blocks' matrices with AdamW on the rest, or AdamW alone) and its schedule: peak lrs, warmup, warmup-stable-decay or cosine, floor, decay, clipping.")
     spikes: Spikes = Field(default_factory=Spikes, description="Loss-spike detection and rollback to an earlier checkpoint.")
 
 
 @asset(code_version="2", group_name="training", retry_policy=TRAINING_RETRY)
 def base_model(context: AssetExecutionContext, config: BaseModelConfig, training_plan: dict, token_shards: dict,
                tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
-    """The pretrained model (GPT-2 or llama family, as the plan says): a torchrun job (AdamW, warmup + cosine, clipping, validation, background checkpoints, loss-spike rollback) from random weights, or continued pretraining of the imported pretrained model; it resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
+    """The pretrained model (GPT-2 or llama family, as the plan says): a torchrun job (Muon and AdamW, warmup-stable-decay, clipping, validation, background checkpoints, loss-spike rollback) from random weights, or continued pretraining of the imported pretrained model; it resumes from its newest good checkpoint after a crash, a retry or a rematerialization; every kept checkpoint is listed for evaluation."""
     with failing_on_config_errors():
         fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
                   "max_steps": training_plan["max_steps"]}

@@ -49,6 +49,13 @@ LEVERS: dict[str, dict] = {
     "seq 128 x 32": {"seq_len": 128, "micro_batch": 32},
     "ddp 2 x 1 thread": {"layout": "ddp2", "micro_batch": 8},  # the same 16 sequences a step over two ranks
 }
+MUON, WSD, LLAMA = LEVERS["muon"], LEVERS["wsd schedule"], LEVERS["llama family"]
+# levers stacked (each row adds to the one before)
+STACKS: dict[str, list[dict]] = {
+    "muon + wsd": [MUON, WSD],
+    "muon + wsd + llama": [MUON, WSD, LLAMA],
+    "muon + wsd + llama + batch 8": [MUON, WSD, LLAMA, {"micro_batch": 8}],
+}
 
 
 def job_for(recipe: dict, shards: Path, out: Path, max_steps: int, eval_interval: int) -> dict:
@@ -153,6 +160,11 @@ def speedrun(a: argparse.Namespace) -> dict:
 def ablate(a: argparse.Namespace) -> dict:
     shards = Path(a.shards)
     variants = [("baseline", BASELINE_RECIPE)] + [(k, merge(BASELINE_RECIPE, v)) for k, v in LEVERS.items()]
+    for k, changes in STACKS.items():
+        recipe = BASELINE_RECIPE
+        for change in changes:
+            recipe = merge(recipe, change)
+        variants.append((k, recipe))
     variants.append(("default", DEMO_RECIPE))
     if a.only:
         variants = [v for v in variants if v[0] in a.only.split(",")]

@@ -53,9 +53,9 @@ class HardwareConfig:
 @dataclass
 class BatchConfig:
     seq_len: int = 256  # tokens per training sequence (at most model.block_size)
-    global_batch: int = 16  # sequences per optimizer step, summed over all ranks and accumulation steps
+    global_batch: int = 8  # sequences per optimizer step, summed over all ranks and accumulation steps
     micro_batch: int | None = None  # sequences per rank per forward pass; None lets the planner choose
-    max_steps: int = 800  # optimizer steps to train
+    max_steps: int = 700  # optimizer steps to train
 
 
 @dataclass

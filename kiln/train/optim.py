@@ -36,6 +36,10 @@ from kiln.common.config import ConfigError
 
 BLOCK_MARKERS = (".h.", ".layers.")  # parameter names inside a transformer block, for both families
 
+# What pretraining (the base_model asset) changes from OptimConfig's defaults, which fine-tuning keeps: Muon and
+# warmup-stable-decay, chosen by bench/speedrun.py on the demo's tokens (kiln.train.recipe.DEMO_RECIPE).
+PRETRAIN_OPTIM: dict = {"name": "muon", "schedule": "wsd"}
+
 
 @dataclass
 class OptimConfig:

@@ -17,12 +17,21 @@ BASELINE_RECIPE: dict[str, Any] = {
     "seq_len": 256, "micro_batch": 16, "max_steps": 800, "layout": "threads",
 }
 
-# The demo's recipe now, chosen by bench/speedrun.py --ablate (see its table in bench/README.md).
-DEMO_RECIPE: dict[str, Any] = {
-    "model": {"family": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256},
-    "optim": {"name": "muon", "lr": 2e-3, "warmup_steps": 50, "schedule": "wsd", "min_lr_ratio": 0.1},
-    "seq_len": 256, "micro_batch": 16, "max_steps": 400, "layout": "threads",
-}
+def demo_recipe() -> dict[str, Any]:
+    """The recipe the demo preset trains with, read from the defaults it runs on: the llama family at the demo
+    size (conf/presets/demo.yaml), kiln.plan.BatchConfig's batch and steps, and OptimConfig with PRETRAIN_OPTIM."""
+    from kiln.model.config import MODEL_PRESETS
+    from kiln.plan import BatchConfig
+    from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
+
+    batch, optim = BatchConfig(), OptimConfig(**PRETRAIN_OPTIM)
+    return {"model": {"family": "llama", **MODEL_PRESETS["llama"]["demo"]},
+            "optim": {k: getattr(optim, k) for k in ("name", "lr", "warmup_steps", "schedule", "min_lr_ratio")},
+            "seq_len": batch.seq_len, "micro_batch": batch.global_batch, "max_steps": batch.max_steps,
+            "layout": "threads"}
+
+
+DEMO_RECIPE: dict[str, Any] = demo_recipe()
 
 
 def merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:

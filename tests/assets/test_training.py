@@ -99,3 +99,20 @@ def test_base_model_fails_at_once_on_a_config_error(tmp_path, monkeypatch):
     assert not [ev for ev in events if ev.event_type_value == "STEP_UP_FOR_RETRY"]
     failure = [ev for ev in events if ev.is_step_failure][0].event_specific_data.error
     assert "ConfigError: base_model.optim: unknown key 'warmup_stpes'" in failure.message
+
+
+def test_the_demo_trains_with_the_recipe_the_speedrun_bench_races():
+    """bench/speedrun.py's ``default`` is kiln.train.recipe.DEMO_RECIPE; the demo preset and the asset defaults
+    must be that recipe, or the bench measures something the demo does not run."""
+    from assets.training import BaseModelConfig, TrainingPlanConfig
+    from jobs.cli import load_preset
+    from kiln.train.recipe import DEMO_RECIPE
+
+    optim = BaseModelConfig().optim.to_dict()
+    assert {k: optim[k] for k in DEMO_RECIPE["optim"]} == DEMO_RECIPE["optim"]
+    plan_ops = load_preset("demo")["ops"]["training_plan"]["config"]
+    cfg = TrainingPlanConfig(**plan_ops)
+    _, model, batch, _ = cfg.plan(4096)
+    assert {k: getattr(model, k) for k in DEMO_RECIPE["model"]} == DEMO_RECIPE["model"]
+    assert (batch.seq_len, batch.global_batch, batch.max_steps) == (
+        DEMO_RECIPE["seq_len"], DEMO_RECIPE["micro_batch"], DEMO_RECIPE["max_steps"])

@@ -1,0 +1,56 @@
+"""bench/speedrun.py's arithmetic: time to a target loss, loss at a time, and a recipe run through the real trainer."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("speedrun", ROOT / "bench" / "speedrun.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+CURVE = [(0, 0, 0.0, 8.0), (10, 1000, 5.0, 6.0), (20, 2000, 10.0, 5.0), (30, 3000, 15.0, 4.5)]
+
+
+def test_time_to_target_interpolates_between_the_evaluations_that_bracket_it():
+    bench = load_bench()
+    assert bench.time_to(CURVE, 5.5) == pytest.approx((7.5, 1500.0))
+    assert bench.time_to(CURVE, 6.0) == pytest.approx((5.0, 1000.0))
+    assert bench.time_to(CURVE, 4.0) is None  # never reached
+
+
+def test_loss_at_reads_the_curve_linearly_in_time():
+    bench = load_bench()
+    assert bench.loss_at(CURVE, 12.5) == pytest.approx(4.75)
+    assert bench.loss_at(CURVE, 0.0) == 8.0
+
+
+def test_levers_change_only_what_they_name():
+    bench = load_bench()
+    from kiln.train.recipe import BASELINE_RECIPE, merge
+
+    muon = merge(BASELINE_RECIPE, bench.LEVERS["muon"])
+    assert muon["optim"] == {**BASELINE_RECIPE["optim"], "name": "muon"} and muon["model"] == BASELINE_RECIPE["model"]
+    assert BASELINE_RECIPE["optim"]["name"] == "adamw"  # merge copies: the baseline is untouched
+
+
+def test_a_recipe_runs_through_the_trainer_and_its_curve_falls(tiny_shards):
+    bench = load_bench()
+    from kiln.train.recipe import merge
+
+    tiny = {"model": {"family": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
+            "optim": {"name": "muon", "lr": 3e-3, "warmup_steps": 2, "schedule": "wsd"},
+            "seq_len": 32, "micro_batch": 8, "max_steps": 12, "layout": "threads"}
+    r = bench.run(merge(tiny, {}), tiny_shards, 12, 4, "tiny")
+    assert [c[0] for c in r["curve"]] == [0, 4, 8, 12]
+    assert r["curve"][-1][3] < r["curve"][0][3] - 0.3
+    assert r["step_s"] > 0 and r["train_s"] == pytest.approx(12 * r["step_s"])
+    assert np.isfinite(r["flops_per_token"]) and r["params"] > 0
