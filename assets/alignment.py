@@ -134,7 +134,7 @@ RlOptim = schema_of(OptimConfig, defaults={"lr": 3e-5, "warmup_steps": 5, "min_l
 
 
 class SftModelConfig(schema_of(JobConfig, include=("max_steps", "micro_batch", "eval_interval", "seed"),
-                               defaults={"max_steps": 150, "micro_batch": 16, "eval_interval": 50}, name="SftJobFields")):
+                               defaults={"max_steps": 80, "micro_batch": 16, "eval_interval": 40}, name="SftJobFields")):
     optim: SftOptim = Field(default_factory=SftOptim, description="AdamW and its schedule for fine-tuning.")
     init_from: str = init_from_field()
 
@@ -188,7 +188,7 @@ def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], stor
 DPO_FIELDS = ("beta", "label_smoothing", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
 
 
-class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps": 60, "micro_batch": 16},
+class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps": 40, "micro_batch": 16, "eval_interval": 20},
                                name="DpoJobFields")):
     optim: DpoOptim = Field(default_factory=DpoOptim, description="AdamW and its schedule for DPO.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true, rank: 8} trains adapters only (merged into the saved weights).")
