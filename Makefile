@@ -9,12 +9,17 @@ KILN_HOME ?= $(CURDIR)/.kiln
 setup: $(VENV)/.installed
 
 # torch is installed first and pinned: an unpinned torch can pull a multi-GB CUDA build on a CPU machine.
+# The demo needs the package alone; the tests add the `test` extra (transformers, selenium, moto, ...).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	@bash scripts/apt-lists.sh
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 demo: setup
@@ -25,7 +30,7 @@ smoke: setup
 
 # scripts/test-deps.sh installs the Debian packages the tests need (scripts/test-packages.txt) or says how; pytest
 # then fails if a test was skipped for a missing one (KILN_ALLOW_SKIPS=1 allows that).
-test: setup
+test: $(VENV)/.installed-test
 	@bash scripts/test-deps.sh
 	$(BIN)/python -m pytest -q
 
