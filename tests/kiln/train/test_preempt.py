@@ -19,8 +19,8 @@ from kiln.train.checkpoint import list_checkpoints, step_of
 from kiln.train.loop import main
 from kiln.train.preempt import PREEMPTED_EXIT, PreemptionWatch, exit_code
 from tests.faults import injector
-from tests.kiln.train.test_train import (ListReporter, assert_same_final_state, baseline, one_thread, popen_train,  # noqa: F401
-                                         result_of, run_dir, spike_job)
+from tests.kiln.train.test_train import (ListReporter, assert_same_final_state, baseline, baselines,  # noqa: F401
+                                         one_thread, popen_train, result_of, run_dir, spike_job)
 
 
 def test_the_watch_sets_a_flag_and_restores_the_handlers() -> None:
