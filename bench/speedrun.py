@@ -10,7 +10,7 @@ validated on the whole validation split every few steps; validation time is not 
 
 Speedrun (the default): (a) ``baseline``, the recipe the demo used before the speedrun (GPT-2 family, AdamW at
 2e-3, warmup + cosine, 16 x 256 tokens a step, 800 steps) and (b) ``default``, the pretraining recipe Kiln's demo
-runs now (kiln.train.recipe.DEMO_RECIPE). The target is the baseline's final validation loss; printed: each recipe's
+runs now (kiln.train.recipe.demo_recipe()). The target is the baseline's final validation loss; printed: each recipe's
 time to reach it, the ratio, tokens/s, FLOPs to target, and both loss-vs-time curves (``--plot``).
 
 Time is steps x the median step time of the run (the measured total is reported too): on a shared machine a burst
@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kiln.train.recipe import BASELINE_RECIPE, DEMO_RECIPE, merge  # noqa: E402
+from kiln.train.recipe import BASELINE_RECIPE, demo_recipe, merge  # noqa: E402
 
 # lever -> what it changes on top of the baseline (one at a time)
 LEVERS: dict[str, dict] = {
@@ -130,7 +130,8 @@ def step_seconds(recipe: dict, shards: Path) -> float:
 def speedrun(a: argparse.Namespace) -> dict:
     shards = Path(a.shards)
     base = run(BASELINE_RECIPE, shards, BASELINE_RECIPE["max_steps"], a.eval_every, "baseline")
-    new = run(DEMO_RECIPE, shards, DEMO_RECIPE["max_steps"], a.eval_every, "default")
+    default = demo_recipe()
+    new = run(default, shards, default["max_steps"], a.eval_every, "default")
     target = base["final_val_loss"]
     rows = []
     for r in (base, new):
@@ -165,7 +166,7 @@ def ablate(a: argparse.Namespace) -> dict:
         for change in changes:
             recipe = merge(recipe, change)
         variants.append((k, recipe))
-    variants.append(("default", DEMO_RECIPE))
+    variants.append(("default", demo_recipe()))
     if a.only:
         variants = [v for v in variants if v[0] in a.only.split(",")]
     rows = []

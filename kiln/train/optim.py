@@ -37,7 +37,7 @@ from kiln.common.config import ConfigError
 BLOCK_MARKERS = (".h.", ".layers.")  # parameter names inside a transformer block, for both families
 
 # What pretraining (the base_model asset) changes from OptimConfig's defaults, which fine-tuning keeps: Muon and
-# warmup-stable-decay, chosen by bench/speedrun.py on the demo's tokens (kiln.train.recipe.DEMO_RECIPE).
+# warmup-stable-decay, chosen by bench/speedrun.py on the demo's tokens (kiln.train.recipe.demo_recipe()).
 PRETRAIN_OPTIM: dict = {"name": "muon", "schedule": "wsd"}
 
 

@@ -31,9 +31,6 @@ def demo_recipe() -> dict[str, Any]:
             "layout": "threads"}
 
 
-DEMO_RECIPE: dict[str, Any] = demo_recipe()
-
-
 def merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
     """``base`` with ``change`` applied, nested dicts merged key by key."""
     out = copy.deepcopy(base)

@@ -102,17 +102,18 @@ def test_base_model_fails_at_once_on_a_config_error(tmp_path, monkeypatch):
 
 
 def test_the_demo_trains_with_the_recipe_the_speedrun_bench_races():
-    """bench/speedrun.py's ``default`` is kiln.train.recipe.DEMO_RECIPE; the demo preset and the asset defaults
+    """bench/speedrun.py's ``default`` is kiln.train.recipe.demo_recipe(); the demo preset and the asset defaults
     must be that recipe, or the bench measures something the demo does not run."""
     from assets.training import BaseModelConfig, TrainingPlanConfig
     from jobs.cli import load_preset
-    from kiln.train.recipe import DEMO_RECIPE
+    from kiln.train.recipe import demo_recipe
 
+    recipe = demo_recipe()
     optim = BaseModelConfig().optim.to_dict()
-    assert {k: optim[k] for k in DEMO_RECIPE["optim"]} == DEMO_RECIPE["optim"]
+    assert {k: optim[k] for k in recipe["optim"]} == recipe["optim"]
     plan_ops = load_preset("demo")["ops"]["training_plan"]["config"]
     cfg = TrainingPlanConfig(**plan_ops)
     _, model, batch, _ = cfg.plan(4096)
-    assert {k: getattr(model, k) for k in DEMO_RECIPE["model"]} == DEMO_RECIPE["model"]
+    assert {k: getattr(model, k) for k in recipe["model"]} == recipe["model"]
     assert (batch.seq_len, batch.global_batch, batch.max_steps) == (
-        DEMO_RECIPE["seq_len"], DEMO_RECIPE["micro_batch"], DEMO_RECIPE["max_steps"])
+        recipe["seq_len"], recipe["micro_batch"], recipe["max_steps"])
