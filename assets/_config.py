@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from dagster import Config
 from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validator
 
-from kiln.common.config import ConfigError, class_docstring, field_docs, from_dict
+from kiln.common.config import ConfigError, class_docstring, deep_merge, field_docs, from_dict
 
 __all__ = ["DataclassConfig", "field_docs", "schema_of"]
 
@@ -69,7 +69,7 @@ class DataclassConfig(Config):
         """The core dataclass, built by kiln.common.config.from_dict (so its errors name ``where.<key>``).
 
         ``base`` (a dict of fields, e.g. a named model preset) is overridden by the fields set here."""
-        return from_dict(type(self).core, _deep_merge(base or {}, self.to_dict()), where)
+        return from_dict(type(self).core, deep_merge(base or {}, self.to_dict()), where)
 
     @classmethod
     def from_dataclass(cls, obj: Any) -> DataclassConfig:
@@ -93,13 +93,6 @@ def _plain(config: DataclassConfig, defaults: dict[str, Any] | None) -> dict[str
         if keep:
             out[name] = value
     return {**out, **copy.deepcopy(config._unknown)}
-
-
-def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in override.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- types
@@ -168,8 +161,8 @@ def _nested_field(hint: type, default: Any, optional: bool, override: Any, doc: 
     if optional or default == _core_instance(hint):
         value = nested()
     else:
-        value = nested(**_deep_merge({k: v for k, v in dataclasses.asdict(default).items() if k in nested.model_fields},
-                                     sub_defaults or {}))
+        value = nested(**deep_merge({k: v for k, v in dataclasses.asdict(default).items() if k in nested.model_fields},
+                                    sub_defaults or {}))
     return nested, Field(default=value, description=doc)
 
 

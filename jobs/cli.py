@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from jobs.console import format_seconds
+from kiln.common.config import deep_merge
 
 PROJECT = Path(__file__).resolve().parent.parent
 PRESETS = PROJECT / "conf" / "presets"
@@ -51,14 +52,6 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
                          f"top-level key(s) {sorted(unknown)} (a preset is Dagster run config)")
     base = data.pop("extends", None)
     return deep_merge(load_preset(base), data) if base else data
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Mappings merge key by key; any other value in ``override`` replaces the base's."""
-    out = dict(base)
-    for k, v in override.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def select_config(run_config: dict[str, Any], keys: list[str]) -> dict[str, Any]:

@@ -49,6 +49,14 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config") 
     return cls(**kwargs)
 
 
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Mappings merge key by key; any other value in ``override`` replaces the base's (``base`` is not changed)."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 

@@ -7,8 +7,9 @@ A recipe is the part of a pretraining job that decides how fast loss falls: ``mo
 
 from __future__ import annotations
 
-import copy
 from typing import Any
+
+from kiln.common.config import deep_merge as merge  # noqa: F401 (recipes merge as presets do)
 
 # The demo's recipe before the speedrun: GPT-2 family, AdamW, warmup + cosine, 16 x 256 tokens a step, 800 steps.
 BASELINE_RECIPE: dict[str, Any] = {
@@ -16,6 +17,7 @@ BASELINE_RECIPE: dict[str, Any] = {
     "optim": {"name": "adamw", "lr": 2e-3, "warmup_steps": 50, "schedule": "cosine", "min_lr_ratio": 0.1},
     "seq_len": 256, "micro_batch": 16, "max_steps": 800, "layout": "threads",
 }
+
 
 def demo_recipe() -> dict[str, Any]:
     """The recipe the demo preset trains with, read from the defaults it runs on: the llama family at the demo
@@ -29,11 +31,3 @@ def demo_recipe() -> dict[str, Any]:
             "optim": {k: getattr(optim, k) for k in ("name", "lr", "warmup_steps", "schedule", "min_lr_ratio")},
             "seq_len": batch.seq_len, "micro_batch": batch.global_batch, "max_steps": batch.max_steps,
             "layout": "threads"}
-
-
-def merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``change`` applied, nested dicts merged key by key."""
-    out = copy.deepcopy(base)
-    for k, v in change.items():
-        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
