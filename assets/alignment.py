@@ -35,6 +35,7 @@ class InstructionDataConfig(Config):
     max_operand: int = Field(default=20, description="Largest operand of the arithmetic problems (small enough for the demo model to learn some).")
     max_doc_pairs: int = Field(default=3000, description="At most this many documentation heading -> section pairs.")
     val_permille: int = Field(default=50, description="Pairs per thousand (by prompt hash) held out for evaluation.")
+    arithmetic_val_permille: int = Field(default=200, description="The same for arithmetic problems: there are only 2 x (max_operand + 1)^2 distinct ones, so a larger share is held out to measure each stage on enough of them.")
     seed: int = Field(default=7, description="Seed for generated problems.")
     overlap_words: int = Field(default=DEFAULT_N, description="Drop a pair sharing this many consecutive words with an eval_suite item (the contamination report's n).")
     eval_items: int = Field(default=100, description="Held-out items per measure that every post-training stage is scored on, before and after.")
@@ -53,7 +54,8 @@ def instruction_data(context: AssetExecutionContext, config: InstructionDataConf
             return out.reused
         dropped: list[dict] = []
         pairs = kinst.build_pairs(train_html, config.n_arithmetic, config.seed, config.val_permille, config.max_doc_pairs,
-                                  exclude=evals, dropped=dropped, max_operand=config.max_operand)
+                                  exclude=evals, dropped=dropped, max_operand=config.max_operand,
+                                  kind_val_permille={"arithmetic": config.arithmetic_val_permille})
         if not pairs:
             raise ValueError("instruction_data: no pairs left; raise n_arithmetic or max_doc_pairs, or add HTML sources")
         kinst.write_jsonl(pairs, out.stage / "pairs.jsonl")

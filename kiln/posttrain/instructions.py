@@ -126,8 +126,9 @@ def arithmetic_reward(response: str, answer: str) -> float:
 
 def build_pairs(html_docs: Iterable[tuple[str, str]], n_arithmetic: int, seed: int, val_permille: int,
                 max_doc_pairs: int, exclude: EvalOverlap | None = None, dropped: list[dict] | None = None,
-                max_operand: int = 99) -> list[dict]:
-    """All pairs, deduplicated by prompt, each with an id and a split.
+                max_operand: int = 99, kind_val_permille: dict[str, int] | None = None) -> list[dict]:
+    """All pairs, deduplicated by prompt, each with an id and a split (``val_permille`` of them held out by prompt
+    hash, or ``kind_val_permille[kind]`` for the kinds it names).
 
     With ``exclude``, a pair whose prompt or response shares an n-gram with an evaluation item is left out
     (and appended to ``dropped`` when given), before the ``max_doc_pairs`` cap counts it.
@@ -151,7 +152,7 @@ def build_pairs(html_docs: Iterable[tuple[str, str]], n_arithmetic: int, seed: i
                 doc_pairs += 1
             seen.add(p["prompt"])
             p["id"] = hashlib.sha256(p["prompt"].encode()).hexdigest()[:16]
-            p["split"] = split_of(p["prompt"], val_permille)
+            p["split"] = split_of(p["prompt"], (kind_val_permille or {}).get(p["kind"], val_permille))
             pairs.append(p)
     return pairs
 

@@ -149,3 +149,14 @@ def test_eval_overlap_reads_the_eval_suite_tasks_and_agrees_with_the_contaminati
     assert all(t["contaminated"] == 0 for t in report["tasks"].values())  # nothing kept is flagged
     report = check_contamination(tmp_path / "suite", {"pairs": ((p["prompt"], p["response"]) for p in pairs)}, tmp_path / "out2")
     assert sum(t["contaminated"] for t in report["tasks"].values()) > 0
+
+
+def test_a_kind_can_hold_out_its_own_share() -> None:
+    pairs = build_pairs([("a", PAGE)], n_arithmetic=2000, seed=3, val_permille=50, max_doc_pairs=10,
+                        max_operand=20, kind_val_permille={"arithmetic": 200})
+    arith = [p for p in pairs if p["kind"] == "arithmetic"]
+    docs = [p for p in pairs if p["kind"] == "doc_section"]
+    assert all(p["split"] == split_of(p["prompt"], 200) for p in arith)
+    assert all(p["split"] == split_of(p["prompt"], 50) for p in docs)
+    share = sum(p["split"] == "val" for p in arith) / len(arith)
+    assert 0.15 < share < 0.25, share
