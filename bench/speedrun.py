@@ -16,7 +16,8 @@ time to reach it, the ratio, tokens/s, FLOPs to target, and both loss-vs-time cu
 Time is steps x the median step time of the run (the measured total is reported too): on a shared machine a burst
 of other work would otherwise bend one curve and not another.
 
-Ablation (``--ablate``): each lever alone on top of the baseline and the default itself, every one trained for the
+Ablation (``--ablate``): each lever alone on top of the baseline, the stacks, the default itself and the levers on
+top of the default (``ON_DEFAULT``, e.g. ``--ablate --only "default,default + document mask"``), every one trained for the
 same wall-time budget (its steps set from a short timing run, so each schedule completes); printed: validation loss
 at equal time, steps, tokens/s.
 """
@@ -48,6 +49,7 @@ LEVERS: dict[str, dict] = {
     "batch 8 x 256": {"micro_batch": 8},
     "seq 128 x 32": {"seq_len": 128, "micro_batch": 32},
     "ddp 2 x 1 thread": {"layout": "ddp2", "micro_batch": 8},  # the same 16 sequences a step over two ranks
+    "document mask": {"document_mask": True},  # attention within documents only (JobConfig.document_mask)
 }
 MUON, WSD, LLAMA = LEVERS["muon"], LEVERS["wsd schedule"], LEVERS["llama family"]
 # levers stacked (each row adds to the one before)
@@ -55,6 +57,10 @@ STACKS: dict[str, list[dict]] = {
     "muon + wsd": [MUON, WSD],
     "muon + wsd + llama": [MUON, WSD, LLAMA],
     "muon + wsd + llama + batch 8": [MUON, WSD, LLAMA, {"micro_batch": 8}],
+}
+# levers on top of the default recipe (kiln.train.recipe.demo_recipe()), run after it
+ON_DEFAULT: dict[str, list[dict]] = {
+    "default + document mask": [LEVERS["document mask"]],
 }
 
 
@@ -74,6 +80,7 @@ def job_for(recipe: dict, shards: Path, out: Path, max_steps: int, eval_interval
         "ckpt_interval": 10**9, "keep_last": 1, "log_interval": 10**9, "async_save": False, "system_metrics_s": 0,
         "train_files": [str(p) for p in sorted(shards.glob("train_*.bin"))],
         "val_files": [str(p) for p in sorted(shards.glob("val_*.bin"))], "peak_flops": -1,
+        "document_mask": bool(recipe.get("document_mask", False)),
     }
 
 
@@ -106,7 +113,10 @@ def run(recipe: dict, shards: Path, max_steps: int, eval_interval: int, label: s
     return {"label": label, "recipe": recipe, "steps": max_steps, "train_s": curve[-1][2], "step_s": step_s,
             "measured_train_s": seconds[steps[-1]], "wall_s": time.perf_counter() - t0,
             "tokens_per_s": curve[-1][1] / curve[-1][2], "final_val_loss": curve[-1][3], "curve": curve,
-            "params": result["params"], "flops_per_token": flops_per_token(cfg, job["seq_len"])}
+            "params": result["params"], "flops_per_token": flops_per_token(cfg, job["seq_len"]),
+            # with document_mask, val_loss is measured masked as trained; this is the same batches attending across
+            # documents, the measure of the unmasked recipes
+            "final_val_loss_unmasked": result["history"][-1].get("val_loss_unmasked")}
 
 
 def time_to(curve: list, target: float) -> tuple[float, float] | None:
@@ -158,31 +168,49 @@ def speedrun(a: argparse.Namespace) -> dict:
     return {"target": target, "ratio": ratio, "runs": rows}
 
 
+def stacked(recipe: dict, changes: list[dict]) -> dict:
+    """``recipe`` with each change merged on in order (the input is untouched)."""
+    for change in changes:
+        recipe = merge(recipe, change)
+    return recipe
+
+
+def variants(only: str = "") -> list[tuple[str, dict]]:
+    """(label, recipe) of the ablation: the baseline, each lever on it, the stacks, the default and the levers on the
+    default; ``only`` (comma-separated labels) keeps those, and an unknown label is an error naming the known ones."""
+    out = [("baseline", BASELINE_RECIPE)] + [(k, merge(BASELINE_RECIPE, v)) for k, v in LEVERS.items()]
+    out += [(k, stacked(BASELINE_RECIPE, changes)) for k, changes in STACKS.items()]
+    out.append(("default", demo_recipe()))
+    out += [(k, stacked(demo_recipe(), changes)) for k, changes in ON_DEFAULT.items()]
+    if not only:
+        return out
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in dict(out)]
+    if unknown:
+        raise SystemExit(f"--only {unknown}: not a recipe of the ablation; known: {[k for k, _ in out]}")
+    return [v for v in out if v[0] in wanted]
+
+
 def ablate(a: argparse.Namespace) -> dict:
     shards = Path(a.shards)
-    variants = [("baseline", BASELINE_RECIPE)] + [(k, merge(BASELINE_RECIPE, v)) for k, v in LEVERS.items()]
-    for k, changes in STACKS.items():
-        recipe = BASELINE_RECIPE
-        for change in changes:
-            recipe = merge(recipe, change)
-        variants.append((k, recipe))
-    variants.append(("default", demo_recipe()))
-    if a.only:
-        variants = [v for v in variants if v[0] in a.only.split(",")]
+    variants_ = variants(a.only)
     rows = []
-    budgets = {label: max(20, int(a.budget_s / step_seconds(recipe, shards))) for label, recipe in variants}
-    for label, recipe in variants:
+    budgets = {label: max(20, int(a.budget_s / step_seconds(recipe, shards))) for label, recipe in variants_}
+    for label, recipe in variants_:
         steps = budgets[label]
         r = run(recipe, shards, steps, max(5, steps // 12), label)
         rows.append(r)
-        print(f"  {label}: {steps} steps in {r['train_s']:.0f} s, val {r['final_val_loss']:.4f}", flush=True)
+        unmasked = r["final_val_loss_unmasked"]
+        also = f" (across documents {unmasked:.4f})" if unmasked is not None else ""
+        print(f"  {label}: {steps} steps in {r['train_s']:.0f} s, val {r['final_val_loss']:.4f}{also}", flush=True)
     equal = min(r["train_s"] for r in rows)
     base = next((r for r in rows if r["label"] == "baseline"), rows[0])
-    print(f"{shards}: each recipe trained for about {a.budget_s:.0f} s; loss read at {equal:.0f} s of training")
-    print(f"{'lever':<18} {'steps':>6} {'tok/s':>7} {'val@' + format(equal, '.0f') + 's':>9} {'vs baseline':>11}")
+    print(f"{shards}: each recipe trained for about {a.budget_s:.0f} s; loss read at {equal:.0f} s of training; "
+          f"differences against {base['label']}")
+    print(f"{'lever':<28} {'steps':>6} {'tok/s':>7} {'val@' + format(equal, '.0f') + 's':>9} {'vs baseline':>11}")
     for r in rows:
         r["val_loss_at_equal_time"] = loss_at(r["curve"], equal)
-        print(f"{r['label']:<18} {r['steps']:>6} {r['tokens_per_s']:>7,.0f} {r['val_loss_at_equal_time']:>9.4f} "
+        print(f"{r['label']:<28} {r['steps']:>6} {r['tokens_per_s']:>7,.0f} {r['val_loss_at_equal_time']:>9.4f} "
               f"{r['val_loss_at_equal_time'] - loss_at(base['curve'], equal):>+11.4f}")
     return {"equal_time_s": equal, "runs": rows}
 

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from kiln.model.cache import KVCache
 from kiln.model.config import MODEL_PRESETS, ModelConfig, padded_vocab, preset_fields  # noqa: F401  (re-exported)
 from kiln.model.loss import LinearCrossEntropy
+from kiln.model.masks import check_attn_mask
 
 
 class CausalSelfAttention(nn.Module):
@@ -28,14 +29,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.RESIDUAL_SCALE = True  # type: ignore[attr-defined]
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         hs = C // self.n_head
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        mask, causal = None, True
+        mask, causal = doc_mask, doc_mask is None  # (B, 1, T, T) bool: causal within documents (kiln.model.masks)
         if cache is not None:
             k, v, mask = cache.attend(self.layer, k, v)  # (B, nh, S, hs) each, S = cached + T
             causal = False
@@ -67,8 +68,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)  # (B, T, C)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, doc_mask)  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
@@ -112,21 +113,25 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, vocab_size) float32; with targets (B, T) (-100 skipped), the mean
         next-token cross-entropy instead, computed a chunk of tokens at a time so the logits never exist whole
         (kiln.model.loss.LinearCrossEntropy). With a ``cache``, idx holds only the new positions, which start at
-        ``cache.pos``."""
+        ``cache.pos``. ``attn_mask`` (B, 1, T, T) bool (kiln.model.masks.document_mask) replaces the causal mask in
+        training; positions stay absolute (the window's, not the document's)."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than model.block_size={self.config.block_size}")
+        check_attn_mask(attn_mask, B, T, cache)
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         recompute = self.checkpoint_blocks and torch.is_grad_enabled() and cache is None
         for block in self.transformer.h:
             # with recompute, only the block's input (B, T, C) is kept for backward; its insides are rerun
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x, cache)  # (B, T, C)
+            x = (checkpoint(block, x, None, attn_mask, use_reentrant=False) if recompute
+                 else block(x, cache, attn_mask))  # (B, T, C)
         if cache is not None:
             cache.advance(T)
         x = self.transformer.ln_f(x)  # (B, T, C)

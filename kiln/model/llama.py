@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from kiln.model.cache import KVCache
 from kiln.model.config import ModelConfig
 from kiln.model.loss import LinearCrossEntropy
+from kiln.model.masks import check_attn_mask
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +51,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
@@ -58,7 +60,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        mask, causal = None, True
+        mask, causal = doc_mask, doc_mask is None  # (B, 1, T, T) bool: causal within documents (kiln.model.masks)
         if cache is not None:
             k, v, mask = cache.attend(self.layer, k, v)  # (B, nkv, S, hs) each, S = cached + T
             causal = False
@@ -94,8 +96,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)  # (B, T, C)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                doc_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, doc_mask)  # (B, T, C)
         return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, C)
 
 
@@ -140,19 +143,25 @@ class Llama(nn.Module):
             n -= self.model.embed_tokens.weight.numel()  # the untied input table is a lookup, not compute
         return n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, vocab_size) float32; with targets (B, T) (-100 skipped), the mean
         next-token cross-entropy, a chunk of tokens at a time (kiln.model.loss.LinearCrossEntropy). With a
-        ``cache``, idx holds only the new positions, which start at ``cache.pos``."""
+        ``cache``, idx holds only the new positions, which start at ``cache.pos``. ``attn_mask`` (B, 1, T, T) bool
+        (kiln.model.masks.document_mask) replaces the causal mask in training. Rotary positions stay the window's:
+        attention scores depend on q and k positions only through their difference, so within one document they
+        equal those of the document run from position 0 (to float rounding)."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than model.block_size={self.config.block_size}")
+        check_attn_mask(attn_mask, B, T, cache)
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hs) each
         x = self.model.embed_tokens(idx)  # (B, T, C)
         recompute = self.checkpoint_blocks and torch.is_grad_enabled() and cache is None
         for block in self.model.layers:
-            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin, cache)  # (B, T, C)
+            x = (checkpoint(block, x, cos, sin, None, attn_mask, use_reentrant=False) if recompute
+                 else block(x, cos, sin, cache, attn_mask))  # (B, T, C)
         if cache is not None:
             cache.advance(T)
         x = self.model.norm(x)  # (B, T, C)

@@ -48,3 +48,6 @@ class JobConfig(TrainJob):
 
     val_files: list = field(default_factory=list)  # validation shards; for sft the same JSONL (split=val)
     eval_batches: int = 16  # micro-batches per validation pass
+    # attend within documents only (pretraining; kiln.model.masks): an EOT opens the document after it; training and
+    # validation both masked; the EOT id is read from the shards' manifest.json (eot_token) or the tokenizer
+    document_mask: bool = False

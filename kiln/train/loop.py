@@ -21,6 +21,9 @@ from kiln.train.trainer import Stage, Trainer
 
 
 def make_stage(job: JobConfig, info: DistInfo) -> Stage:
+    if job.document_mask and job.task != "pretrain":
+        raise ValueError(f"job.document_mask is a pretraining option (packed token shards); task {job.task!r} "
+                         "batches are not packed documents: set document_mask to false")
     if job.task == "pretrain":
         from kiln.train.pretrain import PretrainStage
 

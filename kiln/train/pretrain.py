@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kiln.model.masks import document_mask
 from kiln.train.dist import DistInfo
 from kiln.train.job import JobConfig
 from kiln.train.telemetry import format_duration
@@ -21,15 +22,46 @@ from kiln.train.trainer import Stage, StepReport, Trainer
 Batches = Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]  # a fresh pass over (x, y) validation batches
 
 
+def mask_kwargs(x: torch.Tensor, eot: int | None) -> dict[str, torch.Tensor]:
+    """The model's extra forward arguments for inputs x (B, T): a document mask when ``eot`` is set, else none."""
+    return {} if eot is None else {"attn_mask": document_mask(x, eot)}  # (B, 1, T, T) bool
+
+
+def document_eot(job: JobConfig) -> int:
+    """The end-of-text id separating the documents in the job's shards: ``eot_token`` of the manifest.json beside
+    them (every folder's must agree), else the EOT of ``job.tokenizer``; an error naming both when neither is there."""
+    from kiln.shards import MANIFEST, load_manifest
+
+    found = {}
+    for folder in sorted({Path(p).parent for p in [*job.train_files, *job.val_files]}):
+        eot = load_manifest(folder).get("eot_token") if (folder / MANIFEST).is_file() else None
+        if eot is not None:
+            found[str(folder / MANIFEST)] = int(eot)
+    if len(set(found.values())) > 1:
+        raise ValueError(f"job.document_mask: the shard manifests disagree on eot_token: {found}; train on shards "
+                         "of one tokenizer")
+    if found:
+        return next(iter(found.values()))
+    if job.tokenizer:
+        from kiln.tokenizer import load_encoding
+
+        return load_encoding(job.tokenizer).eot_token
+    first = job.train_files[0] if job.train_files else "(no train_files)"
+    raise ValueError(f"job.document_mask needs the end-of-text token id: no {MANIFEST} with 'eot_token' beside "
+                     f"{first} and job.tokenizer is empty; set job.tokenizer to the tokenizer.json the shards were "
+                     "written with, or write them with kiln.shards.write_shards (which records eot_token)")
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Batches, info: DistInfo, autocast) -> float:
-    """Mean token cross-entropy over the validation batches (targets equal to -100 are skipped), over all ranks."""
+def evaluate(model: torch.nn.Module, batches: Batches, info: DistInfo, autocast, eot: int | None = None) -> float:
+    """Mean token cross-entropy over the validation batches (targets equal to -100 are skipped), over all ranks;
+    with ``eot``, attention is masked to each document as in training."""
     model.eval()
     total, count = 0.0, 0
     for x, y in batches():
         x, y = x.to(info.device), y.to(info.device)
         with autocast():
-            logits = model(x)  # (B, T, V)
+            logits = model(x, **mask_kwargs(x, eot))  # (B, T, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-100, reduction="sum")
         total += loss.item()
         count += int((y != -100).sum())
@@ -43,10 +75,11 @@ def evaluate(model: torch.nn.Module, batches: Batches, info: DistInfo, autocast)
 
 class NextTokenStage(Stage):
     """Mean next-token cross-entropy of (B, T) inputs against (B, T) targets through the model's chunked head
-    (kiln.model.loss.LinearCrossEntropy); validation is the same loss on held-out batches."""
+    (kiln.model.loss.LinearCrossEntropy); validation is the same loss on held-out batches. With ``eot`` (an
+    end-of-text id), each token attends only within its document (kiln.model.masks.document_mask)."""
 
-    def __init__(self, job: JobConfig, info: DistInfo, loader, val_batches: Batches):
-        self.job, self.info, self.loader, self.val_batches = job, info, loader, val_batches
+    def __init__(self, job: JobConfig, info: DistInfo, loader, val_batches: Batches, eot: int | None = None):
+        self.job, self.info, self.loader, self.val_batches, self.eot = job, info, loader, val_batches, eot
         self.tokens_per_step = job.micro_batch * job.seq_len * job.grad_accum * info.world_size
 
     def batches(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -56,10 +89,13 @@ class NextTokenStage(Stage):
     def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = (t.to(trainer.info.device, non_blocking=True) for t in batch)  # (B, T), (B, T)
         with trainer.autocast():
-            return trainer.model(x, y), {}
+            return trainer.model(x, y, **mask_kwargs(x, self.eot)), {}
 
     def validate(self, trainer: Trainer) -> dict[str, float]:
-        return {"val_loss": evaluate(trainer.model, self.val_batches, trainer.info, trainer.autocast)}
+        val = {"val_loss": evaluate(trainer.model, self.val_batches, trainer.info, trainer.autocast, self.eot)}
+        if self.eot is not None:  # also attending across documents, as an unmasked run measures: comparable with it
+            val["val_loss_unmasked"] = evaluate(trainer.model, self.val_batches, trainer.info, trainer.autocast)
+        return val
 
     def start_line(self, val: dict[str, float]) -> str:
         return f"step 0: val loss {val['val_loss']:.4f}"
@@ -89,4 +125,5 @@ class PretrainStage(NextTokenStage):
                              info.world_size, job.seed)
         val_files = [Path(p) for p in job.val_files]
         super().__init__(job, info, loader,
-                         lambda: iter_eval_batches(val_files, job.micro_batch, job.seq_len, job.eval_batches))
+                         lambda: iter_eval_batches(val_files, job.micro_batch, job.seq_len, job.eval_batches),
+                         document_eot(job) if job.document_mask else None)

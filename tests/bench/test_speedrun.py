@@ -54,3 +54,31 @@ def test_a_recipe_runs_through_the_trainer_and_its_curve_falls(tiny_shards):
     assert r["curve"][-1][3] < r["curve"][0][3] - 0.3
     assert r["step_s"] > 0 and r["train_s"] == pytest.approx(12 * r["step_s"])
     assert np.isfinite(r["flops_per_token"]) and r["params"] > 0
+
+
+def test_the_document_mask_lever_and_default_plus_mask_reach_the_job(tmp_path, tiny_shards):
+    bench = load_bench()
+    from kiln.train.recipe import BASELINE_RECIPE, demo_recipe
+
+    lever = dict(bench.variants())["document mask"]
+    assert lever == {**BASELINE_RECIPE, "document_mask": True}
+    assert bench.job_for(lever, tiny_shards, tmp_path, 10, 5)["document_mask"] is True
+    assert bench.job_for(BASELINE_RECIPE, tiny_shards, tmp_path, 10, 5)["document_mask"] is False
+    picked = bench.variants("default,default + document mask")
+    assert [label for label, _ in picked] == ["default", "default + document mask"]
+    assert picked[1][1] == {**demo_recipe(), "document_mask": True} and picked[0][1] == demo_recipe()
+    with pytest.raises(SystemExit, match=r"\['default \+ mask'\]: not a recipe.*'default \+ document mask'\]"):
+        bench.variants("default + mask")
+
+
+@pytest.mark.slow
+def test_a_masked_recipe_runs_and_reports_the_cross_document_loss(tiny_shards):
+    bench = load_bench()
+
+    tiny = {"model": {"family": "llama", "n_layer": 1, "n_head": 2, "n_kv_head": 1, "n_embd": 32, "block_size": 32,
+                      "bias": False},
+            "optim": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2}, "seq_len": 32, "micro_batch": 8,
+            "max_steps": 8, "layout": "threads", "document_mask": True}
+    r = bench.run(tiny, tiny_shards, 8, 4, "tiny masked")
+    assert [c[0] for c in r["curve"]] == [0, 4, 8] and r["curve"][-1][3] < r["curve"][0][3]
+    assert r["final_val_loss_unmasked"] is not None and abs(r["final_val_loss_unmasked"] - r["final_val_loss"]) > 1e-6
