@@ -7,7 +7,9 @@ POST /api/vote {round, vote} (names revealed, ratings), GET /ratings[?method=elo
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 from typing import Callable, Literal
 
 from fastapi import FastAPI, HTTPException
@@ -80,16 +82,24 @@ def server(arena: Arena):
     return uvicorn.Server(uvicorn.Config(make_app(arena), log_level="warning", access_log=False, lifespan="off"))
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def serve(arena: Arena, port: int = 8765, host: str = "127.0.0.1", on_ready: Callable[[str], None] = print) -> None:
     """Serve ``arena`` until Ctrl-C or SIGTERM (uvicorn's graceful shutdown), then close its MLflow run."""
     sock = bind(host, port)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
     srv = server(arena)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _interrupt) if main else None  # what uvicorn re-raises after shutting down
     on_ready(url)
     try:
         srv.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it has shut down
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT (or SIGTERM) it handled, once it has shut down
         pass
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
         sock.close()
         arena.close()

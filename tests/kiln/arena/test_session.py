@@ -195,3 +195,15 @@ def test_the_app_serves_rounds_votes_and_ratings_on_127_0_0_1_only(tmp_path):
         thread.join(timeout=30)
         sock.close()
     assert not thread.is_alive()
+
+
+def test_a_port_in_use_is_named(tmp_path):
+    from kiln.arena.app import bind
+
+    first = bind("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(OSError, match=rf"arena: cannot listen on 127.0.0.1:{port} .*pick another --port"):
+            bind("127.0.0.1", port)
+    finally:
+        first.close()
