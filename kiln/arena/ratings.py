@@ -103,6 +103,6 @@ def ratings_table(names: Sequence[str], comparisons: Sequence[Comparison], metho
         won = ((a == i) & (s == 1)) | ((b == i) & (s == 0))
         n_votes, n_wins, n_ties = int(mine.sum()), int(won.sum()), int((mine & (s == 0.5)).sum())
         rows.append({"model": m, "rating": round(float(BASE + est[i]), 1),
-                     "low": round(float(BASE + min(lo[i], est[i])), 1), "high": round(float(BASE + max(hi[i], est[i])), 1), "votes": n_votes, "wins": n_wins,
-                     "losses": n_votes - n_wins - n_ties, "ties": n_ties})
+                     "low": round(float(BASE + min(lo[i], est[i])), 1), "high": round(float(BASE + max(hi[i], est[i])), 1),
+                     "votes": n_votes, "wins": n_wins, "losses": n_votes - n_wins - n_ties, "ties": n_ties})
     return sorted(rows, key=lambda r: -r["rating"])

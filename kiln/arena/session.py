@@ -117,6 +117,10 @@ class Arena:
                 self._rounds[self._open.id] = self._open
             return self._open
 
+    def _side(self, i: int) -> dict[str, str]:
+        c = self.contestants[i]
+        return {"name": c.name, "path": c.path, "weights": c.weights}
+
     def vote(self, round_id: str, vote: str) -> dict[str, Any]:
         """Record ``vote`` on a round; returns the names of both sides and the ratings. KeyError for an unknown
         round, ValueError for a second vote on one or a vote outside VOTES."""
@@ -128,11 +132,9 @@ class Arena:
                 raise KeyError(f"no round {round_id!r} in this arena (the server restarted?); load the page again")
             if r.vote is not None:
                 raise ValueError(f"round {round_id} has its vote ({r.vote}) already")
-            side = lambda i: {"name": self.contestants[i].name, "path": self.contestants[i].path,  # noqa: E731
-                              "weights": self.contestants[i].weights}
             record = {"arena": self.id, "round": r.id, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "prompt": r.prompt, "left": side(r.left), "right": side(r.right), "vote": vote,
-                      "winner": {"left": side(r.left)["name"], "right": side(r.right)["name"]}.get(vote),
+                      "prompt": r.prompt, "left": self._side(r.left), "right": self._side(r.right), "vote": vote,
+                      "winner": {"left": self.contestants[r.left].name, "right": self.contestants[r.right].name}.get(vote),
                       "sampling": self.sampling_key}
             self.log.append(record)
             r.vote = vote
@@ -141,8 +143,8 @@ class Arena:
                 self._open = None
             ratings = self.ratings()
             tracking = self._track(ratings)
-            return {"left": side(r.left)["name"], "right": side(r.right)["name"], "vote": vote, "ratings": ratings,
-                    "tracking": tracking}
+            return {"left": self.contestants[r.left].name, "right": self.contestants[r.right].name, "vote": vote,
+                    "ratings": ratings, "tracking": tracking}
 
     # -------------------------------------------------------------------------------------------- ratings
     def counts(self) -> dict[str, int]:
