@@ -34,6 +34,7 @@ what the next run would redo and why. Examples:
   kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
   kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
   kiln logbook RUN_OR_RELEASE                 every attempt of a training run (or each stage of a release), how it ended
+  kiln arena RELEASE_A models:/kiln-demo/2    a blind side-by-side vote between models in the browser, with ratings
 """
 
 
@@ -423,6 +424,52 @@ def cmd_logbook(args: argparse.Namespace) -> int:
     return logbook_main([args.run] + (["--json"] if args.json else []))
 
 
+def cmd_arena(args: argparse.Namespace) -> int:
+    from kiln.arena.app import serve
+    from kiln.arena.contestants import SamplingConfig, model_contestant
+    from kiln.arena.prompts import load_prompts
+    from kiln.arena.session import Arena
+
+    home = Path(args.home).resolve()
+    uri = args.tracking_uri or f"sqlite:///{home / 'mlflow.db'}"
+    if len(set(args.models)) < len(args.models) or len(args.models) < 2:
+        raise SystemExit(f"kiln arena: give two or more different models, got {args.models}")
+    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    what = "give a release bundle folder, a checkpoint (or run folder), or models:/NAME/VERSION (or models:/NAME@ALIAS)"
+    contestants = []
+    for ref in args.models:
+        path, _ = resolve_model_path(ref, uri)
+        if not path.exists():
+            raise SystemExit(f"kiln arena: {ref}: no such folder; {what}")
+        try:
+            model, enc = load_any_model(path)
+        except (OSError, ValueError, RuntimeError) as e:  # not a model folder, damaged bundle, corrupt tokenizer
+            raise SystemExit(f"kiln arena: cannot load {ref} ({path}): {e}; {what}") from e
+        contestants.append(model_contestant(ref, str(path.resolve()), model, enc, sampling))
+    try:
+        prompts, source = load_prompts(args.prompts, home)
+    except ValueError as e:
+        raise SystemExit(f"kiln arena: {e}") from e
+
+    def tracker(arena_id, members):
+        from kiln.arena.tracking import ArenaTracker
+
+        return ArenaTracker(uri, arena_id, members, home / "mlartifacts", prompts_from=source)
+
+    try:
+        arena = Arena(contestants, prompts, home / "arena", args.seed, sampling.key(), tracker)
+    except ValueError as e:  # two references to the same weights, a damaged votes file
+        raise SystemExit(f"kiln arena: {e}") from e
+    print(f"kiln arena {arena.id}: {len(contestants)} models, {len(prompts)} prompts from {source}; "
+          f"votes in {arena.log.path} ({arena.counts()['votes']} so far); MLflow {uri} experiment 'arena'")
+    try:
+        serve(arena, args.port, on_ready=lambda url: print(f"open {url} (Ctrl-C stops)", flush=True))
+    except OSError as e:
+        raise SystemExit(f"kiln {e}") from e
+    print(f"kiln arena stopped: {arena.counts()['votes']} votes in {arena.log.path}")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     print(yaml.safe_dump(load_preset(args.preset), sort_keys=False), end="")
     return 0
@@ -472,6 +519,21 @@ def main(argv: list[str] | None = None) -> int:
     lb.add_argument("run", help="run folder (.kiln/storage/base_model/<key>), checkpoint, or release bundle folder")
     lb.add_argument("--json", action="store_true", help="every attempt's row as JSON")
     lb.set_defaults(fn=cmd_logbook)
+    ar = sub.add_parser("arena", help="blind side-by-side votes between two or more models in the browser, with ratings")
+    ar.add_argument("models", nargs="+", metavar="MODEL", help="release bundle folder, checkpoint (or run folder), or "
+                    "models:/NAME/VERSION; two or more")
+    ar.add_argument("--home", default=str(PROJECT / ".kiln"), help="Kiln home: votes go to HOME/arena/<id>/votes.jsonl, "
+                    "default prompts are its instruction_data's held-out ones")
+    ar.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0 picks a free one)")
+    ar.add_argument("--prompts", default=None, help="YAML, JSONL or text file of prompts (default: see --home, else "
+                    "conf/arena_prompts.yaml)")
+    ar.add_argument("--max-new-tokens", type=int, default=60)
+    ar.add_argument("--temperature", type=float, default=0.0, help="0 answers greedily")
+    ar.add_argument("--top-k", type=int, default=50)
+    ar.add_argument("--seed", type=int, default=0, help="seeds the pairing, the sides, sampling and the bootstrap")
+    ar.add_argument("--tracking-uri", default=None, help="MLflow for models:/ references and the arena's run "
+                    "(default: sqlite HOME/mlflow.db)")
+    ar.set_defaults(fn=cmd_arena)
     args = parser.parse_args(argv)
     if getattr(args, "prompt", "x") is None:
         args.prompt = ["The"]
