@@ -148,12 +148,10 @@ def clean_piece(plan: Plan, shard: int, rows: np.ndarray, table: pa.Table) -> di
 
 
 def _node() -> str:
-    try:
-        import ray
+    """The Ray node this runs on ("local" outside Ray: asking then would start a Ray instance)."""
+    import ray
 
-        return ray.get_runtime_context().get_node_id()[:8]
-    except Exception:  # noqa: BLE001 - outside a Ray worker (tests of the map in one process)
-        return "local"
+    return ray.get_runtime_context().get_node_id()[:8] if ray.is_initialized() else "local"
 
 
 def doc_stage(batch: pa.Table, plan: Plan) -> pa.Table:
