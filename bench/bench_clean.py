@@ -133,11 +133,13 @@ def demo_section(raw: Path, tmp: Path, args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------- scaling on Ray
 
 
-def replicated(raw: Path, out: Path, copies: int = 4) -> Path:
-    """The corpus ``copies`` times: as is, words of every line reversed, then shuffled (seeded per copy)."""
+def replicated(raw: Path, out: Path, copies: int = 4, docs: int = 0) -> Path:
+    """The corpus ``copies`` times: as is, words of every line reversed, then shuffled (seeded per copy); ``docs``:
+    only the first that many documents of the corpus (a quick check of the bench itself)."""
     import random
 
     t = pq.read_table(raw)
+    t = t.slice(0, docs) if docs else t
     rows = t.to_pylist()
     for k in range(2, copies + 1):
         rng = random.Random(k)
@@ -241,12 +243,12 @@ def measure_ray(raw: Path, work: Path, address: str, blocks: list[dict]) -> dict
             "warm_s": warm, "profile": done[0] if done else "", "ids": pq.read_table(work / "c.parquet", columns=["id"]).column("id").to_pylist()}
 
 
-def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 4, minhash_docs: int = 0):
+def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 4, minhash_docs: int = 0, docs: int = 0):
     """The scaling table; returns the 2-node cluster (still running) for the next section."""
     sys.path.insert(0, str(ROOT / "tests"))
     from ray_cluster import RayCluster
 
-    big = replicated(raw, tmp / "raw4.parquet", copies)
+    big = replicated(raw, tmp / "raw4.parquet", copies, docs)
     blocks, n_mh, text_mb = schelling_blocks(cache_dir, tmp / "schelling", limit=minhash_docs)
     texts = [x for r in blocks for x in pq.read_table(r["kept"], columns=["text"]).column("text").to_pylist()]
     runs = {}
@@ -347,6 +349,8 @@ def main() -> int:
     parser.add_argument("--copies", type=int, default=4, help="scaling: copies of the demo corpus in the input")
     parser.add_argument("--minhash-docs", type=int, default=0, help="scaling: MinHash alone on the first N "
                         "schelling_point documents (0: all 66,000)")
+    parser.add_argument("--docs", type=int, default=0, help="scaling: only the first N demo documents (a quick "
+                        "check of the bench, not a measurement)")
     args = parser.parse_args()
     sections = {"scaling"} if args.scaling else set(args.sections.split(","))
     with tempfile.TemporaryDirectory(prefix="kiln-bench-clean-") as tmp:
@@ -357,7 +361,7 @@ def main() -> int:
         cluster = None
         try:
             if "scaling" in sections:
-                cluster = scaling_section(raw, tmp, args.cache_dir, args.copies, args.minhash_docs)
+                cluster = scaling_section(raw, tmp, args.cache_dir, args.copies, args.minhash_docs, args.docs)
             if "datatrove" in sections:
                 datatrove_section(args.cache_dir, tmp, cluster)
         finally:

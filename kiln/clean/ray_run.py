@@ -156,11 +156,12 @@ def _doc_dataset(in_path: str | Path, plan: Plan, cpus: int, max_retries: int, t
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # progress goes to ``say`` (the Dagster log)
     path, fs = raw_source(in_path)
-    ds = ray.data.read_parquet(path, filesystem=fs, include_paths=True, include_row_hash=True, file_extensions=None)
-    ds = ds.select_columns([*INPUT_COLUMNS, "path", "row_hash"])
-    ds = ds.repartition(target_num_rows_per_block=_block_rows(total, cpus, plan.cfg))
-    with warnings.catch_warnings():  # Ray Data's tasks retry forever unless told; no named argument in 2.60
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+    with warnings.catch_warnings():  # deprecated in Ray 2.60 without a named replacement (ray is pinned)
+        warnings.filterwarnings("ignore", message=".*(columns=. on .read_parquet|ray_remote_args. is deprecated)")
+        ds = ray.data.read_parquet(path, filesystem=fs, columns=list(INPUT_COLUMNS), include_paths=True,
+                                   include_row_hash=True, file_extensions=None)
+        ds = ds.repartition(target_num_rows_per_block=_block_rows(total, cpus, plan.cfg))
+        # max_retries: Ray Data's tasks otherwise retry a dying worker forever
         return ds.map_batches(doc_stage, batch_size=None, batch_format="pyarrow", fn_kwargs={"plan": plan},
                               compute=ray.data.TaskPoolStrategy(size=max(cpus, 1)), num_cpus=1,
                               max_retries=max_retries, retry_exceptions=False)
@@ -201,6 +202,18 @@ def _run_doc_stage(ds: Any, plan: Plan, say: Progress, total: int, max_retries: 
     return by_shard
 
 
+def _check_complete(todo: list[dict[str, Any]], by_shard: dict[int, list]) -> None:
+    """Every row of every shard came back from the pipeline exactly once; never a silent partial corpus."""
+    for s in todo:
+        firsts = [p["first"] for p in by_shard.get(s["index"], [])]
+        got = sum(p["docs"] for p in by_shard.get(s["index"], []))
+        if got != s["docs"] or len(set(firsts)) != len(firsts):
+            raise RayClusterError(
+                f"clean on ray: shard {s['index']} ({s['source']}): the per-document stage returned {got} rows in "
+                f"{len(firsts)} pieces for its {s['docs']} rows; nothing was written to the outputs. Rerun, or set "
+                f"clean.executor: local.")
+
+
 def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_dir: Callable[[dict], Path],
                         cfg: CleanSettings, say: Progress, filters: list[Filter] | None = None,
                         max_retries: int = 3, work_dir: str | Path | None = None) -> list[dict[str, Any]]:
@@ -225,6 +238,7 @@ def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_d
         t0 = time.perf_counter()
         by_shard = _run_doc_stage(_doc_dataset(in_path, plan, cpus, max_retries, total), plan, say, total,
                                   max_retries)
+        _check_complete(todo, by_shard)
         jobs = [(s, by_shard.get(s["index"], []), str(out_dir(s)), cfg, cache) for s in todo]
         made = RayMap(say, max_retries)(assemble_shard, jobs, label="shard outputs")
     finally:

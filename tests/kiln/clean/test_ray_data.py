@@ -83,3 +83,16 @@ def test_pieces_assemble_to_clean_shard_for_any_block_size_and_order(tmp_path: P
             assert drop(got["report"]) == drop(w["report"])
             assert (work / f"s{s['index']}" / "report.json").is_file()
     assert np.array_equal(file_rows(blocks(raw, 40, 0)[0]), np.arange(40))
+
+
+def test_a_missing_or_repeated_piece_fails_the_stage() -> None:
+    from kiln.clean.ray_run import RayClusterError, _check_complete
+
+    todo = [{"index": 0, "source": "web", "docs": 10}]
+    _check_complete(todo, {0: [{"first": 0, "docs": 6}, {"first": 6, "docs": 4}]})
+    with pytest.raises(RayClusterError, match=r"shard 0 \(web\): .* returned 6 rows in 1 pieces for its 10 rows"):
+        _check_complete(todo, {0: [{"first": 0, "docs": 6}]})
+    with pytest.raises(RayClusterError, match="nothing was written"):
+        _check_complete(todo, {0: [{"first": 0, "docs": 5}, {"first": 0, "docs": 5}]})
+    with pytest.raises(RayClusterError, match="returned 0 rows in 0 pieces"):
+        _check_complete(todo, {})
