@@ -172,7 +172,7 @@ def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, r
                       inputs={"raw_documents": raw_documents}, reuse={"clean": same}) as out:
         if out.reused:
             return out.reused
-        report = _write_corpus(context, cfg, ray, shards, out.stage, raw_documents["path"])
+        report, dedup_job = _write_corpus(context, cfg, ray, shards, out.stage, raw_documents["path"])
         rep = report.to_dict()
         final = out.commit(volatile=("report.json",))  # timings
         out.log_metrics(kreport.report_metrics(rep))
@@ -181,31 +181,36 @@ def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, r
                 out.log_artifact(final / name)
         value = {"path": str(final / "corpus.parquet"), "removed": str(final / "removed.parquet"), "version": out.version,
                  "report": rep}
-        meta = {**_corpus_metadata(rep, shards), **_executor_metadata(cfg, on_ray), "path": MetadataValue.path(value["path"])}
+        meta = {**_corpus_metadata(rep, shards), **_executor_metadata(cfg, on_ray, dedup_job), "path": MetadataValue.path(value["path"])}
         return out.result(value, meta)
 
 
 def _write_corpus(context: OpExecutionContext, cfg, ray: RayResource, shards: list[dict], folder: Path, raw: str):
+    """The corpus stage (its dedup sharded on the cluster with ``clean.executor: ray``): the report, and the Ray
+    job of the dedup (None locally)."""
     if cfg.executor != "ray":
-        return kcorpus.write_clean_corpus(shards, folder, cfg, raw, progress=context.log.info)
+        return kcorpus.write_clean_corpus(shards, folder, cfg, raw, progress=context.log.info), None
     from kiln.clean.ray_run import write_clean_corpus_on_ray
 
     info = ray.connect()
     context.log.info(f"clean_corpus on ray: sharded dedup as job {info.job_id} on {info.address}")
     try:
         return write_clean_corpus_on_ray(shards, folder, cfg, raw, context.log.info, ray.max_retries,
-                                         ray.partitions or None)
+                                         ray.partitions or None), info
     finally:
         ray.disconnect()
 
 
-def _executor_metadata(cfg, on_ray: list[dict]) -> dict[str, Any]:
-    """Where the step ran: the executor, and on Ray the job id of the per-document stage and the dashboard link."""
+def _executor_metadata(cfg, on_ray: list[dict], dedup_job) -> dict[str, Any]:
+    """Where the step ran: the executor, and on Ray the job ids of the per-document stage and of the dedup, and
+    the dashboard link (a note instead when the cluster runs no dashboard: ``ray[default]`` not installed there)."""
     if not on_ray:
         return {"executor": cfg.executor}
     info = on_ray[0]["ray"]
-    link = MetadataValue.url(info["dashboard_url"]) if info["dashboard_url"] else MetadataValue.md("_no dashboard_")
-    return {"executor": "ray", "ray_job_id": info["job_id"], "ray_address": info["address"], "ray_dashboard": link,
+    link = (MetadataValue.url(info["dashboard_url"]) if info["dashboard_url"] else
+            MetadataValue.md("_no dashboard: the cluster runs without one (install `ray[default]` on its head)_"))
+    return {"executor": "ray", "ray_job_id": info["job_id"], "ray_dedup_job_id": getattr(dedup_job, "job_id", ""),
+            "ray_address": info["address"], "ray_dashboard": link,
             "ray_cluster": f"{info['nodes']} nodes, {info['cpus']:g} CPUs"}
 
 

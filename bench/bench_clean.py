@@ -1,14 +1,16 @@
 """Cleaning benchmark on the demo corpus: throughput per core with each stage's share of the time, MinHash
 signature rate against datasketch's own batch update in the same run, and peak memory when the input doubles;
-the scaling table (``--sections scaling``): MB/s of the whole clean step, of its per-document stage and of MinHash
-alone, in-process and on a local Ray cluster of 1 and 2 one-CPU nodes, on the demo corpus replicated 4 times (copy 1
-as is, copy 2 with the words of every line reversed, copies 3 and 4 with them shuffled: no copy near-duplicates
-another); and (``--sections datatrove``) MinHash removals on the 66,000-document schelling_point corpus of
+the scaling table (``--scaling``, the same as ``--sections scaling``): MB/s of the whole clean step, of its
+per-document stage (a Ray Data pipeline on Ray) and of MinHash alone, in-process and on a local Ray cluster of 1 and 2
+one-CPU nodes, in one run, on the demo corpus replicated ``--copies`` times (default 4; copy 1 as is, copy 2 with the
+words of every line reversed, later copies with them shuffled: no copy near-duplicates another), with the map's CPU
+seconds per node of each Ray run (both workers busy or not); and (``--sections datatrove``) MinHash removals on the 66,000-document schelling_point corpus of
 evals 3.0.1.post1 (owt_5, wikipedia_5 and mix, every row flattened into its 11 variants), with and without
 datatrove's text normalisation, in-process and sharded.
 
 Run: ``python bench/bench_clean.py [--cache-dir DIR] [--repeats 5] [--sections demo,scaling,datatrove]`` (demo: about
-a minute on 2 cores; scaling: about 5 minutes; the demo sources are fetched by name on the first run and cached in
+a minute on 2 cores; ``--scaling``: about 8 minutes on a quiet 2-core machine, ``--scaling --copies 1 --minhash-docs
+12000`` about 3; the demo sources are fetched by name on the first run and cached in
 $KILN_SOURCE_CACHE or ~/.cache/kiln/sources).
 """
 
@@ -131,11 +133,13 @@ def demo_section(raw: Path, tmp: Path, args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------- scaling on Ray
 
 
-def replicated(raw: Path, out: Path, copies: int = 4) -> Path:
-    """The corpus ``copies`` times: as is, words of every line reversed, then shuffled (seeded per copy)."""
+def replicated(raw: Path, out: Path, copies: int = 4, docs: int = 0) -> Path:
+    """The corpus ``copies`` times: as is, words of every line reversed, then shuffled (seeded per copy); ``docs``:
+    only the first that many documents of the corpus (a quick check of the bench itself)."""
     import random
 
     t = pq.read_table(raw)
+    t = t.slice(0, docs) if docs else t
     rows = t.to_pylist()
     for k in range(2, copies + 1):
         rng = random.Random(k)
@@ -211,7 +215,8 @@ def measure_ray(raw: Path, work: Path, address: str, blocks: list[dict]) -> dict
     from kiln.clean.ray_run import RayMap, clean_shards_on_ray, connect, corpus_stage_on_ray
     from kiln.clean.shard import plan_shards
 
-    cfg, say = CleanConfig(executor="ray"), (lambda m: None)
+    cfg, lines = CleanConfig(executor="ray"), []
+    say = lines.append
     connect(address)
     try:
         warm = _warm()
@@ -233,17 +238,18 @@ def measure_ray(raw: Path, work: Path, address: str, blocks: list[dict]) -> dict
         t4 = time.perf_counter()
     finally:
         ray.shutdown()
+    done = [m.split("done: ", 1)[1] for m in lines if "per-document stage done: " in m]
     return {"step_s": t2 - t0, "doc_s": t1 - t0, "minhash_s": t4 - t3, "near": near, "kept": rep.kept_docs,
-            "warm_s": warm, "ids": pq.read_table(work / "c.parquet", columns=["id"]).column("id").to_pylist()}
+            "warm_s": warm, "profile": done[0] if done else "", "ids": pq.read_table(work / "c.parquet", columns=["id"]).column("id").to_pylist()}
 
 
-def scaling_section(raw: Path, tmp: Path, cache_dir: str):
+def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 4, minhash_docs: int = 0, docs: int = 0):
     """The scaling table; returns the 2-node cluster (still running) for the next section."""
     sys.path.insert(0, str(ROOT / "tests"))
     from ray_cluster import RayCluster
 
-    big = replicated(raw, tmp / "raw4.parquet")
-    blocks, n_mh, text_mb = schelling_blocks(cache_dir, tmp / "schelling")
+    big = replicated(raw, tmp / "raw4.parquet", copies, docs)
+    blocks, n_mh, text_mb = schelling_blocks(cache_dir, tmp / "schelling", limit=minhash_docs)
     texts = [x for r in blocks for x in pq.read_table(r["kept"], columns=["text"]).column("text").to_pylist()]
     runs = {}
     (tmp / "local").mkdir()
@@ -260,7 +266,8 @@ def scaling_section(raw: Path, tmp: Path, cache_dir: str):
         cluster.stop()
         raise
     mb = local["in_mb"]
-    print(f"scaling: clean step on the demo corpus x4 (copy 2 words reversed per line, copies 3-4 shuffled), "
+    print(f"scaling: clean step on the demo corpus x{copies} (copy 2 words reversed per line, later copies "
+          f"shuffled), "
           f"{mb:.1f} MB raw, {len(local['ids']):,} kept; MinHash alone (signatures + dedup) on the {n_mh:,}-document "
           f"schelling_point corpus, {text_mb:.1f} MB; Ray workers started before each timing")
     print(f"  {'executor':16s} {'clean step MB/s':>15s} {'per-document MB/s':>17s} {'MinHash MB/s':>12s} "
@@ -272,10 +279,13 @@ def scaling_section(raw: Path, tmp: Path, cache_dir: str):
     print(f"  per-document stage, 2 workers / 1 worker: {one['doc_s'] / two['doc_s']:.2f}x (target >= 1.7); "
           f"MinHash on 1 Ray worker: {one['minhash_s'] / local['minhash_s']:.2f}x the in-process time "
           f"(target <= 1.5)")
+    for name, r in runs.items():
+        if r.get("profile"):
+            print(f"  {name}: {r['profile']}")
     return cluster
 
 
-def schelling_blocks(cache_dir: str, folder: Path, block: int = 6000) -> tuple[list[dict], int, float]:
+def schelling_blocks(cache_dir: str, folder: Path, block: int = 6000, limit: int = 0) -> tuple[list[dict], int, float]:
     """The 66,000 documents of schelling_point (owt_5, wikipedia_5, mix; fields "0".."10" of every row) as
     Parquet blocks of ``block`` rows in file, row, field order: (fake shard results, documents, MB)."""
     base = next(Path(cache_dir).glob("evals-3.0.1.post1-*")) / "evals/registry/data/schelling_point"
@@ -284,6 +294,7 @@ def schelling_blocks(cache_dir: str, folder: Path, block: int = 6000) -> tuple[l
         for i, line in enumerate((base / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()):
             rec = json.loads(line)
             rows += [{"id": f"{name}/{i}/{k}", "url": "", "text": rec[str(k)]} for k in range(11)]
+    rows = rows[:limit] if limit else rows
     folder.mkdir(parents=True, exist_ok=True)
     results = []
     for j in range(0, len(rows), block):
@@ -334,8 +345,14 @@ def main() -> int:
                         os.path.expanduser("~/.cache/kiln/sources"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sections", default="demo", help="comma-separated: demo, scaling, datatrove")
+    parser.add_argument("--scaling", action="store_true", help="the scaling table alone (--sections scaling)")
+    parser.add_argument("--copies", type=int, default=4, help="scaling: copies of the demo corpus in the input")
+    parser.add_argument("--minhash-docs", type=int, default=0, help="scaling: MinHash alone on the first N "
+                        "schelling_point documents (0: all 66,000)")
+    parser.add_argument("--docs", type=int, default=0, help="scaling: only the first N demo documents (a quick "
+                        "check of the bench, not a measurement)")
     args = parser.parse_args()
-    sections = set(args.sections.split(","))
+    sections = {"scaling"} if args.scaling else set(args.sections.split(","))
     with tempfile.TemporaryDirectory(prefix="kiln-bench-clean-") as tmp:
         tmp = Path(tmp)
         raw = demo_raw(args.cache_dir, tmp / "raw.parquet")
@@ -344,7 +361,7 @@ def main() -> int:
         cluster = None
         try:
             if "scaling" in sections:
-                cluster = scaling_section(raw, tmp, args.cache_dir)
+                cluster = scaling_section(raw, tmp, args.cache_dir, args.copies, args.minhash_docs, args.docs)
             if "datatrove" in sections:
                 datatrove_section(args.cache_dir, tmp, cluster)
         finally:

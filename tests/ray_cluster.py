@@ -24,6 +24,13 @@ RAY = str(Path(sys.executable).with_name("ray"))
 OBJECT_STORE = 80 * 1024 * 1024  # bytes per node
 
 
+def dashboard_installed() -> bool:
+    """Whether Ray's dashboard can run here (``ray[default]``'s extras); without them the head runs none."""
+    from importlib.util import find_spec
+
+    return all(find_spec(m) is not None for m in ("aiohttp_cors", "prometheus_client", "opencensus"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,8 +73,10 @@ class RayCluster:
         subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=120)
 
     def start(self) -> "RayCluster":
-        self._ray_start("--head", f"--port={self.port}", "--include-dashboard=false",
-                        f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}")
+        self.dashboard_port = free_port() if dashboard_installed() else 0
+        self._ray_start("--head", f"--port={self.port}", f"--include-dashboard={bool(self.dashboard_port)}".lower(),
+                        "--dashboard-host=127.0.0.1", f"--ray-client-server-port={free_port()}",
+                        f"--dashboard-port={self.dashboard_port or free_port()}")
         for _ in range(self.workers):
             self.add_worker()
         return self

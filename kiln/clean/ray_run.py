@@ -1,28 +1,32 @@
-"""The clean step on a Ray cluster (``clean.executor: ray``): the per-document stage as one Ray task per shard
-(``kiln.clean.shard.clean_shard`` itself), the corpus stage's dedup as the sharded passes of
+"""The clean step on a Ray cluster (``clean.executor: ray``): the per-document stage as a Ray Data pipeline
+(``kiln.clean.ray_data``: the raw Parquet, a path or an fsspec URL, read with ``ray.data.read_parquet``, the stage
+mapped over Arrow blocks with ``map_batches``), the corpus stage's dedup as the sharded passes of
 ``kiln.clean.ray_dedup`` (Ray tasks, hash-partitioned), then the corpus stage's later passes in this process.
 
 Start a cluster with ``ray start --head --port=6379 --num-cpus=2``, then
 ``python -c "from kiln.clean.ray_run import clean_on_ray; print(clean_on_ray('raw.parquet', 'c.parquet', 'r.parquet', address='127.0.0.1:6379').kept_docs)"``.
-Shard outputs go to ``work_dir``, which every node must see (one machine, or a shared file system).
-"""
+Shard outputs go to ``work_dir``, which every node must see (one machine, or a shared file system)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import socket
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kiln.clean.config import CleanConfig, CleanSettings, rule_keys
 from kiln.clean.corpus import merge_shards, write_clean_corpus
+from kiln.clean.ray_data import PIECES, Plan, assemble_shard, doc_stage, pieces_of, raw_source, shard_starts
 from kiln.clean.ray_dedup import dedup_decisions, decided_stage
 from kiln.clean.report import CleanReport, EmptyCorpusError
-from kiln.clean.shard import Progress, clean_shard, open_raw, plan_shards
+from kiln.clean.schema import INPUT_COLUMNS
+from kiln.clean.shard import Progress, open_raw, plan_shards
 from kiln.filters.base import Filter
 
 PROJECT = Path(__file__).resolve().parent.parent.parent  # put on the workers' PYTHONPATH
@@ -139,42 +143,117 @@ class RayMap:
             yield index[done[0]], value
 
 
-def _shard_task(in_path: str, shard: dict[str, Any], out_dir: str, cfg: CleanSettings,
-                filters: list[Filter] | None) -> dict[str, Any]:
-    """``clean_shard`` in a task; counts its attempts in ``out_dir/.attempts`` so retries can be reported."""
-    marker = Path(out_dir) / ".attempts"
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    attempt = int(marker.read_text() or 0) + 1 if marker.is_file() else 1
-    marker.write_text(str(attempt))
-    return {**clean_shard(in_path, shard, out_dir, cfg, filters), "attempt": attempt}
+def _block_rows(total: int, cpus: int, cfg: CleanSettings) -> int:
+    """Rows per Ray Data block: at most ``cfg.batch_size``, and small enough that every CPU gets about four
+    blocks, so no worker waits while another runs the last big one."""
+    return max(1, min(cfg.batch_size, -(-total // (4 * max(cpus, 1)))))
+
+
+def _doc_dataset(in_path: str | Path, plan: Plan, cpus: int, max_retries: int, total: int) -> Any:
+    """The raw Parquet as a Ray Data Dataset of Arrow blocks, the per-document stage mapped over it."""
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # progress goes to ``say`` (the Dagster log)
+    path, fs = raw_source(in_path)
+    with warnings.catch_warnings():  # deprecated in Ray 2.60 without a named replacement (ray is pinned)
+        warnings.filterwarnings("ignore", message=".*(columns=. on .read_parquet|ray_remote_args. is deprecated)")
+        ds = ray.data.read_parquet(path, filesystem=fs, columns=list(INPUT_COLUMNS), include_paths=True,
+                                   include_row_hash=True, file_extensions=None)
+        ds = ds.repartition(target_num_rows_per_block=_block_rows(total, cpus, plan.cfg))
+        # max_retries: Ray Data's tasks otherwise retry a dying worker forever
+        return ds.map_batches(doc_stage, batch_size=None, batch_format="pyarrow", fn_kwargs={"plan": plan},
+                              compute=ray.data.TaskPoolStrategy(size=max(cpus, 1)), num_cpus=1,
+                              max_retries=max_retries, retry_exceptions=False)
+
+
+def _failed_pieces(plan: Plan, max_retries: int) -> list[int]:
+    """Shards whose piece was started more than ``max_retries`` + 1 times and never written (its worker died)."""
+    out = set()
+    for m in (Path(plan.work) / PIECES).glob("*.attempts"):
+        if int(m.read_text() or 0) > max_retries and not m.with_suffix(".kept.parquet").is_file():
+            out.add(int(m.name[1:6]))
+    return sorted(out)
+
+
+def _run_doc_stage(ds: Any, plan: Plan, say: Progress, total: int, max_retries: int) -> dict[int, list]:
+    """The pieces per shard as the pipeline finishes them; a line for each piece a dead worker made Ray rerun;
+    RayClusterError naming the shard when one failed for good."""
+    import ray
+
+    by_shard: dict[int, list[dict[str, Any]]] = {}
+    try:
+        for p in pieces_of(ds, say, total):
+            if p["attempt"] > 1:
+                s = plan.shards[p["shard"]]
+                say(f"clean on ray: shard {s['index']} ({s['source']}) finished on attempt {p['attempt']}: Ray "
+                    f"reran its rows {p['first']}.. after their worker died")
+            by_shard.setdefault(p["shard"], []).append(p)
+    except (ray.exceptions.RayError, RuntimeError) as e:
+        failed = _failed_pieces(plan, max_retries)
+        if not failed:
+            raise
+        first = str(e).strip().splitlines()[0][:300]
+        raise RayClusterError(
+            f"clean on ray: per-document stage task {failed[0]} of {len(plan.shards)} failed after Ray's "
+            f"{max_retries} retries (shard {failed[0]}: {plan.shards[failed[0]]['source']}; {type(e).__name__}: "
+            f"{first}); nothing was written to the outputs. Rerun (finished shards are reused), or set "
+            f"clean.executor: local.") from None
+    return by_shard
+
+
+def _check_complete(todo: list[dict[str, Any]], by_shard: dict[int, list]) -> None:
+    """Every row of every shard came back from the pipeline exactly once; never a silent partial corpus."""
+    for s in todo:
+        firsts = [p["first"] for p in by_shard.get(s["index"], [])]
+        got = sum(p["docs"] for p in by_shard.get(s["index"], []))
+        if got != s["docs"] or len(set(firsts)) != len(firsts):
+            raise RayClusterError(
+                f"clean on ray: shard {s['index']} ({s['source']}): the per-document stage returned {got} rows in "
+                f"{len(firsts)} pieces for its {s['docs']} rows; nothing was written to the outputs. Rerun, or set "
+                f"clean.executor: local.")
 
 
 def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_dir: Callable[[dict], Path],
                         cfg: CleanSettings, say: Progress, filters: list[Filter] | None = None,
-                        max_retries: int = 3) -> list[dict[str, Any]]:
-    """The per-document stage, one task per shard, into ``out_dir(shard)``; a progress line as each shard
-    finishes, and one for each shard that a dead worker made Ray run again."""
+                        max_retries: int = 3, work_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """The per-document stage on the cluster as a Ray Data pipeline (kiln.clean.ray_data), then one task per
+    shard that writes its outputs into ``out_dir(shard)``; shards already there are reused (not with
+    ``filters``). Progress lines as blocks finish, and one for each rerun after a dead worker."""
     import ray
 
-    rmap, t0 = RayMap(say, max_retries), time.perf_counter()
-    task = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(_shard_task)
-    cfg_ref = ray.put(cfg)
-    refs = [task.options(name=f"kiln.clean:shard {s['index']}").remote(str(in_path), s, str(out_dir(s)), cfg_ref,
-                                                                        filters) for s in shards]
-    done: list[dict[str, Any]] = []
-    docs = passed = nbytes = 0
-    for _, r in rmap.wait(refs, "per-document stage"):
-        rep, shard = r["report"], r["shard"]
-        if r["attempt"] > 1:
-            say(f"clean on ray: shard {shard['index']} ({shard['source']}) finished on attempt {r['attempt']}: "
-                f"Ray reran it after its worker died")
-        done.append(r)
-        docs, passed = docs + rep["input_docs"], passed + rep["input_docs"] - rep["dropped_docs"]
-        nbytes += rep["input_bytes"]
-        dt = max(time.perf_counter() - t0, 1e-9)
-        say(f"clean on ray: {len(done)} of {len(shards)} shards, {docs} docs read, {passed} passed the document "
-            f"rules, {docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s")
-    return sorted(done, key=lambda r: r["shard"]["index"])
+    cache = filters is None
+    done = {s["index"]: json.loads((out_dir(s) / "report.json").read_text()) for s in shards
+            if cache and (out_dir(s) / "report.json").is_file()}
+    todo = [s for s in shards if s["index"] not in done]
+    if not todo:
+        return [done[s["index"]] for s in shards]
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    work = Path(tempfile.mkdtemp(prefix="kiln-ray-", dir=work_dir))
+    try:
+        (work / PIECES).mkdir()
+        with open_raw(in_path) as pf:
+            plan = Plan(str(in_path), shards, shard_starts(pf, shards), set(done), cfg, filters, str(work))
+        total = sum(s["docs"] for s in todo)
+        t0 = time.perf_counter()
+        by_shard = _run_doc_stage(_doc_dataset(in_path, plan, cpus, max_retries, total), plan, say, total,
+                                  max_retries)
+        _check_complete(todo, by_shard)
+        jobs = [(s, by_shard.get(s["index"], []), str(out_dir(s)), cfg, cache) for s in todo]
+        made = RayMap(say, max_retries)(assemble_shard, jobs, label="shard outputs")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    docs = sum(r["report"]["input_docs"] for r in made)
+    nbytes = sum(r["report"]["input_bytes"] for r in made)
+    dt = max(time.perf_counter() - t0, 1e-9)
+    cpu: dict[str, float] = {}
+    for p in (p for ps in by_shard.values() for p in ps):
+        cpu[p["node"]] = cpu.get(p["node"], 0.0) + p["cpu_s"]
+    say(f"clean on ray: per-document stage done: {len(made)} shards written ({len(done)} reused), {docs} docs, "
+        f"{docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s; map CPU seconds per node "
+        f"{', '.join(f'{n} {s:.1f}' for n, s in sorted(cpu.items()))} in {dt:.1f} s")
+    done.update({r["shard"]["index"]: r for r in made})
+    return [done[s["index"]] for s in shards]
 
 
 def corpus_stage_on_ray(results: list[dict[str, Any]], cfg: CleanSettings, say: Progress, max_retries: int = 3,
@@ -199,7 +278,8 @@ def clean_on_ray(in_path: str | Path, out_path: str | Path, removed_path: str | 
     """``kiln.clean.run.clean`` on the cluster at ``address``: the same outputs and report (but its timings)."""
     import ray
 
-    in_path, cfg, say = Path(in_path), cfg or CleanConfig(), progress or (lambda _m: None)
+    in_path = in_path if "://" in str(in_path) else Path(in_path)  # a path or an fsspec URL
+    cfg, say = cfg or CleanConfig(), progress or (lambda _m: None)
     t0 = time.perf_counter()
     info = connect(address)
     say(f"clean on ray: job {info.job_id} on {info.address}, {info.nodes} nodes, {info.cpus:g} CPUs"
@@ -212,7 +292,7 @@ def clean_on_ray(in_path: str | Path, out_path: str | Path, removed_path: str | 
                 pass
             raise EmptyCorpusError(CleanReport(config=dataclasses.asdict(cfg)), in_path, rule_keys(cfg))
         results = clean_shards_on_ray(in_path, shards, lambda s: tmp / f"shard-{s['index']:05d}", cfg, say,
-                                      filters, max_retries)
+                                      filters, max_retries, work_dir)
         stage = corpus_stage_on_ray(results, cfg, say, max_retries, partitions)
         report = merge_shards(results, out_path, removed_path, cfg, progress, work_dir, artifacts_dir, stage=stage)
     except EmptyCorpusError as e:

@@ -68,12 +68,13 @@ def clean(
     EmptyCorpusError, writing neither file, when no document is kept. ``filters`` replaces the document rules.
     With ``cfg.executor == "ray"`` both stages run on the Ray cluster at ``ray_address`` (kiln.clean.ray_run).
     """
-    in_path, cfg = Path(in_path), cfg or CleanConfig()
-    if cfg.executor == "ray":
+    cfg = cfg or CleanConfig()
+    if cfg.executor == "ray":  # the raw corpus may be an fsspec URL there
         from kiln.clean.ray_run import clean_on_ray
 
         return clean_on_ray(in_path, out_path, removed_path, cfg, ray_address, progress, filters, work_dir,
                             artifacts_dir)
+    in_path = Path(in_path)
     say = progress or (lambda _m: None)
     t0 = time.perf_counter()
     shards = plan_shards(in_path, cfg.shard_docs)

@@ -36,9 +36,17 @@ from kiln.filters.registry import RegistryError
 Progress = Callable[[str], None]  # gets a one-line message; a logger's .info fits
 
 
-def open_raw(in_path: Path) -> pq.ParquetFile:
-    """The raw corpus Parquet, checked for the columns cleaning reads (ValueError naming the file if one is missing)."""
-    pf = pq.ParquetFile(in_path)
+def open_raw(in_path: Path | str) -> pq.ParquetFile:
+    """The raw corpus Parquet (a path, or an fsspec URL such as memory://raw.parquet), checked for the columns
+    cleaning reads (ValueError naming the file if one is missing)."""
+    if isinstance(in_path, str) and "://" in in_path:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(in_path)
+        pf = pq.ParquetFile(fs.open(path, "rb"))
+        pf.filesystem = fs  # alive as long as the file: a zip:// filesystem closes its archive when collected
+    else:
+        pf = pq.ParquetFile(in_path)
     missing = [c for c in INPUT_COLUMNS if c not in pf.schema_arrow.names]
     if missing:
         raise ValueError(
@@ -56,7 +64,7 @@ def plan_shards(in_path: str | Path, shard_docs: int) -> list[dict[str, Any]]:
     changes its shard's key even at an equal size, and a shard whose rows did not change keeps its key when
     sources are added or removed around it.
     """
-    in_path = Path(in_path)
+    in_path = in_path if isinstance(in_path, str) and "://" in in_path else Path(in_path)
     shards: list[dict[str, Any]] = []
     with open_raw(in_path) as pf:
         for rg in range(pf.num_row_groups):

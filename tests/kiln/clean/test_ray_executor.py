@@ -7,6 +7,7 @@ Run: python -m pytest tests/kiln/clean/test_ray_executor.py -q (about a minute: 
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -71,6 +72,8 @@ def test_ray_executor_writes_the_local_outputs(tmp_path: Path, ray_cluster) -> N
     assert local[2]["edits"]["dedup:line"]["items"] > 0
     assert any(f"on {ray_cluster.address}, 2 nodes, 2 CPUs" in m for m in lines)
     assert any("sharded dedup over" in m for m in lines)
+    assert any(m.startswith("clean on ray: per-document stage: 48 of 48 docs") for m in lines), lines
+    assert any("per-document stage done: 4 shards written (0 reused), 48 docs" in m for m in lines), lines
 
 
 def test_worker_killed_mid_stage_is_retried_with_the_same_result(tmp_path: Path, ray_cluster) -> None:
@@ -98,3 +101,22 @@ def test_worker_dying_every_try_fails_clearly_and_leaves_outputs(tmp_path: Path,
         run_ray(tmp_path, raw, ray_cluster, filters=[killer], max_retries=1)
     assert (tmp_path / "ray/c.parquet").read_bytes() == b"earlier corpus"
     assert not (tmp_path / "ray/r.parquet").exists()
+
+
+def test_raw_corpus_from_fsspec_urls_gives_the_local_outputs(tmp_path: Path, ray_cluster) -> None:
+    import fsspec
+
+    raw = corpus(tmp_path)
+    local = run_local(tmp_path, raw)
+    with zipfile.ZipFile(tmp_path / "raw.zip", "w") as z:
+        z.write(raw, "corpus/raw.parquet")
+    urls = (raw.as_uri(), f"zip://corpus/raw.parquet::{(tmp_path / 'raw.zip').as_uri()}")
+    for i, url in enumerate(urls):
+        (tmp_path / f"url{i}").mkdir()
+        rep = clean_on_ray(url, tmp_path / f"url{i}/c.parquet", tmp_path / f"url{i}/r.parquet",
+                           CleanConfig.from_dict(CFG), address=ray_cluster.address, work_dir=tmp_path)
+        same(local, outputs(tmp_path / f"url{i}", rep))
+    fsspec.filesystem("memory").pipe("/kiln-test/raw.parquet", raw.read_bytes())
+    with pytest.raises(ValueError, match="memory:// file lives in this process only"):
+        clean_on_ray("memory://kiln-test/raw.parquet", tmp_path / "m.parquet", tmp_path / "mr.parquet",
+                     CleanConfig.from_dict(CFG), address=ray_cluster.address, work_dir=tmp_path)
