@@ -149,3 +149,52 @@ def test_load_reward_model_refuses_a_plain_checkpoint(tmp_path, tiny_tokenizer) 
                     {"model": asdict(ModelConfig(**TINY))}, {"tokenizer.json": tok_path})
     with pytest.raises(ValueError, match="not a reward model checkpoint"):
         load_reward_model(tmp_path / "lm")
+
+
+def reward_job(tmp_path: Path, tok_path: Path, model: dict, init: Path, data: Path, **overrides) -> Path:
+    job = {"task": "reward", "out_dir": str(tmp_path / "run"), "tokenizer": str(tok_path), "model": model,
+           "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0}, "train_files": [str(data)],
+           "init_from": str(init), "seq_len": 31, "micro_batch": 8, "max_steps": 12, "eval_interval": 6,
+           "eval_pairs": 16, "log_interval": 6, "ckpt_interval": 6, **overrides}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    return tmp_path / "job.json"
+
+
+@pytest.mark.slow
+def test_reward_job_on_two_gloo_processes_follows_one_process_and_learns(tmp_path, tiny_tokenizer, model_dict) -> None:
+    """The job through the shared harness: 2 ranks x 4 pairs give the 1 x 8
+    curve with identical replicas; the checkpoint loads back as a reward model."""
+    import subprocess
+    import sys
+
+    from kiln.posttrain.preferences import build_preferences
+    from kiln.posttrain.instructions import build_pairs
+    from tests.conftest import subprocess_env
+
+    root = Path(__file__).resolve().parents[3]
+    enc, tok_path = tiny_tokenizer
+    model = {**model_dict, "dropout": 0.0}
+    torch.manual_seed(0)
+    init = save_checkpoint(tmp_path / "init", 0, {"model": build_model(ModelConfig(**model)).state_dict()},
+                           {"model": model}, {"tokenizer.json": tok_path})
+    data = tmp_path / "prefs.jsonl"
+    write_jsonl(build_preferences(build_pairs([], n_arithmetic=120, seed=5, val_permille=250, max_doc_pairs=0)), data)
+    one = reward_job(tmp_path / "one", tok_path, model, init, data)
+    two = reward_job(tmp_path / "two", tok_path, model, init, data, micro_batch=4)
+    for cmd in ([sys.executable, "-m", "kiln.posttrain", "--config", str(one), "--device", "cpu"],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                 "kiln.posttrain", "--config", str(two), "--device", "cpu"]):
+        proc = subprocess.run(cmd, cwd=root, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ref, res = (json.loads((p.parent / "run" / "result.json").read_text()) for p in (one, two))
+    assert "reward model on" in proc.stdout and "held-out acc" in proc.stdout
+    assert res["world_size"] == 2 and res["parallelism"] == "ddp" and len(set(res["rank_param_digests"])) == 1
+    assert [h["step"] for h in res["history"]] == [0, 6, 12]
+    for key in ("val_loss", "val_accuracy", "val_margin"):
+        assert [h.get(key) for h in res["history"]] == pytest.approx([h.get(key) for h in ref["history"]], abs=1e-4), key
+    assert ref["initial_val"]["loss"] == pytest.approx(math.log(2), abs=0.05)  # a fresh head scores pairs alike
+    assert ref["final_val"]["margin"] != ref["initial_val"]["margin"] and 0 <= ref["final_val"]["accuracy"] <= 1
+    assert ref["pairs"]["val"] == 16
+    rm, _, meta = load_reward_model(ref["checkpoint"])
+    assert meta["task"] == "reward" and meta["head"] == "reward" and meta["pad_token_id"] == enc.eot_token
