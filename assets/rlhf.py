@@ -21,15 +21,15 @@ from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
-RewardOptim = schema_of(OptimConfig, defaults={"lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0}, name="RewardOptim")
+RewardOptim = schema_of(OptimConfig, defaults={"lr": 2e-4, "warmup_steps": 10, "weight_decay": 0.0}, name="RewardOptim")
 PpoOptim = schema_of(OptimConfig, defaults={"lr": 2e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},
                      name="PpoOptim")
 
-REWARD_FIELDS = ("max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
+REWARD_FIELDS = ("pair_kinds", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
 
 
 class RewardModelConfig(schema_of(RewardJob, include=REWARD_FIELDS, name="RewardJobFields", defaults={
-        "max_steps": 60, "micro_batch": 16, "eval_interval": 20})):
+        "pair_kinds": ["arithmetic"], "max_steps": 80, "micro_batch": 32, "eval_interval": 20})):
     optim: RewardOptim = Field(default_factory=RewardOptim, description="AdamW and its schedule for the reward model.")
 
 
@@ -70,7 +70,7 @@ the preference pairs), not the DPO -> RL chain above: {ppo_model['steps']} PPO s
 """ + table(rows) + "\n")
 
 
-PPO_FIELDS = ("max_steps", "max_new_tokens", "temperature", "kl_coef", "gamma", "lam", "clip_range", "value_clip",
+PPO_FIELDS = ("prompt_kinds", "max_steps", "max_new_tokens", "temperature", "kl_coef", "gamma", "lam", "clip_range", "value_clip",
               "ppo_epochs", "value_lr", "eval_interval", "eval_items", "seed")
 
 

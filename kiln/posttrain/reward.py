@@ -10,7 +10,7 @@ writes it as GPT2/Llama/Qwen3ForSequenceClassification (pad_token_id = end-of-te
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -31,6 +31,7 @@ from kiln.train.trainer import Stage, StepReport, Trainer
 @dataclass
 class RewardJob(PosttrainJob):
     task: str = "reward"
+    pair_kinds: list = field(default_factory=list)  # preference kinds to train and hold out on (arithmetic, doc_section); empty: all
     eval_pairs: int = 256  # held-out (split=val) pairs scored at each evaluation
 
 
@@ -138,8 +139,9 @@ class RewardStage(Stage):
             raise ValueError("job.train_files is empty: give the preference_data pairs JSONL")
         self.job, self.info = job, info
         self.enc = load_encoding(job.tokenizer)
-        self.train_rows = read_jsonl_split(job.train_files[0], "train")
-        self.val_rows = read_jsonl_split(job.train_files[0], "val")[: job.eval_pairs]
+        kinds = job.pair_kinds or None
+        self.train_rows = read_jsonl_split(job.train_files[0], "train", kinds)
+        self.val_rows = read_jsonl_split(job.train_files[0], "val", kinds)[: job.eval_pairs]
         tt, tl = encode_pairs(self.enc, self.train_rows, job.seq_len)
         self.vt, self.vl = encode_pairs(self.enc, self.val_rows, job.seq_len)
         if len(self.train_rows) < job.micro_batch * info.world_size:
@@ -152,7 +154,8 @@ class RewardStage(Stage):
         self.init_note = " (a new scalar head)"
 
     def describe(self, trainer: Trainer) -> str:
-        return (f"reward model on {len(self.train_rows)} pairs, {len(self.val_rows)} held out; "
+        kinds = ", ".join(self.job.pair_kinds) or "every kind"
+        return (f"reward model on {len(self.train_rows)} pairs ({kinds}), {len(self.val_rows)} held out; "
                 f"{self.info.world_size} x {self.info.device.type}, steps {trainer.run.step}->{self.job.max_steps}")
 
     def batches(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
