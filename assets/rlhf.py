@@ -21,15 +21,15 @@ from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
-RewardOptim = schema_of(OptimConfig, defaults={"lr": 2e-4, "warmup_steps": 10, "weight_decay": 0.0}, name="RewardOptim")
-PpoOptim = schema_of(OptimConfig, defaults={"lr": 2e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},
+RewardOptim = schema_of(OptimConfig, defaults={"lr": 3e-4, "warmup_steps": 5, "weight_decay": 0.0}, name="RewardOptim")
+PpoOptim = schema_of(OptimConfig, defaults={"lr": 5e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},
                      name="PpoOptim")
 
 REWARD_FIELDS = ("pair_kinds", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
 
 
 class RewardModelConfig(schema_of(RewardJob, include=REWARD_FIELDS, name="RewardJobFields", defaults={
-        "pair_kinds": ["arithmetic"], "max_steps": 80, "micro_batch": 32, "eval_interval": 20})):
+        "pair_kinds": ["arithmetic"], "max_steps": 40, "micro_batch": 16, "eval_interval": 10})):
     optim: RewardOptim = Field(default_factory=RewardOptim, description="AdamW and its schedule for the reward model.")
 
 
@@ -75,7 +75,7 @@ PPO_FIELDS = ("prompt_kinds", "max_steps", "max_new_tokens", "temperature", "kl_
 
 
 class PpoModelConfig(schema_of(PpoJob, include=PPO_FIELDS, name="PpoJobFields", defaults={
-        "max_steps": 40, "temperature": 0.7, "kl_coef": 0.05, "eval_interval": 10})):
+        "max_steps": 30, "temperature": 0.7, "kl_coef": 0.05, "eval_interval": 10, "eval_items": 50})):
     prompts_per_step: int = Field(default=PpoJob.micro_batch, description="Prompts per rank per rollout (the job's micro_batch).")
     optim: PpoOptim = Field(default_factory=PpoOptim, description="AdamW and its schedule for the policy.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains policy adapters only.")

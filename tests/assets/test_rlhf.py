@@ -25,6 +25,14 @@ from tests.assets.test_posttrain import doc_ids, page
 from tests.conftest import make_docs
 
 
+def stub(name: str, value: dict):
+    """An upstream asset that returns ``value`` as it is."""
+    @asset(name=name)
+    def _stub() -> dict:
+        return value
+    return _stub
+
+
 @pytest.fixture(scope="module")
 def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
     import pyarrow as pa
@@ -49,7 +57,7 @@ def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
              "sft_model": {"checkpoint": str(sft_ckpt), "version": "sft0"}, "tokenizer": {"path": str(tok_path), "version": "tok0"},
              "training_plan": {"model": model, "seq_len": 31, "world_size": 1, "micro_batch": 4, "grad_accum": 1,
                                "hardware": {"device": "cpu", "nproc_per_node": 1}}}
-    made = [asset(name=name)(lambda v=value: v) for name, value in stubs.items()]
+    made = [stub(name, value) for name, value in stubs.items()]
     resources = {"storage": KilnStorageResource(root=str(home / "storage")),
                  "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art")),
                  "torchrun": TorchrunResource(timeout_s=300, pg_timeout_s=120),
