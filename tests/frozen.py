@@ -5,7 +5,7 @@ compares its own smoke run with ``tests/data/smoke_frozen.json``.
 
 Left out, with the reason: eval_suite, contamination_report and eval_scores hash task files that name the run's
 absolute storage root; dpo_model and rl_model versions hash per-run bookkeeping (their weights digests are
-compared instead, as are reward_model's and ppo_model's); release_bundle records the runs that made it (its weights file is compared instead).
+compared instead); release_bundle records the runs that made it (its weights file is compared instead).
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ def record(home: Path, instance, result) -> dict:
         "data_versions": versions,
         "clean_shards": shards,
         "clean_corpus_sha256": _sha256(Path(out("clean_corpus")["path"])),
-        "weights": {k: _weights(out(k)["checkpoint"]) for k in ("base_model", "sft_model", "dpo_model", "rl_model",
-                                                                 "reward_model", "ppo_model")},
+        "weights": {k: _weights(out(k)["checkpoint"]) for k in ("base_model", "sft_model", "dpo_model", "rl_model")},
         "release_weights_sha256": _sha256(Path(out("release_bundle")["dir"]) / "model.safetensors"),
         "eval_scores": scores,
     }
