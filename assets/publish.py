@@ -3,13 +3,15 @@ registered in MLflow's model registry. Materialize with ``kiln run``."""
 
 
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
-from dagster import AssetCheckResult, AssetExecutionContext, Config, MetadataValue, Output, asset, asset_check
+from dagster import AssetCheckResult, AssetExecutionContext, Config, Failure, MetadataValue, Output, asset, asset_check
 from pydantic import Field
 
 from assets._common import asset_output, md_table
+from assets.rlhf import rlhf_card_section
 from kiln.posttrain.measures import stage_rows
 from kiln.release.bundle import write_release
 from kiln.release.card import CONFIG_FILE, card_figures, model_card, settings_rows
@@ -24,6 +26,10 @@ class ReleaseBundleConfig(Config):
     license: str = Field(default="Apache-2.0", description="Licence of the released weights (the data's licences are listed separately).")
     alias: str = Field(default="candidate", description="MLflow registry alias moved to this release unless evaluation regressed.")
     regression_tolerance: float = Field(default=0.02, description="How much worse (absolute) any eval score may be than the previous release's.")
+    stage: str = Field(default="rl_model", description="Whose weights are released: rl_model (SFT -> DPO -> RL) or ppo_model (SFT -> reward model -> PPO; materialize it first, e.g. kiln run --preset rlhf).")
+
+
+RELEASABLE = ("rl_model", "ppo_model")  # release_bundle.stage choices
 
 
 def _bundle_metadata(value: dict, manifest: dict, ui_url: str, card: str) -> dict:
@@ -55,12 +61,27 @@ def _run_settings(context) -> tuple[list[dict] | None, dict]:
     return settings_rows(ops(given), ops(defaults)), ops(given)
 
 
+def _released(config: ReleaseBundleConfig, rl_model: dict, ppo_model: Optional[dict]) -> tuple[dict, dict]:
+    """(the released stage's output, extra lineage {asset: version}) for release_bundle.stage."""
+    if config.stage not in RELEASABLE:
+        raise Failure(description=f"release_bundle.stage is {config.stage!r}: choose one of {', '.join(RELEASABLE)}",
+                      allow_retries=False)
+    if config.stage == "rl_model":
+        return rl_model, {}
+    if ppo_model is None:
+        raise Failure(description="release_bundle.stage is ppo_model, which was never materialized in this home: run "
+                      "kiln run --preset rlhf (or --select reward_model,ppo_model,release_bundle)", allow_retries=False)
+    return ppo_model, {"reward_model": ppo_model["reward_model"], "ppo_model": ppo_model["version"]}
+
+
 @asset(code_version="2", group_name="release")  # 2: plots and run_config.yaml in the bundle
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
-                   raw_documents: dict, instruction_data: dict, storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The released model, the last post-training stage (SFT -> DPO -> RL): safetensors weights in the Hugging Face layout of the model's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM), config, tokenizer, a model card written from lineage, and SHA256SUMS."""
+                   raw_documents: dict, instruction_data: dict, storage: KilnStorageResource, mlflow: MlflowResource,
+                   ppo_model: Optional[dict] = None) -> Output[dict]:
+    """The released model, the post-training stage named by stage: rl_model (SFT -> DPO -> RL, the default) or ppo_model (SFT -> reward model -> PPO): safetensors weights in the Hugging Face layout of the model's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM), config, tokenizer, a model card written from lineage, and SHA256SUMS."""
+    released, rlhf = _released(config, rl_model, ppo_model)
     up = {"raw_documents": raw_documents, "clean_corpus": clean_corpus, "tokenizer": tokenizer, "token_shards": token_shards,
           "training_plan": training_plan, "base_model": base_model, "eval_scores": eval_scores,
           "instruction_data": instruction_data, "preference_data": preference_data, "sft_model": sft_model,
@@ -68,7 +89,9 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
     settings, full_config = _run_settings(context)
     figures = card_figures(up)
     card = model_card(config.name, config.license, up, stage_rows(sft_model, dpo_model, rl_model), settings, figures)
-    lineage = lineage_versions(up)
+    if rlhf:
+        card += rlhf_card_section(sft_model, ppo_model)
+    lineage = {**lineage_versions(up), **rlhf}
     with asset_output(context, mlflow, parent=storage.path("release_bundle"), config=config, params={"name": config.name},
                       tags={f"input.{k}": v for k, v in lineage.items()}, reuse={"lineage": lineage}) as out:
         if out.reused:
@@ -76,7 +99,7 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
         scores = flat_scores(eval_scores)
         extra = release_sections(config.name, config.license, up, scores, {"release_bundle": config.model_dump()})
         files = {**figures, CONFIG_FILE: yaml.safe_dump({"ops": full_config}, sort_keys=True).encode()} if full_config else figures
-        manifest = write_release(rl_model["checkpoint"], out.stage, card, extra, files)
+        manifest = write_release(released["checkpoint"], out.stage, card, extra, files)
         final = out.commit()
         out.log_artifact(final / "README.md")
         reg, prev, regressions = register_unless_regressed(mlflow.resolved_uri(), config.name, final, scores, lineage,

@@ -38,8 +38,9 @@ what the next run would redo and why. Examples:
 """
 
 
-def load_preset(name_or_path: str) -> dict[str, Any]:
-    """Run config of a preset (a name under conf/presets or a YAML path); unknown presets name the known ones."""
+def load_preset(name_or_path: str, keep_opt_in: bool = False) -> dict[str, Any]:
+    """Run config of a preset (a name under conf/presets or a YAML path); unknown presets name the known ones.
+    ``opt_in`` (the opt-in assets, jobs.definitions.OPT_IN, that the preset runs) is kept only with keep_opt_in."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PRESETS / f"{name_or_path}.yaml"
@@ -47,12 +48,15 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
         known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
         raise SystemExit(f"kiln: give a preset name or a YAML path: no preset '{name_or_path}' ({path}); known presets: {known}")
     data = yaml.safe_load(path.read_text()) or {}
-    unknown = set(data) - {"ops", "resources", "execution", "loggers", "extends"}
+    unknown = set(data) - {"ops", "resources", "execution", "loggers", "extends", "opt_in"}
     if unknown:
-        raise SystemExit(f"kiln: keep to ops, resources, execution, loggers and extends at the top of {path}: unknown "
-                         f"top-level key(s) {sorted(unknown)} (a preset is Dagster run config)")
+        raise SystemExit(f"kiln: keep to ops, resources, execution, loggers, extends and opt_in at the top of {path}: "
+                         f"unknown top-level key(s) {sorted(unknown)} (a preset is Dagster run config)")
     base = data.pop("extends", None)
-    return deep_merge(load_preset(base), data) if base else data
+    merged = deep_merge(load_preset(base, True), data) if base else data
+    if not keep_opt_in:
+        merged.pop("opt_in", None)
+    return merged
 
 
 def select_config(run_config: dict[str, Any], keys: list[str]) -> dict[str, Any]:
@@ -67,16 +71,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
     from dagster import AssetKey, DagsterInstance, DagsterInvalidConfigError
 
-    from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources
+    from jobs.definitions import ALL_ASSETS, OPT_IN, complete_resource_config, make_definitions, make_resources
 
     defs = make_definitions(home)
     names = [a.key.to_user_string() for a in ALL_ASSETS]
-    keys = [k.strip() for k in args.select.split(",")] if args.select else names
+    preset = load_preset(args.preset, keep_opt_in=True)
+    opt_in = preset.pop("opt_in", None) or []
+    if set(opt_in) - set(OPT_IN):
+        raise SystemExit(f"kiln: preset {args.preset}: opt_in may name {', '.join(OPT_IN)}: unknown {sorted(set(opt_in) - set(OPT_IN))}")
+    keys = [k.strip() for k in args.select.split(",")] if args.select else [n for n in names if n not in OPT_IN or n in opt_in]
     bad = [k for k in keys if k not in names]
     if bad:
         raise SystemExit(f"kiln: pick --select from {', '.join(names)}: unknown asset(s) {bad}")
     job = defs.resolve_job_def("kiln_pipeline_job")
-    preset = load_preset(args.preset)
     unknown = unknown_name_line(preset, job)
     if unknown:  # checked on the whole preset: select_config drops the ops outside the selection
         print(f"kiln: preset {args.preset}: {unknown}", file=sys.stderr)

@@ -100,12 +100,13 @@ class HandleIOManager(FilesystemIOManager):
     """The assets' handles on disk (Dagster's filesystem IO manager); an optional upstream asset that was never
     materialized in this home loads as None instead of failing on a missing file.
 
-    Optional means listed in ``optional``: ``pretrained_model``, which tokenizer and training_plan read. A home made
-    before that asset existed, or a run whose selection leaves it out, then trains from scratch (the asset's own
-    meaning of "no path set"). Every other missing handle is an error as before.
+    Optional means listed in ``optional``: ``pretrained_model``, which tokenizer and training_plan read (a home made
+    before that asset existed, or a run whose selection leaves it out, then trains from scratch: the asset's own
+    meaning of "no path set"), and ``ppo_model``, which release_bundle reads only when told to release it. Every
+    other missing handle is an error as before.
     """
 
-    optional: list[str] = Field(default_factory=lambda: ["pretrained_model"],
+    optional: list[str] = Field(default_factory=lambda: ["pretrained_model", "ppo_model"],
                                 description="Assets whose missing handle loads as None (never materialized here).")
 
     def create_io_manager(self, context) -> IOManager:

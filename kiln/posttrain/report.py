@@ -56,3 +56,44 @@ def rl_report(result: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path)
                          "KL to the reference", "step", "nats/token", out_dir / "kl.png"),
         "held_out_reward": Table([{"step": h["step"], "reward": h["val_reward"]} for h in hist if "val_reward" in h]),
     }
+
+
+def reward_report(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """A reward model run: held-out pair accuracy, margin and loss over steps, the pairs it saw, the released folder."""
+    hist, out_dir = result["history"], Path(out_dir)
+    final, first = result.get("final_val") or {}, result.get("initial_val") or {}
+    return {
+        "checkpoint": FilePath(str(result["checkpoint"])), "steps": result["steps"], "wall_s": round(result["wall_s"], 1),
+        "resumed_from": str(result["resumed_from"]), "world_size": result["world_size"], "device": result["device"],
+        "pairs_train": result["pairs"]["train"], "pairs_held_out": result["pairs"]["val"],
+        "held_out_accuracy": final.get("accuracy"), "held_out_margin": final.get("margin"),
+        "held_out_loss": final.get("loss"), "initial_held_out_accuracy": first.get("accuracy"),
+        "accuracy_curve": Plot({"train accuracy": _series(hist, "train_accuracy"),
+                                "held-out accuracy": _series(hist, "val_accuracy")},
+                               "reward model pair accuracy", "step", "share of pairs ranked right", out_dir / "accuracy.png"),
+        "margin_curve": Plot({"train margin": _series(hist, "train_margin"), "held-out margin": _series(hist, "val_margin")},
+                             "reward margin r(chosen) - r(rejected)", "step", "reward", out_dir / "margin.png"),
+        "held_out_pairs": Table(hist, ["step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_margin",
+                                       "val_chosen_reward", "val_rejected_reward"]),
+    }
+
+
+def ppo_report(result: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> dict[str, Any]:
+    """A PPO run: reward-model score, KL, value and policy losses, clip fraction and answer length over steps."""
+    hist, out_dir = result["history"], Path(out_dir)
+    train = [h for h in hist if "reward" in h]
+    return {
+        **stage_report(result, rows),
+        "initial_held_out_reward": result["initial_val_reward"], "final_held_out_reward": result["final_val_reward"],
+        "initial_held_out_kl": result["initial_val_kl"], "final_held_out_kl": result["final_val_kl"],
+        "reward_curve": Plot({"rollout reward (reward model)": _series(train, "reward"),
+                              "greedy held-out reward": _series(hist, "val_reward")},
+                             "PPO reward over steps", "step", "reward-model score", out_dir / "reward.png"),
+        "kl_curve": Plot({"rollout KL": _series(train, "kl"), "held-out KL": _series(hist, "val_kl")},
+                         "KL to the reference", "step", "nats/token", out_dir / "kl.png"),
+        "loss_curves": Plot({"value loss": _series(train, "value_loss"), "policy loss": _series(train, "policy_loss"),
+                             "clip fraction": _series(train, "clip_frac")},
+                            "PPO losses", "step", "loss / share", out_dir / "losses.png"),
+        "steps_table": Table(hist, ["step", "reward", "kl", "value_loss", "policy_loss", "clip_frac", "response_length",
+                                    "val_reward", "val_kl"]),
+    }

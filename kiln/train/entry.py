@@ -1,6 +1,6 @@
 """The command line of every training job: the job file's task picks the stage, the Trainer runs it.
 
-One process:   python -m kiln.train --config job.json        (task pretrain, sft, dpo or rl)
+One process:   python -m kiln.train --config job.json        (task pretrain, sft, dpo, rl, reward or ppo)
 Several:       python -m torch.distributed.run --nproc_per_node=2 -m kiln.train --config job.json
 Several nodes: torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT -m kiln.train ...
 """
@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable
 import torch.distributed as dist
 
 # job task -> the module whose main() runs it
-TASKS = {"pretrain": "kiln.train.loop", "sft": "kiln.train.loop", "dpo": "kiln.posttrain.dpo", "rl": "kiln.posttrain.rl"}
+TASKS = {"pretrain": "kiln.train.loop", "sft": "kiln.train.loop", "dpo": "kiln.posttrain.dpo", "rl": "kiln.posttrain.rl",
+         "reward": "kiln.posttrain.reward", "ppo": "kiln.posttrain.ppo"}
 
 
 def entry_point(argv: list[str]) -> Callable[..., dict[str, Any]]:

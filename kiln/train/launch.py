@@ -17,7 +17,7 @@ from kiln.model.lora import LoRAConfig
 from kiln.train.optim import OptimConfig
 from kiln.train.spikes import SpikeConfig
 
-POSTTRAIN_TASKS = ("dpo", "rl")  # kiln.posttrain.common.PosttrainJob jobs: own batch fields, a start checkpoint
+POSTTRAIN_TASKS = ("dpo", "rl", "reward", "ppo")  # kiln.posttrain.common.PosttrainJob jobs: own batch fields, a start checkpoint
 
 
 @dataclass

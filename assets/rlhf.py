@@ -1,0 +1,101 @@
+"""RLHF as assets: a reward model trained on the preference pairs, then the SFT model trained by PPO against it.
+
+Neither runs by default (jobs.definitions.OPT_IN): ``kiln run --preset rlhf`` runs them and releases the PPO model
+(release_bundle.stage = ppo_model); ``kiln run --select reward_model,ppo_model`` adds them to a materialized home.
+"""
+
+
+from dagster import AssetExecutionContext, Output, asset
+from pydantic import Field
+
+from assets._common import report_metadata
+from assets._config import schema_of
+from assets.alignment import Lora, align, init_from_field, start_weights
+from kiln.posttrain.measures import heldout_suite, suite_key
+from kiln.posttrain.ppo import PpoJob
+from kiln.posttrain.report import ppo_report, reward_report
+from kiln.posttrain.reward import RewardJob, write_hf_reward
+from kiln.train.launch import RunSpec
+from kiln.train.optim import OptimConfig
+from resources.storage import KilnStorageResource
+from resources.torchrun import TorchrunResource
+from resources.tracking import MlflowResource
+
+RewardOptim = schema_of(OptimConfig, defaults={"lr": 3e-4, "warmup_steps": 5, "weight_decay": 0.0}, name="RewardOptim")
+PpoOptim = schema_of(OptimConfig, defaults={"lr": 5e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},
+                     name="PpoOptim")
+
+REWARD_FIELDS = ("pair_kinds", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
+
+
+class RewardModelConfig(schema_of(RewardJob, include=REWARD_FIELDS, name="RewardJobFields", defaults={
+        "pair_kinds": ["arithmetic"], "max_steps": 40, "micro_batch": 16, "eval_interval": 10})):
+    optim: RewardOptim = Field(default_factory=RewardOptim, description="AdamW and its schedule for the reward model.")
+
+
+@asset(code_version="1", group_name="rlhf")
+def reward_model(context: AssetExecutionContext, config: RewardModelConfig, sft_model: dict, preference_data: dict,
+                 training_plan: dict, tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource,
+                 mlflow: MlflowResource) -> Output[dict]:
+    """The SFT model with a scalar head (the last response token's final hidden state -> one number) trained on the preference pairs with the Bradley-Terry loss by a torchrun job; held-out pair accuracy and margin over steps; saved as a Kiln checkpoint and as a Hugging Face *ForSequenceClassification folder."""
+    fields = {**config.job_fields(), "train_files": [preference_data["path"]], "ckpt_interval": config.max_steps,
+              "keep_last": 1, "log_interval": 20}
+    spec = RunSpec("reward", fields, {**training_plan, "micro_batch": config.micro_batch},
+                   {"sft_model": sft_model["version"], "preference_data": preference_data["version"]},
+                   tokenizer["path"], init=sft_model["checkpoint"])
+    with torchrun.training_run(context, spec, storage, mlflow) as job:
+        if job.reused is not None:
+            return job.reused
+        result = job.launch()
+        hf_dir = write_hf_reward(result["checkpoint"], job.out_dir / "hf")
+        final = result["final_val"] or {}
+        context.log.info(f"reward model: held-out accuracy {final.get('accuracy', float('nan')):.3f}, margin "
+                         f"{final.get('margin', float('nan')):.3f} on {result['pairs']['val']} pairs")
+        report = {**reward_report(result, job.out_dir), "hf_folder": str(hf_dir)}
+        return job.output(report_metadata(report, job.run), hf_dir=str(hf_dir))
+
+
+def rlhf_card_section(sft_model: dict, ppo_model: dict) -> str:
+    """The model card's section on a released PPO model: its reward model and each held-out measure after SFT and PPO."""
+    from kiln.release.card import table
+
+    rows = [{"measure": m, "after SFT": sft_model["after"][m], "after PPO": v} for m, v in ppo_model["after"].items()
+            if m in sft_model["after"]]
+    return (f"""## RLHF (the released weights)
+These weights are the SFT model trained by PPO against a reward model (version `{ppo_model['reward_model']}`, trained on
+the preference pairs), not the DPO -> RL chain above: {ppo_model['steps']} PPO steps, held-out reward-model score
+{ppo_model['initial_val_reward']:.3f} -> {ppo_model['final_val_reward']:.3f}, KL to the SFT model
+{ppo_model['final_val_kl']:.4f} nats/token at the end.
+
+""" + table(rows) + "\n")
+
+
+PPO_FIELDS = ("prompt_kinds", "max_steps", "max_new_tokens", "temperature", "kl_coef", "gamma", "lam", "clip_range", "value_clip",
+              "ppo_epochs", "value_lr", "eval_interval", "eval_items", "seed")
+
+
+class PpoModelConfig(schema_of(PpoJob, include=PPO_FIELDS, name="PpoJobFields", defaults={
+        "max_steps": 30, "temperature": 0.7, "kl_coef": 0.05, "eval_interval": 10, "eval_items": 50})):
+    prompts_per_step: int = Field(default=PpoJob.micro_batch, description="Prompts per rank per rollout (the job's micro_batch).")
+    optim: PpoOptim = Field(default_factory=PpoOptim, description="AdamW and its schedule for the policy.")
+    lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains policy adapters only.")
+    init_from: str = init_from_field()
+
+
+@asset(code_version="1", group_name="rlhf")
+def ppo_model(context: AssetExecutionContext, config: PpoModelConfig, sft_model: dict, reward_model: dict,
+              instruction_data: dict, preference_data: dict, training_plan: dict, tokenizer: dict,
+              storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
+    """The SFT model trained by PPO against reward_model (value model started from it, per-token KL penalty to the frozen SFT model, GAE, clipped policy and value losses) by a torchrun job; reward, KL, value loss and clip fraction over steps; held-out measures before and after."""
+    start, start_key, extra = start_weights("ppo_model", config.init_from, sft_model, training_plan, tokenizer, storage)
+    fields = {**config.job_fields(), "train_files": [instruction_data["path"]], "ckpt_interval": config.max_steps,
+              "keep_last": 1, "log_interval": 10, "reward_model": reward_model["checkpoint"]}
+    fields["micro_batch"] = fields.pop("prompts_per_step")
+    del fields["init_from"]  # the job's start is RunSpec.init
+    suite = heldout_suite(instruction_data, preference_data)
+    spec = RunSpec("ppo", fields, {**training_plan, "micro_batch": config.prompts_per_step},
+                   {**(start_key or {"sft_model": sft_model["version"]}), "reward_model": reward_model["version"],
+                    "instruction_data": instruction_data["version"]},
+                   tokenizer["path"], init=start["checkpoint"], reuse={"suite": suite_key(suite)})
+    return align(context, spec, start, suite, storage, torchrun, mlflow, ppo_report,
+                 {**extra, "reward_model": reward_model["version"]})

@@ -1,0 +1,141 @@
+"""RLHF assets materialized with Dagster on tiny inputs: reward_model (held-out accuracy, margin, the Hugging Face
+folder) and ppo_model (curves, before/after measures), and the choice of the released chain.
+
+Run: python -m pytest tests/assets/test_rlhf.py -q
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+from dagster import AssetKey, DagsterInstance, Failure, FilesystemIOManager, asset, materialize
+
+from assets.alignment import instruction_data, preference_data
+from assets.rlhf import ppo_model, reward_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
+from kiln.posttrain.measures import MEASURES
+from kiln.train.checkpoint import save_checkpoint
+from resources.storage import KilnStorageResource
+from resources.torchrun import TorchrunResource
+from resources.tracking import MlflowResource
+from tests.assets.test_posttrain import doc_ids, page
+from tests.conftest import make_docs
+
+
+def stub(name: str, value: dict):
+    """An upstream asset that returns ``value`` as it is."""
+    @asset(name=name)
+    def _stub() -> dict:
+        return value
+    return _stub
+
+
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kiln.evaluation.tasks import build_tasks
+
+    home = tmp_path_factory.mktemp("rlhf")
+    _, tok_path = tiny_tokenizer
+    texts = [t for _, t in make_docs(60, seed=11)]
+    build_tasks(texts[:30], home / "suite", 10, 0)
+    pages = [(i, page(f"Section {n}", texts[40 + n])) for n, i in enumerate(doc_ids("train", 3))]
+    pq.write_table(pa.table({"id": [i for i, _ in pages], "text": [h for _, h in pages],
+                             "content_type": ["text/html"] * len(pages)}), home / "raw.parquet")
+    model = {**model_dict, "dropout": 0.0}
+    torch.manual_seed(0)
+    cfg = ModelConfig(**model)
+    sft_ckpt = save_checkpoint(home / "sft", 3, {"model": GPT(cfg).state_dict()}, {"model": asdict(cfg)},
+                               {"tokenizer.json": tok_path})
+    stubs = {"raw_documents": {"path": str(home / "raw.parquet"), "version": "raw0"},
+             "token_shards": {"val_permille": 300, "version": "sh0"}, "eval_suite": {"dir": str(home / "suite"), "version": "s0"},
+             "sft_model": {"checkpoint": str(sft_ckpt), "version": "sft0"}, "tokenizer": {"path": str(tok_path), "version": "tok0"},
+             "training_plan": {"model": model, "seq_len": 31, "world_size": 1, "micro_batch": 4, "grad_accum": 1,
+                               "hardware": {"device": "cpu", "nproc_per_node": 1}}}
+    made = [stub(name, value) for name, value in stubs.items()]
+    resources = {"storage": KilnStorageResource(root=str(home / "storage")),
+                 "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art")),
+                 "torchrun": TorchrunResource(timeout_s=300, pg_timeout_s=120),
+                 "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles"))}
+    config = {"ops": {
+        "instruction_data": {"config": {"n_arithmetic": 80, "max_doc_pairs": 6, "val_permille": 250, "eval_items": 6}},
+        "reward_model": {"config": {"max_steps": 4, "micro_batch": 4, "eval_interval": 2, "eval_pairs": 8}},
+        "ppo_model": {"config": {"max_steps": 2, "prompts_per_step": 2, "max_new_tokens": 6, "eval_items": 4,
+                                 "eval_interval": 1}},
+    }}
+    result = materialize([*made, instruction_data, preference_data, reward_model, ppo_model], resources=resources,
+                         run_config=config, instance=DagsterInstance.ephemeral(), raise_on_error=True)
+    return home, result
+
+
+def metadata(result, key: str) -> dict:
+    mats = [e.event_specific_data.materialization for e in result.all_events if e.is_step_materialization]
+    return next(m.metadata for m in mats if m.asset_key == AssetKey(key))
+
+
+def test_reward_model_asset_reports_held_out_pairs_and_writes_a_loadable_hf_folder(materialized) -> None:
+    import transformers
+
+    home, result = materialized
+    rm = result.output_for_node("reward_model")
+    assert rm["task"] == "reward" and rm["steps"] == 4 and rm["pairs"]["val"] == 8
+    assert [h["step"] for h in rm["history"]] == [0, 2, 4] and 0 <= rm["final_val"]["accuracy"] <= 1
+    meta = metadata(result, "reward_model")
+    assert meta["pairs_held_out"].value == 8 and meta["held_out_accuracy"].value == rm["final_val"]["accuracy"]
+    assert meta["held_out_margin"].value == pytest.approx(rm["final_val"]["margin"])
+    assert "data:image/png" in meta["accuracy_curve"].value and "data:image/png" in meta["margin_curve"].value
+    assert "mlflow_run" in meta
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(rm["hf_dir"])
+    assert type(hf).__name__ == "GPT2ForSequenceClassification" and hf.config.num_labels == 1
+    from mlflow.tracking import MlflowClient
+
+    metrics = MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_run(rm["mlflow_run_id"]).data.metrics
+    assert metrics["val_accuracy"] == pytest.approx(rm["final_val"]["accuracy"])
+    assert metrics["val_margin"] == pytest.approx(rm["final_val"]["margin"])
+
+
+def test_ppo_model_asset_trains_against_the_reward_model_and_measures_before_and_after(materialized) -> None:
+    _, result = materialized
+    ppo, rm = result.output_for_node("ppo_model"), result.output_for_node("reward_model")
+    assert ppo["task"] == "ppo" and ppo["steps"] == 2 and ppo["reward_model"] == rm["version"]
+    assert set(ppo["before"]) == set(ppo["after"]) == set(MEASURES)
+    assert ppo["init_from"] == result.output_for_node("sft_model")["checkpoint"]
+    assert [h["step"] for h in ppo["history"]] == [0, 1, 2]
+    assert all(h["value_loss"] >= 0 and "kl" in h and "clip_frac" in h for h in ppo["history"][1:])
+    meta = metadata(result, "ppo_model")
+    for plot in ("reward_curve", "kl_curve", "loss_curves"):
+        assert "data:image/png" in meta[plot].value
+    assert meta["before_after"].value.startswith("| measure | before | after |")
+
+
+def test_release_bundle_ships_the_stage_its_config_names() -> None:
+    from assets.publish import ReleaseBundleConfig, _released
+
+    rl, ppo = {"checkpoint": "rl", "version": "r1"}, {"checkpoint": "ppo", "version": "p1", "reward_model": "rm1"}
+    assert _released(ReleaseBundleConfig(), rl, None) == (rl, {})
+    assert _released(ReleaseBundleConfig(stage="ppo_model"), rl, ppo) == (ppo, {"reward_model": "rm1", "ppo_model": "p1"})
+    with pytest.raises(Failure, match="never materialized"):
+        _released(ReleaseBundleConfig(stage="ppo_model"), rl, None)
+    with pytest.raises(Failure, match="choose one of rl_model, ppo_model"):
+        _released(ReleaseBundleConfig(stage="dpo_model"), rl, ppo)
+
+
+def test_the_rlhf_preset_opts_in_to_the_rlhf_chain_and_the_demo_does_not(tmp_path) -> None:
+    from jobs.cli import load_preset
+    from jobs.definitions import OPT_IN
+
+    assert OPT_IN == ("reward_model", "ppo_model")
+    assert "opt_in" not in load_preset("demo", keep_opt_in=True) and "opt_in" not in load_preset("rlhf")
+    rlhf = load_preset("rlhf", keep_opt_in=True)
+    assert rlhf["opt_in"] == ["reward_model", "ppo_model"]
+    assert rlhf["ops"]["release_bundle"]["config"]["stage"] == "ppo_model"
+    assert rlhf["ops"]["training_plan"] == load_preset("demo")["ops"]["training_plan"]  # the demo otherwise
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("select: [ppo_model]\n")
+    with pytest.raises(SystemExit, match="unknown top-level key"):
+        load_preset(str(bad))
