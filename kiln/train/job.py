@@ -48,3 +48,4 @@ class JobConfig(TrainJob):
 
     val_files: list = field(default_factory=list)  # validation shards; for sft the same JSONL (split=val)
     eval_batches: int = 16  # micro-batches per validation pass
+    lora: dict = field(default_factory=dict)  # task sft: kiln.model.lora.LoRAConfig fields; enabled=true trains adapters only
