@@ -12,7 +12,7 @@ import torch
 NF4_BLOCK = 64  # weights sharing one absmax scale
 NF4_SCALER_BLOCK = 256  # block scales sharing one 8-bit quantisation factor (double quantisation)
 NF4_LEVELS = 16  # the 4-bit codebook: quantiles of N(0, 1) scaled to [-1, 1]
-NF4_MAX_GAP = 1.0 - 0.7230  # widest gap between neighbouring codebook levels (0.7230 .. 1.0)
+NF4_MAX_GAP = 1.0 - 0.6962  # widest gap between neighbouring codebook levels (-1.0 .. -0.6962)
 
 
 def _nf4():
