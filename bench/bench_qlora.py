@@ -7,13 +7,16 @@ Run: python bench/bench_qlora.py [--preset 125m] [--family llama] [--batch 1] [-
 Each variant runs in its own fresh process (spawned), so neither sees the other's freed memory. Peak memory is the
 process's peak RSS (VmHWM), reset through /proc/self/clear_refs once the model is built, quantised and warmed up by one
 step: torch's CPU allocator keeps no peak statistics, and tracemalloc sees Python's allocator only, not torch's.
-The net figure subtracts the RSS after importing torch and torchao (the same in both processes). On CUDA the peak is
-torch.cuda.max_memory_allocated instead. Weights are random (init std 0.02); the adapters are float32 in both.
+So that RSS follows live tensors, glibc's heap is trimmed (malloc_trim) before the reset: the bf16 weights an NF4
+base was quantised from, and quantisation's temporaries, are then returned to the system rather than kept as free
+heap. The net figure subtracts the RSS after importing torch and torchao (the same in both). On CUDA the peak is torch.cuda.max_memory_allocated instead. Weights are random (init std 0.02);
+the adapters are float32 in both.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import math
 import multiprocessing as mp
@@ -78,6 +81,7 @@ def variant(quantize: str, args: argparse.Namespace, out: mp.Queue) -> None:
 
     step()  # warm-up: optimizer state, allocator pools
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     reset_peak()
