@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.model.quant import dequantize, is_nf4, nf4_linear, to_nf4_weight
+from kiln.model.quant import check_nf4_shape, dequantize, is_nf4, nf4_linear, to_nf4_weight
 
 # The Linear layers of every block, per family (kiln.model.config.FAMILIES); the default targets are all of them.
 TARGETS: dict[str, tuple[str, ...]] = {
@@ -122,8 +122,6 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     if not found:
         raise ValueError(f"lora.targets {targets} matched no nn.Linear in the model")
     if cfg.quantize == "nf4":
-        from kiln.model.quant import check_nf4_shape
-
         for module, child_name, full in found:
             check_nf4_shape(full, getattr(module, child_name).weight)
     for module, child_name, full in found:
