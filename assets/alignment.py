@@ -138,6 +138,7 @@ RlOptim = schema_of(OptimConfig, defaults={"lr": 3e-5, "warmup_steps": 5, "min_l
 class SftModelConfig(schema_of(JobConfig, include=("max_steps", "micro_batch", "eval_interval", "seed"),
                                defaults={"max_steps": 80, "micro_batch": 16, "eval_interval": 40}, name="SftJobFields")):
     optim: SftOptim = Field(default_factory=SftOptim, description="AdamW and its schedule for fine-tuning.")
+    lora: Lora = Field(default_factory=Lora, description="{enabled: true, quantize: nf4} trains adapters only on a 4-bit frozen base (QLoRA; merged into the saved weights).")
     init_from: str = init_from_field()
 
 

@@ -2,6 +2,8 @@
 
 ``apply_lora(model, LoRAConfig(rank=8))`` freezes the model and adds trainable adapters; ``merged_state_dict``
 gives plain weights (W + scale * B @ A), so checkpoints and release bundles never hold adapters.
+``LoRAConfig(rank=8, quantize="nf4")`` is QLoRA: each target's frozen weight is held in 4-bit NF4 (kiln.model.quant)
+and dequantised on the fly; merging dequantises first, so what is saved and released is plain weights again.
 Written by hand rather than with peft: peft pulls transformers and accelerate, and the whole method is one matmul.
 """
 
@@ -10,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from kiln.model.quant import check_nf4_shape, dequantize, is_nf4, nf4_linear, to_nf4_weight
 
 # The Linear layers of every block, per family (kiln.model.config.FAMILIES); the default targets are all of them.
 TARGETS: dict[str, tuple[str, ...]] = {
@@ -22,6 +26,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 }
+
+
+QUANTIZE = ("none", "nf4")  # LoRAConfig.quantize values
 
 
 @dataclass
@@ -32,10 +39,14 @@ class LoRAConfig:
     dropout: float = 0.0  # dropout on the adapter's input
     # module name suffixes that get adapters; the default (GPT-2's four) means every projection of the model's family
     targets: list = field(default_factory=lambda: list(TARGETS["gpt2"]))
+    quantize: Literal["none", "nf4"] = "none"  # the targets' frozen weights: as they are, or 4-bit NF4 (QLoRA)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"lora.quantize: unknown value {self.quantize!r}; choose 'none' (the frozen weights as "
+                             "they are) or 'nf4' (4-bit NormalFloat, QLoRA)")
         known = {t for names in TARGETS.values() for t in names}
         unknown = [t for t in self.targets if t not in known]
         if unknown:
@@ -56,13 +67,18 @@ def family_targets(cfg: LoRAConfig, family: str) -> list[str]:
 
 
 class LoRALinear(nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank update; B starts at zero so the output starts unchanged."""
+    """A frozen nn.Linear plus a trainable low-rank update; B starts at zero so the output starts unchanged.
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+    ``quantize="nf4"`` replaces the frozen weight by its NF4Tensor (QLoRA); the adapters stay float32 either way."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, quantize: str = "none",
+                 name: str = "linear"):
         super().__init__()
         self.base = base
         for p in self.base.parameters():
             p.requires_grad_(False)
+        if quantize == "nf4":
+            base.weight = nn.Parameter(to_nf4_weight(base.weight, name), requires_grad=False)
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))  # (out, r)
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear initialises its weight
@@ -70,33 +86,50 @@ class LoRALinear(nn.Module):
         self.dropout = dropout
         self.active = True  # False computes the frozen layer alone (the reference model)
 
+    @property
+    def quantized(self) -> bool:
+        return is_nf4(self.base.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)  # (..., out)
+        if self.quantized:
+            out = nf4_linear(x, self.base.weight, self.base.bias)  # (..., out), dequantised in x's dtype
+        else:
+            out = self.base(x)  # (..., out)
         if not self.active:
             return out
-        h = F.dropout(x, self.dropout, self.training) @ self.lora_A.t()  # (..., r)
-        return out + (h @ self.lora_B.t()) * self.scale  # (..., out)
+        h = F.dropout(x, self.dropout, self.training).to(self.lora_A.dtype) @ self.lora_A.t()  # (..., r)
+        return out + ((h @ self.lora_B.t()) * self.scale).to(out.dtype)  # (..., out)
 
     def merged_weight(self) -> torch.Tensor:
-        return self.base.weight + self.scale * (self.lora_B @ self.lora_A)  # (out, in)
+        """W + scale * B @ A as a plain (out, in) tensor in the frozen weight's dtype (an NF4 weight dequantised)."""
+        w = dequantize(self.base.weight)  # (out, in)
+        return (w + self.scale * (self.lora_B @ self.lora_A)).to(w.dtype)
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
-    """Freeze every parameter of ``model`` and wrap the target Linear layers of its family; return the wrapped names."""
+    """Freeze every parameter of ``model`` and wrap the target Linear layers of its family (quantising their weights
+    when ``cfg.quantize`` says so); return the wrapped names. Every target is checked before any is changed."""
     config = getattr(model, "config", None)
     targets = family_targets(cfg, getattr(config, "family", "gpt2"))
     for p in model.parameters():
         p.requires_grad_(False)
-    wrapped = []
+    found = []  # (parent, attribute, full name) of each target
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if isinstance(child, nn.Linear) and any(full.endswith(t) for t in targets):
-                setattr(module, child_name, LoRALinear(child, cfg.rank, cfg.alpha, cfg.dropout))
-                wrapped.append(full)
-    if not wrapped:
+                found.append((module, child_name, full))
+    if not found:
         raise ValueError(f"lora.targets {targets} matched no nn.Linear in the model")
-    return wrapped
+    if cfg.quantize == "nf4":
+        for module, child_name, full in found:
+            check_nf4_shape(full, getattr(module, child_name).weight)
+    for module, child_name, full in found:
+        setattr(module, child_name, LoRALinear(getattr(module, child_name), cfg.rank, cfg.alpha, cfg.dropout,
+                                               cfg.quantize, full))
+    if cfg.quantize == "nf4":  # identical on every rank (quantised from the same weights): DDP leaves them alone
+        model._ddp_params_and_buffers_to_ignore = [f"{full}.base.weight" for _, _, full in found]
+    return [full for _, _, full in found]
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from kiln.model.quant import dequantize
+
 STRATEGIES = ("none", "ddp", "fsdp")
 
 
@@ -100,8 +102,8 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP2's sharded parameters, norms) as an ordinary tensor; others unchanged."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """A DTensor (FSDP2's sharded parameters, norms) or an NF4 weight (QLoRA) as an ordinary tensor; others unchanged."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else dequantize(t)
 
 
 def param_digest(model: nn.Module) -> str:

@@ -51,3 +51,4 @@ class JobConfig(TrainJob):
     # attend within documents only (pretraining; kiln.model.masks): an EOT opens the document after it; training and
     # validation both masked; the EOT id is read from the shards' manifest.json (eot_token) or the tokenizer
     document_mask: bool = False
+    lora: dict = field(default_factory=dict)  # task sft: kiln.model.lora.LoRAConfig fields; enabled=true trains adapters only

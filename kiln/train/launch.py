@@ -63,9 +63,9 @@ class RunSpec:
     def check(self, where: str) -> None:
         """Reject unknown optimizer, spike or LoRA keys before anything is launched, naming ``where``."""
         from_dict(OptimConfig, self.fields.get("optim", {}), f"{where}.optim")
-        if self.posttrain:
+        if self.posttrain or "lora" in self.fields:  # sft has a lora block too
             from_dict(LoRAConfig, self.fields.get("lora", {}), f"{where}.lora")
-        else:
+        if not self.posttrain:
             from_dict(SpikeConfig, self.fields.get("spikes", {}), f"{where}.spikes")
 
     def params(self) -> dict[str, Any]:

@@ -27,6 +27,9 @@ def make_stage(job: JobConfig, info: DistInfo) -> Stage:
     if job.task == "pretrain":
         from kiln.train.pretrain import PretrainStage
 
+        if job.lora:
+            raise ValueError("job.lora: pretraining trains every weight; LoRA applies to task 'sft' (and dpo, rl)")
+
         return PretrainStage(job, info)
     if job.task == "sft":
         from kiln.posttrain.sft import SftStage

@@ -221,7 +221,9 @@ class Trainer:
             raw.load_state_dict(load_state(Path(self.init_ckpt), "cpu")[0]["model"])
         if lora.enabled:  # before .to(): the adapters' initial values come from the CPU generator
             wrapped = apply_lora(raw, lora)
-            self.say(f"LoRA rank {lora.rank} on {len(wrapped)} layers: {trainable_parameters(raw):,} trainable parameters")
+            nf4 = " (frozen weights in NF4)" if lora.quantize == "nf4" else ""
+            self.say(f"LoRA rank {lora.rank} on {len(wrapped)} layers{nf4}: {trainable_parameters(raw):,} trainable "
+                     "parameters")
         self.raw = raw.to(self.info.device)  # the model to save and load, however it is wrapped
         self.stage.setup(self)
         self.model = parallelize(self.raw, self.strategy, job.activation_checkpointing, job.compile, self.info.device,

@@ -346,6 +346,10 @@ def test_the_job_snapshot_shows_nested_typed_fields_with_defaults_and_descriptio
     assert json.loads(optim["lr"].default_value_as_json_str) == 1e-4  # the override is what the launchpad shows
     model = snap_fields(snap, fields["model"].type_key)
     assert json.loads(model["n_layer"].default_value_as_json_str) is None and model["n_layer"].description == "transformer blocks"
+    quantize = snap_fields(snap, fields["lora"].type_key)["quantize"]  # QLoRA's switch: an enum of the two choices
+    assert json.loads(quantize.default_value_as_json_str) == "none"
+    assert {v.value for v in snap.config_schema_snapshot.get_config_snap(quantize.type_key.removeprefix("Noneable.")).enum_values} == {"none", "nf4"}
+    assert quantize.description == "the targets' frozen weights: as they are, or 4-bit NF4 (QLoRA)"
 
 
 LAUNCHPAD_QUERY = """
