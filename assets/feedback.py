@@ -26,7 +26,7 @@ from resources.tracking import MlflowResource
 
 class JudgedPreferencesConfig(Config):
     judge: str = Field(default="", description="The judge: a local Hugging Face folder, a release bundle or a Kiln checkpoint. Empty: the run's sft_model.")
-    principles: str = Field(default="conf/principles.yaml", description="The principles file (YAML; relative to the project): what each answer is judged against, with weights.")
+    principles: str = Field(default="conf/judge/principles.yaml", description="The principles file (YAML; relative to the project): what each answer is judged against, with weights.")
     rule: str = Field(default="yes_no", description="How the judge is asked (kiln.posttrain.judge.RULES): yes_no scores each answer alone, compare shows both answers and is judged in both orders.")
     checkable_pairs: int = Field(default=200, description="Held-out preference_data pairs (right label known by construction) the judge's agreement is measured on.")
     prompts: int = Field(default=32, description="Training prompts whose sampled answers the judge labels.")

@@ -3,6 +3,7 @@ registered in MLflow's model registry. Materialize with ``kiln run``."""
 
 
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -59,12 +60,14 @@ def _run_settings(context) -> tuple[list[dict] | None, dict]:
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
-                   raw_documents: dict, instruction_data: dict, storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+                   raw_documents: dict, instruction_data: dict, storage: KilnStorageResource, mlflow: MlflowResource,
+                   judged_preferences: Optional[dict] = None) -> Output[dict]:
     """The released model, the last post-training stage (SFT -> DPO -> RL): safetensors weights in the Hugging Face layout of the model's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM), config, tokenizer, a model card written from lineage, and SHA256SUMS."""
     up = {"raw_documents": raw_documents, "clean_corpus": clean_corpus, "tokenizer": tokenizer, "token_shards": token_shards,
           "training_plan": training_plan, "base_model": base_model, "eval_scores": eval_scores,
           "instruction_data": instruction_data, "preference_data": preference_data, "sft_model": sft_model,
-          "dpo_model": dpo_model, "rl_model": rl_model}
+          "dpo_model": dpo_model, "rl_model": rl_model,
+          **({"judged_preferences": judged_preferences} if judged_preferences else {})}  # None: never materialized
     settings, full_config = _run_settings(context)
     figures = card_figures(up)
     card = model_card(config.name, config.license, up, stage_rows(sft_model, dpo_model, rl_model), settings, figures)

@@ -102,10 +102,11 @@ class HandleIOManager(FilesystemIOManager):
 
     Optional means listed in ``optional``: ``pretrained_model``, which tokenizer and training_plan read. A home made
     before that asset existed, or a run whose selection leaves it out, then trains from scratch (the asset's own
-    meaning of "no path set"). Every other missing handle is an error as before.
+    meaning of "no path set"). And ``judged_preferences``, which release_bundle reads only to report the judge in
+    the card and lineage. Every other missing handle is an error as before.
     """
 
-    optional: list[str] = Field(default_factory=lambda: ["pretrained_model"],
+    optional: list[str] = Field(default_factory=lambda: ["pretrained_model", "judged_preferences"],
                                 description="Assets whose missing handle loads as None (never materialized here).")
 
     def create_io_manager(self, context) -> IOManager:

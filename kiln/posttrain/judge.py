@@ -1,7 +1,7 @@
 """An AI judge: any model Kiln loads labels preference pairs against written principles (RLAIF, Constitutional AI).
 
 ``judge = load_judge(path)`` (a Hugging Face folder, a release bundle or a Kiln checkpoint), then
-``judge_pairs(judge, read_principles("conf/principles.yaml"), pairs, rule="yes_no")`` scores every pair in both
+``judge_pairs(judge, read_principles("conf/judge/principles.yaml"), pairs, rule="yes_no")`` scores every pair in both
 orders from the judge's next-token probabilities; ``agreement(verdicts, truth)`` measures it where the label is known.
 """
 
@@ -50,7 +50,7 @@ def read_principles(path: str | Path) -> Principles:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: cannot read the principles file ({e}); give judged_preferences.principles "
-                          "a YAML file like conf/principles.yaml") from e
+                          "a YAML file like conf/judge/principles.yaml") from e
     if not isinstance(doc, dict) or not all(isinstance(k, str) for k in doc):
         raise ConfigError(f"{path}: a principles file is a mapping with a 'principles' list and string keys "
                           f"(got keys {list(doc) if isinstance(doc, dict) else doc!r}; YAML reads bare yes/no as booleans)")
@@ -186,16 +186,21 @@ ANSWER_TOKENS = 96  # the judge reads at most this many tokens of a question or 
 
 
 def render_ids(enc, template: str, principle: str, slots: dict[str, str], max_len: int) -> list[int]:
-    """Token ids of ``template`` filled in, in the chat template when the judge has its tokens; the question and
-    answer slots are cut to their first ANSWER_TOKENS tokens, then evenly so the whole fits in ``max_len``; the
-    principle never is."""
+    """Token ids of ``template`` filled in, in the chat template when the judge has its tokens. Each question and
+    answer slot keeps its first ANSWER_TOKENS tokens; when the whole is still longer than ``max_len``, the question
+    is cut first (to a quarter of the room, or what the answers leave), then the answers evenly; the principle never is."""
     sp = getattr(enc, "_special_tokens", {})
     chat = "<|user|>" in sp and "<|assistant|>" in sp
     pieces = [(lit, name) for lit, name, _, _ in string.Formatter().parse(template)]
     fixed = sum(len(enc.encode_ordinary(lit)) for lit, _ in pieces) + len(enc.encode_ordinary(principle)) + 2 * chat
     slot_ids = {k: enc.encode_ordinary(v)[:ANSWER_TOKENS] for k, v in slots.items()}
-    cap = _fit({k: len(v) for k, v in slot_ids.items()}, max_len - fixed)
-    if max_len - fixed < 0 or cap == 0 and any(slot_ids.values()):
+    room = max_len - fixed
+    if "question" in slot_ids:  # the answers come first: the question keeps at most a quarter of a tight room
+        q = slot_ids["question"] = slot_ids["question"][: max(room - sum(len(v) for k, v in slot_ids.items()
+                                                                          if k != "question"), room // 4, 0)]
+        room -= len(q)
+    cap = _fit({k: len(v) for k, v in slot_ids.items() if k != "question"}, room)
+    if room < 0 or cap == 0 and any(slot_ids.values()):
         raise ConfigError(f"principle {principle[:40]!r}: the template leaves no room for the answer in the judge's "
                           f"{max_len}-token context; shorten the principle or use a judge with a longer context")
     ids: list[int] = [sp["<|user|>"]] if chat else []
@@ -203,6 +208,8 @@ def render_ids(enc, template: str, principle: str, slots: dict[str, str], max_le
         ids += enc.encode_ordinary(lit)
         if name == "principle":
             ids += enc.encode_ordinary(principle)
+        elif name == "question":
+            ids += slot_ids[name]
         elif name is not None:
             ids += slot_ids[name][:cap]
     return ids + ([sp["<|assistant|>"]] if chat else [])
