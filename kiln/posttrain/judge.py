@@ -105,10 +105,10 @@ def judge_fingerprint(path: str | Path, where: str = "judge") -> dict[str, str]:
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"{where}: {p} does not exist; give a Hugging Face folder, a release bundle or a Kiln checkpoint")
+    if (p / "SHA256SUMS").is_file():  # a release bundle is a Hugging Face folder too: its checksums come first
+        return {"path": str(p.resolve()), "kind": "release", "sha256": file_sha256(p / "SHA256SUMS")}
     if is_hf_folder(p):
         return {"path": str(p.resolve()), "kind": "hf_folder", "sha256": folder_hash(p)}
-    if (p / "SHA256SUMS").is_file():
-        return {"path": str(p.resolve()), "kind": "release", "sha256": file_sha256(p / "SHA256SUMS")}
     try:
         ckpt = resolve_checkpoint(p)
     except CheckpointError as e:
@@ -200,7 +200,7 @@ def render_ids(enc, template: str, principle: str, slots: dict[str, str], max_le
                                                                           if k != "question"), room // 4, 0)]
         room -= len(q)
     cap = _fit({k: len(v) for k, v in slot_ids.items() if k != "question"}, room)
-    if room < 0 or cap == 0 and any(slot_ids.values()):
+    if room < 0 or cap == 0 and any(v for k, v in slot_ids.items() if k != "question"):
         raise ConfigError(f"principle {principle[:40]!r}: the template leaves no room for the answer in the judge's "
                           f"{max_len}-token context; shorten the principle or use a judge with a longer context")
     ids: list[int] = [sp["<|user|>"]] if chat else []

@@ -193,7 +193,7 @@ def test_the_bundled_principles_file_loads():
     ("principles: [{name: a, text: b}, {name: a, text: c}]\n", "names must be unique"),
     ("principles: []\n", "non-empty list"),
     ("yes: Y\nprinciples: [{name: a, text: b}]\n", "string keys.*booleans"),
-    ("principles: [{name: a, text: b}]\nyes_word: Yes\nno_word: Yes\n", "two different words"),
+    ("principles: [{name: a, text: b}]\nyes_word: 'Yes'\nno_word: ' Yes'\n", "two different words"),
 ])
 def test_a_bad_principles_file_is_an_error_naming_the_file_and_key(tmp_path, text, match):
     (tmp_path / "p.yaml").write_text(text)
@@ -209,8 +209,9 @@ def test_labelled_rows_have_preference_datas_format_and_train_dpo(tmp_path):
     verdicts = [{"verdict": v, "margin": m} for v, m in (("a", 1.5), ("b", -0.25), ("tie", 0.0), ("a", 0.1))]
     rows = kj.labelled_rows(pairs, verdicts)
     assert len(rows) == 3  # the tie is left out
-    common = set.intersection(*(set(p) for p in prefs))
-    assert all(common <= set(r) for r in rows) and {r["error"] for r in rows} == {"judge"}
+    keys = {"id", "prompt", "kind", "split", "source_id", "chosen", "rejected", "error"}  # every preference row's
+    assert keys <= set.intersection(*(set(p) for p in prefs))
+    assert all(keys <= set(r) for r in rows) and {r["error"] for r in rows} == {"judge"}
     assert rows[1]["chosen"] == prefs[1]["rejected"] and rows[1]["judge_margin"] == 0.25
     write_jsonl(rows, tmp_path / "preferences.jsonl")
     back = read_pairs(tmp_path / "preferences.jsonl", "train")
@@ -259,9 +260,12 @@ def test_a_judge_loads_from_a_hugging_face_folder(tmp_path):
     folder = save_tiny(tmp_path / "hf", "llama")
     j = kj.load_judge(folder)
     assert j.identity["kind"] == "hf_folder" and j.identity["sha256"] == folder_hash(folder)
-    verdicts = kj.judge_pairs(j, kj.read_principles(ROOT / "conf" / "judge" / "principles.yaml"),
-                              [{"prompt": "the model reads", "a": "text", "b": "tokens"}], "compare")
-    assert np.isfinite(verdicts[0]["margin"]) and verdicts[0]["verdict"] in ("a", "b", "tie")
+    assert j.identity["family"] == "llama" and j.identity["params"] == sum(p.numel() for p in j.model.parameters())
+    yes, no = kj.answer_tokens(j.enc, kj.read_principles(ROOT / "conf" / "judge" / "short.yaml"))
+    rows = [j.enc.encode_ordinary("the model reads text"), j.enc.encode_ordinary("tokens")]
+    with torch.no_grad():
+        full = [torch.log_softmax(j.model(torch.tensor([r]))[0, -1], -1) for r in rows]
+    assert kj.verdict_logits(j, rows, yes, no) == pytest.approx([float(f[yes] - f[no]) for f in full], abs=1e-5)
 
 
 def test_a_missing_judge_or_rule_is_an_error_naming_the_key(tmp_path):
