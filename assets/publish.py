@@ -79,13 +79,14 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
                    raw_documents: dict, instruction_data: dict, storage: KilnStorageResource, mlflow: MlflowResource,
-                   ppo_model: Optional[dict] = None) -> Output[dict]:
-    """The released model, the post-training stage named by stage: rl_model (SFT -> DPO -> RL, the default) or ppo_model (SFT -> reward model -> PPO): safetensors weights in the Hugging Face layout of the model's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM), config, tokenizer, a model card written from lineage, and SHA256SUMS."""
+                   ppo_model: Optional[dict] = None, judged_preferences: Optional[dict] = None) -> Output[dict]:
+    """The released model, the post-training stage named by stage: rl_model (SFT -> DPO -> RL, the default) or ppo_model (SFT -> reward model -> PPO): safetensors weights in the Hugging Face layout of the model's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM), config, tokenizer, a model card written from lineage (with the AI judge's measured agreement when judged_preferences ran), and SHA256SUMS."""
     released, rlhf = _released(config, rl_model, ppo_model)
     up = {"raw_documents": raw_documents, "clean_corpus": clean_corpus, "tokenizer": tokenizer, "token_shards": token_shards,
           "training_plan": training_plan, "base_model": base_model, "eval_scores": eval_scores,
           "instruction_data": instruction_data, "preference_data": preference_data, "sft_model": sft_model,
-          "dpo_model": dpo_model, "rl_model": rl_model}
+          "dpo_model": dpo_model, "rl_model": rl_model,
+          **({"judged_preferences": judged_preferences} if judged_preferences else {})}  # None: never materialized
     settings, full_config = _run_settings(context)
     figures = card_figures(up)
     card = model_card(config.name, config.license, up, stage_rows(sft_model, dpo_model, rl_model), settings, figures)

@@ -17,6 +17,7 @@ from dagster import (
 from assets.collect import clean_corpus, raw_documents
 from assets.tokens import token_shards, tokenizer
 from assets.evals import checkpoint_evals, contamination_below_threshold, contamination_report, eval_scores, eval_suite
+from assets.feedback import judged_preferences
 from assets.alignment import dpo_model, instruction_data, preference_data, rl_model, sft_model
 from assets.pretrained import pretrained_model
 from assets.publish import release_bundle, release_no_regression
@@ -33,7 +34,7 @@ KILN_HOME = PROJECT / ".kiln"
 
 ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_suite,
               contamination_report, eval_scores, instruction_data, preference_data, sft_model, dpo_model, rl_model,
-              reward_model, ppo_model, release_bundle]
+              judged_preferences, reward_model, ppo_model, release_bundle]
 # assets `kiln run` leaves out unless --select names them or the preset opts in (its top-level opt_in list);
 # the pipeline job itself (and the smoke end-to-end test) holds them
 OPT_IN = ("reward_model", "ppo_model")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 FROZEN = Path(__file__).resolve().parent / "data" / "smoke_frozen.json"
 STABLE_VERSIONS = ("raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
-                   "instruction_data", "preference_data", "sft_model")
+                   "instruction_data", "preference_data", "sft_model", "judged_preferences")
 
 
 def _sha256(path: Path) -> str:

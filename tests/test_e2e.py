@@ -99,6 +99,25 @@ def test_post_training_chain_is_measured_before_and_after_on_the_same_items(smok
     assert "Direct Preference Optimization" in card and "| measure | base | sft | dpo | rl |" in card
 
 
+def test_judged_preferences_are_labelled_measured_and_in_the_release(smoke_run):
+    from kiln.posttrain.sft import read_pairs
+    from kiln.release.lineage import lineage_tree, read_release_info
+
+    _, _, _, result = smoke_run
+    judged = result.output_for_node("judged_preferences")
+    assert judged["judge"]["kind"] == "checkpoint" and judged["judge"]["path"].startswith(result.output_for_node("sft_model")["checkpoint"])
+    agree = judged["summary"]["agreement"]
+    assert agree["n"] == 8 and 0.0 <= agree["agreement"] <= 1.0
+    rows = read_pairs(judged["path"])
+    assert len(rows) == judged["summary"]["pairs_labelled"] and all({"prompt", "chosen", "rejected", "split"} <= set(r) for r in rows)
+    bundle = result.output_for_node("release_bundle")["dir"]
+    info = read_release_info(bundle)
+    assert info["feedback"]["principles"]["sha256"] == judged["principles"]["sha256"]
+    assert info["lineage"]["judged_preferences"] == judged["version"]
+    assert judged["principles"]["sha256"] in lineage_tree(info)
+    assert "## AI feedback" in (Path(bundle) / "README.md").read_text()
+
+
 def test_eval_scores_include_lm_eval_tasks_with_chance(smoke_run):
     _, _, _, result = smoke_run
     scores = result.output_for_node("eval_scores")

@@ -193,6 +193,25 @@ Held-out measures after each stage, on the same items throughout:
 """
 
 
+def _feedback(up: Mapping[str, dict[str, Any]]) -> str:
+    """The AI judge's labels and how far they agree with known ones, when judged_preferences ran; else nothing."""
+    judged = up.get("judged_preferences")
+    if not judged:
+        return ""
+    j, p, s = judged["judge"], judged["principles"], judged["summary"]
+    a = s["agreement"]
+    return f"""## AI feedback
+Preference labels from an AI judge (judged_preferences version `{judged['version']}`): the {j['family']} {j['kind']}
+`{j['path']}` ({j['params']:,} parameters, sha256 `{j['sha256']}`) scored answers against the principles in
+`{p['path']}` (sha256 `{p['sha256']}`) with the `{judged['rule']}` rule, each pair in both orders.
+On {a['n']} held-out preference pairs whose right answer is known, the judge agreed with it on
+{a['agreement']:.3f} ± {a['stderr']:.3f} of them (standard error; a tie counts one half; {a['ties']} ties; chance 0.5);
+its verdict changed with the order of the answers on {s['position_bias']['checkable']:.1%} of them.
+It labelled {s['pairs_labelled']} pairs sampled from the SFT model ({s['ties']} ties left out).
+
+"""
+
+
 def _limits(raw: dict) -> str:
     return f"""## Limits
 A small model trained for minutes on a few megabytes of documentation and web text: it produces fluent-looking but
@@ -296,7 +315,8 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
     """README.md of a release: model, training data lineage, training, evaluation, post-training, settings, limits.
 
     up: the outputs of raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_scores,
-    instruction_data, preference_data, sft_model, dpo_model and rl_model; stages: one row per held-out measure with
+    instruction_data, preference_data, sft_model, dpo_model and rl_model (and judged_preferences when it ran: an
+    "AI feedback" section); stages: one row per held-out measure with
     a column per model (base, sft, dpo, rl); settings: {asset, field, value, default} of each setting that differs
     from its default (None: no Settings section); figures: {file name: PNG} the bundle holds (card_figures).
     """
@@ -308,6 +328,7 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
         _training(up["training_plan"], up["base_model"], up["tokenizer"], figures),
         _evaluation(up["eval_scores"], figures),
         _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages),
+        _feedback(up),
         _operations(up),
         _settings(settings) if settings is not None else "",
         _limits(up["raw_documents"]),

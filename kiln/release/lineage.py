@@ -24,6 +24,8 @@ LINEAGE_SECTIONS: dict[str, str] = {
     "training": "training summaries per stage ({stage: {steps, tokens, initial_val_loss, final_val_loss, ...}})",
     "eval": "evaluation scores ({metric: value}) and their chance baselines",
     "post_training": "post-training stages ([{stage, version, ...}])",
+    "feedback": "AI-judge labels (judged_preferences): the judge {path, kind, sha256, family, params}, the principles "
+                "file {path, sha256}, the scoring rule, agreement with the known labels, ties and position bias",
     "configs": "run config of each asset ({asset: config})",
     "mlflow_runs": "MLflow run id of each asset ({asset: run id})",
     "registry": "the registered version, added by kiln lineage for a models:/ reference ({name, version, aliases})",
@@ -140,9 +142,21 @@ STAGE_KEYS = ("version", "steps", "tokens", "initial_val_loss", "final_val_loss"
 PLAN_KEYS = ("params", "parallelism", "world_size", "micro_batch", "grad_accum", "tokens_per_step", "model", "hardware")
 
 
+OPTIONAL_LINEAGE = ("judged_preferences",)  # recorded when the run materialized them (release_bundle gets None otherwise)
+FEEDBACK_KEYS = ("version", "judge", "principles", "rule")
+
+
 def lineage_versions(up: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """{asset: data version} of every asset in LINEAGE_ASSETS, from their outputs ``up``."""
-    return {k: up[k]["version"] for k in LINEAGE_ASSETS}
+    """{asset: data version} of every asset in LINEAGE_ASSETS, and of those in OPTIONAL_LINEAGE that ``up`` holds."""
+    return {k: up[k]["version"] for k in (*LINEAGE_ASSETS, *(k for k in OPTIONAL_LINEAGE if up.get(k)))}
+
+
+def feedback_section(judged: dict[str, Any]) -> dict[str, Any]:
+    """What a release records of judged_preferences: the judge's identity, the principles' sha256, the rule, and the
+    judge's agreement with the known labels, its ties and position bias."""
+    s = judged["summary"]
+    return {**{k: judged[k] for k in FEEDBACK_KEYS}, "agreement": s["agreement"], "position_bias": s["position_bias"],
+            "pairs_labelled": s["pairs_labelled"], "ties": s["ties"]}
 
 
 def _stage(out: dict[str, Any]) -> dict[str, Any]:
@@ -158,11 +172,12 @@ def release_sections(name: str, license: str, up: dict[str, dict[str, Any]], sco
                      configs: dict[str, Any]) -> dict[str, Any]:
     """The LINEAGE_SECTIONS of a release's kiln.json, from the upstream outputs ``up`` (as ``lineage_versions``)
     and the flat evaluation ``scores``; configs: {asset: its run config}. A run that started from released weights
-    also gets a ``pretrained`` section."""
+    also gets a ``pretrained`` section, and one whose judged_preferences ran a ``feedback`` section."""
     raw, rep, plan = up["raw_documents"], up["clean_corpus"]["report"], up["training_plan"]
     pretrained = pretrained_stages(up)
     return {
         **({"pretrained": pretrained} if pretrained else {}),
+        **({"feedback": feedback_section(up["judged_preferences"])} if up.get("judged_preferences") else {}),
         "name": name, "lineage": lineage_versions(up), "mlflow_runs": {k: up[k]["mlflow_run_id"] for k in TRAINED},
         "license": license,
         "sources": [{**s, "documents": raw["stats"]["sources"].get(s["name"], {}).get("documents")} for s in raw["sources"]],

@@ -6,7 +6,7 @@ from jobs.definitions import ALL_ASSETS, defs
 
 EXPECTED = {"pretrained_model", "raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
             "eval_suite", "contamination_report", "eval_scores", "checkpoint_evals", "instruction_data",
-            "preference_data", "sft_model", "dpo_model", "rl_model", "reward_model", "ppo_model", "release_bundle"}
+            "preference_data", "sft_model", "dpo_model", "rl_model", "judged_preferences", "reward_model", "ppo_model", "release_bundle"}
 
 
 def test_definitions_load_with_every_asset():
@@ -39,6 +39,8 @@ def test_lineage_edges():
     assert {"sft_model", "preference_data"} <= parents("reward_model")
     assert {"sft_model", "reward_model", "instruction_data"} <= parents("ppo_model")
     assert "ppo_model" in parents("release_bundle")  # released instead of rl_model when release_bundle.stage says so
+    assert {"sft_model", "preference_data", "instruction_data"} <= parents("judged_preferences")
+    assert "judged_preferences" in parents("release_bundle")  # optional: the card and lineage report the judge
 
 
 def test_every_preset_is_valid_run_config():
