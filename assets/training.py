@@ -104,7 +104,7 @@ def plan_cost_metadata(plan: dict) -> dict:
 
 
 PRETRAIN_FIELDS = ("eval_interval", "eval_batches", "ckpt_interval", "keep_last", "keep_every", "async_save",
-                   "log_interval", "seed")  # kiln.train.job.JobConfig fields base_model sets: their defaults live there
+                   "log_interval", "seed", "document_mask")  # kiln.train.job.JobConfig fields base_model sets: their defaults live there
 
 
 class BaseModelConfig(schema_of(JobConfig, include=PRETRAIN_FIELDS, name="PretrainJobFields")):

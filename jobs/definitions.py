@@ -37,7 +37,7 @@ ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_sh
               judged_preferences, reward_model, ppo_model, release_bundle]
 # assets `kiln run` leaves out unless --select names them or the preset opts in (its top-level opt_in list);
 # the pipeline job itself (and the smoke end-to-end test) holds them
-OPT_IN = ("reward_model", "ppo_model")
+OPT_IN = ("judged_preferences", "reward_model", "ppo_model")
 PARTITIONED_ASSETS = [checkpoint_evals]  # one partition per training checkpoint; outside the pipeline job
 
 kiln_pipeline_job = define_asset_job(
