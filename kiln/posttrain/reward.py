@@ -31,7 +31,7 @@ from kiln.train.trainer import Stage, StepReport, Trainer
 @dataclass
 class RewardJob(PosttrainJob):
     task: str = "reward"
-    pair_kinds: list = field(default_factory=list)  # preference kinds to train and hold out on (arithmetic, doc_section); empty: all
+    pair_kinds: list[str] = field(default_factory=list)  # preference kinds to train and hold out on (arithmetic, doc_section); empty: all
     eval_pairs: int = 256  # held-out (split=val) pairs scored at each evaluation
 
 
