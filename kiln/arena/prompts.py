@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from kiln.common.files import jsonl_objects
+
 BUILT_IN = Path(__file__).resolve().parents[2] / "conf" / "arena_prompts.yaml"
 
 
@@ -26,14 +28,8 @@ def _from_yaml(path: Path) -> list[str]:
 
 def _from_jsonl(path: Path) -> list[str]:
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e}); repair or delete that line") from e
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+    for n, row in jsonl_objects(path):
+        if not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{n}: each line must be an object with a string 'prompt'")
         rows.append(row)
     held_out = [r for r in rows if r.get("split") == "val"]

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kiln.common.files import jsonl_objects
+
 VOTES = ("left", "right", "tie", "both_bad")  # what a person can answer; tie and both_bad count as half a win each
 VOTE_KEYS = ("round", "time", "prompt", "left", "right", "vote")
 SIDE_KEYS = ("name", "weights")  # each side: the name shown after the vote and the digest of the weights
@@ -38,22 +40,7 @@ def append_line(path: Path, record: dict[str, Any], lock: threading.Lock | None 
 
 def read_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, record) for every non-blank line of a JSONL file (none when it does not exist)."""
-    if not path.is_file():
-        return []
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e}); repair or delete that line") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: a record must be a JSON object, got {type(row).__name__}; repair or "
-                                 "delete that line")
-            out.append((n, row))
-    return out
+    return list(jsonl_objects(path)) if path.is_file() else []
 
 
 def check_vote(path: Path, n: int, row: dict[str, Any]) -> dict[str, Any]:

@@ -64,6 +64,23 @@ def stable_hash(obj: Any) -> str:
     return sha256_bytes(json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode())
 
 
+def jsonl_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) for every non-blank line of a JSONL file; a line that is not a JSON object raises
+    ValueError naming the file and the line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e}); repair or delete that line") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: a record must be a JSON object, got {type(row).__name__}; repair or "
+                                 "delete that line")
+            yield n, row
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)

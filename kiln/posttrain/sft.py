@@ -6,7 +6,6 @@ Examples are ``<|user|>prompt<|assistant|>response<|endoftext|>``; loss falls on
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 
 from kiln.common.config import from_dict
+from kiln.common.files import jsonl_objects
 from kiln.model.lora import LoRAConfig
 from kiln.train.dist import DistInfo
 from kiln.train.job import JobConfig
@@ -36,18 +36,7 @@ def encode_example(enc, prompt: str, response: str) -> tuple[list[int], list[int
 
 
 def read_pairs(path: str | Path, split: str | None = None) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-            if split is None or row.get("split") == split:
-                rows.append(row)
-    return rows
+    return [row for _, row in jsonl_objects(path) if split is None or row.get("split") == split]
 
 
 def pack(examples: Iterable[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
