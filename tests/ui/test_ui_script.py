@@ -25,6 +25,12 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the started processes through /proc")]
 
 
+def _default_sigint() -> None:
+    """Ctrl-C's default action in the script, as in a terminal: a test run started in the background of a
+    non-interactive shell ignores SIGINT, the script would inherit that, and bash cannot trap a signal ignored on entry."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def descendants(pid: int) -> set[int]:
     tree, found, todo = children_of(), set(), [pid]
     while todo:
@@ -60,7 +66,7 @@ def test_ui_script_stops_every_child_on_ctrl_c(tmp_path):
     env.pop("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", None)
     log = open(tmp_path / "ui.log", "wb")
     proc = subprocess.Popen(["bash", "scripts/ui.sh", str(Path(sys.executable).parent), str(home)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
     started: set[int] = set()
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -116,7 +116,11 @@ def test_raw_corpus_from_fsspec_urls_gives_the_local_outputs(tmp_path: Path, ray
         rep = clean_on_ray(url, tmp_path / f"url{i}/c.parquet", tmp_path / f"url{i}/r.parquet",
                            CleanConfig.from_dict(CFG), address=ray_cluster.address, work_dir=tmp_path)
         same(local, outputs(tmp_path / f"url{i}", rep))
-    fsspec.filesystem("memory").pipe("/kiln-test/raw.parquet", raw.read_bytes())
-    with pytest.raises(ValueError, match="memory:// file lives in this process only"):
-        clean_on_ray("memory://kiln-test/raw.parquet", tmp_path / "m.parquet", tmp_path / "mr.parquet",
-                     CleanConfig.from_dict(CFG), address=ray_cluster.address, work_dir=tmp_path)
+    memory = fsspec.filesystem("memory")  # one store per process: a folder of this test's own, removed after
+    memory.pipe("/kiln-ray-executor-test/raw.parquet", raw.read_bytes())
+    try:
+        with pytest.raises(ValueError, match="memory:// file lives in this process only"):
+            clean_on_ray("memory://kiln-ray-executor-test/raw.parquet", tmp_path / "m.parquet", tmp_path / "mr.parquet",
+                         CleanConfig.from_dict(CFG), address=ray_cluster.address, work_dir=tmp_path)
+    finally:
+        memory.rm("/kiln-ray-executor-test", recursive=True)
