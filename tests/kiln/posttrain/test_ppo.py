@@ -32,13 +32,6 @@ ROOT = Path(__file__).resolve().parents[3]
 TINY = {"vocab_size": 320, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 48, "dropout": 0.0}
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_gae_matches_a_hand_computed_example() -> None:
     # one row: a prompt position (masked), then three answer tokens, then padding

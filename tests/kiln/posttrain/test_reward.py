@@ -26,13 +26,6 @@ TINY = {"vocab_size": 320, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd"
 LLAMA = {**TINY, "family": "llama", "n_kv_head": 1, "intermediate_size": 64}
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_bradley_terry_loss_matches_a_hand_computation() -> None:
     chosen, rejected = torch.tensor([1.0, 0.0, -0.5]), torch.tensor([0.0, 2.0, -0.5])

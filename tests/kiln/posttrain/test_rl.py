@@ -27,14 +27,6 @@ from kiln.posttrain.sft import IGNORE, chat_prompt_ids
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight other tests for cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_group_advantages_are_relative_within_each_group() -> None:
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 3.0]])
