@@ -89,6 +89,16 @@ def _write(stage: Path, run: kjudge.JudgingRun, rows: list[dict]) -> None:
                       stage / "judgements.jsonl")
 
 
+def _checked_inputs(config: JudgedPreferencesConfig, sft_model: dict):
+    """(principles path, principles, judge identity), a config mistake failing the step without retries."""
+    with failing_on_config_errors():
+        ppath = project_path(config.principles)
+        principles = kjudge.read_principles(ppath)
+        kjudge.rule_of(config.rule, "judged_preferences.rule")
+        ident = kjudge.judge_fingerprint(config.judge or sft_model["checkpoint"], "judged_preferences.judge")
+    return ppath, principles, ident
+
+
 @asset(code_version="1", group_name="posttraining")
 def judged_preferences(context: AssetExecutionContext, config: JudgedPreferencesConfig, instruction_data: dict,
                        preference_data: dict, sft_model: dict, tokenizer: dict, training_plan: dict,
@@ -96,11 +106,7 @@ def judged_preferences(context: AssetExecutionContext, config: JudgedPreferences
     """Preference pairs labelled by an AI judge (by default the SFT model) against written principles: two answers per training prompt sampled from the SFT model, each pair judged in both orders from the judge's own yes/no probabilities; the judge's agreement with held-out pairs whose right label is known, its ties and position bias; the same JSONL format as preference_data."""
     device = training_plan["hardware"]["device"]
     device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
-    with failing_on_config_errors():
-        ppath = project_path(config.principles)
-        principles = kjudge.read_principles(ppath)
-        kjudge.rule_of(config.rule, "judged_preferences.rule")
-        ident = kjudge.judge_fingerprint(config.judge or sft_model["checkpoint"], "judged_preferences.judge")
+    ppath, principles, ident = _checked_inputs(config, sft_model)
     psha = kjudge.file_sha256(ppath)
     with asset_output(context, mlflow, parent=storage.path("judged_preferences"), config=config,
                       inputs={"preference_data": preference_data, "sft_model": sft_model},
