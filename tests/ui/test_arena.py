@@ -21,14 +21,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from chromium import chromium_installed, headless_chromium
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--window-size=1300,1100")
 START_TIMEOUT_S = 600  # importing torch, mlflow and fastapi and creating the MLflow tables: minutes on a loaded 2-core machine
 WAIT_S = 60
 PROMPTS = ["The cat", "A dog walks", "The old man sees", "My sister likes"]
@@ -38,7 +34,7 @@ FINAL_SHOT = Path("/tmp/arena_ratings.png")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()),
+    pytest.mark.skipif(not chromium_installed(),
                        reason="Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"),
 ]
 
@@ -114,19 +110,8 @@ def answers(url: str) -> bool:
 
 @pytest.fixture
 def browser(tmp_path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(WAIT_S)
-    try:
+    with headless_chromium(tmp_path / "chromium-profile", WAIT_S, "1300,1100") as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def wait_for(driver, condition, what: str, shot: Path):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,15 +20,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from chromium import chromium_installed, headless_chromium
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-# Flags a sandboxed, offline root machine needs: no sandbox, no GPU, and no background calls to outside hosts.
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--window-size=1600,1800")  # tall: the graph draws only nodes on screen
 START_TIMEOUT_S = 240  # importing the definitions (torch, mlflow, dagster) on a loaded 2-core machine
 SOURCE_CACHE = Path("/tmp/srccache")  # the smoke sources, when cached there already (else fetched once)
 TRAINED = "raw_documents,clean_corpus,tokenizer,token_shards,training_plan,base_model"
@@ -37,7 +31,7 @@ PAGE_TIMEOUT_S = 90
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()),
+    pytest.mark.skipif(not chromium_installed(),
                        reason="Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"),
 ]
 
@@ -161,19 +155,9 @@ def expected():
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(PAGE_TIMEOUT_S)
-    try:
+    # tall: the asset graph draws only the nodes on screen
+    with headless_chromium(tmp_path_factory.mktemp("chromium-profile"), PAGE_TIMEOUT_S, "1600,1800") as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def node_labels(driver) -> list[str]:
