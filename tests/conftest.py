@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,13 +30,6 @@ OBJECTS = ["the river", "a red house", "the green field", "an apple", "the long 
 ADVERBS = ["today", "every morning", "in the rain", "slowly", "at night", "with care"]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now, for a server a test starts (`from conftest import free_port`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def sentence(rng: random.Random) -> str:
     return f"{rng.choice(SUBJECTS).capitalize()} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(ADVERBS)}."
 
@@ -46,6 +38,17 @@ def make_docs(n: int = 500, seed: int = 0) -> list[tuple[str, str]]:
     """(doc id, text) pairs of 3-8 sentences from a small English grammar (learnable by a tiny model)."""
     rng = random.Random(seed)
     return [(f"doc{i:04d}", " ".join(sentence(rng) for _ in range(rng.randint(3, 8)))) for i in range(n)]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight other tests for cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

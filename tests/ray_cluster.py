@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ports import free_port
 from procs import children_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,12 +29,6 @@ def dashboard_installed() -> bool:
     from importlib.util import find_spec
 
     return all(find_spec(m) is not None for m in ("aiohttp_cors", "prometheus_client", "opencensus"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pids_under(marker: str) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 from kiln import store
 from kiln.loader import TokenLoader
 from kiln.shards import MANIFEST, ShardError, shard_paths, verify_shards, write_shards
-from conftest import free_port
+from ports import free_port
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import pytest
 from dagster import AssetKey, DagsterInstance, FilesystemIOManager, materialize
 
 from assets.collect import clean_corpus, raw_documents
-from conftest import free_port
+from ports import free_port
 from kiln.clean.ray_run import RayClusterError
 from resources.ray import RayResource
 from resources.storage import KilnStorageResource

@@ -20,7 +20,7 @@ from kiln.common.metrics import MetricLogger
 from kiln.train.checkpoint import checkpoint_identity, save_checkpoint, verify_checkpoint
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
-from conftest import free_port
+from ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from chromium import chromium_installed, headless_chromium
-from conftest import free_port
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600  # importing torch, mlflow and fastapi and creating the MLflow tables: minutes on a loaded 2-core machine

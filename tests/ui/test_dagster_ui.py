@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from chromium import chromium_installed, headless_chromium
-from conftest import free_port
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240  # importing the definitions (torch, mlflow, dagster) on a loaded 2-core machine

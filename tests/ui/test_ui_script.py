@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from ports import free_port
 from procs import children_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import free_port
+from ports import free_port
 
 from kiln.arena.contestants import Contestant
 from kiln.arena.prompts import BUILT_IN, load_prompts, read_prompts

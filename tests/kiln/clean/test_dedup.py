@@ -20,7 +20,7 @@ from kiln.clean.run import clean
 from kiln.common.config import ConfigError
 from kiln.clean.dedup import LineDedupConfig, LineDeduper, MinHashConfig, MinHashDeduper, url_key
 from textgen import prose
-from conftest import free_port
+from ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from kiln.common.config import ConfigError
 from kiln.sources import SourceError, SourceSpec, collect, fetch, iter_documents, load_manifest, specs_from_dicts
 from kiln.sources import packages, pipeline
 from kiln.common.files import sha256_file
-from conftest import free_port
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -19,7 +19,7 @@ from kiln.model.families import build_model
 from kiln.model.lora import LoRAConfig, apply_lora
 from kiln.train.optim import (FullMatrixMuon, MuonAdamW, OptimConfig, lr_lambda, make_optimizer, make_scheduler,
                               muon_update)
-from conftest import free_port
+from ports import free_port
 
 CPU = torch.device("cpu")
 GPT2_MUON = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -21,7 +21,7 @@ from kiln.train.checkpoint import load_state, verify_checkpoint
 from kiln.loader import TokenLoader
 from kiln.shards import shard_paths
 from kiln.train.loop import main
-from conftest import free_port
+from ports import free_port
 from tests.kiln.train.test_train import OPTIMS
 
 ROOT = Path(__file__).resolve().parents[3]
