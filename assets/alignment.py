@@ -13,8 +13,8 @@ from kiln.evaluation.contamination import DEFAULT_N
 from kiln.model.config import ModelConfig
 from kiln.model.lora import LoRAConfig
 from kiln.posttrain import instructions as kinst
-from kiln.posttrain.measures import (comparison_line, comparison_table, heldout_suite, log_comparison, measure_before,
-                                     measure_checkpoint, suite_key)
+from kiln.posttrain.measures import (comparison_line, comparison_table, heldout_suite, log_comparison, means,
+                                     measure_before, measure_checkpoint, suite_key)
 from kiln.posttrain.dpo import DpoJob
 from kiln.posttrain.preferences import build_preferences
 from kiln.posttrain.report import dpo_report, rl_report
@@ -165,7 +165,8 @@ def sft_model(context: AssetExecutionContext, config: SftModelConfig, base_model
     after = measure_checkpoint(out.value["checkpoint"], suite, device)
     rows = log_comparison(before, after, mlflow.resolved_uri(), out.value["mlflow_run_id"], out.value["steps"])
     context.log.info(comparison_line(rows))
-    value = {**out.value, "before": before, "after": after, "before_after": rows, "suite_key": suite_key(suite), **extra}
+    value = {**out.value, "before": means(before), "after": means(after), "after_scores": after, "before_after": rows,
+             "suite_key": suite_key(suite), **extra}
     return Output(value, data_version=out.data_version,
                   metadata={**out.metadata, "before_after": md_table(comparison_table(rows))})
 
@@ -184,8 +185,9 @@ def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], stor
         after = measure_checkpoint(result["checkpoint"], suite, device)
         rows = log_comparison(before, after, job.run.tracking_uri, job.run.run_id, result["steps"])
         context.log.info(comparison_line(rows))
-        return job.output(report_metadata(report(result, rows, job.out_dir), job.run), before=before, after=after,
-                          before_after=rows, suite_key=suite_key(suite), **(extra or {}))
+        return job.output(report_metadata(report(result, rows, job.out_dir), job.run), before=means(before),
+                          after=means(after), after_scores=after, before_after=rows, suite_key=suite_key(suite),
+                          **(extra or {}))
 
 
 DPO_FIELDS = ("beta", "label_smoothing", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kiln.common.plots import line_plot_png
-from kiln.posttrain.measures import MEASURES
+from kiln.posttrain.measures import MEASURES, NOISE_Z, change_rows
 
 CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
 LOSS_PLOT, CHECKPOINT_PLOT = "loss_curve.png", "scores_by_checkpoint.png"
@@ -188,6 +188,10 @@ Three stages, each a torchrun job starting from the previous stage's weights; th
 Held-out measures after each stage, on the same items throughout:
 
 {table(stages)}
+Each stage's change, with its paired standard error over the same held-out items (* marks a change at least
+{NOISE_Z:g} standard errors from zero; anything else is within noise):
+
+{table(change_rows({"sft": sft, "dpo": dpo, "rl": rl}))}
 {chr(10).join(f"- `{m}`: {what}" for m, what in MEASURES.items())}
 
 """

@@ -77,3 +77,18 @@ def test_plots_are_images_in_the_bundle_referenced_from_the_card(up):
     text = card(up, figures=figures)
     assert f"]({LOSS_PLOT})" in text and f"]({CHECKPOINT_PLOT})" in text
     assert f"]({LOSS_PLOT})" not in card(up)
+
+
+def test_post_training_shows_each_stage_change_with_its_paired_error(up):
+    import copy
+
+    up = copy.deepcopy(up)
+    row = next(r for r in up["rl_model"]["before_after"] if r["measure"] == "arithmetic_exact_match")
+    row.update(stderr=0.01, beyond_noise=abs(row["change"]) >= 0.02)
+    text = card(up).split("## Post-training", 1)[1].split("\n## ", 1)[0]
+    line = next(x for x in text.splitlines() if x.startswith("| arithmetic_exact_match |") and "±" in x)
+    sft, dpo, rl = (c.strip() for c in line.strip("|").split("|")[1:])
+    assert rl == f"{row['change']:+.3f} ± 0.010" + (" *" if row["beyond_noise"] else "")
+    first = next(r for r in up["sft_model"]["before_after"] if r["measure"] == "arithmetic_exact_match")
+    assert sft == f"{first['change']:+.3f}"  # recorded without item scores: the change alone
+    assert "at least\n2 standard errors from zero" in text
