@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow,
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A one-node cluster for the whole session, on its own ports, stopped at the end; SLURM_CONF points at it."""
-    from tests.conftest import free_port
+    from ports import free_port
 
     folder = tmp_path_factory.mktemp("slurm")
     env = {**os.environ, "SLURMCTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port()), "KILL_WAIT": "30"}
