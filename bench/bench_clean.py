@@ -2,14 +2,15 @@
 signature rate against datasketch's own batch update in the same run, and peak memory when the input doubles;
 the scaling table (``--scaling``, the same as ``--sections scaling``): MB/s of the whole clean step, of its
 per-document stage (a Ray Data pipeline on Ray) and of MinHash alone, in-process and on a local Ray cluster of 1 and 2
-one-CPU nodes, in one run, on the demo corpus replicated ``--copies`` times (default 4; copy 1 as is, copy 2 with the
-words of every line reversed, later copies with them shuffled: no copy near-duplicates another), with the map's CPU
-seconds per node of each Ray run (both workers busy or not); and (``--sections datatrove``) MinHash removals on the 66,000-document schelling_point corpus of
+one-CPU nodes (1 GiB of object store each), in one run, on the demo corpus replicated ``--copies`` times (default 8,
+about a minute in-process; copy 1 as is, copy 2 with the words of every line reversed, later copies with them
+shuffled: no copy near-duplicates another), with the map's CPU seconds per node of each Ray run (both workers busy or
+not); and (``--sections datatrove``) MinHash removals on the 66,000-document schelling_point corpus of
 evals 3.0.1.post1 (owt_5, wikipedia_5 and mix, every row flattened into its 11 variants), with and without
 datatrove's text normalisation, in-process and sharded.
 
 Run: ``python bench/bench_clean.py [--cache-dir DIR] [--repeats 5] [--sections demo,scaling,datatrove]`` (demo: about
-a minute on 2 cores; ``--scaling``: about 8 minutes on a quiet 2-core machine, ``--scaling --copies 1 --minhash-docs
+a minute on 2 cores; ``--scaling``: about 10 minutes on a quiet 2-core machine, ``--scaling --copies 1 --minhash-docs
 12000`` about 3; the demo sources are fetched by name on the first run and cached in
 $KILN_SOURCE_CACHE or ~/.cache/kiln/sources).
 """
@@ -160,6 +161,7 @@ def replicated(raw: Path, out: Path, copies: int = 4, docs: int = 0) -> Path:
     return out
 
 
+OBJECT_STORE = 1 << 30  # per node: the input's blocks fit (the tests' 80 MiB store would spill them to disk)
 MINHASH_ONLY = {"url_dedup": False, "exact_dedup": False, "line_dedup": {"enabled": False}}
 
 
@@ -243,7 +245,7 @@ def measure_ray(raw: Path, work: Path, address: str, blocks: list[dict]) -> dict
             "warm_s": warm, "profile": done[0] if done else "", "ids": pq.read_table(work / "c.parquet", columns=["id"]).column("id").to_pylist()}
 
 
-def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 4, minhash_docs: int = 0, docs: int = 0):
+def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 8, minhash_docs: int = 0, docs: int = 0):
     """The scaling table; returns the 2-node cluster (still running) for the next section."""
     sys.path.insert(0, str(ROOT / "tests"))
     from ray_cluster import RayCluster
@@ -255,7 +257,7 @@ def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 4, minha
     (tmp / "local").mkdir()
     runs["in-process"] = local = measure_local(big, tmp / "local", texts)
     del texts
-    cluster = RayCluster(workers=0).start()
+    cluster = RayCluster(workers=0, object_store=OBJECT_STORE).start()
     try:
         for n in (1, 2):
             if n == 2:
@@ -346,7 +348,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sections", default="demo", help="comma-separated: demo, scaling, datatrove")
     parser.add_argument("--scaling", action="store_true", help="the scaling table alone (--sections scaling)")
-    parser.add_argument("--copies", type=int, default=4, help="scaling: copies of the demo corpus in the input")
+    parser.add_argument("--copies", type=int, default=8, help="scaling: copies of the demo corpus in the input")
     parser.add_argument("--minhash-docs", type=int, default=0, help="scaling: MinHash alone on the first N "
                         "schelling_point documents (0: all 66,000)")
     parser.add_argument("--docs", type=int, default=0, help="scaling: only the first N demo documents (a quick "

@@ -53,15 +53,15 @@ def pids_under(marker: str) -> list[int]:
 class RayCluster:
     """``start()`` a head and ``workers`` worker nodes; ``address``; ``kill_node(i)``; ``stop()``."""
 
-    def __init__(self, workers: int = 1) -> None:
+    def __init__(self, workers: int = 1, object_store: int = OBJECT_STORE) -> None:
         self.temp = tempfile.mkdtemp(prefix="kray-", dir="/tmp")  # short: Ray's socket paths must fit 107 chars
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.workers = workers
+        self.workers, self.object_store = workers, object_store
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
 
     def _ray_start(self, *args: str) -> None:
-        cmd = [RAY, "start", "--node-ip-address=127.0.0.1", "--num-cpus=1", f"--object-store-memory={OBJECT_STORE}",
+        cmd = [RAY, "start", "--node-ip-address=127.0.0.1", "--num-cpus=1", f"--object-store-memory={self.object_store}",
                f"--temp-dir={self.temp}", f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats",
                *args]
         subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=120)

@@ -168,6 +168,17 @@ def doc_stage(batch: pa.Table, plan: Plan) -> pa.Table:
     return pa.Table.from_pylist(out, schema=PIECE_SCHEMA)
 
 
+class DocStage:
+    """``map_batches``'s callable on an actor pool: one per worker, its cleaner built once at start."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        _cleaner(plan)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return doc_stage(batch, self.plan)
+
+
 PIECE_SCHEMA = pa.schema([("shard", pa.int64()), ("first", pa.int64()), ("docs", pa.int64()), ("path", pa.string()),
                           ("report", pa.string()), ("attempt", pa.int64()), ("cpu_s", pa.float64()),
                           ("node", pa.string())])
