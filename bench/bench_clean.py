@@ -165,6 +165,21 @@ OBJECT_STORE = 1 << 30  # per node: the input's blocks fit (the tests' 80 MiB st
 MINHASH_ONLY = {"url_dedup": False, "exact_dedup": False, "line_dedup": {"enabled": False}}
 
 
+def local_pool(raw: Path, shards: list[dict], work: Path, cfg, n: int) -> float:
+    """Seconds for the per-document stage in a pool of ``n`` fresh local processes (each starts, imports and
+    builds its cleaner inside the timing, as Ray's actors do): 1 against 2 is what this machine gives two workers
+    now, measured beside the Ray runs."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from kiln.clean.run import _clean_shard_job
+
+    t = time.perf_counter()
+    with ProcessPoolExecutor(n, mp_context=get_context("spawn")) as pool:
+        list(pool.map(_clean_shard_job, [(raw, s, work / f"s{s['index']:05d}", cfg, None) for s in shards]))
+    return time.perf_counter() - t
+
+
 def measure_local(raw: Path, work: Path, texts: list[str]) -> dict:
     """In this process: the per-document stage (one process), then the corpus stage; MinHash alone on ``texts``
     (signatures and the in-memory LSH index)."""
@@ -182,14 +197,12 @@ def measure_local(raw: Path, work: Path, texts: list[str]) -> dict:
     t1 = time.perf_counter()
     rep = merge_shards(results, work / "c.parquet", work / "r.parquet", cfg, work_dir=work)
     t2 = time.perf_counter()
-    two = CleanConfig(workers=2)  # the same stage in two local processes: what this machine gives two workers now
-    _clean_shards([(raw, s, work / f"p{s['index']:05d}", two, None) for s in shards], two, True, lambda m: None, t2)
-    doc2_s = time.perf_counter() - t2
+    pool_s = {n: local_pool(raw, shards, work / f"pool{n}", cfg, n) for n in (1, 2)}
     t3 = time.perf_counter()
     d = MinHashDeduper(cfg.minhash)
     near = sum(x is not None for x in d.check([str(i) for i in range(len(texts))], signatures(texts, cfg.minhash)))
     t4 = time.perf_counter()
-    return {"step_s": t2 - t0, "doc_s": t1 - t0, "doc2_s": doc2_s, "minhash_s": t4 - t3, "near": near,
+    return {"step_s": t2 - t0, "doc_s": t1 - t0, "pool_s": pool_s, "minhash_s": t4 - t3, "near": near,
             "kept": rep.kept_docs, "in_mb": rep.input_bytes / 1e6, "ids": pq.read_table(work / "c.parquet", columns=["id"]).column("id").to_pylist()}
 
 
@@ -282,8 +295,8 @@ def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 8, minha
               f"{r['near']:9,d} {str(r['ids'] == local['ids']):>21s} {r.get('warm_s', 0.0):14.1f}")
     one, two = runs["Ray, 1 worker"], runs["Ray, 2 workers"]
     print(f"  per-document stage, 2 workers / 1 worker: {one['doc_s'] / two['doc_s']:.2f}x (target >= 1.7); the same "
-          f"stage in 2 local processes / 1 process: {local['doc_s'] / local['doc2_s']:.2f}x (this machine's two-process "
-          f"ceiling, measured in this run: {local['doc2_s']:.1f} s against {local['doc_s']:.1f} s); "
+          f"stage in a pool of 2 fresh local processes / 1: {local['pool_s'][1] / local['pool_s'][2]:.2f}x (what this "
+          f"machine gives two workers now: {local['pool_s'][2]:.1f} s against {local['pool_s'][1]:.1f} s); "
           f"MinHash on 1 Ray worker: {one['minhash_s'] / local['minhash_s']:.2f}x the in-process time "
           f"(target <= 1.5)")
     for name, r in runs.items():
