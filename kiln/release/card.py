@@ -188,12 +188,20 @@ Three stages, each a torchrun job starting from the previous stage's weights; th
 Held-out measures after each stage, on the same items throughout:
 
 {table(stages)}
-Each stage's change, with its paired standard error over the same held-out items (* marks a change at least
+{_changes(sft, dpo, rl)}{chr(10).join(f"- `{m}`: {what}" for m, what in MEASURES.items())}
+
+"""
+
+
+def _changes(sft: dict, dpo: dict, rl: dict) -> str:
+    """Each stage's change with its paired standard error, when the stages recorded their before/after rows."""
+    rows = change_rows({"sft": sft, "dpo": dpo, "rl": rl})
+    if not rows:
+        return ""
+    return f"""Each stage's change, with its paired standard error over the same held-out items (* marks a change at least
 {NOISE_Z:g} standard errors from zero; anything else is within noise):
 
-{table(change_rows({"sft": sft, "dpo": dpo, "rl": rl}))}
-{chr(10).join(f"- `{m}`: {what}" for m, what in MEASURES.items())}
-
+{table(rows)}
 """
 
 

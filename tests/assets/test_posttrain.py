@@ -144,7 +144,12 @@ def test_dpo_and_rl_assets_measure_before_and_after_on_the_same_items(materializ
     assert dpo["lora"]["enabled"] and not rl["lora"]["enabled"]
     assert dpo["steps"] == 4 and rl["steps"] == 2 and rl["init_from"] == dpo["checkpoint"]
     table = metadata(result, "dpo_model")["before_after"].value
-    assert table.startswith("| measure | before | after | change | what |") and "preference_accuracy" in table
+    assert table.startswith("| measure | before | after | change | stderr | z | beyond_noise | items | what |")
+    assert "preference_accuracy" in table
+    assert rl["after_scores"]["arithmetic_exact_match"]["denom"] == 6  # item by item: the next stage reuses them
+    by = {r["measure"]: r for r in rl["before_after"]}
+    assert by["preference_margin"]["items"] == 6 and by["preference_margin"]["stderr"] is not None
+    assert by["preference_margin"]["change"] == pytest.approx(rl["after"]["preference_margin"] - rl["before"]["preference_margin"])
     rl_meta = metadata(result, "rl_model")
     assert "data:image/png" in rl_meta["reward_curve"].value and "held_out_reward" in rl_meta
     assert "data:image/png" in metadata(result, "dpo_model")["reward_margin_curve"].value
@@ -156,6 +161,8 @@ def test_dpo_and_rl_assets_measure_before_and_after_on_the_same_items(materializ
     run = client.get_run(dpo["mlflow_run_id"])
     assert run.data.metrics["before.preference_accuracy"] == dpo["before"]["preference_accuracy"]
     assert run.data.metrics["after.response_loss"] == pytest.approx(dpo["after"]["response_loss"])
+    assert run.data.metrics["stderr.preference_margin"] == pytest.approx(
+        next(r["stderr"] for r in dpo["before_after"] if r["measure"] == "preference_margin"))
     assert "val_reward_margin" in run.data.metrics  # streamed from rank 0 of the torchrun job
     assert {a.path for a in client.list_artifacts(dpo["mlflow_run_id"])} >= {"before_after.json", "margins.png"}
     assert "val_reward" in client.get_run(rl["mlflow_run_id"]).data.metrics
