@@ -73,12 +73,6 @@ def means(scores: Scores) -> dict[str, float]:
     return {m: float(np.sum(s["items"]) / s["denom"]) for m, s in scores.items()}
 
 
-def measure(model: GPT, enc, arithmetic: list[dict], preferences: list[dict], instructions: list[dict],
-            max_new_tokens: int = 16, device: torch.device | str = "cpu") -> dict[str, float]:
-    """Every before/after measure's value on fixed held-out items (the same lists for every stage give comparable rows)."""
-    return means(measure_items(model, enc, arithmetic, preferences, instructions, max_new_tokens, device))
-
-
 def paired_stderr(before: dict[str, Any], after: dict[str, Any]) -> float | None:
     """Standard error of after - before for one measure, from the per-item differences on the same items
     (sqrt(n) * std(after_i - before_i) / denom); None when the items do not match or there are fewer than two."""

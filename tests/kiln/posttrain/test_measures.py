@@ -14,7 +14,7 @@ import torch
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.posttrain.logprobs import encode_rows, token_logps
-from kiln.posttrain.measures import (MEASURES, change_cell, change_rows, comparison_rows, means, measure, measure_items,
+from kiln.posttrain.measures import (MEASURES, change_cell, change_rows, comparison_rows, means, measure_items,
                                      paired_stderr)
 from kiln.posttrain.sft import IGNORE
 
@@ -89,5 +89,4 @@ def test_measure_items_means_equal_the_token_weighted_measures(tiny_tokenizer, o
     assert got["response_loss"] == pytest.approx(float(-token_logps(logits, y)[keep].mean()), rel=1e-5)
     assert got["response_token_accuracy"] == pytest.approx(float((logits.argmax(-1) == y)[keep].float().mean()))
     assert items["response_loss"]["denom"] == int(keep.sum())
-    assert got == measure(model, enc, arith, prefs, instr)
     assert got["preference_accuracy"] == np.mean(np.array(items["preference_margin"]["items"]) > 0)
