@@ -15,13 +15,15 @@ import torch
 from kiln.common.files import stable_hash
 from kiln.model.gpt import GPT
 from kiln.posttrain.instructions import arithmetic_reward
-from kiln.posttrain.logprobs import encode_rows, score_responses, token_logps
+from kiln.posttrain.logprobs import encode_rows, score_responses, sequence_logps, token_logps
 from kiln.posttrain.sampling import complete, decode_completion
-from kiln.posttrain.sft import IGNORE, read_pairs
+from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, read_pairs, to_xy, trim_padding
 from kiln.train.checkpoint import load_for_inference
 
 MEASURES = {  # name -> what it is, shown beside the numbers
     "arithmetic_exact_match": "held-out arithmetic answered exactly (greedy; the RL task reward)",
+    "arithmetic_answer_logprob": "mean log p of the correct answer to held-out arithmetic, question and working given "
+                                 "(nats; the graded form of exact match)",
     "preference_accuracy": "held-out preference pairs whose correct response is more likely than the wrong one",
     "preference_margin": "mean log p(correct) - log p(wrong) on held-out preference pairs (nats)",
     "response_loss": "masked response loss on held-out instruction pairs (nats/token)",
@@ -45,6 +47,8 @@ def measure_items(model: GPT, enc, arithmetic: list[dict], preferences: list[dic
         outs = complete(model, enc, [a["prompt"] for a in arithmetic], max_new_tokens, device=device)
         res["arithmetic_exact_match"] = {"items": [arithmetic_reward(decode_completion(enc, o[0]), a["answer"])
                                                    for o, a in zip(outs, arithmetic)], "denom": len(arithmetic)}
+        res["arithmetic_answer_logprob"] = {"items": answer_logprobs(model, enc, arithmetic, seq_len, device),
+                                            "denom": len(arithmetic)}
     if preferences:
         prompts = [p["prompt"] for p in preferences]
         chosen, _ = score_responses(model, enc, prompts, [p["chosen"] for p in preferences], seq_len, device=device)
@@ -66,6 +70,29 @@ def measure_items(model: GPT, enc, arithmetic: list[dict], preferences: list[dic
         res["response_loss"] = {"items": nll, "denom": max(count, 1)}
         res["response_token_accuracy"] = {"items": correct, "denom": max(count, 1)}
     return res
+
+
+def answer_rows(enc, item: dict) -> tuple[list[int], list[int]]:
+    """(ids, mask) of an arithmetic item in the chat template with only its answer scored: the reference response
+    from the space before its last occurrence of the answer, and the end-of-text ("3 + 18 =" given, " 21." scored).
+    The cut falls at a pre-token boundary, so the two halves tokenize as the whole response does."""
+    response, answer = item["response"], item["answer"]
+    cut = response.rfind(" " + answer)
+    cut = max(cut, 0)  # no answer in the response: score all of it
+    given = chat_prompt_ids(enc, item["prompt"]) + enc.encode_ordinary(response[:cut])
+    scored = [*enc.encode_ordinary(response[cut:]), enc.eot_token]
+    return given + scored, [0] * len(given) + [1] * len(scored)
+
+
+def answer_logprobs(model: GPT, enc, items: list[dict], seq_len: int, device: torch.device | str = "cpu",
+                    batch_size: int = 32) -> list[float]:
+    """log p(correct answer | question, working) for each arithmetic item, summed over the answer's tokens."""
+    out: list[float] = []
+    for i in range(0, len(items), batch_size):
+        x, y = trim_padding(*to_xy(*pad_rows((answer_rows(enc, it) for it in items[i : i + batch_size]), seq_len,
+                                             enc.eot_token)))
+        out += sequence_logps(model(x.to(device)), y.to(device)).tolist()
+    return out
 
 
 def means(scores: Scores) -> dict[str, float]:

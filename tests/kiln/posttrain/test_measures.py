@@ -14,9 +14,9 @@ import torch
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.posttrain.logprobs import encode_rows, token_logps
-from kiln.posttrain.measures import (MEASURES, change_cell, change_rows, comparison_rows, means, measure_items,
-                                     paired_stderr)
-from kiln.posttrain.sft import IGNORE
+from kiln.posttrain.measures import (MEASURES, answer_logprobs, answer_rows, change_cell, change_rows,
+                                     comparison_rows, means, measure_items, paired_stderr)
+from kiln.posttrain.sft import IGNORE, chat_prompt_ids
 
 
 def scores(**items: list[float]) -> dict:
@@ -73,7 +73,7 @@ def test_measure_items_means_equal_the_token_weighted_measures(tiny_tokenizer, o
     enc, _ = tiny_tokenizer
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=320, block_size=48, n_layer=2, n_head=2, n_embd=32)).eval()
-    arith = [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(3)]
+    arith = [{"prompt": f"What is {a} + 1?", "response": f"{a} + 1 = {a + 1}.", "answer": str(a + 1)} for a in range(3)]
     prefs = [{"prompt": "Explain the river.", "chosen": "The river runs.", "rejected": "A dog sees the cat."},
              {"prompt": "What is 2 + 3?", "chosen": "2 + 3 = 5.", "rejected": "2 + 3 = 7."}]
     instr = [{"prompt": "Explain the cat.", "response": "The cat sees the river today."},
@@ -90,3 +90,24 @@ def test_measure_items_means_equal_the_token_weighted_measures(tiny_tokenizer, o
     assert got["response_token_accuracy"] == pytest.approx(float((logits.argmax(-1) == y)[keep].float().mean()))
     assert items["response_loss"]["denom"] == int(keep.sum())
     assert got["preference_accuracy"] == np.mean(np.array(items["preference_margin"]["items"]) > 0)
+
+
+def test_answer_logprob_scores_only_the_answer_of_the_whole_response(tiny_tokenizer, one_thread) -> None:
+    enc, _ = tiny_tokenizer
+    torch.manual_seed(1)
+    model = GPT(ModelConfig(vocab_size=320, block_size=48, n_layer=2, n_head=2, n_embd=32)).eval()
+    items = [{"prompt": "What is 3 + 18?", "response": "3 + 18 = 21.", "answer": "21"},
+             {"prompt": "What is 2 - 9?", "response": "2 - 9 = -7.", "answer": "-7"},
+             {"prompt": "What is 21 - 0?", "response": "21 - 0 = 21.", "answer": "21"}]  # the last 21 is the answer
+    got = answer_logprobs(model, enc, items, model.config.block_size - 1, batch_size=2)
+    for item, lp in zip(items, got):
+        ids, mask = answer_rows(enc, item)
+        whole = chat_prompt_ids(enc, item["prompt"]) + enc.encode_ordinary(item["response"]) + [enc.eot_token]
+        assert ids == whole  # the cut falls on a token boundary: the row is the response as it always tokenizes
+        answer = [*enc.encode_ordinary(" " + item["answer"] + "."), enc.eot_token]
+        assert sum(mask) == len(answer) and ids[-len(answer):] == answer
+        with torch.no_grad():  # the same sum taken by hand: log p of each answer token after its prefix
+            logp = torch.log_softmax(model(torch.tensor([ids[:-1]]))[0].float(), -1)
+        want = sum(float(logp[t - 1, ids[t]]) for t in range(len(ids) - len(answer), len(ids)))
+        assert lp == pytest.approx(want, abs=1e-4)
+    assert got[0] != got[2]
