@@ -273,7 +273,7 @@ def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 8, minha
     (tmp / "local").mkdir()
     runs["in-process"] = local = measure_local(big, tmp / "local", texts)
     del texts
-    cluster = RayCluster(workers=0, object_store=OBJECT_STORE).start()
+    cluster = RayCluster(workers=0, object_store=OBJECT_STORE, dashboard=False).start()  # time the executor alone
     try:
         for n in (1, 2):
             if n == 2:

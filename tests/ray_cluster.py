@@ -53,11 +53,11 @@ def pids_under(marker: str) -> list[int]:
 class RayCluster:
     """``start()`` a head and ``workers`` worker nodes; ``address``; ``kill_node(i)``; ``stop()``."""
 
-    def __init__(self, workers: int = 1, object_store: int = OBJECT_STORE) -> None:
+    def __init__(self, workers: int = 1, object_store: int = OBJECT_STORE, dashboard: bool = True) -> None:
         self.temp = tempfile.mkdtemp(prefix="kray-", dir="/tmp")  # short: Ray's socket paths must fit 107 chars
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.workers, self.object_store = workers, object_store
+        self.workers, self.object_store, self.dashboard = workers, object_store, dashboard
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
 
     def _ray_start(self, *args: str) -> None:
@@ -67,7 +67,7 @@ class RayCluster:
         subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=120)
 
     def start(self) -> "RayCluster":
-        self.dashboard_port = free_port() if dashboard_installed() else 0
+        self.dashboard_port = free_port() if self.dashboard and dashboard_installed() else 0
         self._ray_start("--head", f"--port={self.port}", f"--include-dashboard={bool(self.dashboard_port)}".lower(),
                         "--dashboard-host=127.0.0.1", f"--ray-client-server-port={free_port()}",
                         f"--dashboard-port={self.dashboard_port or free_port()}")

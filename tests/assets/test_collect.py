@@ -148,3 +148,17 @@ def test_a_source_file_edited_in_place_at_equal_size_gives_a_new_corpus(tmp_path
     assert [i for i in new if new[i] != old[i]] == ["notes/n1.txt"] and word[::-1].upper() in new["notes/n1.txt"]
     meta = instance.get_latest_materialization_event(AssetKey("clean_corpus")).asset_materialization.metadata
     assert meta["shards"].value == 3 and meta["shards_reused"].value == 2
+
+
+def test_ray_metadata_links_the_dashboard_or_says_there_is_none() -> None:
+    from assets.collect import _executor_metadata
+    from kiln.clean.config import CleanConfig
+
+    info = {"job_id": "01000000", "address": "127.0.0.1:6379", "nodes": 2, "cpus": 2.0,
+            "dashboard_url": "http://127.0.0.1:8265"}
+    cfg = CleanConfig(executor="ray")
+    meta = _executor_metadata(cfg, [{"ray": info}], None)
+    assert meta["ray_dashboard"].value == "http://127.0.0.1:8265" and meta["ray_cluster"] == "2 nodes, 2 CPUs"
+    meta = _executor_metadata(cfg, [{"ray": {**info, "dashboard_url": ""}}], None)
+    assert "runs without one" in meta["ray_dashboard"].value and "ray[default]" in meta["ray_dashboard"].value
+    assert _executor_metadata(CleanConfig(), [], None) == {"executor": "local"}

@@ -7,6 +7,7 @@ Run: python -m pytest tests/resources/test_ray.py -q (about 40 s with the cluste
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import sys
 import urllib.request
@@ -71,13 +72,16 @@ def test_clean_corpus_on_ray_equals_local(tmp_path: Path, ray_cluster) -> None:
     assert any(m.startswith("clean on ray: sharded dedup over") for m in logs)
     assert re.fullmatch(r"[0-9a-f]{8}", meta["ray_job_id"].value), meta["ray_job_id"].value
     assert re.fullmatch(r"[0-9a-f]{8}", meta["ray_dedup_job_id"].value) and meta["ray_dedup_job_id"].value != meta["ray_job_id"].value
+    # ray[default] is a dependency: the head runs its dashboard, the link answers, and it lists both jobs
+    assert ray_cluster.dashboard_port, "the test cluster runs no dashboard: reinstall with `pip install -e .`"
     dashboard = meta["ray_dashboard"].value
-    if ray_cluster.dashboard_port:  # ray[default] installed: the head runs its dashboard, and the link answers
-        assert dashboard == f"http://127.0.0.1:{ray_cluster.dashboard_port}"
-        with urllib.request.urlopen(dashboard, timeout=10) as r:
-            assert r.status == 200
-    else:
-        assert dashboard.startswith("_no dashboard: the cluster runs without one")
+    assert dashboard == f"http://127.0.0.1:{ray_cluster.dashboard_port}"
+    with urllib.request.urlopen(dashboard, timeout=10) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(f"{dashboard}/api/jobs/", timeout=10) as r:
+        jobs = {j.get("job_id"): j for j in json.load(r)}
+    assert {meta["ray_job_id"].value, meta["ray_dedup_job_id"].value} <= set(jobs), sorted(j for j in jobs if j)
+    assert all(jobs[meta[k].value]["status"] == "SUCCEEDED" for k in ("ray_job_id", "ray_dedup_job_id"))
     # the Ray Data pipeline's progress streams into the Dagster log as blocks finish
     assert any(re.match(r"clean on ray: per-document stage: \d+ of \d+ docs, \d+ docs/s", m) for m in logs), logs
     assert any(m.startswith("clean on ray: per-document stage done: 7 shards written") for m in logs)
