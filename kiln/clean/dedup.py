@@ -21,7 +21,6 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
-from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from kiln.common.config import ConfigError, check_types
 from kiln.common.text import ngram_hashes
@@ -223,6 +222,8 @@ def signatures(texts: Iterable[str], cfg: MinHashConfig, batch: int = 512) -> li
     texts = list(texts) if cfg.normalise == "none" else [normalise_datatrove(t) for t in texts]
     sets = chain.from_iterable(_hashed_shingle_sets(texts[i : i + batch], cfg.ngram)
                                for i in range(0, len(texts), batch))
+    from datasketch import MinHash  # here, not at import: it loads scipy (0.8 s), which workers of other stages skip
+
     return [m.hashvalues for m in MinHash.generator(sets, num_perm=cfg.num_perm, seed=cfg.seed,
                                                      hashfunc=operator.index)]
 
@@ -235,6 +236,8 @@ class MinHashDeduper:
     """
 
     def __init__(self, cfg: MinHashConfig) -> None:
+        from datasketch import MinHash, MinHashLSH
+
         self.cfg = cfg
         self.position = 0
         self.basename = cfg.redis_basename or f"kiln-minhash-{uuid.uuid4().hex[:12]}"
@@ -263,6 +266,8 @@ class MinHashDeduper:
 
     def check(self, ids: list[str], sigs: list[np.ndarray]) -> list[str | None]:
         """For each document in order: None (kept and indexed) or the id of the earlier document it duplicates."""
+        from datasketch import LeanMinHash
+
         out: list[str | None] = []
         for doc_id, values in zip(ids, sigs):
             m = LeanMinHash(seed=self.cfg.seed, hashvalues=values, scheme=self.scheme)

@@ -187,9 +187,95 @@ def _failed_pieces(plan: Plan, max_retries: int) -> list[int]:
     return sorted(out)
 
 
-def _run_doc_stage(ds: Any, plan: Plan, say: Progress, total: int, max_retries: int) -> dict[int, list]:
-    """The pieces per shard as the pipeline finishes them; a line for each piece a dead worker made Ray rerun;
-    RayClusterError naming the shard when one failed for good."""
+class ShardWriter:
+    """A long-lived writer (a Ray actor asking for no CPU): joins a shard's pieces into its outputs."""
+
+    def write(self, *args: Any) -> dict[str, Any]:
+        return assemble_shard(*args)
+
+
+class ShardWriters:
+    """The shards' outputs written while the map still runs: each shard goes to a writer as soon as the pipeline
+    has returned all its rows (``assemble_shard`` joins its pieces).
+
+    Writers are actors that ask for no CPU, one per 8 CPUs: the map's actor pool holds every CPU slot until it
+    ends, and writing is about 4% of the stage's work. Tasks would do the same work, but an idle task worker past
+    a node's worker limit is stopped after a second, so nearly every shard would pay a fresh worker's start (2-4 s
+    on a small node). A dead writer is restarted and its shard retried ``max_retries`` times; one that fails every
+    try raises RayClusterError naming its shard.
+    """
+
+    def __init__(self, label: str, cpus: int, max_retries: int) -> None:
+        import ray
+
+        cls = ray.remote(num_cpus=0, max_restarts=max_retries, max_task_retries=max_retries)(ShardWriter)
+        self.writers = [cls.remote() for _ in range(max(1, cpus // 8))]
+        self.label, self.max_retries = label, max_retries
+        self.waiting: list[tuple[int, tuple]] = []
+        self.running: dict[Any, tuple[int, Any]] = {}  # ref -> (shard, writer)
+        self.results: dict[int, dict[str, Any]] = {}
+
+    def put(self, index: int, *args: Any) -> None:
+        self.waiting.append((index, args))
+        self.poll()
+
+    def poll(self, block: bool = False) -> None:
+        """Collect finished writes (wait for one when ``block``), then give waiting shards to free writers (two
+        queued per writer, so none waits for the next)."""
+        import ray
+
+        if self.running:
+            refs = list(self.running)
+            done, _ = ray.wait(refs, num_returns=1 if block else len(refs), timeout=None if block else 0)
+            for ref in done:
+                index, _ = self.running.pop(ref)
+                try:
+                    self.results[index] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    self.settle()
+                    raise RayClusterError(
+                        f"clean on ray: {self.label} for shard {index} failed after Ray's {self.max_retries} "
+                        f"retries ({type(e).__name__}: {str(e).splitlines()[0][:300]}); the corpus was not written. "
+                        f"Rerun (finished shards are reused), or set clean.executor: local.") from None
+        while self.waiting:
+            load = {id(w): 0 for w in self.writers}
+            for _, w in self.running.values():
+                load[id(w)] += 1
+            writer = min(self.writers, key=lambda w: load[id(w)])
+            if load[id(writer)] >= 2:
+                break
+            index, args = self.waiting.pop(0)
+            self.running[writer.write.remote(*args)] = (index, writer)
+
+    def finish(self) -> dict[int, dict[str, Any]]:
+        while self.waiting or self.running:
+            self.poll(block=True)
+        self.close()
+        return self.results
+
+    def settle(self) -> None:
+        """After a failure: start nothing more and let the running writes end (each is atomic), so none is left
+        reading pieces that are about to be removed."""
+        import ray
+
+        self.waiting.clear()
+        if self.running:
+            ray.wait(list(self.running), num_returns=len(self.running), timeout=120)
+        self.close()
+
+    def close(self) -> None:
+        import ray
+
+        for w in self.writers:
+            ray.kill(w)
+        self.writers = []
+
+
+def _run_doc_stage(ds: Any, plan: Plan, say: Progress, total: int, max_retries: int,
+                   on_complete: Callable[[int, list], None]) -> dict[int, list]:
+    """The pieces per shard as the pipeline finishes them, ``on_complete(shard, pieces)`` as soon as a shard has
+    all its rows; a line for each piece a dead worker made Ray rerun; RayClusterError naming the shard when one
+    failed for good."""
     import ray
 
     by_shard: dict[int, list[dict[str, Any]]] = {}
@@ -199,7 +285,11 @@ def _run_doc_stage(ds: Any, plan: Plan, say: Progress, total: int, max_retries: 
                 s = plan.shards[p["shard"]]
                 say(f"clean on ray: shard {s['index']} ({s['source']}) finished on attempt {p['attempt']}: Ray "
                     f"reran its rows {p['first']}.. after their worker died")
-            by_shard.setdefault(p["shard"], []).append(p)
+            pieces = by_shard.setdefault(p["shard"], [])
+            pieces.append(p)
+            if sum(q["docs"] for q in pieces) == plan.shards[p["shard"]]["docs"] and \
+                    len({q["first"] for q in pieces}) == len(pieces):
+                on_complete(p["shard"], pieces)
     except (ray.exceptions.RayError, RuntimeError) as e:
         failed = _failed_pieces(plan, max_retries)
         if not failed:
@@ -208,7 +298,7 @@ def _run_doc_stage(ds: Any, plan: Plan, say: Progress, total: int, max_retries: 
         raise RayClusterError(
             f"clean on ray: per-document stage task {failed[0]} of {len(plan.shards)} failed after Ray's "
             f"{max_retries} retries (shard {failed[0]}: {plan.shards[failed[0]]['source']}; {type(e).__name__}: "
-            f"{first}); nothing was written to the outputs. Rerun (finished shards are reused), or set "
+            f"{first}); the corpus was not written. Rerun (finished shards are reused), or set "
             f"clean.executor: local.") from None
     return by_shard
 
@@ -221,16 +311,17 @@ def _check_complete(todo: list[dict[str, Any]], by_shard: dict[int, list]) -> No
         if got != s["docs"] or len(set(firsts)) != len(firsts):
             raise RayClusterError(
                 f"clean on ray: shard {s['index']} ({s['source']}): the per-document stage returned {got} rows in "
-                f"{len(firsts)} pieces for its {s['docs']} rows; nothing was written to the outputs. Rerun, or set "
+                f"{len(firsts)} pieces for its {s['docs']} rows; the corpus was not written. Rerun, or set "
                 f"clean.executor: local.")
 
 
 def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_dir: Callable[[dict], Path],
                         cfg: CleanSettings, say: Progress, filters: list[Filter] | None = None,
                         max_retries: int = 3, work_dir: str | Path | None = None) -> list[dict[str, Any]]:
-    """The per-document stage on the cluster as a Ray Data pipeline (kiln.clean.ray_data), then one task per
-    shard that writes its outputs into ``out_dir(shard)``; shards already there are reused (not with
-    ``filters``). Progress lines as blocks finish, and one for each rerun after a dead worker."""
+    """The per-document stage on the cluster as a Ray Data pipeline (kiln.clean.ray_data), and one task per
+    shard, started as soon as the pipeline has returned the shard's rows, that writes its outputs into
+    ``out_dir(shard)``; shards already there are reused (not with ``filters``). Progress lines as blocks finish,
+    and one for each rerun after a dead worker."""
     import ray
 
     cache = filters is None
@@ -247,11 +338,17 @@ def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_d
             plan = Plan(str(in_path), shards, shard_starts(pf, shards), set(done), cfg, filters, str(work))
         total = sum(s["docs"] for s in todo)
         t0 = time.perf_counter()
-        by_shard = _run_doc_stage(_doc_dataset(in_path, plan, cpus, max_retries, total), plan, say, total,
-                                  max_retries)
-        _check_complete(todo, by_shard)
-        jobs = [(s, by_shard.get(s["index"], []), str(out_dir(s)), cfg, cache) for s in todo]
-        made = RayMap(say, max_retries)(assemble_shard, jobs, label="shard outputs")
+        writers = ShardWriters("shard outputs", cpus, max_retries)
+        try:
+            by_shard = _run_doc_stage(
+                _doc_dataset(in_path, plan, cpus, max_retries, total), plan, say, total, max_retries,
+                lambda i, pieces: writers.put(i, shards[i], list(pieces), str(out_dir(shards[i])), cfg, cache))
+            _check_complete(todo, by_shard)
+            written = writers.finish()
+        except BaseException:
+            writers.settle()
+            raise
+        made = [written[s["index"]] for s in todo]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     docs = sum(r["report"]["input_docs"] for r in made)

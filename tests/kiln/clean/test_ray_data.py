@@ -92,7 +92,7 @@ def test_a_missing_or_repeated_piece_fails_the_stage() -> None:
     _check_complete(todo, {0: [{"first": 0, "docs": 6}, {"first": 6, "docs": 4}]})
     with pytest.raises(RayClusterError, match=r"shard 0 \(web\): .* returned 6 rows in 1 pieces for its 10 rows"):
         _check_complete(todo, {0: [{"first": 0, "docs": 6}]})
-    with pytest.raises(RayClusterError, match="nothing was written"):
+    with pytest.raises(RayClusterError, match="the corpus was not written"):
         _check_complete(todo, {0: [{"first": 0, "docs": 5}, {"first": 0, "docs": 5}]})
     with pytest.raises(RayClusterError, match="returned 0 rows in 0 pieces"):
         _check_complete(todo, {})
