@@ -212,6 +212,7 @@ def _warm() -> float:
 
     @ray.remote(num_cpus=1)
     def ready() -> None:
+        import datasketch  # noqa: F401  (MinHash's library, loaded by the dedup tasks at their first signature)
         import kiln.clean.ray_dedup  # noqa: F401
         import kiln.clean.shard  # noqa: F401
 

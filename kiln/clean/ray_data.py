@@ -1,8 +1,8 @@
 """The per-document stage as a Ray Data pipeline: the raw Parquet (a path or an fsspec URL) read with
 ``ray.data.read_parquet`` as blocks of Arrow rows, the stage as ``Dataset.map_batches`` over pyarrow batches, each
-batch's rows written as pieces per shard, then one task per shard that joins its pieces into the shard's
-``kept.parquet``, ``removed.parquet`` and report (what ``kiln.clean.shard.clean_shard`` writes, byte for byte in
-content), which the corpus stage reads.
+batch's rows written as pieces per shard; a writer (``kiln.clean.ray_run.ShardWriters``) joins each shard's
+pieces, once all are back, into the shard's ``kept.parquet``, ``removed.parquet`` and report (what
+``kiln.clean.shard.clean_shard`` writes, byte for byte in content), which the corpus stage reads.
 
 Every row carries its row number in the file (recovered from Ray's ``row_hash`` column, checked against Ray's own
 hash), so which shard a row belongs to and the order of a shard's pieces never depend on block order, block size

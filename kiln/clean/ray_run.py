@@ -208,14 +208,17 @@ class ShardWriters:
     def __init__(self, label: str, cpus: int, max_retries: int) -> None:
         import ray
 
-        cls = ray.remote(num_cpus=0, max_restarts=max_retries, max_task_retries=max_retries)(ShardWriter)
-        self.writers = [cls.remote() for _ in range(max(1, cpus // 8))]
+        self.cls = ray.remote(num_cpus=0, max_restarts=max_retries, max_task_retries=max_retries)(ShardWriter)
+        self.count = max(1, cpus // 8)
+        self.writers: list[Any] = []  # started with the first finished shard, not beside the map's actor pool
         self.label, self.max_retries = label, max_retries
         self.waiting: list[tuple[int, tuple]] = []
         self.running: dict[Any, tuple[int, Any]] = {}  # ref -> (shard, writer)
         self.results: dict[int, dict[str, Any]] = {}
 
     def put(self, index: int, *args: Any) -> None:
+        if not self.writers:
+            self.writers = [self.cls.remote() for _ in range(self.count)]
         self.waiting.append((index, args))
         self.poll()
 
@@ -237,7 +240,7 @@ class ShardWriters:
                         f"clean on ray: {self.label} for shard {index} failed after Ray's {self.max_retries} "
                         f"retries ({type(e).__name__}: {str(e).splitlines()[0][:300]}); the corpus was not written. "
                         f"Rerun (finished shards are reused), or set clean.executor: local.") from None
-        while self.waiting:
+        while self.waiting and self.writers:
             load = {id(w): 0 for w in self.writers}
             for _, w in self.running.values():
                 load[id(w)] += 1
