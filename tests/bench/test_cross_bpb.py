@@ -1,23 +1,13 @@
 """bench/cross_bpb.py: bits per byte of a model on documents, checked against the loss computed by hand."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from bench_module import load_bench
 
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("cross_bpb", ROOT / "bench" / "cross_bpb.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_bits_per_byte_is_the_windowed_loss_over_the_bytes(tiny_tokenizer, one_thread):
@@ -25,7 +15,7 @@ def test_bits_per_byte_is_the_windowed_loss_over_the_bytes(tiny_tokenizer, one_t
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=320, block_size=8, n_layer=1, n_head=2, n_embd=16)).eval()
     docs = ["The river runs past the mill.", "A cat sees the dog, naïvely."]  # a two-byte character counts twice
-    bpb, n = load_bench().bits_per_byte(model, enc, docs, window=8)
+    bpb, n = load_bench("cross_bpb").bits_per_byte(model, enc, docs, window=8)
     ids = [*enc.encode_ordinary(docs[0]), enc.eot_token, *enc.encode_ordinary(docs[1]), enc.eot_token]
     assert n == len(ids) > 9  # more than one window
     nll = 0.0

@@ -1,20 +1,17 @@
 """bench/speedrun.py's arithmetic: time to a target loss, loss at a time, and a recipe run through the real trainer."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_module import load_bench as load_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("speedrun", ROOT / "bench" / "speedrun.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module("speedrun")
 
 
 CURVE = [(0, 0, 0.0, 8.0), (10, 1000, 5.0, 6.0), (20, 2000, 10.0, 5.0), (30, 3000, 15.0, 4.5)]
