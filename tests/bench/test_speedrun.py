@@ -1,13 +1,9 @@
 """bench/speedrun.py's arithmetic: time to a target loss, loss at a time, and a recipe run through the real trainer."""
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from bench_module import load_bench as load_module
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_bench():
