@@ -1,6 +1,5 @@
 """bench/speedrun.py's arithmetic: time to a target loss, loss at a time, and a recipe run through the real trainer."""
 
-
 import numpy as np
 import pytest
 from bench_module import load_bench as load_module
