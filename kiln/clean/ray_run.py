@@ -321,10 +321,10 @@ def _check_complete(todo: list[dict[str, Any]], by_shard: dict[int, list]) -> No
 def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_dir: Callable[[dict], Path],
                         cfg: CleanSettings, say: Progress, filters: list[Filter] | None = None,
                         max_retries: int = 3, work_dir: str | Path | None = None) -> list[dict[str, Any]]:
-    """The per-document stage on the cluster as a Ray Data pipeline (kiln.clean.ray_data), and one task per
-    shard, started as soon as the pipeline has returned the shard's rows, that writes its outputs into
-    ``out_dir(shard)``; shards already there are reused (not with ``filters``). Progress lines as blocks finish,
-    and one for each rerun after a dead worker."""
+    """The per-document stage on the cluster as a Ray Data pipeline (kiln.clean.ray_data), each shard's outputs
+    written into ``out_dir(shard)`` by a writer actor (``ShardWriters``) as soon as the pipeline has returned the
+    shard's rows; shards already there are reused (not with ``filters``). Progress lines as blocks finish, and one
+    for each rerun after a dead worker."""
     import ray
 
     cache = filters is None
