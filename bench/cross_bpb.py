@@ -72,10 +72,11 @@ def main() -> int:
     models = {}
     texts = {}
     for name, home in homes.items():
-        model, enc, _ = load_for_inference(str(base_checkpoint(home)), "cpu")
+        checkpoint = base_checkpoint(home)
+        model, enc, _ = load_for_inference(str(checkpoint), "cpu")
         models[name] = (model.eval(), enc)
         texts[name] = decode_documents(enc, shard_paths(newest(home / "storage" / "token_shards", "*"), "val"))
-        print(f"{name}: base model {base_checkpoint(home)}; held-out text {len(texts[name])} documents, "
+        print(f"{name}: base model {checkpoint}; held-out text {len(texts[name])} documents, "
               f"{sum(len(d.encode()) for d in texts[name]):,} bytes", flush=True)
     width = max(len(n) for n in homes) + 2
     print(f"\nbits per byte (row: model, column: held-out text)\n{'':{width}s}" +

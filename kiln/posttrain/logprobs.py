@@ -31,13 +31,20 @@ def encode_rows(enc, prompts: list[str], responses: list[str], seq_len: int) -> 
 
 
 @torch.no_grad()
-def score_responses(model: torch.nn.Module, enc, prompts: list[str], responses: list[str], seq_len: int,
-                    batch_size: int = 16, device: torch.device | str = "cpu") -> tuple[list[float], list[int]]:
-    """(summed response log-prob, response tokens) for each pair, the prompt given."""
+def score_examples(model: torch.nn.Module, examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int,
+                   batch_size: int = 16, device: torch.device | str = "cpu") -> tuple[list[float], list[int]]:
+    """(summed log-prob of the masked tokens, their count) for each (ids, mask) example, one row each."""
     out, counts = [], []
-    for i in range(0, len(prompts), batch_size):
-        x, y = encode_rows(enc, prompts[i : i + batch_size], responses[i : i + batch_size], seq_len)
+    for i in range(0, len(examples), batch_size):
+        x, y = trim_padding(*to_xy(*pad_rows(iter(examples[i : i + batch_size]), seq_len, pad_id)))
         x, y = x.to(device), y.to(device)
         out += sequence_logps(model(x), y).tolist()
         counts += (y != IGNORE).sum(-1).tolist()
     return out, counts
+
+
+def score_responses(model: torch.nn.Module, enc, prompts: list[str], responses: list[str], seq_len: int,
+                    batch_size: int = 16, device: torch.device | str = "cpu") -> tuple[list[float], list[int]]:
+    """(summed response log-prob, response tokens) for each pair, the prompt given."""
+    examples = [encode_example(enc, p, r) for p, r in zip(prompts, responses)]
+    return score_examples(model, examples, seq_len, enc.eot_token, batch_size, device)

@@ -15,9 +15,9 @@ import torch
 from kiln.common.files import stable_hash
 from kiln.model.gpt import GPT
 from kiln.posttrain.instructions import arithmetic_reward
-from kiln.posttrain.logprobs import encode_rows, score_responses, sequence_logps, token_logps
+from kiln.posttrain.logprobs import encode_rows, score_examples, score_responses, token_logps
 from kiln.posttrain.sampling import complete, decode_completion
-from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, read_pairs, to_xy, trim_padding
+from kiln.posttrain.sft import IGNORE, chat_prompt_ids, read_pairs
 from kiln.train.checkpoint import load_for_inference
 
 MEASURES = {  # name -> what it is, shown beside the numbers
@@ -87,12 +87,8 @@ def answer_rows(enc, item: dict) -> tuple[list[int], list[int]]:
 def answer_logprobs(model: GPT, enc, items: list[dict], seq_len: int, device: torch.device | str = "cpu",
                     batch_size: int = 32) -> list[float]:
     """log p(correct answer | question, working) for each arithmetic item, summed over the answer's tokens."""
-    out: list[float] = []
-    for i in range(0, len(items), batch_size):
-        x, y = trim_padding(*to_xy(*pad_rows((answer_rows(enc, it) for it in items[i : i + batch_size]), seq_len,
-                                             enc.eot_token)))
-        out += sequence_logps(model(x.to(device)), y.to(device)).tolist()
-    return out
+    rows = [answer_rows(enc, it) for it in items]
+    return score_examples(model, rows, seq_len, enc.eot_token, batch_size, device)[0]
 
 
 def means(scores: Scores) -> dict[str, float]:
