@@ -1,7 +1,8 @@
 """Launches Kiln training jobs with torchrun through Dagster Pipes: one process, several, or several nodes.
 
 The same torchrun command also runs under Slurm (``launcher: slurm`` submits ``slurm_script``) and on Kubernetes
-(``k8s_manifests``, or a pod spec for dagster-k8s's PipesK8sClient); ``python deploy/render.py`` writes those files.
+(``k8s_manifests``, or a pod spec for dagster-k8s's PipesK8sClient); kiln.train.cluster renders the command and
+those files, and ``python deploy/render.py`` writes them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import ctypes
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -33,8 +33,10 @@ from dagster import (
 )
 from pydantic import Field
 
+from kiln.common.config import ConfigError
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.train.checkpoint import checkpoint_identity
+from kiln.train.cluster import TorchrunSpec
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
 from resources.pipes_worker import LAUNCHER_ENV
@@ -42,9 +44,6 @@ from resources.pipes_worker import LAUNCHER_ENV
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORKER_MODULE = "resources.pipes_worker"  # what every torchrun worker runs (tests swap in tests.faults)
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
-RDZV_PORT = 29500
-# a deleted or evicted pod's SIGTERM-to-SIGKILL time: torchrun passes SIGTERM on and gives its workers 30 s to save
-K8S_GRACE_S = 60
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -134,17 +133,13 @@ def die_with_parent():
     return arm
 
 
-def _sh(args: list[str]) -> str:
-    """Shell words: shell-quoted, except words holding ``${VAR}`` references, which are double-quoted to expand."""
-    out = []
-    for a in args:
-        if "${" in a:
-            if any(c in a for c in '"`\\'):
-                raise ValueError(f"cannot quote {a!r} for the shell")
-            out.append(f'"{a}"')
-        else:
-            out.append(shlex.quote(a))
-    return " ".join(out)
+@contextlib.contextmanager
+def _as_failure() -> Iterator[None]:
+    """A launch config error from kiln.train.cluster as a Dagster Failure, with the same message."""
+    try:
+        yield
+    except ConfigError as e:
+        raise Failure(str(e)) from None
 
 
 def check_local_devices(device: str, nproc_per_node: int) -> None:
@@ -179,126 +174,49 @@ class TorchrunResource(ConfigurableResource):
     preempt_retries: int = Field(default=3, description="A preempted launch (stop signal, checkpoint saved) is retried this many times, each resuming from that checkpoint.")
     preempt_retry_wait_s: float = Field(default=10.0, description="Seconds before the retry of a preempted launch.")
 
-    # -- the command
+    # -- the command and the cluster files (kiln.train.cluster renders them)
+
+    def torchrun_spec(self) -> TorchrunSpec:
+        """This resource's torchrun settings, its workers running WORKER_MODULE."""
+        return TorchrunSpec(nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
+                            rdzv_id=self.rdzv_id, max_restarts=self.max_restarts, timeout_s=self.timeout_s,
+                            pg_timeout_s=self.pg_timeout_s, python=self.python, slurm_signal_s=self.slurm_signal_s,
+                            worker=WORKER_MODULE)
 
     def command(self, nproc_per_node: int, job_path: Path | str, device: str, run_id: str = "kiln",
                 python: str | None = None, rdzv_endpoint: str | None = None, node_rank: int | None = None,
                 rdzv_id: str | None = None, worker: str | None = None) -> list[str]:
-        """The exact torchrun command line (the same one an sbatch script or a Kubernetes Job runs).
-
-        Several nodes use c10d rendezvous: ranks are assigned by the rendezvous, so ``node_rank`` is informative
-        only, and cluster launchers (Slurm, Kubernetes) leave it out by passing ``node_rank=-1``. The workers run
-        the module ``worker`` (default WORKER_MODULE).
-        """
-        endpoint = self.rdzv_endpoint if rdzv_endpoint is None else rdzv_endpoint
-        cmd = [python or self.python or sys.executable, "-m", "torch.distributed.run",
-               f"--nproc_per_node={nproc_per_node}", f"--max_restarts={self.max_restarts}"]
-        if self.nnodes > 1:
-            if not endpoint:
-                raise Failure(f"torchrun.nnodes={self.nnodes} needs torchrun.rdzv_endpoint (host:port of node 0)")
-            rank = self.node_rank if node_rank is None else node_rank
-            cmd += [f"--nnodes={self.nnodes}"] + ([f"--node_rank={rank}"] if rank >= 0 else [])
-            cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rdzv_id or self.rdzv_id or run_id}"]
-        else:
-            cmd += ["--standalone"]
-        return cmd + ["-m", worker or WORKER_MODULE, "--config", str(job_path), "--device", device,
-                      "--timeout-s", str(self.pg_timeout_s)]
-
-    # -- Slurm
+        """The exact torchrun command line (the same one an sbatch script or a Kubernetes Job runs): see
+        kiln.train.cluster.TorchrunSpec.command. Several nodes without a rendezvous endpoint are a Failure."""
+        with _as_failure():
+            return self.torchrun_spec().command(nproc_per_node, job_path, device, run_id, python=python,
+                                       rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, rdzv_id=rdzv_id,
+                                       worker=worker)
 
     def slurm_script(self, job_path: str, nproc_per_node: int, device: str, project_dir: str, run_id: str = "kiln",
                      partition: str = "", account: str = "", cpus_per_node: int = 0, python: str = "python",
                      output: str = "") -> str:
-        """An sbatch script that runs this resource's torchrun command once per node (``srun``, one task each).
-
-        The first node of the allocation hosts the c10d rendezvous; Slurm's job id is the rendezvous id; the time
-        limit is ``timeout_s``. Submit with ``sbatch FILE`` (``sbatch --wait`` blocks until it ends).
-        """
-        hours, rem = divmod(self.timeout_s, 3600)
-        lines = ["#!/bin/bash", f"#SBATCH --job-name=kiln-{run_id}", f"#SBATCH --nodes={self.nnodes}",
-                 "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={hours:02d}:{rem // 60:02d}:{rem % 60:02d}",
-                 f"#SBATCH --signal=USR1@{self.slurm_signal_s}",  # before the time limit: save and stop (kiln.train.preempt)
-                 f"#SBATCH --output={output or Path(job_path).parent / 'slurm-%j.log'}"]
-        if device == "cuda":
-            lines.append(f"#SBATCH --gpus-per-node={nproc_per_node}")
-        if cpus_per_node:
-            lines.append(f"#SBATCH --cpus-per-task={cpus_per_node}")
-        if partition:
-            lines.append(f"#SBATCH --partition={partition}")
-        if account:
-            lines.append(f"#SBATCH --account={account}")
-        threads = max(1, cpus_per_node // nproc_per_node) if cpus_per_node else 1
-        cmd = self.command(nproc_per_node, job_path, device, run_id, python=python,
-                           rdzv_endpoint=f"${{HEAD_NODE}}:{RDZV_PORT}", node_rank=-1, rdzv_id="${SLURM_JOB_ID}")
-        lines += [
-            "set -euo pipefail",
-            f"cd {shlex.quote(project_dir)}",
-            'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f"export OMP_NUM_THREADS={threads}",
-            f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHELASTIC_SIGNALS}  # torchrun passes SIGUSR1 on to its workers",
-            f"export PYTHONPATH={shlex.quote(project_dir)}${{PYTHONPATH:+:$PYTHONPATH}}",
-            "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " + _sh(cmd),
-        ]
-        return "\n".join(lines) + "\n"
-
-    # -- Kubernetes
+        """An sbatch script that runs this resource's torchrun command once per node: see
+        kiln.train.cluster.TorchrunSpec.slurm_script."""
+        with _as_failure():
+            return self.torchrun_spec().slurm_script(job_path, nproc_per_node, device, project_dir, run_id, partition, account,
+                                            cpus_per_node, python=python, output=output)
 
     def k8s_manifests(self, job_path: str, nproc_per_node: int, device: str, image: str, run_id: str = "kiln",
                       pvc: str = "kiln-data", mount: str = "/data", workdir: str = "/app", namespace: str = "",
                       cpus_per_node: int = 8, memory_gb: int = 64) -> list[dict[str, Any]]:
-        """A headless Service and an Indexed Job of ``nnodes`` pods running this resource's torchrun command.
-
-        Pod 0 (``<name>-0.<name>``, DNS through the Service) hosts the c10d rendezvous. The run folder (job file,
-        shards, checkpoints) lives on the PersistentVolumeClaim ``pvc``, mounted at ``mount`` on every pod.
-        Failed pods are not recreated: torchrun restarts workers in place (``max_restarts``), and rematerializing
-        the asset resumes from the newest good checkpoint. Apply with ``kubectl apply -f FILE``.
-        """
-        name = re.sub(r"[^a-z0-9-]", "-", f"kiln-{run_id}".lower())[:50].strip("-")
-        meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "kiln", "kiln/run": name}}
-        if namespace:
-            meta["namespace"] = namespace
-        endpoint = f"{name}-0.{name}:{RDZV_PORT}"
-        cmd = self.command(nproc_per_node, job_path, device, run_id, python="python", rdzv_endpoint=endpoint,
-                           node_rank=-1, rdzv_id=name)
-        limits: dict[str, Any] = {"cpu": str(cpus_per_node), "memory": f"{memory_gb}Gi"}
-        if device == "cuda":
-            limits["nvidia.com/gpu"] = nproc_per_node
-        service = {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-                   "spec": {"clusterIP": "None", "selector": {"kiln/run": name},
-                            "ports": [{"name": "rendezvous", "port": RDZV_PORT}]}}
-        container = {
-            "name": "trainer", "image": image, "command": cmd, "workingDir": workdir,
-            "env": [{"name": "OMP_NUM_THREADS", "value": str(max(1, cpus_per_node // nproc_per_node))},
-                    {"name": "PYTHONPATH", "value": workdir}],
-            "ports": [{"containerPort": RDZV_PORT, "name": "rendezvous"}],
-            "resources": {"limits": limits, "requests": dict(limits)},
-            "volumeMounts": [{"name": "data", "mountPath": mount}, {"name": "shm", "mountPath": "/dev/shm"}],
-        }
-        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {
-            "completionMode": "Indexed", "completions": self.nnodes, "parallelism": self.nnodes, "backoffLimit": 0,
-            "activeDeadlineSeconds": self.timeout_s,
-            "template": {"metadata": {"labels": {"kiln/run": name}}, "spec": {
-                "subdomain": name, "restartPolicy": "Never", "containers": [container],
-                "terminationGracePeriodSeconds": K8S_GRACE_S,
-                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}},
-                            {"name": "shm", "emptyDir": {"medium": "Memory"}}]}}}}
-        return [service, job]
+        """A headless Service and an Indexed Job of ``nnodes`` pods running this resource's torchrun command: see
+        kiln.train.cluster.TorchrunSpec.k8s_manifests."""
+        with _as_failure():
+            return self.torchrun_spec().k8s_manifests(job_path, nproc_per_node, device, image, run_id, pvc=pvc, mount=mount,
+                                             workdir=workdir, namespace=namespace, cpus_per_node=cpus_per_node,
+                                             memory_gb=memory_gb)
 
     def k8s_pipes_pod_spec(self, nproc_per_node: int, device: str, pvc: str = "kiln-data", mount: str = "/data",
                            workdir: str = "/app", cpus: int = 8, memory_gb: int = 64) -> dict[str, Any]:
-        """``base_pod_spec`` for dagster-k8s's ``PipesK8sClient().run(context=..., image=..., command=
-        self.command(...), base_pod_spec=...)``: one pod per launch (one node), Pipes over the pod's logs."""
-        limits: dict[str, Any] = {"cpu": str(cpus), "memory": f"{memory_gb}Gi"}
-        if device == "cuda":
-            limits["nvidia.com/gpu"] = nproc_per_node
-        return {"restartPolicy": "Never", "terminationGracePeriodSeconds": K8S_GRACE_S, "containers": [{
-                    "name": "dagster-pipes-execution", "workingDir": workdir,
-                    "env": [{"name": "PYTHONPATH", "value": workdir},
-                            {"name": "OMP_NUM_THREADS", "value": str(max(1, cpus // nproc_per_node))}],
-                    "resources": {"limits": limits, "requests": dict(limits)},
-                    "volumeMounts": [{"name": "data", "mountPath": mount}, {"name": "shm", "mountPath": "/dev/shm"}]}],
-                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}},
-                            {"name": "shm", "emptyDir": {"medium": "Memory"}}]}
+        """``base_pod_spec`` for dagster-k8s's PipesK8sClient: see kiln.train.cluster.TorchrunSpec.k8s_pipes_pod_spec."""
+        return self.torchrun_spec().k8s_pipes_pod_spec(nproc_per_node, device, pvc=pvc, mount=mount, workdir=workdir, cpus=cpus,
+                                              memory_gb=memory_gb)
 
     # -- local launch
 

@@ -1,10 +1,10 @@
-"""The torchrun launcher: exact command lines, the Slurm and Kubernetes files made from them, a two-process gloo
-job through Pipes, torchrun restarting a killed worker, a Dagster retry that resumes, timeouts and failures, and
-torchrun and its workers ending with the process that launched them."""
+"""The torchrun launcher: its command line and Slurm and Kubernetes files are kiln.train.cluster's (rendered there,
+tested in tests/kiln/train/test_cluster.py) for its settings, a two-process gloo job through Pipes, torchrun
+restarting a killed worker, a Dagster retry that resumes, timeouts and failures, and torchrun and its workers
+ending with the process that launched them."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,90 +12,48 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from dagster import AssetExecutionContext, DagsterInstance, Failure, Output, RetryPolicy, asset, materialize
 
+from kiln.train.cluster import TorchrunSpec
 from resources.torchrun import TorchrunResource
 
 ROOT = Path(__file__).resolve().parents[2]
-TAIL = ["-m", "resources.pipes_worker", "--config", "/runs/a/job.json", "--device", "cpu", "--timeout-s", "600"]
 
 
-def test_single_node_command():
-    cmd = TorchrunResource().command(2, Path("/runs/a/job.json"), "cpu", "run1")
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--max_restarts=3", "--standalone", *TAIL]
+def test_the_resource_renders_what_kiln_train_cluster_renders_for_its_settings():
+    res = TorchrunResource(nnodes=4, node_rank=2, rdzv_endpoint="node0:29500", rdzv_id="rid", max_restarts=2,
+                           timeout_s=36 * 3600 + 90, pg_timeout_s=900, python="/opt/py", slurm_signal_s=90)
+    spec = TorchrunSpec(nnodes=4, node_rank=2, rdzv_endpoint="node0:29500", rdzv_id="rid", max_restarts=2,
+                        timeout_s=36 * 3600 + 90, pg_timeout_s=900, python="/opt/py", slurm_signal_s=90)
+    assert res.torchrun_spec() == spec
+    assert res.command(8, Path("/runs/a/job.json"), "cpu", "run1") == spec.command(8, Path("/runs/a/job.json"), "cpu", "run1")
+    assert res.command(8, "j.json", "cuda", python="p", rdzv_endpoint="h:1", node_rank=-1, rdzv_id="z", worker="w") \
+        == spec.command(8, "j.json", "cuda", python="p", rdzv_endpoint="h:1", node_rank=-1, rdzv_id="z", worker="w")
+    assert res.slurm_script("/shared/runs/x/job.json", 8, "cuda", "/opt/kiln", "abc", partition="gpu", account="ml",
+                            cpus_per_node=96, output="/o.log") \
+        == spec.slurm_script("/shared/runs/x/job.json", 8, "cuda", "/opt/kiln", "abc", partition="gpu", account="ml",
+                             cpus_per_node=96, output="/o.log")
+    assert res.k8s_manifests("/data/j.json", 8, "cuda", "img", "Run_42", pvc="runs", mount="/m", workdir="/w",
+                             namespace="ml", cpus_per_node=16, memory_gb=32) \
+        == spec.k8s_manifests("/data/j.json", 8, "cuda", "img", "Run_42", pvc="runs", mount="/m", workdir="/w",
+                              namespace="ml", cpus_per_node=16, memory_gb=32)
+    assert res.k8s_pipes_pod_spec(8, "cuda", pvc="runs", mount="/m", workdir="/w", cpus=4, memory_gb=8) \
+        == spec.k8s_pipes_pod_spec(8, "cuda", pvc="runs", mount="/m", workdir="/w", cpus=4, memory_gb=8)
 
 
-def test_multi_node_command_uses_c10d_rendezvous():
-    res = TorchrunResource(nnodes=2, node_rank=1, rdzv_endpoint="node0:29500", max_restarts=3)
-    cmd = res.command(8, Path("/runs/a/job.json"), "cpu", "run1")
-    assert cmd[3:10] == ["--nproc_per_node=8", "--max_restarts=3", "--nnodes=2", "--node_rank=1",
-                         "--rdzv_backend=c10d", "--rdzv_endpoint=node0:29500", "--rdzv_id=run1"]
-    assert "--standalone" not in cmd
+def test_the_workers_run_the_resources_worker_module(monkeypatch):
+    res = TorchrunResource(nnodes=2, rdzv_endpoint="node0:29500")
+    assert res.command(1, "j.json", "cpu")[-7] == "resources.pipes_worker"
+    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")  # as the fault tests swap it in
+    assert res.command(1, "j.json", "cpu")[-7] == "tests.faults"
+    assert res.command(1, "j.json", "cpu", worker="other")[-7] == "other"
+    assert " -m tests.faults " in res.slurm_script("/shared/runs/x/job.json", 1, "cpu", "/opt/kiln").splitlines()[-1]
+    assert "tests.faults" in res.k8s_manifests("/d/j.json", 1, "cpu", "img")[1]["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
 def test_multi_node_needs_an_endpoint():
     with pytest.raises(Failure, match="rdzv_endpoint"):
         TorchrunResource(nnodes=2).command(1, Path("job.json"), "cpu")
-
-
-def test_slurm_script_runs_the_same_command_on_every_node():
-    res = TorchrunResource(nnodes=4, max_restarts=2, timeout_s=36 * 3600 + 90, pg_timeout_s=900)
-    script = res.slurm_script("/shared/runs/x/job.json", 8, "cuda", "/opt/kiln", "abc", partition="gpu",
-                              account="ml", cpus_per_node=96)
-    lines = script.splitlines()
-    assert lines[0] == "#!/bin/bash"
-    for directive in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--cpus-per-task=96", "--partition=gpu",
-                      "--account=ml", "--time=36:01:30", "--output=/shared/runs/x/slurm-%j.log"):
-        assert f"#SBATCH {directive}" in lines
-    srun = lines[-1]
-    assert srun.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 python -m torch.distributed.run ")
-    expected = res.command(8, "/shared/runs/x/job.json", "cuda", python="python", node_rank=-1,
-                           rdzv_endpoint="${HEAD_NODE}:29500", rdzv_id="${SLURM_JOB_ID}")
-    assert srun.split(" ", 3)[3].replace('"', "").split() == expected  # the resource's command, word for word
-    assert "--node_rank" not in srun  # c10d assigns node ranks
-    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in lines
-    assert "export OMP_NUM_THREADS=12" in lines
-    if shutil.which("bash"):
-        subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid shell
-
-
-def test_kubernetes_indexed_job_and_rendezvous_service():
-    res = TorchrunResource(nnodes=2, max_restarts=3, timeout_s=7200)
-    service, job = res.k8s_manifests("/data/runs/x/job.json", 8, "cuda", "registry.example/kiln:1", "Run_42",
-                                     pvc="runs", namespace="ml")
-    name = "kiln-run-42"  # a DNS-1123 name from the run id
-    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
-    assert service["metadata"] == {"name": name, "namespace": "ml", "labels": {"app.kubernetes.io/name": "kiln", "kiln/run": name}}
-    spec = job["spec"]
-    assert job["kind"] == "Job" and spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"] == 2 and spec["activeDeadlineSeconds"] == 7200
-    pod = spec["template"]["spec"]
-    assert pod["subdomain"] == name == service["spec"]["selector"]["kiln/run"] == spec["template"]["metadata"]["labels"]["kiln/run"]
-    [container] = pod["containers"]
-    assert container["command"] == res.command(8, "/data/runs/x/job.json", "cuda", python="python", node_rank=-1,
-                                               rdzv_endpoint=f"{name}-0.{name}:29500", rdzv_id=name)
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert {"name": "data", "persistentVolumeClaim": {"claimName": "runs"}} in pod["volumes"]
-    assert yaml.safe_load_all(yaml.safe_dump_all([service, job])) is not None
-    cpu_job = res.k8s_manifests("/data/j.json", 2, "cpu", "img", "r")[1]
-    assert "nvidia.com/gpu" not in cpu_job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-    pipes = res.k8s_pipes_pod_spec(8, "cuda", pvc="runs")
-    assert pipes["containers"][0]["name"] == "dagster-pipes-execution"
-    assert pipes["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
-
-
-def test_checked_in_deploy_examples_are_what_the_renderer_writes(tmp_path):
-    proc = subprocess.run([sys.executable, "deploy/render.py", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stderr
-    written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == sorted(p.name for p in (ROOT / "deploy" / "examples").iterdir())
-    for name in written:
-        assert (tmp_path / name).read_text() == (ROOT / "deploy" / "examples" / name).read_text(), name
-    [k8s] = [n for n in written if n.endswith(".k8s.yaml")]
-    service, job = yaml.safe_load_all((tmp_path / k8s).read_text())
-    assert job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == "/shared/kiln/.kiln/storage"
 
 
 FAKE_SLURM = {  # just enough of Slurm to run an sbatch script as a one-node allocation on this machine
@@ -294,40 +252,6 @@ def test_a_worker_config_error_is_not_worth_a_retry():
     crash = ["RuntimeError: injected failure at step 3\n", "ChildFailedError: \n"]
     assert is_config_error(config) and "unknown key 'lrr'" in root_cause(config)
     assert not is_config_error(crash) and not is_config_error(["no exception here\n"])
-
-
-K8S_VERSION = "1.34"  # the Kubernetes API version the rendered files are checked against (kubernetes-validate's schemas)
-
-
-def test_rendered_kubernetes_files_validate_against_the_kubernetes_schema(tmp_path):
-    """No cluster runs here: the Job, its Service and the dagster-k8s pod spec are checked against Kubernetes' own
-    OpenAPI schema (strict: an unknown field is an error), and a broken manifest is refused."""
-    import kubernetes_validate
-
-    proc = subprocess.run([sys.executable, "deploy/render.py", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stderr
-    [k8s] = tmp_path.glob("*.k8s.yaml")
-    service, job = yaml.safe_load_all(k8s.read_text())
-    for doc in (service, job):
-        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
-    assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60
-    [pipes] = tmp_path.glob("*.pipes-k8s.yaml")
-    spec = yaml.safe_load(pipes.read_text())
-    container = {**spec["base_pod_spec"]["containers"][0], "image": spec["image"], "command": spec["command"]}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kiln-pipes"},
-           "spec": {**spec["base_pod_spec"], "containers": [container]}}  # as PipesK8sClient fills it in
-    assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True) == K8S_VERSION
-    broken = json.loads(json.dumps(job))
-    broken["spec"]["template"]["spec"]["containers"][0]["resources"]["limitz"] = {}
-    with pytest.raises(kubernetes_validate.ValidationError, match="limitz"):
-        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
-
-
-def test_slurm_script_asks_for_a_stop_signal_before_the_time_limit_and_torchrun_passes_it_on():
-    script = TorchrunResource(slurm_signal_s=90).slurm_script("/shared/runs/x/job.json", 2, "cpu", "/opt/kiln")
-    assert "#SBATCH --signal=USR1@90" in script.splitlines()
-    assert "export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in script
 
 
 def test_slurm_job_state_is_parsed_from_scontrol(tmp_path, monkeypatch):
