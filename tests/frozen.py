@@ -1,7 +1,8 @@
 """What the smoke preset must produce byte for byte: frozen data versions, clean shard hashes, weight digests and scores.
 
 ``python tests/frozen.py OUT.json`` runs the smoke preset in a fresh home and writes the record; the e2e suite
-compares its own smoke run with ``tests/data/smoke_frozen.json``.
+compares its own smoke run with ``tests/data/smoke_frozen.json``, or with ``smoke_frozen.<cpu kind>.json`` where one
+was recorded on a machine of this CPU kind (``cpu_kind()``: floats match bit for bit only on one kind).
 
 Left out, with the reason: eval_suite, contamination_report and eval_scores hash task files that name the run's
 absolute storage root; dpo_model and rl_model versions hash per-run bookkeeping (their weights digests are
@@ -14,7 +15,33 @@ import hashlib
 import json
 from pathlib import Path
 
-FROZEN = Path(__file__).resolve().parent / "data" / "smoke_frozen.json"
+DATA = Path(__file__).resolve().parent / "data"
+FROZEN = DATA / "smoke_frozen.json"
+
+
+def cpu_kind() -> str:
+    """This machine's CPU vendor and the vector ISA torch dispatches to, e.g. ``AuthenticAMD-AVX512``. Float results
+    (the quality classifier's scores, every trained weight) are reproducible bit for bit on one kind, not across
+    kinds: BLAS kernels differ by vendor and by ISA."""
+    import platform
+
+    import torch
+
+    vendor = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                vendor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{vendor}-{torch.backends.cpu.get_cpu_capability()}"
+
+
+def frozen_path() -> Path:
+    """The record for this CPU kind (``smoke_frozen.<kind>.json``) where one was made on it, else the first one."""
+    own = DATA / f"smoke_frozen.{cpu_kind()}.json"
+    return own if own.is_file() else FROZEN
 STABLE_VERSIONS = ("raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
                    "instruction_data", "preference_data", "sft_model", "judged_preferences")
 
