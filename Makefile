@@ -32,7 +32,7 @@ smoke: setup
 # then fails if a test was skipped for a missing one (KILN_ALLOW_SKIPS=1 allows that).
 test: $(VENV)/.installed-test
 	@bash scripts/test-deps.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 ui: setup
 	DAGSTER_HOME=$(KILN_HOME)/dagster bash scripts/ui.sh $(BIN) $(KILN_HOME)

@@ -143,6 +143,56 @@ def train_runner():
     return run_train
 
 
+# the job overrides of each optimizer the resume tests run: the tiny jobs' AdamW, and Muon with decay and wsd
+OPTIMS = {"adamw": {}, "muon": {"optim": {"name": "muon", "lr": 1e-2, "warmup_steps": 5, "weight_decay": 0.1,
+                                          "schedule": "wsd"}}}
+
+
+class LineReporter:
+    """A training reporter that keeps the lines it is given (what the CLI prints)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.warnings: list[str] = []
+
+    def log(self, message: str) -> None:
+        self.lines.append(message)
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
+
+
+@pytest.fixture(scope="session")
+def baselines(tmp_path_factory, pretrain_job):
+    """``baselines(name)``: one uninterrupted 30-step run of the tiny job with optimizer ``name`` (OPTIMS), made once
+    per session, in-process on one thread (bit-identical to a subprocess run): (job path, the lines it logged)."""
+    import torch
+
+    from kiln.train.loop import main
+
+    runs: dict[str, tuple[Path, str]] = {}
+
+    def get(name: str) -> tuple[Path, str]:
+        if name not in runs:
+            job = pretrain_job(tmp_path_factory.mktemp(f"baseline-{name}"), **OPTIMS[name])
+            rep, threads = LineReporter(), torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                main(["--config", str(job), "--device", "cpu"], reporter=rep)
+            finally:
+                torch.set_num_threads(threads)
+            runs[name] = job, "\n".join(rep.lines)
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def baseline(baselines):
+    """The uninterrupted 30-step AdamW run: (job path, the lines it logged)."""
+    return baselines("adamw")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real Ray cluster on 127.0.0.1 (tests/ray_cluster.py: a head node and a second worker node, one CPU and a

@@ -41,14 +41,14 @@ def test_every_asset_materialized_with_a_data_version(smoke_run):
 
 
 def test_outputs_match_the_frozen_smoke_record(smoke_run):
-    """Run first, before the reruns below add outputs: the smoke preset's outputs are frozen (tests/data/smoke_frozen.json, made by tests/frozen.py): data versions,
+    """Run first, before the reruns below add outputs: the smoke preset's outputs are frozen (tests/data/smoke_frozen*.json, made by tests/frozen.py on each CPU kind): data versions,
     clean shard files, the corpus, every stage's weights, the released weights and the eval scores."""
     import json
 
-    from frozen import FROZEN, record
+    from frozen import frozen_path, record
 
     home, _, instance, result = smoke_run
-    assert record(home, instance, result) == json.loads(FROZEN.read_text())
+    assert record(home, instance, result) == json.loads(frozen_path().read_text()), frozen_path()
 
 
 def test_shards_decode_back_to_the_clean_corpus(smoke_run):
@@ -215,59 +215,165 @@ def smoke_ops(**changes) -> dict:
     return deep_merge(load_preset("smoke"), {"ops": changes})["ops"]
 
 
-def test_rerun_with_nothing_changed_recomputes_nothing(smoke_run):
-    names = [a.key.to_user_string() for a in ALL_ASSETS]
-    result = rerun(smoke_run, names, smoke_ops())
+NAMES = [a.key.to_user_string() for a in ALL_ASSETS]
+
+
+def status(smoke_run, ops: dict) -> dict:
+    """``kiln status``'s prediction for running ``ops`` against this home, by asset."""
+    from jobs.status import StatusReader
+
+    _, defs, instance, _ = smoke_run
+    rows = StatusReader(defs, instance, {"ops": ops}, defs.resources["mlflow"]).status(NAMES)
+    return {r.asset: r for r in rows}
+
+
+def running(rows: dict) -> set[str]:
+    return {n for n, r in rows.items() if r.action != "reuse"}
+
+
+# The reruns below run in this order on the one smoke home; each first asks `kiln status` what it will recompute,
+# then runs and compares the prediction with what the run recomputed.
+
+def test_rerun_with_nothing_changed_is_predicted_and_recomputes_nothing(smoke_run):
+    from jobs.status import format_status, status_json
+
+    rows = status(smoke_run, smoke_ops())
+    assert running(rows) == set()
+    for name, r in rows.items():
+        assert r.version and r.materialized_at and r.reasons[0].startswith("inputs, config and code unchanged"), name
+    text = format_status(list(rows.values()))
+    assert text.splitlines()[-1] == f"nothing to run: all {len(NAMES)} assets would be reused"
+    assert '"action": "reuse"' in status_json(list(rows.values()))
+    result = rerun(smoke_run, NAMES, smoke_ops())
     assert result.success, (computed_assets(smoke_run, result.run_id), failure_message(result))
     assert computed_assets(smoke_run, result.run_id) == set()
 
 
-def test_recomputing_everything_without_reuse_gives_the_same_data_versions(smoke_run):
-    """On CPU the whole pipeline is deterministic: recomputed from scratch (run reuse off), every asset comes out
-    with the data version it had, so nothing downstream would turn stale. The release bundle records which
-    Dagster and MLflow runs made it, so its version moves; its weights do not."""
+def test_recomputing_without_reuse_gives_the_same_data_versions(smoke_run):
+    """With run reuse off, the selected assets really run again and come out with the data versions they had. The
+    first run matching the frozen record shows that for the assets whose versions it freezes; these are the ones it
+    leaves out, whose versions hash this home's paths and bookkeeping. The release bundle
+    records which Dagster and MLflow runs made it, so its version moves; its weights do not."""
     _, defs, instance, first = smoke_run
-    names = [a.key.to_user_string() for a in ALL_ASSETS]
+    select = ["eval_suite", "contamination_report", "dpo_model", "rl_model", "eval_scores", "release_bundle"]
     before = {n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags["dagster/data_version"]
-              for n in names}
+              for n in select}
     home = smoke_run[0]
     config = complete_resource_config({"ops": smoke_ops(), "resources": {"mlflow": {"config": {"reuse_runs": False}}}},
                                       make_resources(home, str(Path(defs.resources["storage"].source_cache))))
     assert config["resources"]["mlflow"]["config"]["tracking_uri"].endswith(str(home / "mlflow.db"))
     job = defs.resolve_job_def("kiln_pipeline_job")
-    result = job.execute_in_process(run_config=config, instance=instance, raise_on_error=False)
+    result = job.execute_in_process(run_config=config, instance=instance, raise_on_error=False,
+                                    asset_selection=[AssetKey(k) for k in select])
     assert result.success, failure_message(result)
-    assert computed_assets(smoke_run, result.run_id) == TRACKED  # everything really ran again
+    assert computed_assets(smoke_run, result.run_id) == set(select)  # each really ran again
     after = {n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags["dagster/data_version"]
-             for n in names}
-    changed = {n for n in names if before[n] != after[n]}
+             for n in select}
+    changed = {n for n in select if before[n] != after[n]}
     assert changed <= {"release_bundle"}, {n: (before[n], after[n]) for n in changed}
     a = Path(first.output_for_node("release_bundle")["dir"]) / "model.safetensors"
     b = Path(result.output_for_node("release_bundle")["dir"]) / "model.safetensors"
     assert a.read_bytes() == b.read_bytes()
 
 
-def test_eval_change_rebuilds_only_evaluation_and_release(smoke_run):
-    names = [a.key.to_user_string() for a in ALL_ASSETS]
-    result = rerun(smoke_run, names, smoke_ops(eval_scores={"config": {"tasks": ["kiln_continuation", "kiln_heldout_ppl"]}}))
-    assert result.success
-    assert computed_assets(smoke_run, result.run_id) == {"eval_scores", "release_bundle"}
+EVAL_CHANGE = {"eval_scores": {"config": {"tasks": ["kiln_continuation", "kiln_heldout_ppl"]}}}
 
 
-def test_filter_change_rebuilds_exactly_the_clean_corpus_and_downstream(smoke_run):
+def test_an_eval_change_is_predicted_and_rebuilds_only_evaluation_and_release(smoke_run):
+    ops = smoke_ops(**EVAL_CHANGE)
+    rows = status(smoke_run, ops)
+    assert running(rows) == {"eval_scores", "release_bundle"}
+    assert rows["eval_scores"].reasons == ['config tasks [] -> ["kiln_continuation", "kiln_heldout_ppl"]']
+    assert rows["release_bundle"].reasons == [f"upstream eval_scores changes: {rows['eval_scores'].reasons[0]}"]
+    assert rows["eval_scores"].estimate_s > 0 and rows["eval_scores"].estimate_from == "last run"
+    result = rerun(smoke_run, NAMES, ops)
+    assert result.success, failure_message(result)
+    assert computed_assets(smoke_run, result.run_id) == running(rows)
+    after = status(smoke_run, ops)  # that run is now the latest: the same preset again reuses everything
+    assert running(after) == set()
+    back = status(smoke_run, smoke_ops())  # the smoke preset again: its earlier outputs are reused, and said so
+    assert running(back) == set()
+    assert back["eval_scores"].reasons[0].startswith("inputs, config and code the same as an earlier run")
+
+
+def test_a_damaged_output_is_named_and_left_in_place(smoke_run):
+    home, _, instance, _ = smoke_run
+    ops = smoke_ops(**EVAL_CHANGE)  # the latest run's
+    version = instance.get_latest_materialization_event(AssetKey("eval_scores")).asset_materialization.tags[
+        "dagster/data_version"]
+    target = home / "storage" / "eval_scores" / version / "scores.json"
+    original = target.read_bytes()
+    try:
+        target.write_bytes(original[:-1] + b" ")  # same size, other bytes: found by its checksum
+        rows = status(smoke_run, ops)
+        assert running(rows) == {"eval_scores", "release_bundle"}
+        assert str(target) in rows["eval_scores"].reasons[0] and "checksum mismatch" in rows["eval_scores"].reasons[0]
+        assert target.read_bytes() == original[:-1] + b" "  # looked at, not set aside
+    finally:
+        target.write_bytes(original)
+
+
+def test_a_failed_training_attempt_resumes_from_its_verified_checkpoint(smoke_run, tmp_path, monkeypatch):
+    """base_model with checkpoints every 5 steps fails at step 7 (tests/faults.py): the next run with those
+    settings resumes from step 5; with other settings it trains in another run folder, so it recomputes."""
+    from dagster._core.execution.retries import RetryMode
+    from dagster._core.executor.in_process import InProcessExecutor
+
+    from jobs.status import StatusReader, format_status
+    from tests.faults import Faults
+
+    _, defs, instance, _ = smoke_run
+    ops = smoke_ops(base_model={"config": {"ckpt_interval": 5}})
+    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
+    monkeypatch.setenv("KILN_FAULTS", str(Faults(fail_at_step=7).write(tmp_path / "faults.json")))
+    init = InProcessExecutor.__init__  # no Dagster retry and no torchrun restart: the attempt stays failed
+    monkeypatch.setattr(InProcessExecutor, "__init__", lambda self, retries, **kw: init(self, RetryMode.DISABLED, **kw))
+    run_config = complete_resource_config({"ops": ops, "resources": {"torchrun": {"config": {"max_restarts": 0}}}},
+                                          defs.resources)
+    failed = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
+        run_config=run_config, instance=instance, raise_on_error=False, asset_selection=[AssetKey("base_model")])
+    assert not failed.success
+    reader = StatusReader(defs, instance, {"ops": ops}, defs.resources["mlflow"])
+    rows = {r.asset: r for r in reader.status(NAMES)}
+    base = rows["base_model"]
+    assert base.action == "resume"
+    assert base.reasons == ["config ckpt_interval 20 -> 5", "a failed attempt left step 5 of 60 (checkpoint verified)"]
+    last = instance.get_latest_materialization_event(AssetKey("base_model")).asset_materialization.metadata
+    assert base.estimate_from == "last run's rate"
+    assert base.estimate_s == pytest.approx(reader.estimate("base_model", last)[0] / 60 * 55)
+    assert rows["sft_model"].reasons[0] == "upstream base_model changes: config ckpt_interval 20 -> 5"
+    line = next(ln for ln in format_status(list(rows.values())).splitlines() if ln.startswith("base_model "))
+    assert line.split()[4] == "resume" and line.endswith("(last run's rate)")
+    assert "    a failed attempt left step 5 of 60 (checkpoint verified)" in format_status(list(rows.values()))
+    other = status(smoke_run, smoke_ops(base_model={"config": {"ckpt_interval": 10}}))["base_model"]
+    assert other.action == "recompute" and other.reasons == ["config ckpt_interval 20 -> 10"]
+
+
+def test_a_filter_change_is_predicted_and_rebuilds_the_clean_corpus_and_downstream(smoke_run):
+    from jobs.status import format_status
+    from kiln.clean.config import CleanSettings
+
     _, defs, _, _ = smoke_run
-    names = [a.key.to_user_string() for a in ALL_ASSETS]
+    old = CleanSettings().min_words
+    rows = status(smoke_run, smoke_ops(clean_corpus={"config": {"clean": {"min_words": 80}}}))
+    assert rows["clean_corpus"].reasons == [f"config clean.min_words {old} -> 80"]
+    assert rows["raw_documents"].action == "reuse"
+    assert running(rows) == downstream_of(defs, "clean_corpus")
+    assert rows["base_model"].reasons == [f"upstream clean_corpus changes: config clean.min_words {old} -> 80"]
+    assert rows["base_model"].estimate_s > 0
+    text = format_status(list(rows.values()))
+    assert f"    config clean.min_words {old} -> 80" in text.splitlines()
+    assert text.splitlines()[-1].startswith(f"{len(running(rows))} of {len(NAMES)} assets would run, about ")
     # A different corpus trains a different model: let its scores and contamination move without failing a check.
-    result = rerun(smoke_run, names, smoke_ops(clean_corpus={"config": {"clean": {"min_words": 80}}},
+    result = rerun(smoke_run, NAMES, smoke_ops(clean_corpus={"config": {"clean": {"min_words": 80}}},
                                                contamination_report={"config": {"max_share": 1.0}},
                                                release_bundle={"config": {"regression_tolerance": 1e9}}))
     assert result.success, failure_message(result)
     computed = computed_assets(smoke_run, result.run_id)
     # Nothing upstream of the change runs; everything whose input data version changed does. An asset below
     # the change whose inputs come out byte-identical (e.g. preference_data when the rebuilt instruction
-    # pairs are unchanged) is reused, so the computed set lies between the changed chain and all downstream.
+    # pairs are unchanged) is reused, so the computed set lies between the changed chain and all the predicted.
     assert "raw_documents" not in computed
-    assert computed <= downstream_of(defs, "clean_corpus")
+    assert computed <= running(rows)
     assert {"clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model", "eval_scores",
             "release_bundle"} <= computed
-

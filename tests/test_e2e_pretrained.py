@@ -1,8 +1,9 @@
-"""End to end from released weights: a tiny random transformers model, saved to a folder, goes through continued
-pretraining, SFT, DPO, RL and release; transformers reloads the release with Kiln's logits."""
+"""End to end from released weights: a tiny random transformers llama, saved to a folder, goes through continued
+pretraining, SFT, DPO, RL and release; transformers reloads the release with Kiln's logits. (GPT-2 imports are
+checked at the unit level: tests/kiln/pretrained/test_source.py gives transformers' logits on import for both
+families, tests/kiln/release/test_release.py reloads a released GPT-2 in transformers.)"""
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ from kiln.model.config import ModelConfig
 from kiln.pretrained.source import folder_hash
 from kiln.release.lineage import checkpoint_lineage, lineage_tree, read_release_info
 from kiln.tokenizer import load_encoding
-from kiln.train import trainer as ktrainer
 from kiln.train.checkpoint import load_for_inference
 
 pytestmark = pytest.mark.slow
@@ -56,34 +56,35 @@ def run_from(tmp_path_factory, arch: str):
 
 
 @pytest.fixture(scope="module")
-def gpt2_run(tmp_path_factory):
-    return run_from(tmp_path_factory, "gpt2")
+def imported_run(tmp_path_factory):
+    return run_from(tmp_path_factory, "llama")
 
 
-def test_every_asset_materialized_from_the_imported_model(gpt2_run):
-    folder, result = gpt2_run
+def test_every_asset_materialized_from_the_imported_model(imported_run):
+    folder, result = imported_run
     assert result.success
     assert {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()} >= {
         a.key.to_user_string() for a in ALL_ASSETS} - UNJUDGED
     pm = result.output_for_node("pretrained_model")
-    assert pm["sha256"] == folder_hash(folder) and pm["license"] == "mit" and pm["model_type"] == "gpt2"
+    assert pm["sha256"] == folder_hash(folder) and pm["license"] == "mit" and pm["model_type"] == "llama"
     assert ModelConfig(**result.output_for_node("training_plan")["model"]) == ModelConfig(**pm["model"])
 
 
-def test_tokenizer_is_the_imported_one_with_identical_ids(gpt2_run):
+def test_tokenizer_is_the_imported_one_with_identical_ids(imported_run):
     from tokenizers import Tokenizer
 
-    folder, result = gpt2_run
+    folder, result = imported_run
     tok = result.output_for_node("tokenizer")
     assert tok["kind"] == "pretrained"
     enc, hf = load_encoding(tok["path"]), Tokenizer.from_file(str(folder / "tokenizer.json"))
-    text = "The shell reads a command line, 42 times.<|endoftext|>Then it runs."
-    assert enc.encode(text, allowed_special={"<|endoftext|>"}) == hf.encode(text).ids
-    assert enc.encode("<|user|>", allowed_special="all") == [hf.get_vocab_size()]  # appended after the imported ids
+    text = "The shell reads a command line, 42 times.\n\nThen it runs, and   prints: ok!"
+    assert enc.encode_ordinary(text) == hf.encode(text).ids
+    [user] = enc.encode("<|user|>", allowed_special="all")
+    assert user >= hf.get_vocab_size()  # the chat tokens are appended after every imported id
 
 
-def test_continued_pretraining_started_from_the_imported_weights(gpt2_run):
-    _, result = gpt2_run
+def test_continued_pretraining_started_from_the_imported_weights(imported_run):
+    _, result = imported_run
     pm, base = result.output_for_node("pretrained_model"), result.output_for_node("base_model")
     assert base["pretrained"]["sha256"] == pm["sha256"]
     info = checkpoint_lineage(base["checkpoint"])
@@ -92,10 +93,10 @@ def test_continued_pretraining_started_from_the_imported_weights(gpt2_run):
     assert base["final_val_loss"] < base["initial_val_loss"]
 
 
-def test_release_reloads_in_transformers_with_kilns_logits_and_names_its_start(gpt2_run):
+def test_release_reloads_in_transformers_with_kilns_logits_and_names_its_start(imported_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, result = gpt2_run
+    folder, result = imported_run
     bundle = Path(result.output_for_node("release_bundle")["dir"])
     trained, _, _ = load_for_inference(result.output_for_node("rl_model")["checkpoint"])
     hf = AutoModelForCausalLM.from_pretrained(str(bundle)).eval()
@@ -110,18 +111,5 @@ def test_release_reloads_in_transformers_with_kilns_logits_and_names_its_start(g
     assert "## Starting weights" in card and pm["sha256"] in card and "licence mit" in card
     info = read_release_info(bundle)
     assert info["pretrained"]["base_model"]["sha256"] == pm["sha256"]
-
-
-@pytest.mark.skipif(not hasattr(ktrainer, "build_model"), reason="the trainer builds GPT-2 only until it builds models by family")
-def test_llama_imported_model_goes_through_every_stage(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    _, result = run_from(tmp_path_factory, "llama")
+    assert info["pretrained"]["base_model"]["model_type"] == "llama"
     assert result.output_for_node("training_plan")["model"]["family"] == "llama"
-    bundle = Path(result.output_for_node("release_bundle")["dir"])
-    trained, _, _ = load_for_inference(result.output_for_node("rl_model")["checkpoint"])
-    ids = torch.tensor([[1, 5, 9, 200, 3]])
-    with torch.no_grad():
-        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(str(bundle)).eval()(ids).logits.float(),
-                                   trained(ids), atol=1e-4, rtol=1e-4)
-    assert json.loads((bundle / "kiln.json").read_text())["pretrained"]["base_model"]["model_type"] == "llama"

@@ -19,8 +19,8 @@ from kiln.train.checkpoint import list_checkpoints, step_of
 from kiln.train.loop import main
 from kiln.train.preempt import PREEMPTED_EXIT, PreemptionWatch, exit_code
 from tests.faults import injector
-from tests.kiln.train.test_train import (ListReporter, assert_same_final_state, baseline, baselines,  # noqa: F401
-                                         one_thread, popen_train, result_of, run_dir, spike_job)
+from tests.kiln.train.test_train import (ListReporter, assert_same_final_state, one_thread, popen_train, result_of,
+                                         run_dir, spike_job)
 
 
 def test_the_watch_sets_a_flag_and_restores_the_handlers() -> None:
@@ -59,7 +59,7 @@ def test_attempt_ids_climb_and_config_changes_are_listed(tmp_path, monkeypatch) 
 
 
 @pytest.mark.slow
-def test_sigterm_mid_run_saves_the_step_reached_and_resume_is_bit_identical(tmp_path, baseline, pretrain_job,  # noqa: F811
+def test_sigterm_mid_run_saves_the_step_reached_and_resume_is_bit_identical(tmp_path, baseline, pretrain_job,
                                                                            train_runner) -> None:
     ref_job, _ = baseline
     job = pretrain_job(tmp_path, log_interval=1)
