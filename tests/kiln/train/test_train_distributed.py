@@ -110,9 +110,7 @@ def test_fsdp2_trains_the_same_and_its_sharded_checkpoint_resumes_on_one_or_two_
                                                                                     train_runner, references) -> None:
     """With Muon on the block matrices and AdamW on the rest; on two ranks the resume is bit-identical to the
     uninterrupted run. Muon's bf16 Newton-Schulz magnifies the ranks' 1e-7 gradient rounding: the curve sits 5e-5 to
-    6e-5 from one process on one CPU kind and 1.1e-4 on AuthenticAMD-AVX512 (AdamW's far closer), hence 2e-4 here.
-    That each rank's share of the matrices is orthogonalised whole is checked exactly, at the unit level, in
-    tests/kiln/train/test_optim.py."""
+    6e-5 from one process on one CPU kind and 1.1e-4 on AuthenticAMD-AVX512 (AdamW's far closer), hence 2e-4 here."""
     optim = "muon"  # Muon on the block matrices, AdamW on the rest: both optimizers' sharded state
     reference = references(optim)
     job = job_for(pretrain_job, tmp_path / "fsdp", 2, parallelism="fsdp", **OPTIMS[optim])
