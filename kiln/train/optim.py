@@ -4,19 +4,22 @@
 parameters that require gradients are optimized (LoRA trains its adapters alone).
 
 - ``name: adamw``: AdamW on everything, weight decay on matrices only (not biases, norms).
-- ``name: muon``: torch.optim.Muon (momentum, then Newton-Schulz orthogonalised updates) on the 2-D weight matrices
-  inside the transformer blocks (gpt2's ``transformer.h.*`` attn/mlp weights, llama's ``model.layers.*``
-  projections), AdamW on the rest (embeddings, the output head, norms, biases), as in the Muon papers and nanochat.
-  The two run as one optimizer object (MuonAdamW, AdamW's groups first so a scheduler's first lr is AdamW's), so a
-  checkpoint holds both states and the scheduler drives both groups. LoRA adapters (``lora_A``, ``lora_B``) stay on
-  AdamW: their low-rank shape makes an orthogonalised update a poor fit, so a LoRA run with muon is an AdamW run.
-  Under FSDP2 each parameter is a DTensor sharded on dim 0. torch's Muon runs on it, but the Newton-Schulz matmuls
-  then sum bf16 partial products across ranks and drift from the one-process update (about 3% of its size on a
-  48 x 16 matrix) while communicating in every iteration. FullMatrixMuon instead gathers each update matrix whole,
-  orthogonalises it on every rank (the compute DDP spends) and keeps this rank's rows: the same numbers as one process.
-  Muon's update is not smooth in the gradient where the gradient's singular values are tiny (a fresh llama's
-  o_proj: a 2e-7 change in its gradient moved the bf16 update by 3%), so DDP and FSDP runs follow the one-process
-  loss curve closely but not its weights bit for bit.
+- ``name: muon``: Muon (momentum, then a Newton-Schulz orthogonalised update) on the 2-D weight matrices inside the
+  transformer blocks (gpt2's ``transformer.h.*`` attn/mlp weights, llama's ``model.layers.*`` projections), AdamW on
+  the rest (embeddings, the output head, norms, biases), as in the Muon papers and nanochat. The two run as one
+  optimizer, MuonAdamW, whose groups each name their kind (AdamW's first, so a scheduler's first lr is AdamW's): a
+  checkpoint holds both states and the scheduler drives both. LoRA adapters (``lora_A``, ``lora_B``) stay on AdamW:
+  their low-rank shape makes an orthogonalised update a poor fit, so a LoRA run with muon is an AdamW run.
+  Muon's arithmetic is torch.optim.Muon's (the quintic's coefficients, 5 bf16 steps, eps, the lr scaling), written
+  here because torch has no public function for it and its step cannot split the work across FSDP2 ranks: on plain
+  tensors (one process, DDP) a step is torch's Muon step bit for bit. Under FSDP2 each parameter is a DTensor sharded
+  on dim 0 and Newton-Schulz needs the whole matrix, so each matrix has one owner rank: the ranks send the owner
+  their rows of the update, it orthogonalises the matrix and sends each rank back its rows. Each rank orthogonalises
+  about 1/world of the matrices and gets the one-process numbers. (torch's Muon on the shards instead sums bf16
+  partial products across ranks, about 3% off the one-process update on a 48 x 16 matrix.) Muon's update is not
+  smooth in the gradient where the gradient's singular values are tiny (a fresh llama's o_proj: a 2e-7 change in
+  its gradient moved the bf16 update by 3%), so DDP and FSDP runs follow the one-process loss curve closely but not
+  its weights bit for bit.
 - ``schedule: cosine``: linear warmup, cosine decay to ``min_lr_ratio`` at max_steps. ``schedule: wsd``: linear
   warmup, constant, then a linear decay to ``min_lr_ratio`` over the last ``decay_fraction`` of the steps.
 """
@@ -24,13 +27,11 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
 from __future__ import annotations
 
 import math
-from collections import ChainMap
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch's own Muon math, for FullMatrixMuon
-from torch.optim.optimizer import _to_scalar
+import torch.distributed as dist
 
 from kiln.common.config import ConfigError
 
@@ -111,29 +112,143 @@ def make_scheduler(optimizer: torch.optim.Optimizer, opt: OptimConfig, max_steps
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opt, max_steps))
 
 
-# -- optimizers
+# -- Muon's arithmetic
 
-class FullMatrixMuon(torch.optim.Muon):
-    """torch.optim.Muon that orthogonalises each sharded (DTensor) update as the whole matrix.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c), from Keller Jordan's Muon, as torch's Muon
+NS_STEPS = 5  # Newton-Schulz iterations per update
+NS_EPS = 1e-7  # floor of the norm the update is divided by
 
-    Plain tensors take torch's own step. With DTensors (FSDP2) each parameter's step is torch's
-    ``_single_tensor_muon`` for one tensor: momentum on this rank's shard, the Nesterov update gathered whole,
-    Newton-Schulz on the full matrix, this rank's rows kept (no further communication), decay and update on the shard.
+# A Muon group's settings where it leaves them out: torch.optim.Muon's defaults.
+MUON_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+                                 "ns_coefficients": NS_COEFFICIENTS, "eps": NS_EPS, "ns_steps": NS_STEPS}
+
+
+def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                  steps: int = NS_STEPS, eps: float = NS_EPS) -> torch.Tensor:
+    """``g`` (rows, cols) orthogonalised, in bf16: about U V^T where g = U S V^T (a random 64 x 32 matrix's singular
+    values come out between 0.68 and 1.05; the tiniest of an ill-conditioned one stay lower).
+
+    In bf16, on the wide orientation (so the Gram matrix is the smaller one), g / max(||g||_F, eps) (every singular
+    value at most 1) goes through ``steps`` iterations of x <- a x + (b A + c A^2) x with A = x x^T. The coefficients
+    maximise the slope at zero rather than converge, which takes small singular values up fast in few steps.
     """
+    a, b, c = coefficients
+    tall = g.size(0) > g.size(1)
+    x = g.bfloat16().T if tall else g.bfloat16()  # (small, large)
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T  # (small, small)
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if not any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
-            return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    muon_update(p, self.state[p], group)
-        return loss
+
+def muon_direction(grad: torch.Tensor, buf: torch.Tensor, group: dict) -> torch.Tensor:
+    """Muon's momentum: ``buf`` moves towards ``grad`` (in place) and the update to orthogonalise comes back, the
+    Nesterov look-ahead (``grad`` moved towards the new ``buf``) or ``buf`` itself. Elementwise: shards step alone."""
+    momentum = group["momentum"]
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+
+def muon_lr(lr: float, shape: tuple[int, ...]) -> float:
+    """The step size of a (rows, cols) matrix: ``lr * sqrt(max(1, rows / cols))``, torch's Muon's default rule."""
+    rows, cols = shape[:2]
+    return lr * math.sqrt(max(1, rows / cols))
+
+
+def apply_muon(p: torch.Tensor, ortho: torch.Tensor, group: dict, shape: tuple[int, ...]) -> None:
+    """Decoupled weight decay, then the orthogonalised update, on ``p`` in place (a whole matrix of ``shape`` or the
+    rows of it a rank holds, with ``ortho`` the same rows)."""
+    lr = group["lr"]
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(ortho, alpha=-muon_lr(lr, shape))
+
+
+def momentum_buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
+    """``p``'s momentum (zeros at first), shaped and sharded as its gradient."""
+    s = state.setdefault(p, {})
+    if "momentum_buffer" not in s:
+        s["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+    return s["momentum_buffer"]
+
+
+def muon_step(params: list[tuple[torch.Tensor, dict]], state: dict) -> None:
+    """One Muon step of each (parameter, its group), all with gradients: plain tensors one by one (torch's Muon step),
+    FSDP2's DTensors together (sharded_muon_step)."""
+    sharded = []
+    for p, group in params:
+        if _is_dtensor(p):
+            sharded.append((p, group))
+            continue
+        update = muon_direction(p.grad, momentum_buffer(state, p), group)
+        apply_muon(p, newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"]), group, p.shape)
+    if sharded:
+        sharded_muon_step(sharded, state)
+
+
+def deal(shapes: list[tuple[int, int]], world: int) -> tuple[list[int], list[int]]:
+    """(the matrices' indices by Newton-Schulz cost, costliest first; each matrix's owner rank). Dealt in that order,
+    each to the rank with the least cost so far (the lowest on a tie): shapes alone decide, so every rank agrees."""
+    cost = [min(s) ** 2 * (2 * max(s) + min(s)) for s in shapes]  # one iteration's multiply-adds
+    order = sorted(range(len(shapes)), key=lambda i: -cost[i])
+    load, owner = [0] * world, [0] * len(shapes)
+    for i in order:
+        owner[i] = min(range(world), key=load.__getitem__)
+        load[owner[i]] += cost[i]
+    return order, owner
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` (r, cols), r <= rows, contiguous with zero rows added to make (rows, cols)."""
+    if t.size(0) == rows:
+        return t.contiguous()
+    return torch.cat([t, t.new_zeros(rows - t.size(0), t.size(1))])
+
+
+def sharded_muon_step(params: list[tuple[torch.Tensor, dict]], state: dict) -> None:
+    """One Muon step of FSDP2's parameters (DTensors sharded on dim 0 of one mesh), each matrix orthogonalised on one
+    rank only.
+
+    Each rank steps the momentum of its own rows. For each matrix (the order and owners of ``deal``) every rank sends
+    its rows of the update to the owner (one gather), which orthogonalises the whole matrix and sends each rank its
+    rows of the result (one scatter) as soon as it has it, so the transfers overlap the next matrix's compute.
+    Every rank issues the same collectives in the same order. Shards are torch.chunk's (FSDP2's): ceil(rows / world)
+    rows each, the last ones shorter or empty, padded to that size for the transfers.
+    """
+    from torch.distributed.tensor import Shard
+
+    mesh = params[0][0].device_mesh
+    for p, _ in params:
+        if p.device_mesh != mesh or tuple(p.placements) != (Shard(0),) or tuple(p.grad.placements) != (Shard(0),):
+            raise ValueError(f"MuonAdamW: a {tuple(p.shape)} parameter is a DTensor placed {tuple(p.placements)} on "
+                             f"{p.device_mesh}; Muon takes FSDP2's dim-0 shards (Shard(0)) on one mesh")
+    pg, me, world = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    shapes = [tuple(p.shape) for p, _ in params]
+    order, owner = deal(shapes, world)
+    chunk = [-(-rows // world) for rows, _ in shapes]  # rows of every (padded) shard
+    updates = [muon_direction(p.grad.to_local(), momentum_buffer(state, p).to_local(), group)  # (my rows, cols)
+               for p, group in params]
+
+    sends, parts, gathers = {}, {}, []
+    for i in order:
+        sends[i] = _pad_rows(updates[i], chunk[i])  # (chunk, cols)
+        parts[i] = [torch.empty_like(sends[i]) for _ in range(world)] if owner[i] == me else None
+        gathers.append(dist.gather(sends[i], parts[i], group=pg, group_dst=owner[i], async_op=True))
+    results, pieces, scatters = {}, {}, []  # pieces: what the owner sends, kept until every transfer is done
+    for n, i in enumerate(order):
+        group, pieces[i] = params[i][1], None
+        if owner[i] == me:
+            gathers[n].wait()
+            whole = torch.cat(parts[i])[:shapes[i][0]]  # (rows, cols): the one-process update
+            ortho = newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            pieces[i] = list(_pad_rows(ortho, chunk[i] * world).split(chunk[i]))  # world x (chunk, cols)
+        results[i] = torch.empty(chunk[i], shapes[i][1], dtype=torch.bfloat16, device=updates[i].device)
+        scatters.append(dist.scatter(results[i], pieces[i], group=pg, group_src=owner[i], async_op=True))
+    for work in gathers + scatters:
+        work.wait()
+    for i, (p, group) in enumerate(params):
+        local = p.to_local()  # (my rows, cols), p's storage
+        apply_muon(local, results[i][:local.size(0)], group, shapes[i])
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -144,47 +259,38 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def muon_update(p: torch.Tensor, state: dict, group: dict) -> None:
-    """One Muon step of parameter ``p`` (rows, cols), a plain tensor or a DTensor, orthogonalising the full matrix."""
-    momentum = group["momentum"]
-    if "momentum_buffer" not in state:
-        state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-    buf = state["momentum_buffer"]  # (rows, cols), sharded as p
-    buf.lerp_(p.grad, 1 - momentum)
-    update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-    whole = update.full_tensor() if _is_dtensor(update) else update  # (rows, cols) on every rank
-    ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-    if _is_dtensor(p):  # this rank's rows of the full result, split locally as p is
-        from torch.distributed.tensor import distribute_tensor
-
-        ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
-    lr = _to_scalar(group["lr"])
-    p.mul_(1 - lr * group["weight_decay"])
-    p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-
+# -- optimizers
 
 class MuonAdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW on some parameters and Muon on the others, as one optimizer.
+    """AdamW on some parameter groups and Muon on the others, as one optimizer.
 
-    ``param_groups`` is the two optimizers' groups in order, AdamW's first (the same dicts, so an LR scheduler sets
-    both, and its first lr is AdamW's), and ``state_dict`` is one standard optimizer state dict over that order,
-    which is what torch.distributed.checkpoint maps to parameter names: a checkpoint holds AdamW's moments and Muon's
-    momentum and resumes both exactly. Written here because torch ships the two optimizers but no way to run them
-    as one.
+    Each group's ``kind`` is "adamw" or "muon", and the settings a group leaves out are its kind's defaults:
+    ``adamw`` holds torch.optim.AdamW's keyword arguments, ``muon`` any of MUON_DEFAULTS' keys. AdamW's groups take
+    torch.optim.AdamW's own step (fused where asked), with their moments in this optimizer's state; Muon's groups take
+    muon_step. ``state_dict`` is the standard one over the groups in order, which torch.distributed.checkpoint maps
+    to parameter names: a checkpoint holds AdamW's moments and Muon's momentum and resumes both exactly.
     """
 
-    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon):  # noqa: D107 (no Optimizer.__init__:
-        self.parts = (adamw, muon)                                       # the parts own the groups and state)
-        self.defaults = {}
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+    def __init__(self, params: Iterable[dict], adamw: dict[str, Any] | None = None,
+                 muon: dict[str, Any] | None = None) -> None:
+        unknown = sorted(set(muon or {}) - set(MUON_DEFAULTS))
+        if unknown:
+            raise TypeError(f"MuonAdamW: {', '.join(unknown)} not Muon settings; they are {', '.join(MUON_DEFAULTS)}")
+        self._adamw = torch.optim.AdamW([torch.empty(0)], **(adamw or {}))  # checks the settings; steps AdamW's groups
+        self.kind_defaults = {"adamw": dict(self._adamw.defaults), "muon": {**MUON_DEFAULTS, **(muon or {})}}
+        super().__init__(list(params), defaults={})
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for part in self.parts for g in part.param_groups]
-
-    @property
-    def state(self) -> ChainMap:
-        return ChainMap(*(part.state for part in self.parts))
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of kind "adamw" or "muon" (its ``kind``); the settings it leaves out are its kind's defaults."""
+        kind = param_group.get("kind")
+        if kind not in self.kind_defaults:
+            raise ValueError(f"MuonAdamW: a parameter group's kind is 'adamw' or 'muon', not {kind!r}")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if kind == "muon" and any(p.dim() != 2 for p in params):
+            raise ValueError("MuonAdamW: a 'muon' group holds matrices only, found shapes "
+                             f"{sorted({tuple(p.shape) for p in params if p.dim() != 2})}")
+        super().add_param_group({**self.kind_defaults[kind], **param_group, "params": params})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -192,42 +298,25 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for part in self.parts:
-            part.step()
+        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
+        self._adamw.state = self.state
+        if self._adamw.param_groups:
+            self._adamw.step()
+        muon_step([(p, g) for g in self.param_groups if g["kind"] == "muon" for p in g["params"]
+                   if p.grad is not None], self.state)
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for part in self.parts:
-            part.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict) -> None:
-        raise NotImplementedError("MuonAdamW: add the group to one of its parts (optimizer.parts) instead")
-
-    def state_dict(self) -> dict[str, Any]:
-        state, groups, offset = {}, [], 0
-        for part in self.parts:
-            sd = part.state_dict()
-            state.update({i + offset: s for i, s in sd["state"].items()})
-            groups += [{**g, "params": [i + offset for i in g["params"]]} for g in sd["param_groups"]]
-            offset += sum(len(g["params"]) for g in part.param_groups)
-        return {"state": state, "param_groups": groups}
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Split by group position: the first groups are AdamW's. Keys may be ids or (from
-        torch.distributed.checkpoint) parameter names; each part's Optimizer.load_state_dict maps them by order."""
-        groups = list(state_dict["param_groups"])
+        """Optimizer.load_state_dict, after checking the group count; keys may be ids or (from
+        torch.distributed.checkpoint) parameter names. Saved groups without ``kind`` (older checkpoints' AdamW groups
+        then Muon group) take the kinds of this optimizer's groups in the same places."""
+        groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"optimizer state has {len(groups)} parameter groups where MuonAdamW has "
                              f"{len(self.param_groups)}: it was saved with another optim.name or lora setting; "
                              "resume with the settings it was saved with")
-        for part in self.parts:
-            mine, groups = groups[:len(part.param_groups)], groups[len(part.param_groups):]
-            keys = {k for g in mine for k in g["params"]}
-            part.load_state_dict({"state": {k: s for k, s in state_dict["state"].items() if k in keys},
-                                  "param_groups": mine})
-
-    def __repr__(self) -> str:
-        return f"MuonAdamW({', '.join(type(p).__name__ for p in self.parts)})"
+        groups = [{"kind": mine["kind"], **saved} for mine, saved in zip(self.param_groups, groups)]
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
 
 def is_muon_parameter(name: str, p: torch.nn.Parameter) -> bool:
@@ -236,15 +325,21 @@ def is_muon_parameter(name: str, p: torch.nn.Parameter) -> bool:
             and any(m in f".{name}" for m in BLOCK_MARKERS))
 
 
+def adamw_groups(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig) -> list[dict]:
+    """AdamW's two groups: matrices with weight decay, the rest (biases, norms) without."""
+    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": opt.weight_decay},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def adamw_settings(opt: OptimConfig, device: torch.device) -> dict[str, Any]:
+    """torch.optim.AdamW's keyword arguments: fused on CUDA and CPU."""
+    return {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "fused": device.type in ("cuda", "cpu")}
+
+
 def build_adamw(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, device: torch.device
                 ) -> torch.optim.AdamW:
-    """AdamW (fused on CUDA and CPU) with decay on matrices only."""
-    decay = [p for _, p in named if p.dim() >= 2]
-    no_decay = [p for _, p in named if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=opt.lr, betas=(opt.beta1, opt.beta2), fused=device.type in ("cuda", "cpu"),
-    )
+    """AdamW with decay on matrices only."""
+    return torch.optim.AdamW(adamw_groups(named, opt), **adamw_settings(opt, device))
 
 
 def build_muon(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, device: torch.device
@@ -252,12 +347,14 @@ def build_muon(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, de
     """MuonAdamW: Muon on the blocks' weight matrices, AdamW on the rest; plain AdamW when no matrix qualifies
     (a LoRA run, whose adapters stay on AdamW)."""
     muon = [p for n, p in named if is_muon_parameter(n, p)]
-    chosen = {id(p) for p in muon}
-    adamw = build_adamw([(n, p) for n, p in named if id(p) not in chosen], opt, device)
     if not muon:
-        return adamw
-    return MuonAdamW(adamw, FullMatrixMuon(muon, lr=opt.muon_lr, weight_decay=opt.weight_decay,
-                                           momentum=opt.muon_momentum, nesterov=True))
+        return build_adamw(named, opt, device)
+    chosen = {id(p) for p in muon}
+    rest = [(n, p) for n, p in named if id(p) not in chosen]
+    groups = [{**g, "kind": "adamw"} for g in adamw_groups(rest, opt)] + [{"params": muon, "kind": "muon"}]
+    return MuonAdamW(groups, adamw=adamw_settings(opt, device),
+                     muon={"lr": opt.muon_lr, "weight_decay": opt.weight_decay, "momentum": opt.muon_momentum,
+                           "nesterov": True})
 
 
 OPTIMIZERS: dict[str, Callable[[list[tuple[str, torch.nn.Parameter]], OptimConfig, torch.device],

@@ -1,7 +1,9 @@
 """Tests for kiln.train.optim: which parameters Muon gets in each family (and under LoRA), the cosine and
-warmup-stable-decay schedules' values, MuonAdamW's state dict round trip (its own and torch.distributed.checkpoint's)
-giving bit-identical next steps, one LambdaLR driving both optimizers, config errors, and FullMatrixMuon on FSDP2's
-dim-0 shards (two gloo processes) matching torch's Muon on the whole matrix bit for bit.
+warmup-stable-decay schedules' values, MuonAdamW as one torch Optimizer (its groups' kinds and defaults, hooks, its
+state dict round trip, its own and torch.distributed.checkpoint's, giving bit-identical next steps, older
+checkpoints without kinds), one LambdaLR driving both kinds, config errors, Muon's arithmetic against torch's own
+(Newton-Schulz and the lr rule bit for bit, and whole steps against torch.optim.AdamW plus torch.optim.Muon), and on
+FSDP2 (two gloo processes) each rank orthogonalising only the matrices it owns, with one process's numbers.
 
 Run: python -m pytest tests/kiln/train/test_optim.py -q   (tiny models on CPU; a few seconds)
 """
@@ -17,8 +19,8 @@ from kiln.common.config import ConfigError, from_dict
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
 from kiln.model.lora import LoRAConfig, apply_lora
-from kiln.train.optim import (FullMatrixMuon, MuonAdamW, OptimConfig, lr_lambda, make_optimizer, make_scheduler,
-                              muon_update)
+from kiln.train.optim import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonAdamW, OptimConfig, deal, lr_lambda,
+                              make_optimizer, make_scheduler, muon_lr, newton_schulz)
 from ports import free_port
 
 CPU = torch.device("cpu")
@@ -40,9 +42,9 @@ def names_of(model: torch.nn.Module, params) -> list[str]:
 
 
 def muon_and_adamw_names(model, optimizer) -> tuple[list[str], list[list[str]]]:
-    adamw, muon = optimizer.parts
-    return (names_of(model, muon.param_groups[0]["params"]),
-            [names_of(model, g["params"]) for g in adamw.param_groups])
+    groups = {kind: [g for g in optimizer.param_groups if g["kind"] == kind] for kind in ("adamw", "muon")}
+    (muon,) = groups["muon"]
+    return names_of(model, muon["params"]), [names_of(model, g["params"]) for g in groups["adamw"]]
 
 
 # -- which parameters go to Muon
@@ -50,7 +52,7 @@ def muon_and_adamw_names(model, optimizer) -> tuple[list[str], list[list[str]]]:
 def test_gpt2_muon_takes_the_blocks_attention_and_mlp_weights_only() -> None:
     model = tiny("gpt2")
     opt = make_optimizer(model, OptimConfig(name="muon"), CPU)
-    assert isinstance(opt, MuonAdamW) and isinstance(opt.parts[1], FullMatrixMuon)
+    assert isinstance(opt, MuonAdamW) and [g["kind"] for g in opt.param_groups] == ["adamw", "adamw", "muon"]
     muon, (decay, no_decay) = muon_and_adamw_names(model, opt)
     assert muon == [f"transformer.h.{i}.{w}" for i in range(2) for w in GPT2_MUON]
     assert decay == ["transformer.wte.weight", "transformer.wpe.weight"]  # the head is tied to wte
@@ -58,8 +60,11 @@ def test_gpt2_muon_takes_the_blocks_attention_and_mlp_weights_only() -> None:
     assert all(n.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")) for n in no_decay)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.1]
     assert [g["lr"] for g in opt.param_groups] == [2e-3, 2e-3, 0.02]
-    muon_group = opt.parts[1].param_groups[0]
+    adamw_group, _, muon_group = opt.param_groups
     assert muon_group["momentum"] == 0.95 and muon_group["nesterov"] is True
+    assert (muon_group["ns_coefficients"], muon_group["ns_steps"], muon_group["eps"]) == ((3.4445, -4.7750, 2.0315),
+                                                                                          5, 1e-7)
+    assert adamw_group["betas"] == (0.9, 0.95) and adamw_group["eps"] == 1e-8 and adamw_group["fused"] is True
 
 
 def test_llama_muon_takes_the_layers_projections_not_embeddings_head_or_norms() -> None:
@@ -70,7 +75,7 @@ def test_llama_muon_takes_the_layers_projections_not_embeddings_head_or_norms() 
     assert decay == ["model.embed_tokens.weight", "lm_head.weight"]
     assert no_decay == [f"model.layers.{i}.{n}_layernorm.weight" for i in range(2) for n in ("input", "post_attention")
                         ] + ["model.norm.weight"]
-    assert opt.parts[1].param_groups[0]["lr"] == 0.05
+    assert opt.param_groups[2]["lr"] == 0.05
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -145,7 +150,7 @@ def test_one_lambda_lr_drives_both_optimizers() -> None:
         assert sched.get_last_lr()[0] == pytest.approx(1e-3 * f(step), rel=1e-12)  # the logged lr is AdamW's
         train_steps(model, opt, 1, seed=step)
         sched.step()
-    assert opt.parts[1].param_groups[0]["lr"] == pytest.approx(0.04 * 0.1, rel=1e-12)  # min_lr_ratio at the end
+    assert opt.param_groups[2]["lr"] == pytest.approx(0.04 * 0.1, rel=1e-12)  # min_lr_ratio at the end
 
 
 # -- config errors
@@ -191,17 +196,25 @@ def test_state_dict_round_trip_gives_bit_identical_next_steps(family) -> None:
     opt = make_optimizer(model, cfg, CPU)
     train_steps(model, opt, 3, seed=1)
     saved = copy.deepcopy(opt.state_dict())
-    n_adamw = sum(len(g["params"]) for g in opt.parts[0].param_groups)
+    n_adamw = sum(len(g["params"]) for g in opt.param_groups[:2])
     muon_ids = saved["param_groups"][2]["params"]
     assert muon_ids == list(range(n_adamw, len(list(model.parameters()))))  # one id space, AdamW's first
     assert set(saved["state"][muon_ids[0]]) == {"momentum_buffer"} and "exp_avg" in saved["state"][0]
 
-    other = twin(model, family)
-    resumed = make_optimizer(other, cfg, CPU)
-    resumed.load_state_dict(saved)
-    train_steps(model, opt, 2, seed=2)
-    train_steps(other, resumed, 2, seed=2)
+    assert [g["kind"] for g in saved["param_groups"]] == ["adamw", "adamw", "muon"]
+
+    other, older = twin(model, family), twin(model, family)
+    resumed, from_older = make_optimizer(other, cfg, CPU), make_optimizer(older, cfg, CPU)
+    resumed.load_state_dict(copy.deepcopy(saved))  # a load keeps the given tensors: each optimizer its own copy
+    # a state whose groups say no kind (older checkpoints') takes the kinds by position
+    older_state = copy.deepcopy(saved)
+    from_older.load_state_dict({**older_state, "param_groups": [{k: v for k, v in g.items() if k != "kind"}
+                                                                for g in older_state["param_groups"]]})
+    assert [g["kind"] for g in from_older.param_groups] == ["adamw", "adamw", "muon"]
+    for m, o in ((model, opt), (other, resumed), (older, from_older)):
+        train_steps(m, o, 2, seed=2)
     assert_same_params(model, other)
+    assert_same_params(model, older)
 
 
 def test_distributed_checkpoint_state_dict_round_trip_by_parameter_name() -> None:
@@ -232,70 +245,236 @@ def test_loading_another_optimizers_state_says_so() -> None:
         make_optimizer(model, OptimConfig(name="muon"), CPU).load_state_dict(adamw_state)
 
 
-def test_add_param_group_is_refused_rather_than_lost() -> None:
+def test_add_param_group_takes_a_kind_and_its_defaults_and_refuses_other_groups() -> None:
     opt = make_optimizer(tiny("gpt2"), OptimConfig(name="muon"), CPU)
-    with pytest.raises(NotImplementedError, match="optimizer.parts"):
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, 2))], "kind": "muon", "momentum": 0.9})
+    added = opt.param_groups[-1]
+    assert (added["lr"], added["weight_decay"], added["momentum"], added["ns_steps"]) == (0.02, 0.1, 0.9, 5)
+    with pytest.raises(ValueError, match="kind is 'adamw' or 'muon', not None"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match=r"'muon' group holds matrices only, found shapes \[\(2,\)\]"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "kind": "muon"})
+    with pytest.raises(TypeError, match="betas not Muon settings"):
+        MuonAdamW([], muon={"betas": (0.9, 0.9)})
+    assert len(opt.param_groups) == 4  # the refused groups left nothing behind
 
 
-# -- FullMatrixMuon
+def test_muon_adamw_is_one_torch_optimizer_whose_groups_take_their_kinds_defaults() -> None:
+    w, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.zeros(4))
+    opt = MuonAdamW([{"params": [b], "kind": "adamw"}, {"params": [w], "kind": "muon", "lr": 0.5}],
+                    adamw={"lr": 3e-4, "betas": (0.8, 0.9)}, muon={"momentum": 0.9})
+    adamw, muon = opt.param_groups
+    assert (adamw["lr"], adamw["betas"], adamw["eps"], adamw["weight_decay"]) == (3e-4, (0.8, 0.9), 1e-8, 1e-2)
+    assert (muon["lr"], muon["momentum"], muon["weight_decay"], muon["nesterov"]) == (0.5, 0.9, 0.1, True)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    opt.step()
+    assert calls == ["pre", "post"]
+    assert set(opt.state[w]) == {"momentum_buffer"} and set(opt.state[b]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert b.tolist() == pytest.approx([-3e-4] * 4)  # AdamW's first step: lr * sign(grad)
+    opt.zero_grad()
+    assert w.grad is None and b.grad is None
 
-def test_full_matrix_muon_update_is_torchs_muon_bit_for_bit_on_plain_tensors() -> None:
-    """The per-parameter step FullMatrixMuon runs on shards, on whole tensors: torch's Muon's numbers exactly."""
+
+# -- Muon's arithmetic, against torch's
+
+def torch_private(name: str):
+    """torch.optim._muon's private ``name``, the reference while this torch has it (a skip once it is gone)."""
+    module = pytest.importorskip("torch.optim._muon")
+    if not hasattr(module, name):
+        pytest.skip(f"torch {torch.__version__} no longer has torch.optim._muon.{name}")
+    return getattr(module, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_newton_schulz_is_torchs_bit_for_bit(dtype) -> None:
+    zeropower = torch_private("_zeropower_via_newtonschulz")
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(48, 16), (16, 48), (32, 32), (5, 3), (1, 7), (300, 97), (97, 300)]:
+        g = torch.randn(shape, generator=gen).to(dtype)
+        before = g.clone()
+        ours, theirs = newton_schulz(g), zeropower(g.clone(), NS_COEFFICIENTS, NS_STEPS, NS_EPS)
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs), shape
+        assert torch.equal(g, before)  # the input is left as it was
+    zeros = torch.zeros(4, 6, dtype=dtype)  # eps keeps the division finite
+    assert torch.equal(newton_schulz(zeros), zeropower(zeros.clone(), NS_COEFFICIENTS, NS_STEPS, NS_EPS))
+    assert not newton_schulz(zeros).isnan().any()
+
+
+def test_newton_schulz_takes_the_singular_values_near_one() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(64, 32), (32, 64), (512, 128)]:
+        g = torch.randn(shape, generator=gen)
+        before, after = torch.linalg.svdvals(g), torch.linalg.svdvals(newton_schulz(g).float())
+        assert before.max() / before.min() > 2.5, shape  # a spread of singular values ...
+        assert 0.6 < after.min() and after.max() < 1.2, shape  # ... brought near 1
+
+
+def test_muon_lr_is_torchs_rule() -> None:
+    adjust = torch_private("_adjust_lr")
+    for shape in [(48, 16), (16, 48), (32, 32), (2048, 512), (3, 7)]:
+        assert muon_lr(0.02, shape) == adjust(0.02, None, torch.Size(shape)), shape
+    assert muon_lr(0.02, (64, 16)) == 0.04 and muon_lr(0.02, (16, 64)) == 0.02
+
+
+class Both:
+    """torch.optim.AdamW and torch.optim.Muon stepped one after the other, as one optimizer."""
+
+    def __init__(self, *parts: torch.optim.Optimizer):
+        self.parts = parts
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_muon_adamw_steps_as_torchs_adamw_and_muon_bit_for_bit(family) -> None:
+    cfg = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1)
+    model = tiny(family)
+    ref = twin(model, family)
+    opt = make_optimizer(model, cfg, CPU)
+    muon, (decay, no_decay) = muon_and_adamw_names(model, opt)
+    by_name = dict(ref.named_parameters())
+    adamw = torch.optim.AdamW([{"params": [by_name[n] for n in decay], "weight_decay": 0.1},
+                               {"params": [by_name[n] for n in no_decay], "weight_decay": 0.0}],
+                              lr=1e-2, betas=(0.9, 0.95), fused=True)
+    torch_muon = torch.optim.Muon([by_name[n] for n in muon], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    train_steps(model, opt, 3, seed=1)
+    train_steps(ref, Both(adamw, torch_muon), 3, seed=1)
+    assert_same_params(model, ref)
+    ours = dict(model.named_parameters())
+    for n in muon:
+        assert torch.equal(opt.state[ours[n]]["momentum_buffer"], torch_muon.state[by_name[n]]["momentum_buffer"]), n
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_groups_alone_are_torchs_muon_bit_for_bit(nesterov) -> None:
     torch.manual_seed(0)
     weights = [torch.randn(48, 16), torch.randn(16, 48), torch.randn(5, 3)]
     ours = [torch.nn.Parameter(w.clone()) for w in weights]
     ref = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-    group = opt.param_groups[0]
-    state: dict = {id(p): {} for p in ours}
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov)
+    theirs, mine = torch.optim.Muon(ref, **kw), MuonAdamW([{"params": ours, "kind": "muon"}], muon=kw)
     for _ in range(3):
-        grads = [torch.randn_like(w) for w in weights]
-        for p, q, g in zip(ours, ref, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        with torch.no_grad():
-            for p in ours:
-                muon_update(p, state[id(p)], group)
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        theirs.step()
+        mine.step()
     for p, q in zip(ours, ref):
-        assert torch.equal(p, q) and torch.equal(state[id(p)]["momentum_buffer"], opt.state[q]["momentum_buffer"])
+        assert torch.equal(p, q) and torch.equal(mine.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"])
+
+
+def test_deal_gives_the_costliest_matrices_out_first_each_to_the_least_loaded_rank() -> None:
+    # one iteration's cost: (8, 8) 1536, (64, 16) and (16, 64) 36864 each, (32, 32) 98304
+    assert deal([(8, 8), (64, 16), (16, 64), (8, 8), (32, 32)], 2) == ([4, 1, 2, 0, 3], [1, 1, 1, 1, 0])
+    assert deal([(16, 16)] * 7, 3) == (list(range(7)), [0, 1, 2, 0, 1, 2, 0])  # equal costs: round robin
+    assert deal([(4, 4), (2, 2)], 1) == ([0, 1], [0, 0])
+
+
+# -- FSDP2: two gloo processes
+
+def on_two_ranks(worker, *args) -> dict:
+    """{rank: what ``worker(rank, port, queue, *args)`` put on the queue} from two spawned processes."""
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(worker, args=(free_port(), queue, *args), nprocs=2, start_method="spawn")
+    return dict(queue.get() for _ in range(2))
+
+
+def _join_gloo(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+
+def _count_newton_schulz() -> list[tuple[int, int]]:
+    """The shapes kiln.train.optim orthogonalises in this process from now on, in order."""
+    import kiln.train.optim as optim
+
+    seen, ns = [], optim.newton_schulz
+    optim.newton_schulz = lambda g, *args: seen.append(tuple(g.shape)) or ns(g, *args)
+    return seen
 
 
 def _sharded_muon_worker(rank: int, port: int, queue) -> None:
-    """Rank ``rank`` of 2: FullMatrixMuon on dim-0 shards of 3 matrices (one with uneven rows), 3 steps; puts
-    (rank, whether each gathered weight and momentum equals one-process torch.optim.Muon's bit for bit)."""
+    """Rank ``rank`` of 2: MuonAdamW's Muon on dim-0 shards of 4 matrices (uneven rows; the last one's row on rank 0
+    only), 3 steps; puts (rank, (whether each gathered weight and momentum equals one-process torch.optim.Muon's bit
+    for bit and is still Shard(0)), the shapes this rank orthogonalised)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _join_gloo(rank, port)
     try:
         mesh = init_device_mesh("cpu", (2,))
         torch.manual_seed(0)
-        weights = [torch.randn(48, 16), torch.randn(16, 48), torch.randn(5, 3)]
+        weights = [torch.randn(48, 16), torch.randn(16, 48), torch.randn(5, 3), torch.randn(1, 4)]
         grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
         ref = [torch.nn.Parameter(w.clone()) for w in weights]
         shards = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in weights]
         kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-        one, ours = torch.optim.Muon(ref, **kw), FullMatrixMuon(shards, **kw)
+        one, ours = torch.optim.Muon(ref, **kw), MuonAdamW([{"params": shards, "kind": "muon"}], muon=kw)
+        seen = _count_newton_schulz()
         for step in grads:
             for p, q, g in zip(ref, shards, step):
                 p.grad, q.grad = g.clone(), distribute_tensor(g.clone(), mesh, [Shard(0)])
             one.step()
             ours.step()
-        queue.put((rank, [(torch.equal(q.full_tensor(), p), q.placements == (Shard(0),),
-                           torch.equal(ours.state[q]["momentum_buffer"].full_tensor(), one.state[p]["momentum_buffer"]))
-                          for p, q in zip(ref, shards)]))
+        queue.put((rank, ([(torch.equal(q.full_tensor(), p), q.placements == (Shard(0),),
+                            torch.equal(ours.state[q]["momentum_buffer"].full_tensor(),
+                                        one.state[p]["momentum_buffer"])) for p, q in zip(ref, shards)], seen)))
     finally:
         dist.destroy_process_group()
 
 
-def test_full_matrix_muon_on_fsdp2_shards_matches_one_process_bit_for_bit() -> None:
-    import torch.multiprocessing as mp
+def test_muon_on_fsdp2_shards_orthogonalises_each_matrix_on_one_rank_with_one_process_numbers() -> None:
+    results = on_two_ranks(_sharded_muon_worker)
+    # deal: (48, 16) to rank 0, (16, 48) to rank 1, then (5, 3) to rank 0 on the tie, (1, 4) to rank 1
+    assert results == {0: ([(True, True, True)] * 4, [(48, 16), (5, 3)] * 3),
+                       1: ([(True, True, True)] * 4, [(16, 48), (1, 4)] * 3)}
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_sharded_muon_worker, args=(free_port(), queue), nprocs=2, start_method="spawn")
-    results = dict(queue.get() for _ in range(2))
-    assert results == {r: [(True, True, True)] * 3 for r in (0, 1)}
+
+def _fsdp_model_worker(rank: int, port: int, queue) -> None:
+    """Rank ``rank`` of 2: a tiny llama under FSDP2 (kiln's apply_fsdp) with make_optimizer's MuonAdamW, 3 steps on
+    batches both ranks share, beside the same model and steps unsharded in this process; puts (rank, (the largest
+    difference of any gathered parameter from the unsharded one, the muon matrices' shapes in order, the shapes this
+    rank orthogonalised))."""
+    import torch.distributed as dist
+
+    from kiln.model.parallel import apply_fsdp
+
+    _join_gloo(rank, port)
+    try:
+        cfg = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1)
+        one = tiny("llama")
+        sharded = twin(one, "llama")
+        apply_fsdp(sharded, CPU, bf16=False)
+        train_steps(one, make_optimizer(one, cfg, CPU), 3, seed=1)
+        opt = make_optimizer(sharded, cfg, CPU)
+        seen = _count_newton_schulz()
+        train_steps(sharded, opt, 3, seed=1)
+        diff = max((p.full_tensor() - q).abs().max().item()
+                   for p, q in zip(sharded.parameters(), one.parameters(), strict=True))
+        queue.put((rank, (diff, [tuple(p.shape) for p in opt.param_groups[2]["params"]], seen)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_training_with_muon_matches_one_process_with_the_work_split_between_ranks() -> None:
+    results = on_two_ranks(_fsdp_model_worker)
+    (diff0, shapes, seen0), (diff1, _, seen1) = results[0], results[1]
+    assert len(shapes) == 14 and diff0 == diff1 and diff0 <= 1e-6
+    _, owner = deal(shapes, 2)
+    for rank, seen in ((0, seen0), (1, seen1)):
+        assert sorted(seen) == sorted([s for s, o in zip(shapes, owner) if o == rank] * 3)
+    assert 0 < len(seen0) < 3 * 14 and len(seen0) + len(seen1) == 3 * 14
