@@ -36,13 +36,12 @@ from pydantic import Field
 from kiln.common.config import ConfigError
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.train.checkpoint import checkpoint_identity
-from kiln.train.cluster import TorchrunSpec
+from kiln.train.cluster import WORKER_MODULE, TorchrunSpec  # WORKER_MODULE: tests swap in tests.faults here
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
 from resources.pipes_worker import LAUNCHER_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-WORKER_MODULE = "resources.pipes_worker"  # what every torchrun worker runs (tests swap in tests.faults)
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -190,8 +189,8 @@ class TorchrunResource(ConfigurableResource):
         kiln.train.cluster.TorchrunSpec.command. Several nodes without a rendezvous endpoint are a Failure."""
         with _as_failure():
             return self.torchrun_spec().command(nproc_per_node, job_path, device, run_id, python=python,
-                                       rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, rdzv_id=rdzv_id,
-                                       worker=worker)
+                                                rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, rdzv_id=rdzv_id,
+                                                worker=worker)
 
     def slurm_script(self, job_path: str, nproc_per_node: int, device: str, project_dir: str, run_id: str = "kiln",
                      partition: str = "", account: str = "", cpus_per_node: int = 0, python: str = "python",
@@ -199,8 +198,8 @@ class TorchrunResource(ConfigurableResource):
         """An sbatch script that runs this resource's torchrun command once per node: see
         kiln.train.cluster.TorchrunSpec.slurm_script."""
         with _as_failure():
-            return self.torchrun_spec().slurm_script(job_path, nproc_per_node, device, project_dir, run_id, partition, account,
-                                            cpus_per_node, python=python, output=output)
+            return self.torchrun_spec().slurm_script(job_path, nproc_per_node, device, project_dir, run_id, partition,
+                                                     account, cpus_per_node, python=python, output=output)
 
     def k8s_manifests(self, job_path: str, nproc_per_node: int, device: str, image: str, run_id: str = "kiln",
                       pvc: str = "kiln-data", mount: str = "/data", workdir: str = "/app", namespace: str = "",
@@ -208,15 +207,15 @@ class TorchrunResource(ConfigurableResource):
         """A headless Service and an Indexed Job of ``nnodes`` pods running this resource's torchrun command: see
         kiln.train.cluster.TorchrunSpec.k8s_manifests."""
         with _as_failure():
-            return self.torchrun_spec().k8s_manifests(job_path, nproc_per_node, device, image, run_id, pvc=pvc, mount=mount,
-                                             workdir=workdir, namespace=namespace, cpus_per_node=cpus_per_node,
-                                             memory_gb=memory_gb)
+            return self.torchrun_spec().k8s_manifests(job_path, nproc_per_node, device, image, run_id, pvc=pvc,
+                                                      mount=mount, workdir=workdir, namespace=namespace,
+                                                      cpus_per_node=cpus_per_node, memory_gb=memory_gb)
 
     def k8s_pipes_pod_spec(self, nproc_per_node: int, device: str, pvc: str = "kiln-data", mount: str = "/data",
                            workdir: str = "/app", cpus: int = 8, memory_gb: int = 64) -> dict[str, Any]:
         """``base_pod_spec`` for dagster-k8s's PipesK8sClient: see kiln.train.cluster.TorchrunSpec.k8s_pipes_pod_spec."""
-        return self.torchrun_spec().k8s_pipes_pod_spec(nproc_per_node, device, pvc=pvc, mount=mount, workdir=workdir, cpus=cpus,
-                                              memory_gb=memory_gb)
+        return self.torchrun_spec().k8s_pipes_pod_spec(nproc_per_node, device, pvc=pvc, mount=mount, workdir=workdir,
+                                                       cpus=cpus, memory_gb=memory_gb)
 
     # -- local launch
 

@@ -5,6 +5,7 @@ Everything here is small enough for CPU (vocab 300, width 32-64, seq 32); nothin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -40,15 +41,25 @@ def make_docs(n: int = 500, seed: int = 0) -> list[tuple[str, str]]:
     return [(f"doc{i:04d}", " ".join(sentence(rng) for _ in range(rng.randint(3, 8)))) for i in range(n)]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight other tests for cores)."""
+@contextlib.contextmanager
+def single_thread():
+    """torch on one thread inside the block (as the training subprocesses run, OMP_NUM_THREADS=1: another thread count
+    sums matmuls in another order), the thread count restored after."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight other tests for cores)."""
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -166,21 +177,15 @@ class LineReporter:
 def baselines(tmp_path_factory, pretrain_job):
     """``baselines(name)``: one uninterrupted 30-step run of the tiny job with optimizer ``name`` (OPTIMS), made once
     per session, in-process on one thread (bit-identical to a subprocess run): (job path, the lines it logged)."""
-    import torch
-
     from kiln.train.loop import main
 
     runs: dict[str, tuple[Path, str]] = {}
 
     def get(name: str) -> tuple[Path, str]:
         if name not in runs:
-            job = pretrain_job(tmp_path_factory.mktemp(f"baseline-{name}"), **OPTIMS[name])
-            rep, threads = LineReporter(), torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
+            job, rep = pretrain_job(tmp_path_factory.mktemp(f"baseline-{name}"), **OPTIMS[name]), LineReporter()
+            with single_thread():
                 main(["--config", str(job), "--device", "cpu"], reporter=rep)
-            finally:
-                torch.set_num_threads(threads)
             runs[name] = job, "\n".join(rep.lines)
         return runs[name]
 

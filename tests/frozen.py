@@ -42,6 +42,8 @@ def frozen_path() -> Path:
     """The record for this CPU kind (``smoke_frozen.<kind>.json``) where one was made on it, else the first one."""
     own = DATA / f"smoke_frozen.{cpu_kind()}.json"
     return own if own.is_file() else FROZEN
+
+
 STABLE_VERSIONS = ("raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
                    "instruction_data", "preference_data", "sft_model", "judged_preferences")
 

@@ -7,7 +7,6 @@ Run: python -m pytest tests/kiln/train/test_train.py -q   (tiny model; subproces
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import signal
@@ -25,7 +24,7 @@ from kiln.common.config import ConfigError
 from kiln.train.spikes import SpikeConfig, SpikeDetector, SpikeError
 from kiln.train.loop import JobConfig, main
 from kiln.train.optim import OptimConfig, lr_lambda
-from tests.conftest import OPTIMS, LineReporter as ListReporter
+from tests.conftest import OPTIMS, LineReporter as ListReporter, single_thread as one_thread
 from tests.faults import Faults, injector
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -66,16 +65,6 @@ def assert_same_final_state(ref_job: Path, job: Path) -> None:
     assert res["history"] == ref["history"]  # identical validation losses at every eval
     assert res["final_train_loss"] == ref["final_train_loss"]
     assert res["rank_param_digests"] == ref["rank_param_digests"]
-
-
-@contextlib.contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def popen_train(job: Path, **faults) -> subprocess.Popen:

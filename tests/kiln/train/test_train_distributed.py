@@ -22,7 +22,7 @@ from kiln.loader import TokenLoader
 from kiln.shards import shard_paths
 from kiln.train.loop import main
 from ports import free_port
-from tests.conftest import OPTIMS
+from tests.conftest import OPTIMS, single_thread
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 12
@@ -55,12 +55,8 @@ def references(tmp_path_factory, pretrain_job):
     def get(optim: str) -> dict:
         if optim not in runs:
             job = job_for(pretrain_job, tmp_path_factory.mktemp(f"one-{optim}"), 1, **OPTIMS[optim])
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
+            with single_thread():
                 runs[optim] = main(["--config", str(job), "--device", "cpu"], reporter=_Quiet())
-            finally:
-                torch.set_num_threads(threads)
         return runs[optim]
 
     return get
