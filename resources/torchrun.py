@@ -62,9 +62,6 @@ class Preempted(RetryRequested):
         return self.message
 
 
-CONFIG_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(ConfigError|PlanError)\b")  # kiln's config errors, as a worker prints them
-
-
 def _exception_lines(lines: list[str]) -> list[str]:
     return [ln.strip() for ln in lines if EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln]
 
@@ -73,12 +70,6 @@ def root_cause(lines: list[str]) -> str:
     """The workers' last exception line (torchrun's own summary only says that a rank failed)."""
     found = _exception_lines(lines)
     return f"Worker error: {found[-1]}" if found else "Last lines:\n" + "".join(lines[-15:])
-
-
-def is_config_error(lines: list[str]) -> bool:
-    """Whether the workers failed on a config error: retrying the launch would fail the same way."""
-    found = _exception_lines(lines)
-    return bool(found) and CONFIG_ERROR_LINE.match(found[-1]) is not None
 
 
 def descendants(pid: int) -> list[int]:
@@ -134,11 +125,12 @@ def die_with_parent():
 
 @contextlib.contextmanager
 def _as_failure() -> Iterator[None]:
-    """A launch config error from kiln.train.cluster as a Dagster Failure, with the same message."""
+    """A config error (the job's, or the launch's from kiln.train.cluster) as a Dagster Failure with the same
+    message; it is not retried, since a retry would fail the same way."""
     try:
         yield
     except ConfigError as e:
-        raise Failure(str(e)) from None
+        raise Failure(description=str(e), allow_retries=False) from None
 
 
 def check_local_devices(device: str, nproc_per_node: int) -> None:
@@ -260,7 +252,6 @@ class TorchrunResource(ConfigurableResource):
                 f"{'sbatch' if self.launcher == 'slurm' else 'torchrun'} exited with code {rc} after "
                 f"{time.time() - start:.0f}s. {root_cause(tail)}\n"
                 f"Full log: {log_path}. Fix the cause and rematerialize: training resumes from the newest good checkpoint.",
-                allow_retries=not is_config_error(tail),
             )
         result_path = out / "result.json"
         if not result_path.exists():
@@ -376,7 +367,8 @@ class TorchrunResource(ConfigurableResource):
         """The MLflow run of a training asset, its run folder keyed by ``spec`` (so a rerun resumes): the handle
         holds an identical earlier run's Output in ``reused``, or ``launch()`` runs the job."""
         where = context.asset_key.to_user_string()
-        spec.check(where)
+        with _as_failure():  # the one config check: a worker never fails on config the resource let through
+            spec.validate(where)
         out_dir = storage.path(where, spec.key)
         with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(), reuse={"key": spec.key, **spec.reuse}) as run:
             yield TrainingLaunch(self, context, spec, out_dir, run)
@@ -426,7 +418,7 @@ class TrainingLaunch:
         """The run's logbook rows, ledger, Slurm job id and system-metric peaks; the logbook table and ledger go
         to the MLflow run (an artifact and ``cost.*`` metrics), the outcome to its ``kiln.outcome`` tag."""
         from kiln.plan import load_cost
-        from kiln.train.ledger import run_ledger
+        from kiln.train.energy import run_ledger
         from kiln.train.logbook import attempts, format_table
 
         rows = attempts(self.out_dir)
@@ -456,10 +448,10 @@ class TrainingLaunch:
 
 
 def operations_metadata(result: dict[str, Any]) -> dict[str, Any]:
-    """Dagster metadata of a training run's operations (kiln.train.logbook, kiln.train.ledger, MLflow system metrics)."""
+    """Dagster metadata of a training run's operations (kiln.train.logbook, kiln.train.energy, MLflow system metrics)."""
     from dagster import MetadataValue
 
-    from kiln.train.ledger import ledger_table
+    from kiln.train.energy import ledger_table
     from kiln.train.logbook import format_table
 
     def md(rows: list[dict[str, Any]]) -> MetadataValue:

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from kiln.common.config import from_dict
+from kiln.common.config import ConfigError
 from kiln.model.families import build_model
 from kiln.model.lora import LoRAConfig, adapters_disabled
 from kiln.posttrain.sft import read_pairs
@@ -34,8 +34,17 @@ class PosttrainJob(TrainJob):
     eval_interval: int = 25  # steps between held-out passes
     keep_last: int = 1  # checkpoints kept on disk
     seed: int = 1337  # seeds data order and sampling
-    lora: dict = field(default_factory=dict)  # kiln.model.lora.LoRAConfig fields; enabled=true trains adapters only
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # enabled=true trains adapters on frozen weights
     reference: str = ""  # frozen reference checkpoint; empty means init_from
+
+    def check(self, where: str = "job") -> None:
+        super().check(where)
+        if not self.init_from:
+            raise ConfigError(f"{where}.init_from is empty: a {self.task} job starts from a trained checkpoint "
+                              "(the SFT or DPO model)")
+        if not self.train_files:
+            raise ConfigError(f"{where}.train_files is empty: give the stage's pairs JSONL (preference_data or "
+                              "instruction_data)")
 
 
 class PosttrainStage(Stage):
@@ -46,10 +55,8 @@ class PosttrainStage(Stage):
     """
 
     def __init__(self, job: PosttrainJob, info: DistInfo):
-        if not job.init_from:
-            raise ValueError(f"job.init_from is empty: a {job.task} job starts from a trained checkpoint (the SFT or DPO model)")
         self.job, self.info = job, info
-        self.lora = from_dict(LoRAConfig, job.lora, "job.lora")
+        self.lora = job.lora
         self.ref: torch.nn.Module | None = None
 
     def setup(self, trainer: Trainer) -> None:

@@ -93,8 +93,6 @@ class DpoStage(PosttrainStage):
     def __init__(self, job: DpoJob, info: DistInfo):
         from kiln.tokenizer import load_encoding
 
-        if not job.train_files:
-            raise ValueError("job.train_files is empty: give the preference_data pairs JSONL")
         enc = load_encoding(job.tokenizer)
         self.train_rows = read_jsonl_split(job.train_files[0], "train")
         self.val_rows = read_jsonl_split(job.train_files[0], "val")[: job.eval_pairs]

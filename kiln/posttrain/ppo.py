@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kiln.common.config import ConfigError
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.logprobs import token_logps
 from kiln.posttrain.reward import RewardModel, load_reward_model, pad_ids, reward_ids
@@ -28,6 +29,7 @@ from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import IGNORE
 from kiln.train.dist import DistInfo, all_mean
 from kiln.train.entry import run_job
+from kiln.train.spikes import SpikeConfig
 from kiln.train.telemetry import Reporter, format_duration
 from kiln.train.trainer import StepReport, Trainer
 
@@ -48,7 +50,15 @@ class PpoJob(PosttrainJob):
     value_lr: float = 1e-4  # AdamW learning rate of the value model
     eval_items: int = 100  # held-out (split=val) prompts answered greedily and scored by the reward model
     # the PPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
-    spikes: dict = field(default_factory=lambda: {"enabled": False})
+    spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))
+
+    def check(self, where: str = "job") -> None:
+        super().check(where)
+        if not self.reward_model:
+            raise ConfigError(f"{where}.reward_model is empty: give the reward model checkpoint (the reward_model "
+                              "asset's)")
+        if self.ppo_epochs < 1:
+            raise ConfigError(f"{where}.ppo_epochs must be >= 1, got {self.ppo_epochs}")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -183,12 +193,6 @@ class PpoStage(PosttrainStage):
     def __init__(self, job: PpoJob, info: DistInfo):
         from kiln.tokenizer import load_encoding
 
-        if not job.reward_model:
-            raise ValueError("job.reward_model is empty: give the reward model checkpoint (the reward_model asset's)")
-        if not job.train_files:
-            raise ValueError("job.train_files is empty: give the instruction_data pairs JSONL")
-        if job.ppo_epochs < 1:
-            raise ValueError(f"job.ppo_epochs must be >= 1, got {job.ppo_epochs}")
         self.enc = load_encoding(job.tokenizer)
         self.items = read_jsonl_split(job.train_files[0], "train", job.prompt_kinds)
         self.val_items = read_jsonl_split(job.train_files[0], "val", job.prompt_kinds)[: job.eval_items]

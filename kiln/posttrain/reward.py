@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.common.config import ConfigError
 from kiln.model.lora import LoRAConfig
 from kiln.posttrain.common import PosttrainJob, read_jsonl_split
 from kiln.posttrain.sft import PackedLoader, chat_prompt_ids
@@ -33,6 +34,11 @@ class RewardJob(PosttrainJob):
     task: str = "reward"
     pair_kinds: list[str] = field(default_factory=list)  # preference kinds to train and hold out on (arithmetic, doc_section); empty: all
     eval_pairs: int = 256  # held-out (split=val) pairs scored at each evaluation
+
+    def check(self, where: str = "job") -> None:
+        super().check(where)
+        if self.lora.enabled:
+            raise ConfigError(f"{where}.lora.enabled: the reward model trains every weight; drop the lora block")
 
 
 class RewardModel(nn.Module):
@@ -131,12 +137,6 @@ class RewardStage(Stage):
     def __init__(self, job: RewardJob, info: DistInfo):
         from kiln.tokenizer import load_encoding
 
-        if not job.init_from:
-            raise ValueError("job.init_from is empty: a reward job starts from a trained checkpoint (the SFT model)")
-        if job.lora.get("enabled"):
-            raise ValueError("job.lora.enabled: the reward model trains every weight; drop the lora block")
-        if not job.train_files:
-            raise ValueError("job.train_files is empty: give the preference_data pairs JSONL")
         self.job, self.info = job, info
         self.enc = load_encoding(job.tokenizer)
         kinds = job.pair_kinds or None

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kiln.common.config import ConfigError
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.instructions import arithmetic_reward, final_number
 from kiln.posttrain.logprobs import token_logps
@@ -24,6 +25,7 @@ from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo
 from kiln.train.entry import run_job
+from kiln.train.spikes import SpikeConfig
 from kiln.train.telemetry import Reporter, format_duration
 from kiln.train.trainer import StepReport, Trainer
 
@@ -63,7 +65,15 @@ class RlJob(PosttrainJob):
     kl_coef: float = 0.05  # weight of the per-token KL penalty to the reference (k3 estimator)
     eval_items: int = 100  # held-out (split=val) prompts answered greedily at each evaluation
     # the GRPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
-    spikes: dict = field(default_factory=lambda: {"enabled": False})
+    spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))
+
+    def check(self, where: str = "job") -> None:
+        super().check(where)
+        if self.reward not in REWARDS:
+            raise ConfigError(f"{where}.reward {self.reward!r} is not a checkable task; choose from {', '.join(REWARDS)}")
+        if self.group_size < 2:
+            raise ConfigError(f"{where}.group_size must be >= 2 (advantages are relative within a group), "
+                              f"got {self.group_size}")
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -163,12 +173,6 @@ class RlStage(PosttrainStage):
     def __init__(self, job: RlJob, info: DistInfo):
         from kiln.tokenizer import load_encoding
 
-        if job.reward not in REWARDS:
-            raise ValueError(f"job.reward {job.reward!r} is not a checkable task; choose from {', '.join(REWARDS)}")
-        if job.group_size < 2:
-            raise ValueError(f"job.group_size must be >= 2 (advantages are relative within a group), got {job.group_size}")
-        if not job.train_files:
-            raise ValueError("job.train_files is empty: give the instruction_data pairs JSONL")
         kinds, self.exact_fn, _ = REWARDS[job.reward]
         self.reward_fn = make_reward(job.reward, job.partial_credit)
         self.enc = load_encoding(job.tokenizer)

@@ -12,9 +12,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from kiln.common.config import from_dict
 from kiln.common.files import jsonl_objects
-from kiln.model.lora import LoRAConfig
 from kiln.train.dist import DistInfo
 from kiln.train.job import JobConfig
 from kiln.train.pretrain import NextTokenStage
@@ -169,7 +167,7 @@ class SftStage(NextTokenStage):
                 raise ValueError(f"{job.train_files[0]}: no '{split}' instruction pairs")
             return pack((encode_example(enc, r["prompt"], r["response"]) for r in rows), job.seq_len, enc.eot_token)
 
-        self.lora = from_dict(LoRAConfig, job.lora, "job.lora")  # enabled: adapters on the frozen init_from weights
+        self.lora = job.lora  # enabled: adapters on the frozen init_from weights
         tt, tm = packed("train")
         vt, vm = packed("val")
         super().__init__(job, info, PackedLoader(tt, tm, job.micro_batch, info.rank, info.world_size, job.seed),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kiln.common.config import from_dict
+from kiln.common.config import ConfigError
 from kiln.model.parallel import param_digest
 
 
@@ -68,14 +68,22 @@ def setup_distributed(device: str, timeout_s: int) -> DistInfo:
 
 
 def broadcast_config(cls, path: str | None, info: DistInfo):
-    """Rank 0 reads the job file; every rank builds ``cls`` from the same dict (ranks never read config
-    themselves; unknown keys are errors)."""
-    payload = [None]
+    """Rank 0 reads the job file and builds ``cls`` from it (kiln.train.job.load_job, the one validation); every
+    other rank receives the built job, or rank 0's config error, which it raises too (ranks never read config
+    themselves, and none waits on a rank that has failed)."""
+    from kiln.train.job import load_job
+
+    payload: list[Any] = [None]
     if info.is_main:
-        payload[0] = json.loads(Path(path).read_text()) if path else {}
+        try:
+            payload[0] = load_job(cls, json.loads(Path(path).read_text()) if path else {}, "job")
+        except ConfigError as e:
+            payload[0] = e
     if info.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
-    return from_dict(cls, payload[0], "job")
+    if isinstance(payload[0], ConfigError):
+        raise payload[0]
+    return payload[0]
 
 
 def all_mean(values: dict[str, float], info: DistInfo) -> dict[str, float]:

@@ -1,12 +1,51 @@
 """The job file of a training run: the fields every stage shares (TrainJob) and the pretraining/SFT job (JobConfig).
 
-A job is a JSON file of these fields (unknown keys are errors), read by rank 0 and broadcast to every rank;
+A job is a JSON file of these fields (unknown keys are errors); its nested blocks are typed (``job.model`` is a
+ModelConfig, ``job.optim`` an OptimConfig, ``job.spikes`` a SpikeConfig, ``job.lora`` a LoRAConfig).
+``load_job(cls, data, where)`` is the one validation: the torchrun resource calls it before launching, rank 0 calls
+it on the job file and broadcasts the built job, and nothing after that parses a block again.
 kiln.posttrain.common.PosttrainJob adds the DPO and RL fields. Run one with ``python -m kiln.train --config job.json``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from kiln.common.config import ConfigError, from_dict
+from kiln.model.config import ModelConfig, model_dict
+from kiln.model.lora import LoRAConfig
+from kiln.train.optim import OptimConfig
+from kiln.train.spikes import SpikeConfig
+
+J = TypeVar("J", bound="TrainJob")
+
+# job task -> the job class that reads its file ("module:Class"; kiln.train.entry.TASKS names the module that runs it)
+JOB_CLASSES = {"pretrain": "kiln.train.job:JobConfig", "sft": "kiln.train.job:JobConfig",
+               "dpo": "kiln.posttrain.dpo:DpoJob", "rl": "kiln.posttrain.rl:RlJob",
+               "reward": "kiln.posttrain.reward:RewardJob", "ppo": "kiln.posttrain.ppo:PpoJob"}
+
+
+def job_class(task: str, where: str = "job") -> type[TrainJob]:
+    """The job class of ``task``; an unknown task is a ConfigError that lists the known ones."""
+    if task not in JOB_CLASSES:
+        raise ConfigError(f"{where}.task: {task!r} is not a training task; choose one of {', '.join(JOB_CLASSES)}")
+    module, name = JOB_CLASSES[task].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_job(cls: type[J], data: dict[str, Any], where: str = "job") -> J:
+    """``cls`` built from a job file's fields and checked as a whole: an unknown key, a bad value or two fields that
+    do not go together is a ConfigError naming ``where.<key>``. The one place a job's config is validated."""
+    try:
+        job = from_dict(cls, data, where)
+        job.check(where)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a block's own __post_init__ check (ModelConfig, LoRAConfig, ...)
+        raise ConfigError(f"{where}: {e}") from e
+    return job
 
 
 @dataclass
@@ -16,8 +55,8 @@ class TrainJob:
     task: str = "pretrain"  # "pretrain", "sft", "dpo" or "rl": picks the stage (kiln.train.entry.TASKS)
     out_dir: str = ""  # run folder: checkpoints/, result.json, goodput.jsonl
     tokenizer: str = ""  # tokenizer.json copied into every checkpoint
-    model: dict = field(default_factory=dict)  # ModelConfig fields
-    optim: dict = field(default_factory=dict)  # kiln.train.optim.OptimConfig fields
+    model: ModelConfig = field(default_factory=ModelConfig)  # the architecture and its size
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer, learning rates and schedule
     train_files: list = field(default_factory=list)  # the stage's training data
     init_from: str = ""  # checkpoint whose weights start this run (fine-tuning)
     seq_len: int = 256  # tokens per sequence
@@ -32,7 +71,7 @@ class TrainJob:
     keep_last: int = 2  # newest checkpoints kept on disk (0 keeps all)
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (0: none)
     async_save: bool = True  # write checkpoints in the background while training continues
-    spikes: dict = field(default_factory=dict)  # kiln.train.spikes.SpikeConfig fields: thresholds, rollback, skip
+    spikes: SpikeConfig = field(default_factory=SpikeConfig)  # loss/gradient spike thresholds, rollback, skip
     log_interval: int = 25  # steps between progress lines
     seed: int = 1337  # seeds init, data order and dropout
     mlflow_tracking_uri: str = ""  # where rank 0 streams metrics
@@ -40,6 +79,19 @@ class TrainJob:
     preempt_grace_s: float = 30.0  # seconds a stop signal leaves to save (Slurm's KillWait, Kubernetes' grace period)
     system_metrics_s: float = 10.0  # seconds between MLflow system-metric samples on rank 0 (CPU, memory, GPU; 0: off)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0: GPU table, or a matmul measured on CPU; <0: no MFU
+
+    def check(self, where: str = "job") -> None:
+        """Fields that do not go together (each block checked its own fields when it was built): ConfigError."""
+        lora = getattr(self, "lora", None)
+        if lora is not None and lora.enabled and self.parallelism == "fsdp":
+            raise ConfigError(f"{where}.parallelism is 'fsdp' but lora.enabled: a LoRA run replicates its model; "
+                              "use 'ddp'")
+
+    def params(self) -> dict[str, Any]:
+        """The job as its run records it (MLflow params, checkpoints' meta.json, result.json, the logbook): every
+        field, the model in its serialised form (kiln.model.config.model_dict), the data files left out."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("train_files", "val_files")}
+        return {**out, "model": model_dict(self.model)}
 
 
 @dataclass
@@ -51,4 +103,14 @@ class JobConfig(TrainJob):
     # attend within documents only (pretraining; kiln.model.masks): an EOT opens the document after it; training and
     # validation both masked; the EOT id is read from the shards' manifest.json (eot_token) or the tokenizer
     document_mask: bool = False
-    lora: dict = field(default_factory=dict)  # task sft: kiln.model.lora.LoRAConfig fields; enabled=true trains adapters only
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # task sft: enabled=true trains adapters on frozen weights
+
+    def check(self, where: str = "job") -> None:
+        super().check(where)
+        if self.task not in ("pretrain", "sft"):
+            raise ConfigError(f"{where}.task must be 'pretrain' or 'sft', not {self.task!r}")
+        if self.document_mask and self.task != "pretrain":
+            raise ConfigError(f"{where}.document_mask is a pretraining option (packed token shards); task "
+                              f"{self.task!r} batches are not packed documents: set document_mask to false")
+        if self.task == "pretrain" and self.lora != LoRAConfig():
+            raise ConfigError(f"{where}.lora: pretraining trains every weight; LoRA applies to task 'sft' (and dpo, rl)")

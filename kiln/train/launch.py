@@ -11,11 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.common.config import from_dict
 from kiln.common.files import stable_hash
-from kiln.model.lora import LoRAConfig
-from kiln.train.optim import OptimConfig
-from kiln.train.spikes import SpikeConfig
+from kiln.train.job import TrainJob, job_class, load_job
 
 POSTTRAIN_TASKS = ("dpo", "rl", "reward", "ppo")  # kiln.posttrain.common.PosttrainJob jobs: own batch fields, a start checkpoint
 
@@ -60,13 +57,10 @@ class RunSpec:
     def key(self) -> str:
         return stable_hash({"task": self.task, **self.inputs, **self.fields, "plan": self.plan})[:16]
 
-    def check(self, where: str) -> None:
-        """Reject unknown optimizer, spike or LoRA keys before anything is launched, naming ``where``."""
-        from_dict(OptimConfig, self.fields.get("optim", {}), f"{where}.optim")
-        if self.posttrain or "lora" in self.fields:  # sft has a lora block too
-            from_dict(LoRAConfig, self.fields.get("lora", {}), f"{where}.lora")
-        if not self.posttrain:
-            from_dict(SpikeConfig, self.fields.get("spikes", {}), f"{where}.spikes")
+    def validate(self, where: str) -> TrainJob:
+        """The job this spec launches, built and checked as the workers will read it (kiln.train.job.load_job):
+        a wrong key or value is a ConfigError naming ``where.<key>`` before anything is launched."""
+        return load_job(job_class(self.task, where), self.job(Path("<run folder>"), "", ""), where)
 
     def params(self) -> dict[str, Any]:
         shown = ("micro_batch", "world_size") if self.posttrain else ("micro_batch", "grad_accum", "world_size")

@@ -21,21 +21,14 @@ from kiln.train.trainer import Stage, Trainer
 
 
 def make_stage(job: JobConfig, info: DistInfo) -> Stage:
-    if job.document_mask and job.task != "pretrain":
-        raise ValueError(f"job.document_mask is a pretraining option (packed token shards); task {job.task!r} "
-                         "batches are not packed documents: set document_mask to false")
+    """The stage of a checked job (kiln.train.job.load_job): pretraining on token shards, or SFT."""
     if job.task == "pretrain":
         from kiln.train.pretrain import PretrainStage
 
-        if job.lora:
-            raise ValueError("job.lora: pretraining trains every weight; LoRA applies to task 'sft' (and dpo, rl)")
-
         return PretrainStage(job, info)
-    if job.task == "sft":
-        from kiln.posttrain.sft import SftStage
+    from kiln.posttrain.sft import SftStage
 
-        return SftStage(job, info)
-    raise ValueError(f"job.task must be 'pretrain' or 'sft', not {job.task!r}")
+    return SftStage(job, info)
 
 
 def train(job: JobConfig, info: DistInfo, reporter: Reporter, callbacks: Iterable = ()) -> dict[str, Any]:

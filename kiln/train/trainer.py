@@ -20,9 +20,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from kiln.common.config import from_dict
 from kiln.common.files import atomic_write_json
-from kiln.model.config import ModelConfig, model_dict
+from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, parallelize
@@ -33,9 +32,9 @@ from kiln.train.goodput import GoodputLedger, summarize
 from kiln.train.job import TrainJob
 from kiln.train.ledger import EnergyMeter
 from kiln.train.logbook import Logbook
-from kiln.train.optim import OptimConfig, make_optimizer, make_scheduler
+from kiln.train.optim import make_optimizer, make_scheduler
 from kiln.train.preempt import PreemptionWatch
-from kiln.train.spikes import SpikeConfig, SpikeDetector, SpikeError
+from kiln.train.spikes import SpikeDetector, SpikeError
 from kiln.train.telemetry import (Reporter, SystemMetrics, checkpoint_table, make_logger, peak_memory_gb, resident_gb,
                                   resolve_peak_flops)
 
@@ -163,12 +162,8 @@ class Trainer:
     def __init__(self, job: TrainJob, stage: Stage, info: DistInfo, reporter: Reporter, callbacks: Iterable[Callback] = ()):
         self.job, self.stage, self.info, self.reporter = job, stage, info, reporter
         self.callbacks = list(callbacks)
-        self.cfg = from_dict(ModelConfig, job.model, "job.model")
-        self.opt_cfg = from_dict(OptimConfig, job.optim, "job.optim")
-        self.spike_cfg = from_dict(SpikeConfig, job.spikes, "job.spikes")
+        self.cfg, self.opt_cfg, self.spike_cfg = job.model, job.optim, job.spikes  # built and checked by load_job
         self.strategy = "none" if info.world_size == 1 else ("ddp" if job.parallelism == "auto" else job.parallelism)
-        if stage.lora.enabled and self.strategy == "fsdp":
-            raise ValueError("job.parallelism is 'fsdp' but lora.enabled: a LoRA run replicates its model; use 'ddp'")
         self.out = Path(job.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)  # the goodput ledger is written before any checkpoint
         self.ledger = GoodputLedger(self.out / "goodput.jsonl", info.is_main)
@@ -232,7 +227,7 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
 
     def job_params(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self.job).items() if k not in ("train_files", "val_files")}
+        return self.job.params()
 
     # -- the run
 

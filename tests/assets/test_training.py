@@ -72,33 +72,27 @@ def test_base_model_has_a_retry_policy():
     assert base_model.op.retry_policy == TRAINING_RETRY and TRAINING_RETRY.max_retries >= 1
 
 
-def test_base_model_fails_at_once_on_a_config_error(tmp_path, monkeypatch):
-    """A typo does not spend the retry policy: the step runs once and fails with the error's message."""
-    from kiln.common.config import ConfigError
-    from kiln.train.launch import RunSpec
-
-    checks: list[str] = []
-
-    def bad_check(self, where):
-        checks.append(where)
-        raise ConfigError(f"{where}.optim: unknown key 'warmup_stpes'. Did you mean 'warmup_steps'?")
-
-    monkeypatch.setattr(RunSpec, "check", bad_check)
+def test_base_model_fails_at_once_on_a_config_error(tmp_path):
+    """A job the workers could not build fails before launch, once, naming the key: kiln.train.job.load_job checks
+    the job file's fields in the resource (n_embd 65 does not split into 2 heads), so no retry is spent on it."""
     def stub(name, value):
         return asset(name=name)(lambda: value)
 
+    plan = {"model": {"n_layer": 1, "n_head": 2, "n_embd": 65, "vocab_size": 64, "block_size": 16}, "seq_len": 16,
+            "micro_batch": 2, "grad_accum": 1, "max_steps": 4, "hardware": {"device": "cpu", "nproc_per_node": 1}}
     stubs = [stub(n, v) for n, v in (
-        ("training_plan", {"max_steps": 4, "hardware": {"device": "cpu", "nproc_per_node": 1}}),
-        ("token_shards", {"train": [], "val": [], "version": "s1"}), ("tokenizer", {"path": "t.json", "version": "t1"}))]
+        ("training_plan", plan), ("token_shards", {"train": [], "val": [], "version": "s1"}),
+        ("tokenizer", {"path": "t.json", "version": "t1"}))]
     result = materialize([*stubs, base_model], raise_on_error=False,
                          resources={"storage": KilnStorageResource(root=str(tmp_path / "storage")), "torchrun": TorchrunResource(),
                                     "mlflow": MlflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                                                              artifact_root=str(tmp_path / "art"))})
-    assert not result.success and checks == ["base_model"]
+    assert not result.success
     events = [ev for ev in result.all_events if ev.step_key == "base_model"]
     assert not [ev for ev in events if ev.event_type_value == "STEP_UP_FOR_RETRY"]
     failure = [ev for ev in events if ev.is_step_failure][0].event_specific_data.error
-    assert "ConfigError: base_model.optim: unknown key 'warmup_stpes'" in failure.message
+    assert "base_model: model.n_embd (65) must be divisible by model.n_head (2)" in failure.message
+    assert not (tmp_path / "storage" / "base_model").exists()  # nothing was launched
 
 
 def test_the_demo_trains_with_the_recipe_the_speedrun_bench_races():

@@ -243,15 +243,14 @@ def test_a_worker_stops_once_its_launcher_or_torchrun_has_ended(monkeypatch):
     assert orphan_reason(None, launcher.pid) is not None
 
 
-def test_a_worker_config_error_is_not_worth_a_retry():
-    from resources.torchrun import is_config_error, root_cause
+def test_the_root_cause_is_the_workers_last_exception_line():
+    from resources.torchrun import root_cause
 
-    config = ["[rank0]: Traceback (most recent call last):\n", '  File "x.py", line 3, in <module>\n',
-              "kiln.common.config.ConfigError: job.optim: unknown key 'lrr'. Did you mean 'lr'?\n",
-              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"]
-    crash = ["RuntimeError: injected failure at step 3\n", "ChildFailedError: \n"]
-    assert is_config_error(config) and "unknown key 'lrr'" in root_cause(config)
-    assert not is_config_error(crash) and not is_config_error(["no exception here\n"])
+    lines = ["[rank0]: Traceback (most recent call last):\n", '  File "x.py", line 3, in <module>\n',
+             "RuntimeError: injected failure at step 3\n",
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"]
+    assert root_cause(lines) == "Worker error: RuntimeError: injected failure at step 3"
+    assert root_cause(["no exception here\n"]).startswith("Last lines:\nno exception here")
 
 
 def test_slurm_job_state_is_parsed_from_scontrol(tmp_path, monkeypatch):

@@ -16,10 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kiln.common.config import from_dict
 from kiln.model.masks import document_mask
 from kiln.train.dist import DistInfo
-from kiln.train.job import JobConfig
+from kiln.train.job import JobConfig, load_job
 from kiln.train.loop import main, make_stage
 from kiln.train.pretrain import PretrainStage, document_eot
 
@@ -43,7 +42,7 @@ class Spy(torch.nn.Module):
 
 
 def job_of(pretrain_job, tmp_path: Path, **overrides) -> JobConfig:
-    return from_dict(JobConfig, json.loads(pretrain_job(tmp_path, **overrides).read_text()))
+    return load_job(JobConfig, json.loads(pretrain_job(tmp_path, **overrides).read_text()))
 
 
 def test_the_option_is_off_by_default() -> None:
@@ -95,12 +94,6 @@ def test_the_mask_reaches_the_model_in_training_and_validation(tmp_path, pretrai
     assert torch.equal(spy.calls[0]["attn_mask"], document_mask(x, 297))
     assert len(spy.calls) == 9 and all("attn_mask" in c for c in spy.calls[1:5]) and spy.calls[5:] == [{}] * 4
     assert set(val) == {"val_loss", "val_loss_unmasked"}  # the same batches measured masked and across documents
-
-
-def test_sft_refuses_the_option(tmp_path, pretrain_job) -> None:
-    job = job_of(pretrain_job, tmp_path, document_mask=True, task="sft")
-    with pytest.raises(ValueError, match="document_mask is a pretraining option"):
-        make_stage(job, CPU)
 
 
 @pytest.mark.slow
