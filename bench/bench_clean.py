@@ -7,7 +7,7 @@ about a minute in-process; copy 1 as is, copy 2 with the words of every line rev
 shuffled: no copy near-duplicates another), with the map's CPU seconds per node of each Ray run (both workers busy or
 not); and (``--sections datatrove``) MinHash removals on the 66,000-document schelling_point corpus of
 evals 3.0.1.post1 (owt_5, wikipedia_5 and mix, every row flattened into its 11 variants), with and without
-datatrove's text normalisation, in-process and sharded.
+datatrove's text normalisation, the dedup passes (kiln.clean.dedup) in-process and as Ray tasks.
 
 Run: ``python bench/bench_clean.py [--cache-dir DIR] [--repeats 5] [--sections demo,scaling,datatrove]`` (demo: about
 a minute on 2 cores; ``--scaling``: about 10 minutes on a quiet 2-core machine, ``--scaling --copies 1 --minhash-docs
@@ -180,27 +180,25 @@ def local_pool(raw: Path, shards: list[dict], work: Path, cfg, n: int) -> float:
     return time.perf_counter() - t
 
 
-def measure_local(raw: Path, work: Path, texts: list[str]) -> dict:
-    """In this process: the per-document stage (one process), then the corpus stage; MinHash alone on ``texts``
-    (signatures and the in-memory LSH index)."""
+def measure_local(raw: Path, work: Path, blocks: list[dict]) -> dict:
+    """In this process: the per-document stage (one process), then the corpus stage; MinHash alone over the
+    Parquet ``blocks`` (signatures and the dedup passes, one partition, ``LocalMap``)."""
     from kiln.clean.config import CleanConfig
     from kiln.clean.corpus import merge_shards
-    from kiln.clean.dedup import MinHashDeduper, signatures
-    from kiln.clean.run import _clean_shards
+    from kiln.clean.dedup import LocalMap, dedup_decisions
+    from kiln.clean.run import clean_shards
     from kiln.clean.shard import plan_shards
 
     cfg = CleanConfig()
     t0 = time.perf_counter()
     shards = plan_shards(raw, cfg.shard_docs)
-    results = _clean_shards([(raw, s, work / f"s{s['index']:05d}", cfg, None) for s in shards], cfg, False,
-                            lambda m: None, t0)
+    results = clean_shards(raw, shards, lambda s: work / f"s{s['index']:05d}", cfg, lambda m: None)
     t1 = time.perf_counter()
     rep = merge_shards(results, work / "c.parquet", work / "r.parquet", cfg, work_dir=work)
     t2 = time.perf_counter()
     pool_s = {n: local_pool(raw, shards, work / f"pool{n}", cfg, n) for n in (1, 2)}
     t3 = time.perf_counter()
-    d = MinHashDeduper(cfg.minhash)
-    near = sum(x is not None for x in d.check([str(i) for i in range(len(texts))], signatures(texts, cfg.minhash)))
+    near = len(dedup_decisions(blocks, CleanConfig.from_dict(MINHASH_ONLY), LocalMap(), 1, sign=True).near)
     t4 = time.perf_counter()
     return {"step_s": t2 - t0, "doc_s": t1 - t0, "pool_s": pool_s, "minhash_s": t4 - t3, "near": near,
             "kept": rep.kept_docs, "in_mb": rep.input_bytes / 1e6, "ids": pq.read_table(work / "c.parquet", columns=["id"]).column("id").to_pylist()}
@@ -213,7 +211,7 @@ def _warm() -> float:
     @ray.remote(num_cpus=1)
     def ready() -> None:
         import datasketch  # noqa: F401  (MinHash's library, loaded by the dedup tasks at their first signature)
-        import kiln.clean.ray_dedup  # noqa: F401
+        import kiln.clean.dedup  # noqa: F401
         import kiln.clean.shard  # noqa: F401
 
         time.sleep(1.0)  # so each CPU's worker takes one
@@ -230,8 +228,8 @@ def measure_ray(raw: Path, work: Path, address: str, blocks: list[dict]) -> dict
 
     from kiln.clean.config import CleanConfig
     from kiln.clean.corpus import merge_shards
-    from kiln.clean.ray_dedup import dedup_decisions
-    from kiln.clean.ray_run import RayMap, clean_shards_on_ray, connect, corpus_stage_on_ray
+    from kiln.clean.dedup import dedup_decisions
+    from kiln.clean.ray_run import RayMap, clean_shards_on_ray, connect, ray_partitions
     from kiln.clean.shard import plan_shards
 
     cfg, lines = CleanConfig(executor="ray"), []
@@ -243,17 +241,17 @@ def measure_ray(raw: Path, work: Path, address: str, blocks: list[dict]) -> dict
         shards = plan_shards(raw, cfg.shard_docs)
         mine = clean_shards_on_ray(raw, shards, lambda s: work / f"s{s['index']:05d}", cfg, say)
         t1 = time.perf_counter()
-        rep = merge_shards(mine, work / "c.parquet", work / "r.parquet", cfg, work_dir=work,
-                           stage=corpus_stage_on_ray(mine, cfg, say))
+        rep = merge_shards(mine, work / "c.parquet", work / "r.parquet", cfg, say, work_dir=work,
+                           fmap=RayMap(say), partitions=ray_partitions())
         t2 = time.perf_counter()
     finally:
         ray.shutdown()
     connect(address)
     try:
-        parts = max(2, int(ray.cluster_resources().get("CPU", 1)) * 2)
         warm += _warm()
         t3 = time.perf_counter()
-        near = len(dedup_decisions(blocks, CleanConfig.from_dict(MINHASH_ONLY), RayMap(say), parts, sign=True).near)
+        near = len(dedup_decisions(blocks, CleanConfig.from_dict(MINHASH_ONLY), RayMap(say), ray_partitions(),
+                                   sign=True).near)
         t4 = time.perf_counter()
     finally:
         ray.shutdown()
@@ -269,11 +267,9 @@ def scaling_section(raw: Path, tmp: Path, cache_dir: str, copies: int = 8, minha
 
     big = replicated(raw, tmp / "raw4.parquet", copies, docs)
     blocks, n_mh, text_mb = schelling_blocks(cache_dir, tmp / "schelling", limit=minhash_docs)
-    texts = [x for r in blocks for x in pq.read_table(r["kept"], columns=["text"]).column("text").to_pylist()]
     runs = {}
     (tmp / "local").mkdir()
-    runs["in-process"] = local = measure_local(big, tmp / "local", texts)
-    del texts
+    runs["in-process"] = local = measure_local(big, tmp / "local", blocks)
     cluster = RayCluster(workers=0, object_store=OBJECT_STORE, dashboard=False).start()  # time the executor alone
     try:
         for n in (1, 2):
@@ -328,35 +324,32 @@ def schelling_blocks(cache_dir: str, folder: Path, block: int = 6000, limit: int
 
 def datatrove_section(cache_dir: str, tmp: Path, cluster) -> None:
     """MinHash removals on the schelling_point corpus (FineWeb's 5-grams, 14 x 8), without and with datatrove's
-    normalisation; in-process, and sharded on the 2-node cluster when there is one (the caller stops it)."""
+    normalisation: the dedup passes in this process (``LocalMap``), and as tasks on the 2-node cluster when there
+    is one (the caller stops it); the kept set must be the same."""
     import ray
 
     from kiln.clean.config import CleanConfig
-    from kiln.clean.dedup import MinHashDeduper, signatures
-    from kiln.clean.ray_dedup import LocalMap, dedup_decisions
+    from kiln.clean.dedup import LocalMap, dedup_decisions
     from kiln.clean.ray_run import RayMap, connect
 
     results, n, mb = schelling_blocks(cache_dir, tmp / "schelling-dt")
-    texts = [x for r in results for x in pq.read_table(r["kept"], columns=["text"]).column("text").to_pylist()]
     print(f"schelling_point corpus (evals 3.0.1.post1, owt_5 + wikipedia_5 + mix, 11 variants a row): "
           f"{n:,} documents, {mb:.1f} MB")
     for norm in ("none", "datatrove"):
         cfg = CleanConfig.from_dict({**MINHASH_ONLY, "minhash": {"normalise": norm}})
         t = time.perf_counter()
-        removed = sum(x is not None for x in MinHashDeduper(cfg.minhash).check(
-            [str(i) for i in range(n)], signatures(texts, cfg.minhash)))
+        local = dedup_decisions(results, cfg, LocalMap(), 1, sign=True).near
         dt = time.perf_counter() - t
-        line = f"  normalise={norm:9s} in-process: {removed:,} removed ({removed / n:.1%}), {mb / dt:.2f} MB/s"
+        line = f"  normalise={norm:9s} in-process: {len(local):,} removed ({len(local) / n:.1%}), {mb / dt:.2f} MB/s"
         if cluster is not None:
             connect(cluster.address)
             try:
                 t = time.perf_counter()
-                sharded = len(dedup_decisions(results, cfg, RayMap(lambda m: None), 4, sign=True).near)
-                line += f"; Ray, 2 workers: {sharded:,} removed, {mb / (time.perf_counter() - t):.2f} MB/s"
+                sharded = dedup_decisions(results, cfg, RayMap(lambda m: None), 4, sign=True).near
+                line += (f"; Ray, 2 workers: {len(sharded):,} removed (same: {sharded == local}), "
+                         f"{mb / (time.perf_counter() - t):.2f} MB/s")
             finally:
                 ray.shutdown()
-        else:
-            line += f"; sharded in-process: {len(dedup_decisions(results, cfg, LocalMap(), 4, sign=True).near):,}"
         print(line)
 
 

@@ -1,5 +1,6 @@
 """The corpus-wide stage of cleaning, after the shards: URL, exact and MinHash dedup, line dedup, token-distribution
 outliers, the corpus-trained quality classifier and the source mix, as named passes; and reading a clean corpus.
+The dedup decisions come from ``kiln.clean.dedup.dedup_decisions`` through the caller's map (this process, or Ray).
 
 ``merge_shards(results, "corpus.parquet", "removed.parquet", CleanConfig())`` over ``clean_shard`` results (what
 ``kiln.clean.run.clean`` does); ``corpus_texts("corpus.parquet")`` yields (id, text) of a clean corpus.
@@ -15,12 +16,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kiln.clean.config import CleanSettings, rule_keys
-from kiln.clean.dedup import FirstSeen, LineDeduper, MinHashDeduper, content_hash, url_key
+from kiln.clean.dedup import Decisions, LineDeduper, LocalMap, Map, dedup_decisions
 from kiln.clean.mixing import keep_sample, plan_mix
 from kiln.clean.quality import Reservoir, TokenDistribution, mad_limit, train_classifier
 from kiln.clean.report import CleanReport, EmptyCorpusError, examples_markdown
@@ -49,20 +49,23 @@ def corpus_texts(path: str, columns=("id", "text")):
 class CorpusStage:
     """The passes of ``merge_shards`` in the order they run; each writes a Parquet file the next one reads.
 
-    ``dedup`` (pass A) drops URL, exact and near duplicates and gathers what later passes need: line counts, the
-    corpus word distribution, samples for the classifier. ``train_quality_model`` fits the classifier.
+    ``dedup`` (pass A) drops the URL, exact and near duplicates of ``decisions`` and gathers what later passes
+    need: the corpus word distribution, samples for the classifier. ``train_quality_model`` fits the classifier.
     ``edit_and_score`` (pass B) removes corpus-repeated lines and scores every document; ``limits`` sets the KL
     threshold and plans the mix; ``write_kept`` (pass C) applies both and writes the kept corpus.
     """
 
     def __init__(self, cfg: CleanSettings, report: CleanReport, removed: pq.ParquetWriter, tmp: Path,
-                 say: Progress) -> None:
+                 say: Progress, decisions: Decisions) -> None:
         self.cfg, self.report, self.removed, self.tmp, self.say = cfg, report, removed, tmp, say
         self.timer = Timer()
         self.schema = shard_schema()
         self.quality_passed = 0  # documents that passed the per-document stage
         qm = cfg.quality_model
-        self.lines = LineDeduper(cfg.line_dedup)
+        self.decisions = decisions
+        self.priors = set(decisions.url.values()) | set(decisions.exact.values()) | set(decisions.near.values())
+        self.ids: dict[int, str] = {}  # corpus position -> id of each prior, for the "duplicate of" details
+        self.lines = LineDeduper(cfg.line_dedup, decisions.over_lines)
         self.dist = TokenDistribution(cfg.token_outliers)
         self.pos, self.neg = Reservoir(qm.max_train_docs, qm.seed), Reservoir(qm.max_train_docs, qm.seed + 1)
         self.kl_values: list[float] = []  # per document of pass B, in order: token KL, score, source, bytes
@@ -86,62 +89,51 @@ class CorpusStage:
     # ---------------------------------------------------------------- pass A
 
     def dedup(self, kept_paths: list[str]) -> Path:
-        """Pass A, in input order: URL, exact and MinHash dedup; line and word counts and classifier samples."""
+        """Pass A, in input order: the URL, exact and near duplicates dropped; word counts and classifier samples."""
         cfg, timer = self.cfg, self.timer
-        urls, hashes = FirstSeen(), FirstSeen()
-        near = MinHashDeduper(cfg.minhash) if cfg.minhash.enabled else None
         path = self.tmp / "a.parquet"
-        try:
-            with pq.ParquetWriter(path, self.schema) as w:
-                for batch in iter_rows(kept_paths, cfg.batch_size):
-                    self.quality_passed += len(batch)
-                    timer.lap("read")
-                    removed: list[dict] = []
-                    survivors = self._exact_and_url(batch, urls, hashes, removed)
-                    timer.lap("dedup_exact_url")
-                    if near is not None and survivors:
-                        survivors = self._near(survivors, near, removed)
-                    timer.lap("dedup_minhash")
-                    self._count(survivors)
-                    w.write_table(pa.Table.from_pylist(survivors, schema=self.schema))
-                    self.write_removed(removed)
-        finally:
-            if near is not None:
-                near.close()
+        with pq.ParquetWriter(path, self.schema) as w:
+            for batch in iter_rows(kept_paths, cfg.batch_size):
+                first = self.quality_passed
+                self.quality_passed += len(batch)
+                timer.lap("read")
+                removed: list[dict] = []
+                survivors = self._drop_duplicates(batch, first, removed)
+                timer.lap("dedup")
+                self._count(survivors)
+                w.write_table(pa.Table.from_pylist(survivors, schema=self.schema))
+                self.write_removed(removed)
         self.say(f"clean: dedup done, {self.report.input_docs - self.report.dropped_docs} documents left")
         return path
 
-    def _exact_and_url(self, batch: list[dict], urls: FirstSeen, hashes: FirstSeen, removed: list) -> list[dict]:
-        survivors = []
-        for row in batch:
-            web = self.cfg.url_dedup and row["url"][:8].lower().startswith(("http://", "https://"))
-            prior = urls.check(url_key(row["url"]), row["id"]) if web else None
-            if prior is not None:
+    def _drop_duplicates(self, batch: list[dict], first: int, removed: list) -> list[dict]:
+        """The batch (corpus positions ``first``...) without its duplicates: URL and exact drops in row order, then
+        the near duplicates among what is left."""
+        d, survivors = self.decisions, []
+        for pos, row in enumerate(batch, first):
+            if pos in self.priors:
+                self.ids[pos] = row["id"]
+            if pos in d.url:
+                prior = self.ids[d.url[pos]]
                 self.drop(row, "dedup:url", f"same URL as {prior}", prior, removed)
-                continue
-            prior = hashes.check(content_hash(row["text"]), row["id"]) if self.cfg.exact_dedup else None
-            if prior is not None:
+            elif pos in d.exact:
+                prior = self.ids[d.exact[pos]]
                 self.drop(row, "dedup:exact", f"duplicate of {prior}", prior, removed)
-                continue
-            survivors.append(row)
-        return survivors
-
-    def _near(self, rows: list[dict], near: MinHashDeduper, removed: list) -> list[dict]:
-        sigs = [np.frombuffer(r["minhash"], dtype=np.uint32) for r in rows]
-        keep = []
-        for row, dup in zip(rows, near.check([r["id"] for r in rows], sigs)):
-            if dup is None:
-                keep.append(row)
             else:
-                self.drop(row, "dedup:minhash", f"duplicate of {dup}", dup, removed)
-        return keep
+                survivors.append((pos, row))
+        kept = []
+        for pos, row in survivors:
+            if pos in d.near:
+                prior = self.ids[d.near[pos]]
+                self.drop(row, "dedup:minhash", f"duplicate of {prior}", prior, removed)
+            else:
+                kept.append(row)
+        return kept
 
     def _count(self, rows: list[dict]) -> None:
         cfg = self.cfg
-        for row in rows:
-            if cfg.line_dedup.enabled:
-                self.lines.count(row["text"])
-            if cfg.token_outliers.enabled:
+        if cfg.token_outliers.enabled:
+            for row in rows:
                 self.dist.add(row["text"])
         self.timer.lap("corpus_counts")
         qm = cfg.quality_model
@@ -300,21 +292,29 @@ class CorpusStage:
 
 def merge_shards(results: list[dict[str, Any]], out_path: str | Path, removed_path: str | Path,
                  cfg: CleanSettings, progress: Progress | None = None, work_dir: str | Path | None = None,
-                 artifacts_dir: str | Path | None = None, stage: type[CorpusStage] = CorpusStage) -> CleanReport:
+                 artifacts_dir: str | Path | None = None, fmap: Map | None = None, partitions: int = 1) -> CleanReport:
     """The corpus stage over the shards (in shard order): URL, exact and MinHash dedup; line dedup; token
-    outliers; the quality classifier; mixing. Writes the kept corpus and every removed row atomically.
-    ``stage`` is the class of the passes (kiln.clean.ray_dedup's takes pass A's dedup from a cluster)."""
+    outliers; the quality classifier; mixing. Writes the kept corpus and every removed row atomically. The dedup
+    passes run through ``fmap`` over ``partitions`` (``LocalMap()``: this process; kiln.clean.ray_run's RayMap:
+    Ray tasks); the outputs do not depend on either."""
     t0 = time.perf_counter()
+    say = progress or (lambda _m: None)
     results = sorted(results, key=lambda r: r["shard"]["index"])
     config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "executor"}  # the same report either way
     report = CleanReport(config=config, shards=len(results))
     for r in results:
         report.merge(r["report"], cfg.examples_per_reason)
     where = Path(results[0]["kept"]).parent if results else Path(".")
+    t = time.perf_counter()
+    decisions = dedup_decisions(results, cfg, fmap or LocalMap(), partitions)
+    report.stage_seconds["dedup"] = report.stage_seconds.get("dedup", 0.0) + time.perf_counter() - t
+    say(f"clean: dedup over {partitions} partition{'s' * (partitions > 1)} in {time.perf_counter() - t:.1f} s: "
+        f"{len(decisions.url)} URL, {len(decisions.exact)} exact, {len(decisions.near)} near duplicates, "
+        f"{len(decisions.over_lines)} over-repeated lines")
     tmp_root = Path(tempfile.mkdtemp(prefix="kiln-clean-", dir=work_dir))
     try:
         with atomic_path(removed_path) as rm_tmp, pq.ParquetWriter(rm_tmp, REMOVED_SCHEMA) as rm_w:
-            passes = stage(cfg, report, rm_w, tmp_root, progress or (lambda _m: None))
+            passes = CorpusStage(cfg, report, rm_w, tmp_root, say, decisions)
             passes.copy_shard_removed([r["removed"] for r in results])
             path_a = passes.dedup([r["kept"] for r in results])
             model = passes.train_quality_model(artifacts_dir)
@@ -327,12 +327,12 @@ def merge_shards(results: list[dict[str, Any]], out_path: str | Path, removed_pa
 
 
 def write_clean_corpus(results: list[dict[str, Any]], folder: Path, cfg: CleanSettings, raw_path: str | Path,
-                       progress: Progress | None = None, stage: type[CorpusStage] = CorpusStage) -> CleanReport:
+                       progress: Progress | None = None, fmap: Map | None = None, partitions: int = 1) -> CleanReport:
     """``merge_shards`` into ``folder`` (corpus.parquet, removed.parquet, quality_model.pt) with report.json and
     removed_examples.md beside them; EmptyCorpusError names the raw corpus ``raw_path``."""
     try:
         report = merge_shards(results, folder / "corpus.parquet", folder / "removed.parquet", cfg,
-                              progress=progress, artifacts_dir=folder, stage=stage)
+                              progress=progress, artifacts_dir=folder, fmap=fmap, partitions=partitions)
     except EmptyCorpusError as e:
         raise EmptyCorpusError(e.report, Path(raw_path), rule_keys(cfg)) from None
     rep = report.to_dict()

@@ -1,8 +1,23 @@
-"""Deduplication: URL, exact content hash, line-level across the corpus, and MinHash-LSH near-duplicates with
-datasketch, its index in memory or on a Redis server (datasketch's Redis storage).
+"""Deduplication, one algorithm for every executor: URL, exact and MinHash near-duplicates as hash-partitioned
+map and reduce passes over the clean shards, and line dedup as partitioned counting. The caller's map runs every
+pass: ``LocalMap`` in this process, ``kiln.clean.ray_run.RayMap`` as Ray tasks; the functions are the same.
 
-Used by kiln.clean.corpus; the first document of a cluster (in input order) is kept. Try the near-dup index alone:
-``python -c "from kiln.clean.dedup import *; d = MinHashDeduper(MinHashConfig()); print(d.check(['a', 'b'], d.signatures(['x y z'] * 2)))"``.
+Every document has a corpus position (shard index, then row) and every rule keeps by minimum position, so the result
+depends on neither the map, nor the number of partitions, nor the order in which results arrive:
+
+- URL: among documents with a web URL, the first of each normalised URL is kept.
+- exact: among the URL survivors, the first of each content hash is kept.
+- MinHash (datasketch signatures): among the survivors of both, documents that agree on a whole band share a bucket;
+  union-find over the buckets with two or more members gives the connected components, and inside each component a
+  document is dropped, in corpus order, when a bucket it is in already holds a *kept* document, as the duplicate of
+  the earliest such one (the first-kept rule of an LSH index queried before each insert). Keeping only the minimum
+  of each component would drop more: in a chain A~B~C where A and C share no band, C is kept (B, a duplicate, keeps
+  nothing out). The components bound which documents can affect each other; the rule decides inside each one.
+- lines: the distinct qualifying lines of every surviving document, counted per hash partition; only the hashes
+  seen in more than ``max_repeats`` documents come back, and ``LineDeduper`` removes them.
+
+``dedup_decisions(results, cfg, LocalMap())`` over ``clean_shard`` results; try the near-duplicate rule alone with
+``python -c "from kiln.clean.dedup import *; print(resolve_near([[0, 1], [1, 2]]))"`` (``{1: 0}``: A and C kept).
 """
 
 from __future__ import annotations
@@ -12,20 +27,20 @@ import operator
 import re
 import string
 import unicodedata
-import uuid
 import zlib
-from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from kiln.common.config import ConfigError, check_types
 from kiln.common.text import ngram_hashes
 
-BACKENDS = ("memory", "redis")
+CleanSettings = Any  # kiln.clean.config.CleanSettings, which imports this module's config classes
+
 NORMALISE = ("none", "datatrove")  # text normalisation before shingling (see normalise_datatrove)
 
 
@@ -37,12 +52,6 @@ class MinHashConfig:
     bands: int = 14  # LSH bands: documents that agree on any whole band are near-duplicates
     rows: int = 8  # hashes per band
     seed: int = 1  # permutation seed, fixed so reruns drop the same documents
-    backend: str = "memory"  # where the LSH index lives: "memory" or "redis" (datasketch's Redis storage)
-    redis_host: str = "127.0.0.1"  # Redis server host (backend redis)
-    redis_port: int = 6379  # Redis server port (backend redis)
-    redis_db: int = 0  # Redis database number (backend redis)
-    redis_basename: str = ""  # key prefix of the index in Redis; empty: a fresh one per run, deleted afterwards
-    keep_index: bool = False  # backend redis: leave the index in Redis after the run (to dedup later runs against it)
     normalise: str = "none"  # "datatrove": numbers to 0, punctuation and accents stripped before shingling (FineWeb)
 
     def __post_init__(self) -> None:
@@ -56,8 +65,6 @@ class MinHashConfig:
             raise ConfigError(f"clean.minhash.ngram must be >= 1, got {self.ngram}.")
         if self.normalise not in NORMALISE:
             raise ConfigError(f"clean.minhash.normalise must be one of {', '.join(NORMALISE)}, got {self.normalise!r}.")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"clean.minhash.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
 
 
 def url_key(url: str) -> str:
@@ -73,20 +80,6 @@ def url_key(url: str) -> str:
     netloc = f"{host}:{port}" if port else host
     path = parts.path.rstrip("/") or ("" if not parts.query and not parts.fragment else "/")
     return urlunsplit((parts.scheme.lower(), netloc, path, parts.query, parts.fragment))
-
-
-class FirstSeen:
-    """Remembers the first document id per key (content hash, URL); answers with it for later documents."""
-
-    def __init__(self) -> None:
-        self.first: dict[bytes | str, str] = {}
-
-    def check(self, key: bytes | str, doc_id: str) -> str | None:
-        """The id this key was first seen with, or None (and the key is remembered for ``doc_id``)."""
-        prior = self.first.get(key)
-        if prior is None:
-            self.first[key] = doc_id
-        return prior
 
 
 def content_hash(text: str) -> bytes:
@@ -112,27 +105,24 @@ def _line_hash(line: str) -> int:
     return int.from_bytes(hashlib.blake2b(line.encode(), digest_size=8).digest(), "little")
 
 
+def line_keys(text: str, min_chars: int) -> set[int]:
+    """Hashes of the distinct stripped lines of ``text`` with at least ``min_chars`` characters."""
+    return {_line_hash(s) for s in (line.strip() for line in text.split("\n")) if len(s) >= min_chars}
+
+
 class LineDeduper:
-    """Two passes: ``count`` every document's distinct lines, then ``apply`` drops lines counted too often."""
+    """Removes the lines whose hashes are in ``over`` (counted in more than ``max_repeats`` documents by
+    ``dedup_decisions``) from a text."""
 
-    def __init__(self, cfg: LineDedupConfig) -> None:
-        self.cfg = cfg
-        self.counts: Counter[int] = Counter()
-
-    def _keys(self, text: str) -> set[int]:
-        n = self.cfg.min_line_chars
-        return {_line_hash(s) for s in (line.strip() for line in text.split("\n")) if len(s) >= n}
-
-    def count(self, text: str) -> None:
-        self.counts.update(self._keys(text))
+    def __init__(self, cfg: LineDedupConfig, over: set[int]) -> None:
+        self.cfg, self.over = cfg, over
 
     def apply(self, text: str) -> tuple[str, int, int]:
         """(text without over-repeated lines, lines removed, bytes removed)."""
-        limit, n = self.cfg.max_repeats, self.cfg.min_line_chars
-        kept, removed, removed_bytes = [], 0, 0
+        n, kept, removed, removed_bytes = self.cfg.min_line_chars, [], 0, 0
         for line in text.split("\n"):
             s = line.strip()
-            if len(s) >= n and self.counts[_line_hash(s)] > limit:
+            if len(s) >= n and _line_hash(s) in self.over:
                 removed += 1
                 removed_bytes += len(line.encode()) + 1
             else:
@@ -228,64 +218,225 @@ def signatures(texts: Iterable[str], cfg: MinHashConfig, batch: int = 512) -> li
                                                      hashfunc=operator.index)]
 
 
-class MinHashDeduper:
-    """Signatures with ``MinHash.bulk`` and an LSH index (``MinHashLSH``) in memory or in Redis.
+# ---------------------------------------------------------------------------------------------- the passes
 
-    ``check`` queries before it inserts, so the earlier document of a pair is kept; index keys are
-    (position, id) tuples so the earliest match is reported whichever backend answers.
-    """
 
-    def __init__(self, cfg: MinHashConfig) -> None:
-        from datasketch import MinHash, MinHashLSH
+class Map(Protocol):
+    """Runs ``fn`` over argument tuples and returns the results in the order of ``jobs``; ``fn`` returns
+    ``num_returns`` values per job (a list when more than one)."""
 
-        self.cfg = cfg
-        self.position = 0
-        self.basename = cfg.redis_basename or f"kiln-minhash-{uuid.uuid4().hex[:12]}"
-        storage: dict[str, Any] = {"type": "dict"}
-        if cfg.backend == "redis":
-            storage = {"type": "redis", "basename": self.basename.encode(),
-                       "redis": {"host": cfg.redis_host, "port": cfg.redis_port, "db": cfg.redis_db}}
-            self._check_redis()
-        self.lsh = MinHashLSH(num_perm=cfg.num_perm, params=(cfg.bands, cfg.rows), storage_config=storage)
-        self.scheme = MinHash(num_perm=2, seed=cfg.seed, hashfunc=operator.index).scheme
+    def __call__(self, fn: Callable, jobs: list[tuple], num_returns: int = 1, label: str = "") -> list[Any]: ...
 
-    def _check_redis(self) -> None:
-        import redis
 
-        cfg = self.cfg
-        try:
-            redis.Redis(host=cfg.redis_host, port=cfg.redis_port, db=cfg.redis_db, socket_connect_timeout=5).ping()
-        except redis.RedisError as e:
-            raise ConfigError(
-                f"clean.minhash: backend redis, but no Redis server answers at {cfg.redis_host}:{cfg.redis_port} "
-                f"({e}). Start one (redis-server --port {cfg.redis_port}) or set clean.minhash.backend: memory."
-            ) from None
+class LocalMap:
+    """The map of this process: one job after the other."""
 
-    def signatures(self, texts: Iterable[str]) -> list[np.ndarray]:
-        return signatures(texts, self.cfg)
+    def __call__(self, fn: Callable, jobs: list[tuple], num_returns: int = 1, label: str = "") -> list[Any]:
+        return [fn(*job) for job in jobs]
 
-    def check(self, ids: list[str], sigs: list[np.ndarray]) -> list[str | None]:
-        """For each document in order: None (kept and indexed) or the id of the earlier document it duplicates."""
-        from datasketch import LeanMinHash
 
-        out: list[str | None] = []
-        for doc_id, values in zip(ids, sigs):
-            m = LeanMinHash(seed=self.cfg.seed, hashvalues=values, scheme=self.scheme)
-            hits = self.lsh.query(m)
-            if hits:
-                out.append(min(hits)[1])
-                continue
-            self.lsh.insert((self.position, doc_id), m, check_duplication=False)
-            self.position += 1
-            out.append(None)
-        return out
+def _part(key: bytes, partitions: int) -> int:
+    return zlib.crc32(key) % partitions
 
-    def close(self) -> None:
-        """Delete the Redis index unless it is named and kept (``keep_index``)."""
-        if self.cfg.backend == "redis" and not (self.cfg.redis_basename and self.cfg.keep_index):
-            import redis
 
-            r = redis.Redis(host=self.cfg.redis_host, port=self.cfg.redis_port, db=self.cfg.redis_db)
-            keys = list(r.scan_iter(match=self.basename.encode() + b"*", count=1000))
-            for i in range(0, len(keys), 1000):
-                r.delete(*keys[i : i + 1000])
+def dedup_keys(kept_path: str, offset: int, cfg: CleanSettings, partitions: int, sign: bool = False) -> list:
+    """Map of pass A over one shard's kept.parquet (its first row at corpus position ``offset``): URL keys and
+    content hashes, each as ``partitions`` dicts key -> positions, then the band keys as ``partitions``
+    ``band_keys`` tuples; flat (3 * partitions values). ``sign``: compute the MinHash signatures from the text here
+    instead of reading the ``minhash`` column."""
+    cols = ["url", "text"] + (["minhash"] if cfg.minhash.enabled and not sign else [])
+    t = pq.read_table(kept_path, columns=cols)
+    out: list[list[dict[bytes, list[int]]]] = [[{} for _ in range(partitions)] for _ in range(2)]
+    urls, texts = t.column("url").to_pylist(), t.column("text").to_pylist()
+    for pos, (url, text) in enumerate(zip(urls, texts), offset):
+        if cfg.url_dedup and url[:8].lower().startswith(("http://", "https://")):
+            key = url_key(url).encode()
+            out[0][_part(key, partitions)].setdefault(key, []).append(pos)
+        if cfg.exact_dedup:
+            key = content_hash(text)
+            out[1][_part(key, partitions)].setdefault(key, []).append(pos)
+    mh, n = cfg.minhash, len(texts)
+    if not mh.enabled:
+        sigs = np.zeros((0, mh.num_perm), np.uint32)
+    elif sign:
+        sigs = np.array(signatures(texts, mh), dtype=np.uint32).reshape(n, mh.num_perm)
+    else:
+        sigs = np.frombuffer(b"".join(t.column("minhash").to_pylist()), np.uint32).reshape(n, mh.num_perm)
+    return [d for kind in out for d in kind] + band_keys(sigs, offset, mh.bands, mh.rows, partitions)
+
+
+def band_keys(sigs: np.ndarray, offset: int, bands: int, rows: int, partitions: int) -> list[tuple]:
+    """The (n, bands * rows) signatures of the documents at positions ``offset``... as their band keys, split by
+    bucket into ``partitions`` tuples (positions, band numbers, (m, rows) band values); a band's first value picks
+    the partition, so all members of a bucket meet in one reduce."""
+    n = len(sigs)
+    values = sigs.reshape(n, bands, rows)
+    band = np.broadcast_to(np.arange(bands, dtype=np.int64), (n, bands))
+    pos = np.broadcast_to(np.arange(offset, offset + n, dtype=np.int64)[:, None], (n, bands))
+    part = (values[:, :, 0].astype(np.int64) + band) % partitions
+    return [(pos[sel], band[sel], values[sel]) for sel in (part == p for p in range(partitions))]
+
+
+def _merged(parts: list[dict[bytes, list[int]]]) -> dict[bytes, list[int]]:
+    merged: dict[bytes, list[int]] = {}
+    for p in parts:
+        for k, v in p.items():
+            merged.setdefault(k, []).extend(v)
+    return merged
+
+
+def reduce_first(parts: list[dict[bytes, list[int]]], dropped: set[int]) -> dict[int, int]:
+    """Reduce of one partition of URL or content keys (one dict per shard): position -> position of the first
+    document with the same key, for every later one; documents in ``dropped`` take no part."""
+    out: dict[int, int] = {}
+    for members in _merged(parts).values():
+        live = sorted(p for p in members if p not in dropped)
+        for p in live[1:]:
+            out[p] = live[0]
+    return out
+
+
+def reduce_buckets(parts: list[tuple], dropped: set[int]) -> list[list[int]]:
+    """Reduce of one partition of band keys (``band_keys`` tuples, one per shard): the sorted members of every
+    bucket (a band number and its values, compared whole) with two or more; documents in ``dropped`` take no part."""
+    pos = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+    band = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+    values = np.concatenate([p[2] for p in parts]) if parts else np.zeros((0, 1), np.uint32)
+    if dropped and len(pos):
+        live = ~np.isin(pos, np.fromiter(dropped, np.int64, len(dropped)))
+        pos, band, values = pos[live], band[live], values[live]
+    if not len(pos):
+        return []
+    keys = np.ascontiguousarray(np.concatenate([band[:, None].astype(np.uint32), values], axis=1))
+    _, bucket, counts = np.unique(keys.view(np.dtype((np.void, keys.shape[1] * 4))).ravel(), return_inverse=True,
+                                  return_counts=True)
+    multi = counts[bucket] > 1
+    bucket, pos = bucket[multi], pos[multi]
+    order = np.lexsort((pos, bucket))
+    bucket, pos = bucket[order], pos[order]
+    cuts = np.flatnonzero(np.diff(bucket)) + 1
+    return [b.tolist() for b in np.split(pos, cuts)] if len(pos) else []
+
+
+def components(buckets: list[list[int]]) -> list[list[int]]:
+    """Union-find over the buckets: the connected components (sorted positions), sorted by their first member."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        root = x
+        while parent.setdefault(root, root) != root:
+            root = parent[root]
+        while parent[x] != root:
+            parent[x], x = root, parent[x]
+        return root
+
+    for b in buckets:
+        r0 = find(b[0])
+        for p in b[1:]:
+            r = find(p)
+            if r != r0:
+                parent[max(r, r0)] = min(r, r0)
+                r0 = min(r, r0)
+    groups: dict[int, list[int]] = {}
+    for p in parent:
+        groups.setdefault(find(p), []).append(p)
+    return sorted((sorted(g) for g in groups.values()), key=lambda g: g[0])
+
+
+def greedy(component: list[int], buckets: list[list[int]]) -> dict[int, int]:
+    """The first-kept rule inside one component, in corpus order: position -> the earliest kept document it shares
+    a bucket with, for each one dropped. ``buckets`` are those whose members lie in the component."""
+    of: dict[int, list[int]] = {}
+    for i, b in enumerate(buckets):
+        for p in b:
+            of.setdefault(p, []).append(i)
+    first_kept: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for p in component:
+        hits = [first_kept[i] for i in of.get(p, ()) if i in first_kept]
+        if hits:
+            out[p] = min(hits)
+            continue
+        for i in of.get(p, ()):
+            first_kept.setdefault(i, p)
+    return out
+
+
+def resolve_near(buckets: list[list[int]]) -> dict[int, int]:
+    """Near-duplicates from all multi-member buckets: components by union-find, then ``greedy`` in each."""
+    comp_of = {}
+    comps = components(buckets)
+    for c, members in enumerate(comps):
+        for p in members:
+            comp_of[p] = c
+    by_comp: list[list[list[int]]] = [[] for _ in comps]
+    for b in buckets:
+        by_comp[comp_of[b[0]]].append(b)
+    out: dict[int, int] = {}
+    for members, bs in zip(comps, by_comp):
+        out.update(greedy(members, bs))
+    return out
+
+
+def line_hashes(kept_path: str, offset: int, dropped: set[int], cfg: CleanSettings, partitions: int) -> list:
+    """Map of the line count: every surviving document's distinct qualifying line hashes, per partition."""
+    texts = pq.read_table(kept_path, columns=["text"]).column("text").to_pylist()
+    n = cfg.line_dedup.min_line_chars
+    out: list[list[int]] = [[] for _ in range(partitions)]
+    for i, text in enumerate(texts):
+        if offset + i not in dropped:
+            for h in line_keys(text, n):
+                out[h % partitions].append(h)
+    return [np.asarray(x, dtype=np.uint64) for x in out]
+
+
+def reduce_lines(parts: list[np.ndarray], max_repeats: int) -> np.ndarray:
+    """Reduce of one line partition: the hashes counted in more than ``max_repeats`` documents."""
+    values, counts = np.unique(np.concatenate(parts) if parts else np.zeros(0, np.uint64), return_counts=True)
+    return values[counts > max_repeats]
+
+
+@dataclass
+class Decisions:
+    """What the passes decided: position -> prior position per rule, and the over-repeated lines' hashes."""
+
+    url: dict[int, int] = field(default_factory=dict)
+    exact: dict[int, int] = field(default_factory=dict)
+    near: dict[int, int] = field(default_factory=dict)
+    over_lines: set[int] = field(default_factory=set)
+
+
+def _reduce(fmap: Map, fn: Callable, keyed: list[list], which: int, extra: Any, partitions: int, label: str):
+    jobs = [([k[which * partitions + p] for k in keyed], extra) for p in range(partitions)]
+    return fmap(fn, jobs, label=label)
+
+
+def dedup_decisions(results: list[dict[str, Any]], cfg: CleanSettings, fmap: Map, partitions: int = 4,
+                    sign: bool = False) -> Decisions:
+    """The passes over ``clean_shard`` results (sorted by shard index here): map keys, reduce URL, then exact, then
+    band buckets, resolve near-duplicates, then count lines; each map or reduce runs through ``fmap`` (``partitions``
+    reduces each; the result does not depend on it).
+    ``sign``: the maps compute the MinHash signatures themselves (MinHash alone over any id/url/text Parquet)."""
+    results = sorted(results, key=lambda r: r["shard"]["index"])
+    sizes = [r["report"]["input_docs"] - r["report"]["dropped_docs"] for r in results]
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(int).tolist() if sizes else []
+    keyed = fmap(dedup_keys, [(r["kept"], o, cfg, partitions, sign) for r, o in zip(results, offsets)],
+                 num_returns=3 * partitions, label="dedup keys")
+    d = Decisions()
+    for part in _reduce(fmap, reduce_first, keyed, 0, set(), partitions, "URL dedup"):
+        d.url.update(part)
+    for part in _reduce(fmap, reduce_first, keyed, 1, set(d.url), partitions, "exact dedup"):
+        d.exact.update(part)
+    if cfg.minhash.enabled:
+        dropped = set(d.url) | set(d.exact)
+        buckets = [b for part in _reduce(fmap, reduce_buckets, keyed, 2, dropped, partitions, "MinHash buckets")
+                   for b in part]
+        d.near = resolve_near(buckets)
+    if cfg.line_dedup.enabled:
+        dropped = set(d.url) | set(d.exact) | set(d.near)
+        hashed = fmap(line_hashes, [(r["kept"], o, dropped, cfg, partitions) for r, o in zip(results, offsets)],
+                      num_returns=partitions, label="line hashes")
+        jobs = [([h[p] for h in hashed], cfg.line_dedup.max_repeats) for p in range(partitions)]
+        for over in fmap(reduce_lines, jobs, label="line counts"):
+            d.over_lines.update(over.tolist())
+    return d

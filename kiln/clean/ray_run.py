@@ -1,7 +1,7 @@
 """The clean step on a Ray cluster (``clean.executor: ray``): the per-document stage as a Ray Data pipeline
 (``kiln.clean.ray_data``: the raw Parquet, a path or an fsspec URL, read with ``ray.data.read_parquet``, the stage
-mapped over Arrow blocks with ``map_batches``), the corpus stage's dedup as the sharded passes of
-``kiln.clean.ray_dedup`` (Ray tasks, hash-partitioned), then the corpus stage's later passes in this process.
+mapped over Arrow blocks with ``map_batches``), the corpus stage's dedup passes (``kiln.clean.dedup``, the local
+executor's code) as Ray tasks through ``RayMap``, then the corpus stage's later passes in this process.
 
 Start a cluster with ``ray start --head --port=6379 --num-cpus=2``, then
 ``python -c "from kiln.clean.ray_run import clean_on_ray; print(clean_on_ray('raw.parquet', 'c.parquet', 'r.parquet', address='127.0.0.1:6379').kept_docs)"``.
@@ -22,8 +22,7 @@ from typing import Any, Callable, Iterator
 
 from kiln.clean.config import CleanConfig, CleanSettings, rule_keys
 from kiln.clean.corpus import merge_shards, write_clean_corpus
-from kiln.clean.ray_data import DocStage, PIECES, Plan, assemble_shard, doc_stage, pieces_of, raw_source, shard_starts
-from kiln.clean.ray_dedup import dedup_decisions, decided_stage
+from kiln.clean.ray_data import DocStage, PIECES, Plan, assemble_shard, pieces_of, raw_source, shard_starts
 from kiln.clean.report import CleanReport, EmptyCorpusError
 from kiln.clean.schema import INPUT_COLUMNS
 from kiln.clean.shard import Progress, open_raw, plan_shards
@@ -87,7 +86,7 @@ def _call(fn: Callable, shape: list[int], *flat: Any) -> Any:
 
 
 class RayMap:
-    """``kiln.clean.ray_dedup.Map`` on the cluster: one task per job (retried ``max_retries`` times when its worker
+    """``kiln.clean.dedup.Map`` on the cluster: one task per job (retried ``max_retries`` times when its worker
     dies), list arguments passed as separate objects so results of earlier tasks stay in the object store;
     progress and failures go to ``say``. Results with one return come back as values, others as object refs."""
 
@@ -323,12 +322,13 @@ def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_d
                         max_retries: int = 3, work_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """The per-document stage on the cluster as a Ray Data pipeline (kiln.clean.ray_data), each shard's outputs
     written into ``out_dir(shard)`` by a writer actor (``ShardWriters``) as soon as the pipeline has returned the
-    shard's rows; shards already there are reused (not with ``filters``). Progress lines as blocks finish, and one
+    shard's rows; shards already there are reused (not with ``filters``). The results in shard order, each with
+    ``cached`` (reused), as ``kiln.clean.run.clean_shards`` returns them. Progress lines as blocks finish, and one
     for each rerun after a dead worker."""
     import ray
 
     cache = filters is None
-    done = {s["index"]: json.loads((out_dir(s) / "report.json").read_text()) for s in shards
+    done = {s["index"]: {**json.loads((out_dir(s) / "report.json").read_text()), "cached": True} for s in shards
             if cache and (out_dir(s) / "report.json").is_file()}
     todo = [s for s in shards if s["index"] not in done]
     if not todo:
@@ -363,22 +363,15 @@ def clean_shards_on_ray(in_path: str | Path, shards: list[dict[str, Any]], out_d
     say(f"clean on ray: per-document stage done: {len(made)} shards written ({len(done)} reused), {docs} docs, "
         f"{docs / dt:.0f} docs/s, {nbytes / dt / 1e6:.2f} MB/s; map CPU seconds per node "
         f"{', '.join(f'{n} {s:.1f}' for n, s in sorted(cpu.items()))} in {dt:.1f} s")
-    done.update({r["shard"]["index"]: r for r in made})
+    done.update({r["shard"]["index"]: {**r, "cached": False} for r in made})
     return [done[s["index"]] for s in shards]
 
 
-def corpus_stage_on_ray(results: list[dict[str, Any]], cfg: CleanSettings, say: Progress, max_retries: int = 3,
-                        partitions: int | None = None) -> type:
-    """The sharded dedup passes on the cluster; returns the corpus stage class that applies their decisions."""
+def ray_partitions(partitions: int | None = None) -> int:
+    """Partitions of the dedup reduces on the connected cluster: ``partitions``, or two per CPU."""
     import ray
 
-    parts = partitions or max(2, int(ray.cluster_resources().get("CPU", 1)) * 2)
-    t0 = time.perf_counter()
-    decisions = dedup_decisions(results, cfg, RayMap(say, max_retries), parts)
-    say(f"clean on ray: sharded dedup over {parts} partitions in {time.perf_counter() - t0:.1f} s: "
-        f"{len(decisions.url)} URL, {len(decisions.exact)} exact, {len(decisions.near)} near duplicates, "
-        f"{len(decisions.over_lines)} over-repeated lines")
-    return decided_stage(decisions)
+    return partitions or max(2, int(ray.cluster_resources().get("CPU", 1)) * 2)
 
 
 def clean_on_ray(in_path: str | Path, out_path: str | Path, removed_path: str | Path,
@@ -404,8 +397,8 @@ def clean_on_ray(in_path: str | Path, out_path: str | Path, removed_path: str | 
             raise EmptyCorpusError(CleanReport(config=dataclasses.asdict(cfg)), in_path, rule_keys(cfg))
         results = clean_shards_on_ray(in_path, shards, lambda s: tmp / f"shard-{s['index']:05d}", cfg, say,
                                       filters, max_retries, work_dir)
-        stage = corpus_stage_on_ray(results, cfg, say, max_retries, partitions)
-        report = merge_shards(results, out_path, removed_path, cfg, progress, work_dir, artifacts_dir, stage=stage)
+        report = merge_shards(results, out_path, removed_path, cfg, say, work_dir, artifacts_dir,
+                              RayMap(say, max_retries), ray_partitions(partitions))
     except EmptyCorpusError as e:
         raise EmptyCorpusError(e.report, in_path, rule_keys(cfg)) from None
     finally:
@@ -421,6 +414,5 @@ def clean_on_ray(in_path: str | Path, out_path: str | Path, removed_path: str | 
 def write_clean_corpus_on_ray(results: list[dict[str, Any]], folder: Path, cfg: CleanSettings,
                               raw_path: str | Path, say: Progress, max_retries: int = 3,
                               partitions: int | None = None) -> CleanReport:
-    """``kiln.clean.corpus.write_clean_corpus`` with pass A's dedup on the connected cluster."""
-    stage = corpus_stage_on_ray(results, cfg, say, max_retries, partitions)
-    return write_clean_corpus(results, folder, cfg, raw_path, say, stage=stage)
+    """``kiln.clean.corpus.write_clean_corpus`` with the dedup passes as tasks on the connected cluster."""
+    return write_clean_corpus(results, folder, cfg, raw_path, say, RayMap(say, max_retries), ray_partitions(partitions))

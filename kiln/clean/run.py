@@ -1,5 +1,6 @@
-"""``clean()``: the whole cleaning step in one call, for scripts, tests and benchmarks: every shard through the
-per-document stage (``cfg.workers`` processes), then the corpus stage. Dagster runs the same two stages as ops.
+"""The clean step's local executor: ``clean_shards`` runs the per-document stage over the shards in this process or
+in ``cfg.workers`` processes (the clean_corpus asset calls it); ``clean()`` is the whole step in one call, for
+scripts, tests and benchmarks: ``clean_shards``, then the corpus stage. kiln.clean.ray_run is the Ray executor.
 
 ``python -c "from kiln.clean.run import clean; print(clean('raw.parquet', 'clean.parquet', 'removed.parquet').kept_docs)"``
 """
@@ -13,7 +14,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from kiln.clean.config import CleanConfig, CleanSettings, rule_keys
 from kiln.clean.corpus import merge_shards
@@ -43,12 +44,26 @@ def _progress(results: Iterable[dict[str, Any]], cfg: CleanSettings, say: Progre
     return done
 
 
-def _clean_shards(jobs: list[tuple], cfg: CleanSettings, parallel: bool, say: Progress,
-                  t0: float) -> list[dict[str, Any]]:
-    if parallel and cfg.workers > 1 and len(jobs) > 1:
+def clean_shards(in_path: str | Path, shards: list[dict[str, Any]], out_dir: Callable[[dict], Path],
+                 cfg: CleanSettings, say: Progress, filters: list[Filter] | None = None) -> list[dict[str, Any]]:
+    """The per-document stage over ``shards``, each written into ``out_dir(shard)`` (reused when complete there, not
+    with ``filters``): in ``cfg.workers`` spawned processes when more than one shard is to run and ``filters`` is
+    None (custom filters need not pickle), else in this process. The results in shard order, each with ``cached``
+    (reused); progress lines about every ``cfg.progress_every`` documents and one at the end."""
+    t0 = time.perf_counter()
+    cached = {s["index"] for s in shards if filters is None and (Path(out_dir(s)) / "report.json").is_file()}
+    jobs = [(in_path, s, out_dir(s), cfg, filters) for s in shards]
+    if filters is None and cfg.workers > 1 and len(jobs) - len(cached) > 1:
         with ProcessPoolExecutor(min(cfg.workers, len(jobs)), mp_context=get_context("spawn")) as pool:
-            return _progress(pool.map(_clean_shard_job, jobs), cfg, say, t0)
-    return _progress((clean_shard(*job) for job in jobs), cfg, say, t0)
+            results = _progress(pool.map(_clean_shard_job, jobs), cfg, say, t0)
+    else:
+        results = _progress((clean_shard(*job) for job in jobs), cfg, say, t0)
+    docs = sum(r["report"]["input_docs"] for r in results)
+    passed = docs - sum(r["report"]["dropped_docs"] for r in results)
+    dt = max(time.perf_counter() - t0, 1e-9)
+    say(f"clean: per-document stage done: {len(results)} shards ({len(cached)} reused), {docs} docs, {passed} "
+        f"passed the document rules, {docs / dt:.0f} docs/s")
+    return [{**r, "cached": r["shard"]["index"] in cached} for r in results]
 
 
 def clean(
@@ -62,7 +77,7 @@ def clean(
     artifacts_dir: str | Path | None = None,
     ray_address: str = "127.0.0.1:6379",
 ) -> CleanReport:
-    """Clean ``in_path`` in one call: every shard through ``clean_shard`` (``cfg.workers`` processes), then
+    """Clean ``in_path`` in one call: every shard through ``clean_shards`` (``cfg.workers`` processes), then
     ``merge_shards``. Writes kept docs (input order, clean text, signal columns) to ``out_path`` and dropped ones
     (id, source, url, reason, bytes, detail, duplicate_of) to ``removed_path``, both atomically. Raises
     EmptyCorpusError, writing neither file, when no document is kept. ``filters`` replaces the document rules.
@@ -80,8 +95,7 @@ def clean(
     shards = plan_shards(in_path, cfg.shard_docs)
     tmp = Path(tempfile.mkdtemp(prefix="kiln-shards-", dir=work_dir))
     try:
-        jobs = [(in_path, s, tmp / f"shard-{s['index']:05d}", cfg, filters) for s in shards]
-        results = _clean_shards(jobs, cfg, filters is None, say, t0)
+        results = clean_shards(in_path, shards, lambda s: tmp / f"shard-{s['index']:05d}", cfg, say, filters)
         if not shards:
             with open_raw(in_path):
                 pass

@@ -113,7 +113,7 @@ def test_clean_schema_has_the_inherited_gopher_keys_on_top_and_nested_sections()
     assert minhash.description == "near-duplicate removal"
     inner = minhash.config_type.fields
     assert inner["bands"].default_value == 14 and inner["bands"].description.startswith("LSH bands")
-    assert inner["backend"].default_value == "memory"
+    assert inner["normalise"].default_value == "none" and "backend" not in inner  # one dedup algorithm, no LSH backend
     mix = fields["mix"].config_type.fields  # the doc of `weights` is the comment block above it
     assert mix["weights"].config_type.key == "Noneable.Map.String.Float"
     assert mix["weights"].description.startswith("Glob of source names -> weight. Empty: the natural mix")
@@ -399,7 +399,7 @@ def test_the_launchpad_graphql_schema_has_the_nested_typed_fields(tmp_path):
     assert json.loads(clean["min_words"]["defaultValueAsJson"]) == 50
     assert clean["min_words"]["description"] == "fewer whitespace-separated words than this: too short to be prose"
     minhash = {f["name"]: f for f in types[clean["minhash"]["configTypeKey"]]["fields"]}
-    assert minhash["backend"]["description"].startswith("where the LSH index lives") and not minhash["backend"]["isRequired"]
+    assert minhash["normalise"]["description"].startswith('"datatrove": numbers to 0') and not minhash["normalise"]["isRequired"]
     model = {f["name"]: f for f in types[probe_cfg["model"]["configTypeKey"]]["fields"]}
     assert model["n_embd"]["description"] == "residual stream width; must divide by n_head"
 
