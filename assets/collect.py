@@ -1,33 +1,21 @@
-"""Step 1 as assets: raw documents from the sources, and the clean corpus, whose per-document stage fans out over
-shards (one op per shard, run in parallel by a multiprocess executor) before the corpus-wide stage; with
-``clean.executor: ray`` one op submits every shard, and the corpus stage's dedup, to the Ray cluster of the ``ray``
-resource."""
+"""Step 1 as assets: raw documents from the sources, and the clean corpus: the per-document stage over shards (the
+local executor: ``clean.workers`` processes; with ``clean.executor: ray``, a Ray Data pipeline on the cluster of the
+``ray`` resource), each shard reused when unchanged, then the corpus-wide stage (its dedup passes on the same
+executor)."""
 
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
-from dagster import (
-    AssetExecutionContext,
-    Config,
-    DynamicOut,
-    DynamicOutput,
-    MetadataValue,
-    OpExecutionContext,
-    Output,
-    asset,
-    config_mapping,
-    graph_asset,
-    op,
-)
+from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, md_table
 from assets._config import schema_of
 from kiln.clean import corpus as kcorpus
 from kiln.clean import report as kreport
+from kiln.clean import run as krun
 from kiln.clean import shard as kshard
 from kiln.clean.config import CleanConfig
 from kiln import sources as ksources
@@ -89,60 +77,6 @@ class CleanCorpusConfig(Config):
     clean: Clean = Field(default_factory=Clean, description="The rules, dedup, PII scrubbing, quality classifier and source mix.")
 
 
-def _shard_key(shard: dict) -> str:
-    return f"s{shard['index']:05d}_" + re.sub(r"[^A-Za-z0-9_]", "_", shard["source"])[:40]
-
-
-@op(out=DynamicOut(dict), description="Split raw_documents into shards of whole row groups (never mixing sources) and validate the clean config.")
-def plan_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, storage: KilnStorageResource, raw_documents: dict):
-    cfg = config.clean.to_dataclass("clean_corpus.clean")
-    kshard.remove_stale_staging(storage.path("clean_shards"))  # what killed runs left
-    shards = kshard.plan_shards(raw_documents["path"], cfg.shard_docs)
-    context.log.info(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
-    if cfg.executor == "ray":  # one op submits them all to the cluster
-        yield DynamicOutput({"raw": raw_documents["path"], "shards": shards, "clean": config.clean.to_dict(changed_only=True)},
-                           mapping_key="ray_all_shards")
-        return
-    for shard in shards:
-        yield DynamicOutput({"raw": raw_documents["path"], "shard": shard, "clean": config.clean.to_dict(changed_only=True)},
-                           mapping_key=_shard_key(shard))
-
-
-@op(description="The per-document stage on one shard (on the Ray cluster: on every shard): extraction, Unicode repair, language ID, quality rules, PII, MinHash signatures; reused when the shard's rows and the stage config are unchanged.")
-def clean_shard(context: OpExecutionContext, storage: KilnStorageResource, ray: RayResource, job: dict) -> dict:
-    cfg = CleanConfig.from_dict(job["clean"], "clean_corpus.clean")
-    if "shards" in job:
-        return _clean_shards_on_ray(context, storage, ray, job, cfg)
-    shard = job["shard"]
-    out_dir = storage.path("clean_shards", kshard.shard_stage_key(shard, cfg))
-    cached = (out_dir / "report.json").is_file()
-    result = kshard.clean_shard(job["raw"], shard, out_dir, cfg, progress=context.log.info)
-    rep = result["report"]
-    context.log.info(f"shard {shard['index']} ({shard['source']}): {rep['input_docs']} docs, "
-                     f"{rep['input_docs'] - rep['dropped_docs']} passed the document rules"
-                     + (" (reused: rows and config unchanged)" if cached else ""))
-    return {**result, "cached": cached}
-
-
-def _clean_shards_on_ray(context: OpExecutionContext, storage: KilnStorageResource, ray: RayResource, job: dict,
-                         cfg) -> dict:
-    """Every shard as a Ray task into the same shard cache as the local ops; the results and the Ray job."""
-    from kiln.clean.ray_run import clean_shards_on_ray
-
-    info = ray.connect()
-    context.log.info(f"clean_corpus on ray: job {info.job_id} on {info.address} ({info.nodes} nodes, {info.cpus:g} "
-                     f"CPUs)" + (f", dashboard {info.dashboard_url}" if info.dashboard_url else ""))
-    out_dir = lambda s: storage.path("clean_shards", kshard.shard_stage_key(s, cfg))  # noqa: E731
-    cached = {s["index"] for s in job["shards"] if (out_dir(s) / "report.json").is_file()}
-    try:
-        results = clean_shards_on_ray(job["raw"], job["shards"], out_dir, cfg, context.log.info,
-                                      max_retries=ray.max_retries)
-    finally:
-        ray.disconnect()
-    return {"ray": dataclasses.asdict(info),
-            "results": [{**r, "cached": r["shard"]["index"] in cached} for r in results]}
-
-
 def _corpus_metadata(rep: dict, shards: list[dict]) -> dict[str, Any]:
     """clean_corpus's materialization metadata: counts, what each rule removed, stage times, classifier, mix."""
     mix = kreport.mix_rows(rep)
@@ -161,18 +95,58 @@ def _corpus_metadata(rep: dict, shards: list[dict]) -> dict[str, Any]:
     }
 
 
-@op(description="The corpus stage: URL, exact and MinHash dedup (on the Ray cluster: sharded), line dedup, token outliers, the trained quality classifier and the source mix; writes the clean corpus and the removal report.")
-def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, raw_documents: dict, shards: list[dict],
-                       storage: KilnStorageResource, mlflow: MlflowResource, ray: RayResource) -> Output[dict]:
+def _executor_metadata(cfg, info: dict | None) -> dict[str, Any]:
+    """Where the step ran: the executor, and on Ray the job id and the dashboard link (a note instead when the
+    cluster runs no dashboard: ``ray[default]`` not installed there)."""
+    if info is None:
+        return {"executor": cfg.executor}
+    link = (MetadataValue.url(info["dashboard_url"]) if info["dashboard_url"] else
+            MetadataValue.md("_no dashboard: the cluster runs without one (install `ray[default]` on its head)_"))
+    return {"executor": "ray", "ray_job_id": info["job_id"], "ray_address": info["address"], "ray_dashboard": link,
+            "ray_cluster": f"{info['nodes']} nodes, {info['cpus']:g} CPUs"}
+
+
+def _clean(context: AssetExecutionContext, cfg, storage: KilnStorageResource, ray: RayResource, raw: str,
+           folder: Path) -> tuple[list[dict], Any, dict | None]:
+    """Both stages on the executor of ``clean.executor``: the per-document stage into the shard cache, then the
+    corpus stage into ``folder``. The shard results (each with ``cached``), the report, and the Ray job (None
+    locally)."""
+    cache = storage.path("clean_shards")
+    kshard.remove_stale_staging(cache)  # what killed runs left
+    shards = kshard.plan_shards(raw, cfg.shard_docs)
+    out_dir = lambda s: cache / kshard.shard_stage_key(s, cfg)  # noqa: E731
+    say = context.log.info
+    say(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
+    if cfg.executor != "ray":
+        results = krun.clean_shards(raw, shards, out_dir, cfg, say)
+        return results, kcorpus.write_clean_corpus(results, folder, cfg, raw, progress=say), None
+    from kiln.clean.ray_run import clean_shards_on_ray, write_clean_corpus_on_ray
+
+    info = ray.connect()
+    say(f"clean_corpus on ray: job {info.job_id} on {info.address} ({info.nodes} nodes, {info.cpus:g} CPUs)"
+        + (f", dashboard {info.dashboard_url}" if info.dashboard_url else ""))
+    try:
+        results = clean_shards_on_ray(raw, shards, out_dir, cfg, say, max_retries=ray.max_retries)
+        report = write_clean_corpus_on_ray(results, folder, cfg, raw, say, ray.max_retries, ray.partitions or None)
+    finally:
+        ray.disconnect()
+    return results, report, dataclasses.asdict(info)
+
+
+@asset(code_version="2", group_name="data",
+       description="Main text of every document after boilerplate removal, Unicode repair, language ID, the Gopher, C4, "
+                   "FineWeb and OLMo 2 rules, PII scrubbing, URL/exact/line/MinHash dedup, a corpus-trained quality "
+                   "classifier and the source mix; cleaned shard by shard (in local processes or on Ray, reused when "
+                   "unchanged), with every removal's rule and a sample of what each rule removed.")
+def clean_corpus(context: AssetExecutionContext, config: CleanCorpusConfig, raw_documents: dict,
+                 storage: KilnStorageResource, mlflow: MlflowResource, ray: RayResource) -> Output[dict]:
     cfg = config.clean.to_dataclass("clean_corpus.clean")
-    on_ray = [s for s in shards if "results" in s]
-    shards = [r for s in on_ray for r in s["results"]] if on_ray else shards
     same = {k: v for k, v in config.clean.to_dict(changed_only=True).items() if k != "executor"}  # either executor
     with asset_output(context, mlflow, parent=storage.path("clean_corpus"), params={"clean": cfg.__dict__},
                       inputs={"raw_documents": raw_documents}, reuse={"clean": same}) as out:
         if out.reused:
             return out.reused
-        report, dedup_job = _write_corpus(context, cfg, ray, shards, out.stage, raw_documents["path"])
+        shards, report, info = _clean(context, cfg, storage, ray, raw_documents["path"], out.stage)
         rep = report.to_dict()
         final = out.commit(volatile=("report.json",))  # timings
         out.log_metrics(kreport.report_metrics(rep))
@@ -181,51 +155,5 @@ def merge_clean_shards(context: OpExecutionContext, config: CleanCorpusConfig, r
                 out.log_artifact(final / name)
         value = {"path": str(final / "corpus.parquet"), "removed": str(final / "removed.parquet"), "version": out.version,
                  "report": rep}
-        meta = {**_corpus_metadata(rep, shards), **_executor_metadata(cfg, on_ray, dedup_job), "path": MetadataValue.path(value["path"])}
+        meta = {**_corpus_metadata(rep, shards), **_executor_metadata(cfg, info), "path": MetadataValue.path(value["path"])}
         return out.result(value, meta)
-
-
-def _write_corpus(context: OpExecutionContext, cfg, ray: RayResource, shards: list[dict], folder: Path, raw: str):
-    """The corpus stage (its dedup sharded on the cluster with ``clean.executor: ray``): the report, and the Ray
-    job of the dedup (None locally)."""
-    if cfg.executor != "ray":
-        return kcorpus.write_clean_corpus(shards, folder, cfg, raw, progress=context.log.info), None
-    from kiln.clean.ray_run import write_clean_corpus_on_ray
-
-    info = ray.connect()
-    context.log.info(f"clean_corpus on ray: sharded dedup as job {info.job_id} on {info.address}")
-    try:
-        return write_clean_corpus_on_ray(shards, folder, cfg, raw, context.log.info, ray.max_retries,
-                                         ray.partitions or None), info
-    finally:
-        ray.disconnect()
-
-
-def _executor_metadata(cfg, on_ray: list[dict], dedup_job) -> dict[str, Any]:
-    """Where the step ran: the executor, and on Ray the job ids of the per-document stage and of the dedup, and
-    the dashboard link (a note instead when the cluster runs no dashboard: ``ray[default]`` not installed there)."""
-    if not on_ray:
-        return {"executor": cfg.executor}
-    info = on_ray[0]["ray"]
-    link = (MetadataValue.url(info["dashboard_url"]) if info["dashboard_url"] else
-            MetadataValue.md("_no dashboard: the cluster runs without one (install `ray[default]` on its head)_"))
-    return {"executor": "ray", "ray_job_id": info["job_id"], "ray_dedup_job_id": getattr(dedup_job, "job_id", ""),
-            "ray_address": info["address"], "ray_dashboard": link,
-            "ray_cluster": f"{info['nodes']} nodes, {info['cpus']:g} CPUs"}
-
-
-@config_mapping(config_schema=CleanCorpusConfig.to_config_schema())
-def _clean_corpus_config(val: dict) -> dict:
-    conf = {"clean": val.get("clean") or {}}
-    return {"plan_clean_shards": {"config": conf}, "merge_clean_shards": {"config": conf}}
-
-
-@graph_asset(name="clean_corpus", code_version="2", group_name="data", config=_clean_corpus_config,
-             description="Main text of every document after boilerplate removal, Unicode repair, language ID, the Gopher, C4, "
-                         "FineWeb and OLMo 2 rules, PII scrubbing, URL/exact/line/MinHash dedup, a corpus-trained quality "
-                         "classifier and the source mix; cleaned shard by shard (fanned out, reused when unchanged), with "
-                         "every removal's rule and a sample of what each rule removed.")
-def clean_corpus(raw_documents):
-    results = plan_clean_shards(raw_documents).map(clean_shard).collect()
-    return merge_clean_shards(raw_documents, results)
-

@@ -63,7 +63,7 @@ class CleanSettings(GopherQualityConfig):
     mix: MixConfig = field(default_factory=MixConfig)  # target shares per group of sources
     shard_docs: int = 4000  # documents per shard of the per-document stage (the unit run in parallel and cached)
     executor: str = "local"  # "local": this process (and cfg.workers); "ray": a Ray cluster (kiln.clean.ray_run)
-    workers: int = 1  # processes for the per-document stage when called as a library (Dagster fans out itself)
+    workers: int = 1  # processes for the per-document stage on the local executor (1: in this process)
     batch_size: int = 1024  # documents read from Parquet per batch
     progress_every: int = 2000  # call the progress callback about every this many documents
     progress_seconds: float = 60.0  # a shard also calls the progress callback at least this often when docs are slow

@@ -1,5 +1,5 @@
 """raw_documents and clean_corpus materialized with Dagster on small local sources: the output contract, the
-removal report in metadata and MLflow, shards fanned out and reused when a source is added, config errors.
+removal report in metadata and MLflow, shards reused when a source is added, config errors.
 
 Run: python -m pytest tests/assets/test_collect.py -q
 """
@@ -157,8 +157,8 @@ def test_ray_metadata_links_the_dashboard_or_says_there_is_none() -> None:
     info = {"job_id": "01000000", "address": "127.0.0.1:6379", "nodes": 2, "cpus": 2.0,
             "dashboard_url": "http://127.0.0.1:8265"}
     cfg = CleanConfig(executor="ray")
-    meta = _executor_metadata(cfg, [{"ray": info}], None)
+    meta = _executor_metadata(cfg, info)
     assert meta["ray_dashboard"].value == "http://127.0.0.1:8265" and meta["ray_cluster"] == "2 nodes, 2 CPUs"
-    meta = _executor_metadata(cfg, [{"ray": {**info, "dashboard_url": ""}}], None)
+    meta = _executor_metadata(cfg, {**info, "dashboard_url": ""})
     assert "runs without one" in meta["ray_dashboard"].value and "ray[default]" in meta["ray_dashboard"].value
-    assert _executor_metadata(CleanConfig(), [], None) == {"executor": "local"}
+    assert _executor_metadata(CleanConfig(), None) == {"executor": "local"}
