@@ -23,7 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kiln.train.checkpoint import Checkpointer, load_state, save_checkpoint  # noqa: E402
+from kiln.train.checkpoint import load_state, save_checkpoint  # noqa: E402
+from kiln.train.checkpointer import Checkpointer  # noqa: E402
 from kiln.model.config import ModelConfig  # noqa: E402
 from kiln.model.config import padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402

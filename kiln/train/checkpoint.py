@@ -1,29 +1,26 @@
-"""Training checkpoints: atomic folders with a checksum manifest, saved in the background, loaded without unpickling code.
+"""Training checkpoints on disk: atomic folders with a checksum manifest, verified and loaded without unpickling code.
 
 A checkpoint is a folder ``step_NNNNNNN/`` holding ``meta.json`` (step, config, a checksum per file) and either
 ``state.pt`` (the full state, written by rank 0) or ``state.pt`` plus ``model/`` (FSDP2 shards written by every
-rank with torch.distributed.checkpoint). Use ``Checkpointer`` from a training loop, ``load_state`` elsewhere.
+rank with torch.distributed.checkpoint). This module is the format: writing a folder (``save_checkpoint``, and the
+pieces kiln.train.checkpointer's ``Checkpointer`` saves a training loop's state with), verifying it and loading it
+(``load_state``, ``load_for_inference``) wherever checkpoints are read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import json
 import os
 import pickle
-import random
 import re
 import shutil
 import threading
-import time
 import warnings
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import xxhash
 
@@ -38,43 +35,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated or fails its checksum; the message names the file."""
 
 
-# ---------------------------------------------------------------------------------------------- RNG state
-
-
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": _numpy_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_as_tuple(state["python"]))
-    if "numpy" in state:
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _numpy_state() -> list:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]  # plain values: weights_only loads them
-
-
-def _as_tuple(x: Any) -> Any:
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# ---------------------------------------------------------------------------------------------- checksums
+# ---------------------------------------------------------------------------------------------- writing
 
 
 _SAVE_LOCK = threading.Lock()
 
 
-def _write_torch(path: Path, obj: Any, on_write: Callable[[Path], None] | None = None) -> str:
+def write_state_file(path: Path, obj: Any, on_write: Callable[[Path], None] | None = None) -> str:
     """torch.save ``obj`` to ``path``, fsync it, return its checksum.
 
     torch.save's per-record CRC32 is turned off for the write: it costs more than the write itself here, and
@@ -161,12 +128,12 @@ def clean_staging(ckpt_root: Path) -> list[Path]:
     return stale
 
 
-def _staging(ckpt_root: Path, step: int) -> Path:
+def staging_dir(ckpt_root: Path, step: int) -> Path:
     """The folder a save of ``step`` writes into; a deterministic name so every rank of a sharded save agrees."""
     return Path(ckpt_root) / f"{STAGING_PREFIX}{step:07d}.partial"
 
 
-def _commit(tmp: Path, final: Path, files: dict[str, str], meta: dict[str, Any]) -> Path:
+def commit_checkpoint(tmp: Path, final: Path, files: dict[str, str], meta: dict[str, Any]) -> Path:
     """Write meta.json last, then rename the staging folder into place: the checkpoint appears whole or not at all."""
     atomic_write_json(tmp / "meta.json", {**meta, "checksum": CHECKSUM, "files": files})
     if final.exists():
@@ -176,7 +143,7 @@ def _commit(tmp: Path, final: Path, files: dict[str, str], meta: dict[str, Any])
     return final
 
 
-def _digest_tree(folder: Path, skip: set[str]) -> dict[str, str]:
+def digest_tree(folder: Path, skip: set[str]) -> dict[str, str]:
     out = {}
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
@@ -193,14 +160,14 @@ def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], meta: dic
     checkpoint intact. ``extra_files`` (for example the tokenizer) are copied in beside it.
     """
     ckpt_root = Path(ckpt_root)
-    tmp = _staging(ckpt_root, step)
+    tmp = staging_dir(ckpt_root, step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        files = {"state.pt": _write_torch(tmp / "state.pt", state)}
-        files.update(_copy_extra(tmp, extra_files))
-        final = _commit(tmp, step_dir(ckpt_root, step), files, {**meta, "step": step, "format": "full"})
+        files = {"state.pt": write_state_file(tmp / "state.pt", state)}
+        files.update(copy_extra_files(tmp, extra_files))
+        final = commit_checkpoint(tmp, step_dir(ckpt_root, step), files, {**meta, "step": step, "format": "full"})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -208,7 +175,7 @@ def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], meta: dic
     return final
 
 
-def _copy_extra(folder: Path, extra_files: dict[str, Path] | None) -> dict[str, str]:
+def copy_extra_files(folder: Path, extra_files: dict[str, Path] | None) -> dict[str, str]:
     out = {}
     for name, src in (extra_files or {}).items():
         shutil.copyfile(src, folder / name)
@@ -281,7 +248,7 @@ def checkpoint_witness(path: Path) -> dict[str, Any] | None:
             "checkpoint": True}
 
 
-def _torch_load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_state_file(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Tensors and plain values only (weights_only), memory-mapped: the pages verify_checkpoint just read are
     used in place rather than copied (copy-on-write, so the file is never changed)."""
     return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
@@ -292,7 +259,7 @@ def load_state(path: Path, map_location: str | torch.device = "cpu") -> tuple[di
     full ``state["model"]`` (optimizer shards are left on disk)."""
     path = Path(path)
     meta = verify_checkpoint(path)
-    state = _torch_load(path / "state.pt", map_location)
+    state = load_state_file(path / "state.pt", map_location)
     if meta.get("format") == "sharded":
         from kiln.model.config import ModelConfig
         from kiln.model.families import build_model
@@ -300,7 +267,7 @@ def load_state(path: Path, map_location: str | torch.device = "cpu") -> tuple[di
         with torch.device("meta"):
             template = build_model(ModelConfig(**meta["model"])).state_dict()
         model = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in template.items()}
-        _dcp_load({"model": model}, path / "model")
+        load_sharded({"model": model}, path / "model")
         state["model"] = model
     return state, meta
 
@@ -400,18 +367,19 @@ def _safe_planner():
     return SafeLoadPlanner()
 
 
-_SINGLE_PROCESS_WARNING = "torch.distributed is (disabled|unavailable)"
+SINGLE_PROCESS_WARNING = "torch.distributed is (disabled|unavailable)"
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
+def quiet_single_process():
     """DCP warns on every single-process load or save, which is what evaluation and one-rank runs mean to do."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
 
 
-def _dcp_load(state: dict[str, Any], folder: Path, process_group=None) -> None:
+def load_sharded(state: dict[str, Any], folder: Path, process_group=None) -> None:
+    """Fill ``state`` in place from the DCP shards in ``folder`` (any world size), with the safe reader and planner."""
     import torch.distributed.checkpoint as dcp
 
     import torch.distributed as dist
@@ -419,235 +387,10 @@ def _dcp_load(state: dict[str, Any], folder: Path, process_group=None) -> None:
 
     single = not (dist.is_available() and dist.is_initialized())  # one process (a consumer, or a one-rank resume)
     try:
-        with _single_process_quiet():
+        with quiet_single_process():
             dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner(), process_group=process_group,
                      no_dist=single)
     except (Exception, CheckpointException) as e:  # DCP wraps each rank's error in one long traceback: keep the cause
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         cause = next((ln for ln in reversed(lines) if "Error" in ln.split(":")[0]), lines[-1] if lines else repr(e))
         raise CheckpointError(f"{folder}: the sharded checkpoint could not be loaded: {cause}") from e
-
-
-# ---------------------------------------------------------------------------------------------- in a training loop
-
-
-def _snapshot(obj: Any, memo: dict | None = None, pool: dict | None = None, where: tuple = ()) -> Any:
-    """A CPU copy of a state dict that training can no longer change; tensors sharing storage (tied weights)
-    stay shared, so the file holds them once. ``pool`` keeps the copies' memory between saves: copying into
-    memory already touched is several times faster than into fresh pages."""
-    memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), obj.dtype)
-        if key not in memo:
-            spot = (where, tuple(obj.shape), obj.dtype)
-            buf = pool.get(spot) if pool is not None else None
-            if buf is None:
-                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
-                if pool is not None:
-                    pool[spot] = buf
-            memo[key] = buf.copy_(obj.detach())
-        return memo[key]
-    if isinstance(obj, dict):
-        return {k: _snapshot(v, memo, pool, (*where, k)) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_snapshot(v, memo, pool, (*where, i)) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(v, memo, pool, (*where, i)) for i, v in enumerate(obj))
-    return copy.deepcopy(obj)
-
-
-class Checkpointer:
-    """Saves and restores a run's whole state (model, optimizer, and the caller's extras: scheduler, loader,
-    RNG of every rank, step) from every rank of a job, one save in flight at a time.
-
-    ``sharded`` (FSDP2): every rank writes its shards with torch.distributed.checkpoint; otherwise rank 0 writes
-    the full state. ``async_save``: the state is copied to CPU memory and written by a background thread while
-    training goes on; ``wait`` blocks until it is committed. Rank 0 alone commits, prunes and logs.
-    ``on_write(path)`` is called with each state file once it is written, before its checkpoint is committed.
-    """
-
-    def __init__(self, root: Path, rank: int, world_size: int, sharded: bool, async_save: bool, keep_last: int,
-                 keep_every: int = 0, extra_files: dict[str, Path] | None = None, log: Callable[[str], None] = print,
-                 on_write: Callable[[Path], None] | None = None):
-        import torch.distributed as dist
-
-        self.root, self.rank, self.world_size = Path(root), rank, world_size
-        self.sharded, self.async_save = sharded, async_save
-        self.keep_last, self.keep_every = keep_last, keep_every
-        self.extra_files, self.log, self.on_write = extra_files or {}, log, on_write
-        self.distributed = world_size > 1 and dist.is_initialized()
-        # a separate gloo group: background saves then never interleave collectives with training's
-        self.group = dist.new_group(backend="gloo") if self.distributed else None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._pending: Path | None = None
-        self._pool: dict = {}  # snapshot buffers, reused by every save (one save is in flight at a time)
-        self.committed: list[Path] = []
-        self.blocked_s = 0.0  # seconds the training loop spent waiting on saves
-        if rank == 0:
-            for p in clean_staging(self.root):
-                log(f"removed {p.name}: a save that was interrupted (the checkpoints before it are intact)")
-
-    # -- saving
-
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Any],
-             meta: dict[str, Any], weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> float:
-        """Start saving checkpoint ``step`` (finishing the previous save first); return seconds blocked.
-
-        ``weights`` (full checkpoints; called on rank 0) gives the state stored as "model" in place of the model's
-        own: a LoRA run stores its merged weights there, so every reader gets plain GPT weights.
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        t0 = time.perf_counter()
-        self._join()
-        meta = {**meta, "step": step, "format": "sharded" if self.sharded else "full", "saved_at": time.time()}
-        tmp, final = _staging(self.root, step), step_dir(self.root, step)
-        if self.sharded:
-            msd, osd = get_state_dict(model, optimizer)
-            if self.rank == 0:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                (tmp / "model").mkdir(parents=True)
-            self._barrier()
-            extras = _snapshot(extras)
-            future = self._dcp_save({"model": msd, "optim": osd}, tmp / "model")
-            work = lambda: self._finish_sharded(future, tmp, final, extras, meta)  # noqa: E731
-        else:
-            msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-            state = None
-            if self.rank == 0:
-                state = _snapshot({"model": weights() if weights else msd, "optimizer": osd, **extras}, pool=self._pool)
-            work = lambda: self._write_full(state, tmp, final, meta) if self.rank == 0 else None  # noqa: E731
-        self._pending = final
-        if self.async_save:
-            self._thread = threading.Thread(target=self._run, args=(work,), name=f"kiln-save-{step}", daemon=True)
-            self._thread.start()
-        else:
-            self._run(work)
-            self._raise()
-        blocked = time.perf_counter() - t0
-        self.blocked_s += blocked
-        return blocked
-
-    def _dcp_save(self, state: dict[str, Any], folder: Path) -> Future:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        writer = FileSystemWriter(str(folder), sync_files=True)
-        if not self.distributed:  # the background save runs in DCP's own thread, beyond catch_warnings' reach
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
-        with _single_process_quiet():
-            if self.async_save:
-                out = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-                return getattr(out, "upload_completion", out)
-            dcp.save(state, storage_writer=writer, process_group=self.group)
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-    def _write_full(self, state: dict[str, Any], tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        meta = {**meta, "weights_digest": weights_digest(state["model"])}
-        files = {"state.pt": _write_torch(tmp / "state.pt", state, self.on_write)}
-        files.update(_copy_extra(tmp, self.extra_files))
-        self._done(_commit(tmp, final, files, meta))
-
-    def _finish_sharded(self, future: Future, tmp: Path, final: Path, extras: dict[str, Any], meta: dict[str, Any]) -> None:
-        future.result()  # on rank 0 this returns once every rank's shards and the index are on disk
-        if self.rank != 0:
-            return
-        files = {"state.pt": _write_torch(tmp / "state.pt", extras, self.on_write)}
-        files.update(_copy_extra(tmp, self.extra_files))
-        files.update(_digest_tree(tmp, set(files)))
-        self._done(_commit(tmp, final, files, meta))
-
-    def _done(self, final: Path) -> None:
-        self.committed.append(final)
-        for old in prune_checkpoints(self.root, self.keep_last, self.keep_every):
-            if old in self.committed:
-                self.committed.remove(old)
-
-    def _run(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except BaseException as e:  # surfaced by wait() on the training thread
-            self._error = e
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise CheckpointError(f"saving {self._pending} failed: {err!r}") from err
-
-    def wait(self) -> float:
-        """Block until the save in flight (if any) is committed; return seconds blocked. Raises if it failed."""
-        waited = self._join()
-        self.blocked_s += waited
-        return waited
-
-    def _join(self) -> float:
-        t0 = time.perf_counter()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._raise()
-        return time.perf_counter() - t0
-
-    def _barrier(self) -> None:
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
-
-    # -- loading
-
-    def latest(self, before_step: int | None = None) -> Path | None:
-        """The newest good checkpoint (rank 0 verifies checksums and tells the others)."""
-        return self.agree(lambda: latest_good_checkpoint(self.root, self.log, before_step))
-
-    def agree(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` computed on rank 0 (which reads and verifies files), received by every rank."""
-        import torch.distributed as dist
-
-        box = [fn() if self.rank == 0 else None]
-        if self.distributed:
-            dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, part: str = "model"
-             ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Restore model (and optimizer) from checkpoint ``path`` whatever its format and world size, onto this
-        model however it is wrapped; return (extras, meta). Checksums were verified by ``latest``.
-
-        ``part`` names the entry holding the model's trained state: "model", or "lora" for a LoRA run's adapters
-        (loaded onto its frozen base; full checkpoints only)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_state_dict,
-            set_model_state_dict,
-            set_state_dict,
-        )
-
-        path = Path(path)
-        meta = json.loads((path / "meta.json").read_text())
-        state = _torch_load(path / "state.pt")
-        if meta.get("format") == "sharded":
-            msd, osd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
-            target = {"model": msd} if osd is None else {"model": msd, "optim": osd}
-            _dcp_load(target, path / "model", self.group)
-            if osd is None:
-                set_model_state_dict(model, target["model"])
-            else:
-                set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
-        else:
-            opts = StateDictOptions(full_state_dict=True, strict=part == "model")
-            if optimizer is None or "optimizer" not in state:
-                set_model_state_dict(model, state[part], options=opts)
-            else:
-                set_state_dict(model, optimizer, model_state_dict=state[part], optim_state_dict=state["optimizer"],
-                               options=opts)
-        extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-        return extras, meta

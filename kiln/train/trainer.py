@@ -25,8 +25,8 @@ from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, parallelize
-from kiln.train.checkpoint import (Checkpointer, CheckpointError, list_checkpoints, load_state, resolve_checkpoint,
-                                   rng_state, set_rng_state, step_of)
+from kiln.train.checkpoint import CheckpointError, list_checkpoints, load_state, resolve_checkpoint, step_of
+from kiln.train.checkpointer import Checkpointer, rng_state, set_rng_state
 from kiln.train.dist import DistInfo, all_gather, all_mean, rank_digests
 from kiln.train.goodput import GoodputLedger, summarize
 from kiln.train.job import TrainJob
