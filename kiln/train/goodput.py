@@ -1,48 +1,41 @@
 """Goodput: the share of a run's wall time spent on steps that count, across crashes, restarts and rollbacks.
 
-Rank 0 appends one JSON line per event to ``goodput.jsonl`` in the run folder; ``summarize(path)`` (or
-``python -m kiln.train.goodput RUN_DIR/goodput.jsonl``) splits the wall time into productive steps, redone steps,
+``GoodputClock`` writes each process's time to the run journal (kiln.train.journal); ``summarize(run_dir)`` (or
+``python -m kiln.train.goodput RUN_DIR``) splits the wall time into productive steps, redone steps,
 saving, validation, the first start-up, restarting (dead time, later start-ups, rollback restores) and the rest.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from kiln.common.files import process_start_time
+from kiln.train.journal import Journal, read
 
 
-class GoodputLedger:
-    """One training process's account: ``start`` and ``ready`` once, then cumulative ``beat`` lines.
+class GoodputClock:
+    """Where one training process's time goes, written to the run journal (kiln.train.journal): a ``session`` record
+    when the process started, ``ready`` once start-up is over, then cumulative ``beat`` records.
 
     Beats carry seconds spent in steps, blocked on saves, in validation and restoring checkpoints (this
     session), and the lineage step time: the time of the steps that made the current weights, carried in
-    checkpoints so a resumed or rolled-back run knows which earlier work still counts. A no-op unless enabled.
+    checkpoints so a resumed or rolled-back run knows which earlier work still counts.
     """
 
-    def __init__(self, path: Path, enabled: bool, session_start: float | None = None):
-        self.path, self.enabled = Path(path), enabled
-        self.session = f"{os.getpid()}-{time.time():.6f}"
+    def __init__(self, journal: Journal):
+        self.journal = journal
         self.totals = {"step_s": 0.0, "save_s": 0.0, "eval_s": 0.0, "restore_s": 0.0}
         self.lineage_s = 0.0
         self.step = 0
-        self._write({"event": "start", "t": session_start or process_start_time() or time.time()})
-
-    def _write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:  # one short line per write: appends stay whole
-            f.write(json.dumps({"session": self.session, **record}) + "\n")
+        journal.write({"event": "session", "t": process_start_time() or time.time()})
 
     def ready(self, step: int, lineage_s: float) -> None:
         """Start-up is over (model built, checkpoint restored): the next thing is a training step."""
         self.step, self.lineage_s = step, lineage_s
-        self._write({"event": "ready", "t": time.time(), "step": step, "lineage_s": lineage_s})
+        self.journal.write({"event": "ready", "t": time.time(), "step": step, "lineage_s": lineage_s})
 
     def add(self, kind: str, seconds: float) -> None:
         self.totals[kind] += seconds
@@ -53,22 +46,23 @@ class GoodputLedger:
         """A rollback replaced the weights with those of ``step``: steps after it no longer count."""
         self.step, self.lineage_s = step, lineage_s
 
-    def beat(self, step: int, event: str = "beat", **extra: Any) -> None:
+    def beat(self, step: int) -> None:
         self.step = step
-        self._write({"event": event, "t": time.time(), "step": step, "lineage_s": self.lineage_s,
-                     **self.totals, **extra})
+        self.journal.write({"event": "beat", "t": time.time(), "step": step, "lineage_s": self.lineage_s,
+                            **self.totals})
 
 
-def summarize(path: Path) -> dict[str, Any]:
-    """Split the wall time recorded in a ledger into where it went; ``goodput`` = productive / wall."""
+SESSION_EVENTS = ("session", "ready", "beat")
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """Split the wall time recorded in a run's journal into where it went; ``goodput`` = productive / wall."""
     sessions: dict[str, dict[str, Any]] = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
+    for rec in read(run_dir):
+        if rec.get("event") not in SESSION_EVENTS:
+            continue  # the logbook's records of attempts
         s = sessions.setdefault(rec["session"], {"start": rec["t"], "ready": None, "last": None})
-        if rec["event"] == "start":
+        if rec["event"] == "session":
             s["start"] = rec["t"]
         elif rec["event"] == "ready":
             s["ready"] = rec["t"]

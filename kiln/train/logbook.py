@@ -1,11 +1,12 @@
-"""The run logbook: an append-only record of every attempt at a training run, across crashes, kills, preemptions,
-torchrun restarts, relaunches and spike rollbacks.
+"""The run logbook: every attempt at a training run, across crashes, kills, preemptions, torchrun restarts,
+relaunches and spike rollbacks.
 
-Rank 0 appends JSON lines to ``logbook.jsonl`` in the run folder: a ``start`` per attempt, ``spike`` events, an
-``end`` with how it ended. Attempt ids climb as ``<launch>.<n>``: a new launch (a materialization, a sbatch job, a
+Rank 0 writes them to the run journal (kiln.train.journal): a ``start`` per attempt, ``spike`` events, an ``end``
+with how it ended. Attempt ids climb as ``<launch>.<n>``: a new launch (a materialization, a sbatch job, a
 ``python -m kiln.train`` command) raises the first number, a torchrun restart or a rollback within it the second.
 ``attempts(run_dir)`` reads it back as one row per attempt (``python -m kiln.train.logbook RUN_DIR`` prints them);
-an attempt with no ``end`` line was killed (SIGKILL, out of memory, a lost node), its last step read from goodput.jsonl.
+an attempt with no ``end`` line was killed (SIGKILL, out of memory, a lost node), its last step read from its
+process's last goodput ``beat`` in the same journal.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.common.metrics import flatten
+from kiln.train.journal import JOURNAL, Journal, read
 
-LOGBOOK = "logbook.jsonl"
 OUTCOMES = ("completed", "preempted", "crashed", "killed", "rolled_back")
 # job fields that differ between attempts without changing what is trained
 UNCOMPARED = ("out_dir", "mlflow_run_id", "mlflow_tracking_uri", "train_files", "val_files")
@@ -32,22 +33,6 @@ def launch_id() -> str:
             or f"pid-{os.getpid()}-{time.time():.3f}")
 
 
-def read(path: Path) -> list[dict[str, Any]]:
-    """Every whole record of a logbook file (a line cut short by a kill is skipped)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / LOGBOOK
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def changes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, list]:
     """{key: [old, new]} for each flat config key whose value differs (a key on one side only included)."""
     if old is None:
@@ -55,28 +40,26 @@ def changes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, list]:
     return {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 
-class Logbook:
-    """Rank 0's writer (a no-op on other ranks). ``begin`` opens an attempt, ``event`` notes a spike or a skipped
-    update, ``end`` closes the attempt with one of OUTCOMES."""
+def _attempt_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if "attempt" in r]
 
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.path, self.enabled = Path(run_dir) / LOGBOOK, enabled
+
+class Logbook:
+    """The attempts' writer, into this process's journal (a no-op on every rank but 0). ``begin`` opens an
+    attempt, ``event`` notes a spike or a skipped update, ``end`` closes the attempt with one of OUTCOMES."""
+
+    def __init__(self, journal: Journal):
+        self.journal = journal
         self.attempt: str | None = None
         self.started: float | None = None
 
-    def _write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:  # one short line per write: appends stay whole
-            f.write(json.dumps(record, default=str) + "\n")
-
-    def begin(self, step: int, how: str, job: dict[str, Any], env: dict[str, Any], session: str = "",
-              resumed_from: str | None = None, t: float | None = None) -> str:
+    def begin(self, step: int, how: str, job: dict[str, Any], env: dict[str, Any], resumed_from: str | None = None,
+              t: float | None = None) -> str:
         """Open an attempt at ``step`` (``how``: fresh, resume or rollback); return its id."""
-        if not self.enabled:
+        if not self.journal.enabled:
             return ""
-        starts = [r for r in read(self.path) if r.get("event") == "start"]
+        records = _attempt_records(self.journal.read())
+        starts = [r for r in records if r.get("event") == "start"]
         prev = starts[-1] if starts else None
         launch = launch_id()
         if prev and (how == "rollback" or prev.get("launch") == launch):
@@ -85,39 +68,24 @@ class Logbook:
         else:
             self.attempt = f"{int(prev['attempt'].split('.')[0]) + 1 if prev else 1}.0"
         config = {**{k: v for k, v in flatten(job).items() if not k.startswith(UNCOMPARED)}, **env}
-        records = read(self.path)
         if t is None or (records and t < records[-1]["t"]):  # a process that ran earlier attempts starts this one now
             t = time.time()
         self.started = t
-        self._write({"event": "start", "attempt": self.attempt, "t": self.started, "step": step, "how": how,
-                     "resumed_from": resumed_from, "session": session, "launch": launch, "config": config,
-                     "changed": changes(prev.get("config") if prev else None, config),
-                     "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+        self.journal.write({"event": "start", "attempt": self.attempt, "t": self.started, "step": step, "how": how,
+                            "resumed_from": resumed_from, "launch": launch, "config": config,
+                            "changed": changes(prev.get("config") if prev else None, config),
+                            "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
         return self.attempt
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
-        self._write({"event": "spike", "attempt": self.attempt, "t": time.time(), "kind": kind, "step": step, **fields})
+        self.journal.write({"event": "spike", "attempt": self.attempt, "t": time.time(), "kind": kind, "step": step,
+                            **fields})
 
     def end(self, outcome: str, step: int, **fields: Any) -> None:
         if outcome not in OUTCOMES:
             raise ValueError(f"logbook outcome {outcome!r} is not one of {', '.join(OUTCOMES)}")
-        self._write({"event": "end", "attempt": self.attempt, "t": time.time(), "outcome": outcome, "step": step,
-                     **fields})
-
-
-def _goodput_last(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """{goodput session: its last record} from goodput.jsonl (the step and time a killed attempt reached)."""
-    last: dict[str, dict[str, Any]] = {}
-    path = Path(run_dir) / "goodput.jsonl"
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "step" in rec:
-                last[rec["session"]] = rec
-    return last
+        self.journal.write({"event": "end", "attempt": self.attempt, "t": time.time(), "outcome": outcome,
+                            "step": step, **fields})
 
 
 def _clock(t: float | None) -> str:
@@ -128,7 +96,7 @@ def _row(start: dict, end: dict | None, spikes: list[dict], nxt: dict | None, be
     beat = beats.get(start.get("session"), {})
     if end is not None:
         outcome, reached, t_end = end["outcome"], end["step"], end["t"]
-    else:  # no end line: the process was killed; how far it got is in the goodput ledger
+    else:  # no end line: the process was killed; how far it got is in its last goodput beat
         outcome, reached, t_end = "killed", max(start["step"], beat.get("step", start["step"])), beat.get("t")
     if outcome == "completed" or outcome == "preempted":
         lost = reached - end.get("saved_step", reached) if end else 0
@@ -155,8 +123,9 @@ def attempts(run_dir: Path) -> list[dict[str, Any]]:
     """One row per attempt, oldest first: id, times (UTC), outcome, steps from and to, steps lost (redone by the next
     attempt), spikes, skipped batches, config changes from the previous attempt, and what ended it."""
     records = read(run_dir)
+    beats = {r["session"]: r for r in records if r.get("event") in ("ready", "beat")}  # each process's last
+    records = _attempt_records(records)
     starts = [r for r in records if r.get("event") == "start"]
-    beats = _goodput_last(Path(run_dir))
     rows = []
     for i, s in enumerate(starts):
         mine = [r for r in records if r.get("attempt") == s["attempt"]]
@@ -197,11 +166,11 @@ def run_folders(path: str | Path) -> list[tuple[str, Path]]:
         stages = [("base_model", info.get("training", {}).get("base_model", {}))]
         stages += [(s.get("stage", "?"), s) for s in info.get("post_training", [])]
         return [(name, Path(s["checkpoint"]).parent.parent) for name, s in stages if s.get("checkpoint")]
-    if (path / LOGBOOK).is_file():
+    if (path / JOURNAL).is_file():
         return [(path.name, path)]
-    if (path.parent.parent / LOGBOOK).is_file():  # <run folder>/checkpoints/step_N
+    if (path.parent.parent / JOURNAL).is_file():  # <run folder>/checkpoints/step_N
         return [(path.parent.parent.name, path.parent.parent)]
-    raise FileNotFoundError(f"{path}: neither a run folder with {LOGBOOK}, a checkpoint in one, nor a release bundle "
+    raise FileNotFoundError(f"{path}: neither a run folder with {JOURNAL}, a checkpoint in one, nor a release bundle "
                             "(kiln.json); give .kiln/storage/<asset>/<run> or .kiln/storage/release_bundle/<version>")
 
 

@@ -28,9 +28,10 @@ from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, paralle
 from kiln.train.checkpoint import CheckpointError, list_checkpoints, load_state, resolve_checkpoint, step_of
 from kiln.train.checkpointer import Checkpointer, rng_state, set_rng_state
 from kiln.train.dist import DistInfo, all_gather, all_mean, rank_digests
-from kiln.train.goodput import GoodputLedger, summarize
+from kiln.train.energy import EnergyMeter
+from kiln.train.goodput import GoodputClock, summarize
 from kiln.train.job import TrainJob
-from kiln.train.ledger import EnergyMeter
+from kiln.train.journal import Journal
 from kiln.train.logbook import Logbook
 from kiln.train.optim import make_optimizer, make_scheduler
 from kiln.train.preempt import PreemptionWatch
@@ -165,8 +166,9 @@ class Trainer:
         self.cfg, self.opt_cfg, self.spike_cfg = job.model, job.optim, job.spikes  # built and checked by load_job
         self.strategy = "none" if info.world_size == 1 else ("ddp" if job.parallelism == "auto" else job.parallelism)
         self.out = Path(job.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)  # the goodput ledger is written before any checkpoint
-        self.ledger = GoodputLedger(self.out / "goodput.jsonl", info.is_main)
+        self.out.mkdir(parents=True, exist_ok=True)  # the journal's first line is written before any checkpoint
+        self.journal = Journal(self.out, info.is_main)  # the run's one record (kiln.train.journal), rank 0's
+        self.clock = GoodputClock(self.journal)  # where this process's time goes
         self.base_gb = resident_gb()
         self.logger = make_logger(job, info)  # rank 0 alone tracks
         self.ckpt = Checkpointer(self.out / "checkpoints", info.rank, info.world_size, sharded=self.strategy == "fsdp",
@@ -182,7 +184,7 @@ class Trainer:
         self.session_steps, self.tokens_s, self.mfus, self.grad_spikes, self.skipped_in_a_row = 0, [], [], 0, 0
         self.last_stats: dict[str, float] = {}
         self.preempt, self.stop_agreed, self.saved_step = PreemptionWatch(), False, -1
-        self.logbook = Logbook(self.out, info.is_main)  # one record per attempt: how it started, how it ended
+        self.logbook = Logbook(self.journal)  # one record per attempt: how it started, how it ended
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.energy = EnergyMeter(info.device.type, local) if info.is_main else EnergyMeter("none")
         self.nodes, self.energy_mark = max(1, info.world_size // local), 0.0
@@ -251,7 +253,7 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         self.start()
         t_start = time.time()
-        self.ledger.ready(self.run.step, self.run.lineage_s)
+        self.clock.ready(self.run.step, self.run.lineage_s)
         if self.run.step == 0 and not self.run.history:
             val = self.validate(0)
             self.run.history.append({"step": 0, **val})
@@ -267,7 +269,7 @@ class Trainer:
             verdict = self.detector.check(train["train_loss"], norm)
             if self.detector.rolls_back(verdict):
                 self.optimizer.zero_grad(set_to_none=True)
-                self.ledger.add("step_s", time.perf_counter() - t0)
+                self.clock.add("step_s", time.perf_counter() - t0)
                 self.rollback(verdict[1], train["train_loss"])
                 continue
             self.skipped_in_a_row = 0
@@ -311,8 +313,8 @@ class Trainer:
 
     def begin_attempt(self, how: str, t: float | None = None) -> None:
         self.energy_mark = self.energy.joules() or 0.0
-        self.logbook.begin(self.run.step, how, self.job_params(), self.env_config(), self.ledger.session,
-                           str(self.latest) if how == "resume" else None, t)
+        resumed_from = str(self.latest) if how == "resume" else None
+        self.logbook.begin(self.run.step, how, self.job_params(), self.env_config(), resumed_from, t)
 
     def end_attempt(self, outcome: str, step: int, **fields: Any) -> None:
         """Close this attempt in the logbook, with the energy its devices used where NVML counts it."""
@@ -353,9 +355,9 @@ class Trainer:
         run.step += 1
         run.train_loss = train["train_loss"]
         step = run.step
-        self.ledger.add("step_s", seconds)
-        run.lineage_s = self.ledger.lineage_s
-        self.ledger.beat(step)  # the step's time is on record before a kill can come
+        self.clock.add("step_s", seconds)
+        run.lineage_s = self.clock.lineage_s
+        self.clock.beat(step)  # the step's time is on record before a kill can come
         for cb in self.callbacks:
             cb.on_step_end(self, step)
         self.session_steps += 1
@@ -371,7 +373,7 @@ class Trainer:
         if step % job.ckpt_interval == 0 or step == job.max_steps:
             self.save(step)
         if val is not None or step % job.ckpt_interval == 0 or step == job.max_steps:
-            self.ledger.beat(step)  # validation and saving time of this step
+            self.clock.beat(step)  # validation and saving time of this step
 
     def step_metrics(self, train: dict[str, float], norm: float, seconds: float) -> dict[str, float]:
         metrics = {"train_loss": train["train_loss"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm}
@@ -389,7 +391,7 @@ class Trainer:
     def validate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         val = self.stage.validate(self)
-        self.ledger.add("eval_s", time.perf_counter() - t0)
+        self.clock.add("eval_s", time.perf_counter() - t0)
         self.run.val_loss = val.get("val_loss", self.run.val_loss)
         self.logger.log(val, step)
         return val
@@ -423,7 +425,7 @@ class Trainer:
                 "train_loss": self.run.train_loss, "seed": self.job.seed, "world_size": self.info.world_size,
                 "parallelism": self.strategy, "history": self.run.history, "job": self.job_params(), **self.stage.meta()}
         weights = (lambda: merged_state_dict(self.raw)) if lora else None  # readers get plain GPT weights
-        self.ledger.add("save_s", self.ckpt.save(step, self.raw, self.optimizer, extras, meta, weights))
+        self.clock.add("save_s", self.ckpt.save(step, self.raw, self.optimizer, extras, meta, weights))
         self.saved_step = step
 
     def restore(self, path: Path, rolling_back: bool = False) -> None:
@@ -454,7 +456,7 @@ class Trainer:
             raise SpikeError(f"loss spike at step {run.step + 1} ({reason}) {why}: lower optim.lr, raise "
                              f"optim.warmup_steps or check the data near batch {run.data_batches}")
         t0 = time.perf_counter()
-        self.ledger.add("save_s", self.ckpt.wait())
+        self.clock.add("save_s", self.ckpt.wait())
         spike_step, spike_batches = run.step + 1, run.data_batches
         target = self.ckpt.latest(before_step=spike_step - cfg.rollback_steps) or self.ckpt.latest(before_step=run.step)
         if target is None:  # too early for any checkpoint: drop this batch's update (a run of them means trouble)
@@ -470,8 +472,8 @@ class Trainer:
         self.begin_attempt("rollback")
         self.events.append({"event": "rollback", "step": spike_step, "to_step": self.run.step, "skipped_batches": skip,
                             "reason": reason, "loss": loss})
-        self.ledger.add("restore_s", time.perf_counter() - t0)
-        self.ledger.restored(self.run.step, self.run.lineage_s)
+        self.clock.add("restore_s", time.perf_counter() - t0)
+        self.clock.restored(self.run.step, self.run.lineage_s)
         self.logger.log({"spike": 1.0, "spike_loss": loss, "rollback_to_step": float(self.run.step),
                          "skipped_batches": float(skip)}, spike_step)
         self.warn(f"loss spike at step {spike_step}: {reason}. Rolled back to step {self.run.step} ({target.name}) and "
@@ -500,7 +502,7 @@ class Trainer:
         step, t0 = self.run.step, time.perf_counter()
         if self.saved_step != step:
             self.save(step)
-        self.ledger.add("save_s", self.ckpt.wait())
+        self.clock.add("save_s", self.ckpt.wait())
         save_s, since = time.perf_counter() - t0, self.preempt.seconds_since()
         within = since <= self.job.preempt_grace_s
         self.logger.log({"preempted": 1.0, "preempt_save_s": save_s}, step)
@@ -513,13 +515,13 @@ class Trainer:
     def finish(self, t_start: float, outcome: str = "completed", end: dict[str, Any] | None = None) -> dict[str, Any]:
         """Wait for the last save, check the ranks agree, account for goodput; close the attempt in the logbook;
         write and return result.json (``outcome``: completed or preempted)."""
-        self.ledger.add("save_s", self.ckpt.wait())
+        self.clock.add("save_s", self.ckpt.wait())
         self.logger.flush()
         digests = rank_digests(self.model, self.info)
         if self.info.is_main and len(set(digests)) > 1:
             self.warn(f"ranks disagree on the final parameters: {digests}")
-        self.ledger.beat(self.run.step, event="end")
-        goodput = summarize(self.out / "goodput.jsonl") if self.info.is_main else {}
+        self.clock.beat(self.run.step)
+        goodput = summarize(self.out) if self.info.is_main else {}
         if self.info.is_main:
             self.logger.log({f"goodput_{k}" if k != "goodput" else k: v for k, v in goodput.items()
                              if isinstance(v, (int, float))}, self.run.step)

@@ -16,6 +16,7 @@ import pytest
 
 from kiln.train import logbook
 from kiln.train.checkpoint import list_checkpoints, step_of
+from kiln.train.journal import Journal
 from kiln.train.loop import main
 from kiln.train.preempt import PREEMPTED_EXIT, PreemptionWatch, exit_code
 from tests.faults import injector
@@ -36,7 +37,7 @@ def test_the_watch_sets_a_flag_and_restores_the_handlers() -> None:
 
 def test_attempt_ids_climb_and_config_changes_are_listed(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KILN_LAUNCH_ID", "launch-a")
-    book = logbook.Logbook(tmp_path, True)
+    book = logbook.Logbook(Journal(tmp_path, True))
     assert book.begin(0, "fresh", {"max_steps": 10, "out_dir": "/x"}, {"world_size": 1}) == "1.0"
     book.end("crashed", 4, error="RuntimeError: boom")
     assert book.begin(3, "resume", {"max_steps": 10}, {"world_size": 1}) == "1.1"  # a torchrun restart
@@ -93,7 +94,7 @@ def test_a_logbook_holds_a_preemption_a_crash_and_a_rollback(tmp_path, pretrain_
     """Three launches of one run: SIGTERM at step 4, a crash at step 12, then a loss spike at step 19 that rolls
     back to step 10 and trains to the end; the logbook has one row per attempt and the ledger their device-hours."""
     from kiln.plan import CostConfig
-    from kiln.train.ledger import run_ledger
+    from kiln.train.energy import run_ledger
 
     job = spike_job(pretrain_job, tmp_path)
     argv = ["--config", str(job), "--device", "cpu"]

@@ -1,8 +1,8 @@
 """Tests for the cost and energy figures: the planner's planned costs and compute-optimal size (kiln.plan), the run
-ledger with NVML energy counters or the configured watts (kiln.train.ledger), the model card's operations section
+ledger with NVML energy counters or the configured watts (kiln.train.energy), the model card's operations section
 (kiln.release.card), ``kiln logbook`` on a release, and MLflow's system metrics from a training run.
 
-Run: python -m pytest tests/kiln/train/test_ledger.py -q
+Run: python -m pytest tests/kiln/train/test_energy.py -q
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kiln.model.config import ModelConfig, preset_fields
 from kiln.plan import (BatchConfig, CostConfig, HardwareConfig, PlanError, compute_optimal, describe_costs, load_cost,
                        make_plan, planned_costs)
 from kiln.train import logbook
-from kiln.train.ledger import EnergyMeter, ledger_table, run_ledger
+from kiln.train.energy import EnergyMeter, ledger_table, run_ledger
+from kiln.train.journal import Journal
 
 
 def gpt2_plan(nproc: int = 8):
@@ -101,7 +102,7 @@ def test_the_model_card_totals_the_chain_and_kiln_logbook_reads_a_release(tmp_pa
     for i, (asset, outcome) in enumerate([("base_model", "preempted"), ("sft_model", "completed"),
                                           ("dpo_model", "completed"), ("rl_model", "completed")]):
         run = tmp_path / asset / "run"
-        book = logbook.Logbook(run, True)
+        book = logbook.Logbook(Journal(run, True))
         book.begin(0, "fresh", {"max_steps": 4}, {"world_size": 1})
         book.end(outcome, 2)
         if outcome == "preempted":
