@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from kiln.common.config import ConfigError, from_dict
 from kiln.model.config import ModelConfig, model_dict, padded_vocab, preset_fields
-from kiln.model.families import flops_per_token
+from kiln.model.families import flops_per_token, of
 from kiln.model.loss import CE_CHUNK_BYTES
 
 GIB = 1024**3
@@ -164,43 +164,25 @@ def measure_matmul_peak(device: str = "cpu", dtype=None, seconds: float = 0.3, n
 
 
 def layer_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block of ``cfg``'s family."""
-    c = cfg.n_embd
-    if cfg.family == "llama":
-        kv = cfg.n_kv_head * cfg.head_dim  # grouped-query attention: k and v are n_kv_head heads wide
-        attn = 2 * c * c + 2 * c * kv  # q, o and k, v projections, no biases
-        qk_norm = 2 * cfg.head_dim if cfg.qk_norm else 0  # one RMSNorm weight per head dimension for q and k
-        return attn + 3 * c * cfg.intermediate_size + 2 * c + qk_norm  # SwiGLU's gate, up, down; two RMSNorm weights
-    # 12 C^2 of matrices; 4 LayerNorm vectors (2 without bias) + 9 C of Linear biases (none without bias)
-    return 12 * c**2 + (13 * c if cfg.bias else 2 * c)
+    """Parameters of one transformer block of ``cfg``'s family (kiln.model.families.Family.layer_params)."""
+    return of(cfg).layer_params(cfg)
 
 
 def embedding_params(cfg: ModelConfig) -> int:
-    """Parameters of the tables and the head: GPT-2's token and position tables (its head is tied); llama's token
-    table, plus its output head when untied."""
-    if cfg.family == "llama":
-        return cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2)
-    return (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+    """Parameters of the tables and the head, a tied head counted once: GPT-2's token and position tables; llama's
+    token table, plus its output head when untied."""
+    return of(cfg).embedding_params(cfg)
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:
     """(total parameters, tied ones counted once; parameters excluding the embedding tables and the head)."""
-    final_norm = (2 if cfg.bias else 1) * cfg.n_embd if cfg.family == "gpt2" else cfg.n_embd  # RMSNorm: weight only
-    body = cfg.n_layer * layer_params(cfg) + final_norm
+    body = cfg.n_layer * layer_params(cfg) + of(cfg).final_norm_params(cfg)
     return body + embedding_params(cfg), body
 
 
 def saved_per_token(cfg: ModelConfig) -> tuple[int, int]:
     """(elements autograd keeps per token per block, of which residual-stream elements): see memory_breakdown."""
-    c = cfg.n_embd
-    if cfg.family == "llama":
-        kv = cfg.n_kv_head * cfg.head_dim
-        # block input, each RMSNorm's normalised input (for its weight's gradient) and output, rotated q and k, v,
-        # attention output and its contiguous copy, the residual after attention; SwiGLU's gate, silu(gate), up and
-        # their product (measured with saved_tensors_hooks: 9 C + 2 kv + 4 I, within 0.3 C)
-        n = 9 * c + 2 * kv + 4 * cfg.intermediate_size
-        return n + (3 * (c + kv) if cfg.qk_norm else 0), 2 * c  # QK-norm keeps q, k, their normalised copies and more (measured 2.7 (C + kv))
-    return 17 * c, 2 * c
+    return of(cfg).saved_per_token(cfg)
 
 
 def memory_breakdown(cfg: ModelConfig, micro_batch: int, seq_len: int, mixed_precision: bool, world: int = 1,
@@ -248,7 +230,7 @@ def memory_breakdown(cfg: ModelConfig, micro_batch: int, seq_len: int, mixed_pre
         state = n * 16 / world
         p_bytes = 2 if mixed_precision else 4
         block = layer_params(cfg)
-        root = embedding_params(cfg) + (2 if cfg.family == "gpt2" else 1) * c  # tables, head and final norm
+        root = embedding_params(cfg) + of(cfg).final_norm_params(cfg)  # tables, head and final norm
         in_flight = (root + 2 * block) * (p_bytes + 4)  # unsharded params and their fp32 gradients before reduce-scatter
     else:
         state = n * (18 if mixed_precision else 16)
@@ -424,11 +406,15 @@ def plan_from_config(n_vocab: int, model_preset: str = "", model: dict | None = 
 
 
 def _family_note(model: dict) -> str:
-    """What a llama-family plan adds to the model line (a GPT-2 plan's line reads as before families)."""
-    if model.get("family") != "llama":
+    """What a llama-style plan adds to the model line (a GPT-2 plan omits the family and reads as before families)."""
+    if not model.get("family"):
         return ""
-    return (f"; llama: {model['n_kv_head']} key/value heads, SwiGLU {model['intermediate_size']} wide, "
-            f"{'tied' if model['tie_embeddings'] else 'untied'} head{', QK-norm' if model['qk_norm'] else ''}")
+    parts = [f"{model['n_kv_head']} key/value heads"] if "n_kv_head" in model else []
+    if "intermediate_size" in model:
+        parts.append(f"SwiGLU {model['intermediate_size']} wide")
+    if "tie_embeddings" in model:
+        parts.append(f"{'tied' if model['tie_embeddings'] else 'untied'} head{', QK-norm' if model.get('qk_norm') else ''}")
+    return f"; {model['family']}: " + ", ".join(parts)
 
 
 def describe_plan(plan: TrainingPlan) -> str:

@@ -26,7 +26,9 @@ class KVCache:
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch: int, max_len: int | None = None) -> "KVCache":
         cfg = model.config
-        n_kv = cfg.n_kv_head if cfg.family == "llama" else cfg.n_head
+        from kiln.model.families import of
+
+        n_kv = of(cfg).kv_heads(cfg)
         w = next(model.parameters())
         return cls(cfg.n_layer, batch, n_kv, max_len or cfg.block_size, cfg.head_dim, w.device, w.dtype)
 

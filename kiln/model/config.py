@@ -8,16 +8,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-FAMILIES = ("gpt2", "llama")
-
-# The fields each family uses, in its serialised form. A GPT-2 config omits `family` (gpt2 is the default), so the
-# plans, checkpoints and run versions written before families existed read back unchanged.
-FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
-    "gpt2": ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias"),
-    "llama": ("family", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "n_kv_head",
-              "intermediate_size", "rope_theta", "norm_eps", "qk_norm", "tie_embeddings"),
-}
-
 
 @dataclass
 class ModelConfig:
@@ -37,24 +27,18 @@ class ModelConfig:
     tie_embeddings: bool = True  # llama: the output head shares the token embedding (gpt2 always ties)
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"model.family: unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        from kiln.model.families import family, names
+
+        desc = family(self.family)  # an unknown family is an error listing the known ones
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         for f in fields(self):
-            if f.name not in FAMILY_FIELDS[self.family] and f.name not in ("family", "bias"):
+            if f.name not in desc.fields and f.name not in ("family", "bias"):
                 if getattr(self, f.name) != f.default:
-                    raise ValueError(f"model.{f.name} applies to the llama family only; set model.family: llama "
-                                     f"or remove model.{f.name}")
-        if self.family == "llama":
-            if self.n_kv_head == 0:
-                self.n_kv_head = self.n_head
-            if self.n_head % self.n_kv_head:
-                raise ValueError(f"model.n_head ({self.n_head}) must be a multiple of model.n_kv_head ({self.n_kv_head})")
-            if self.intermediate_size == 0:
-                self.intermediate_size = -(-(8 * self.n_embd // 3) // 64) * 64
-            if (self.n_embd // self.n_head) % 2:
-                raise ValueError(f"model.n_embd / model.n_head = {self.n_embd // self.n_head} must be even for rotary embeddings")
+                    users = [n for n in names() if f.name in family(n).fields]
+                    raise ValueError(f"model.{f.name} applies to the {' and '.join(users)} family only; set "
+                                     f"model.family: {users[0]} or remove model.{f.name}")
+        desc.complete(self)
 
     @property
     def head_dim(self) -> int:
@@ -62,9 +46,13 @@ class ModelConfig:
 
 
 def model_dict(cfg: ModelConfig) -> dict:
-    """The fields ``cfg.family`` uses, as plans, checkpoints and bundles record them (``ModelConfig(**d)`` reads it back)."""
+    """The fields ``cfg.family`` uses, as plans, checkpoints and bundles record them (``ModelConfig(**d)`` reads it
+    back). A GPT-2 config omits ``family`` (gpt2 is the default), so the plans, checkpoints and run versions written
+    before families existed read back unchanged."""
+    from kiln.model.families import family
+
     d = asdict(cfg)
-    return {k: d[k] for k in FAMILY_FIELDS[cfg.family]}
+    return {k: d[k] for k in family(cfg.family).fields}
 
 
 # Named sizes per family: the CPU configs Kiln's presets use and the published shapes. The GPT-2 sizes take GPT-2's
@@ -94,7 +82,10 @@ MODEL_PRESETS: dict[str, dict[str, dict]] = {
 def preset_fields(name: str, family: str = "gpt2") -> dict:
     """ModelConfig fields of a named size of ``family``; an unknown name is an error that lists the known ones."""
     if family not in MODEL_PRESETS:
-        raise ValueError(f"model.family: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+        from kiln.model.families import family as known
+
+        known(family)  # an unknown family is an error listing the known ones
+        raise ValueError(f"model_preset {name!r}: the {family} family has no named sizes; give the model's fields")
     sizes = MODEL_PRESETS[family]
     if name not in sizes:
         raise ValueError(f"unknown model preset {name!r} for family {family}; choose one of {', '.join(sizes)}")

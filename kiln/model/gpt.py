@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kiln.model.cache import KVCache
 from kiln.model.config import MODEL_PRESETS, ModelConfig, padded_vocab, preset_fields  # noqa: F401  (re-exported)
+from kiln.model.families import Family
 from kiln.model.loss import LinearCrossEntropy
 from kiln.model.masks import check_attn_mask
 
@@ -76,8 +77,6 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.family != "gpt2":
-            raise ValueError(f"GPT needs model.family: gpt2, got {cfg.family!r}")
         self.config = cfg
         self.transformer = nn.ModuleDict(
             dict(
@@ -144,6 +143,61 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""
     n = 12 * cfg.n_layer * cfg.n_embd**2 + cfg.vocab_size * cfg.n_embd
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """12 C^2 of matrices; 4 LayerNorm vectors (2 without bias) + 9 C of Linear biases (none without bias)."""
+    c = cfg.n_embd
+    return 12 * c**2 + (13 * c if cfg.bias else 2 * c)
+
+
+def saved_per_token(cfg: ModelConfig) -> tuple[int, int]:
+    """The block input, LN outputs, q/k/v, the attention output and its contiguous copy, the MLP's 4C hidden before
+    and after GELU: 17 C elements, 2 C of them the residual stream."""
+    return 17 * cfg.n_embd, 2 * cfg.n_embd
+
+
+def hf_config(cfg: ModelConfig, eot: int) -> dict:
+    """config.json of GPT2LMHeadModel."""
+    if not cfg.bias:
+        raise ValueError("Hugging Face GPT-2 needs biases: release a model trained with model.bias=true")
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def read_hf_config(path, doc: dict) -> ModelConfig:
+    """A GPT-2 config.json as ModelConfig; anything Kiln's GPT computes differently is refused."""
+    from kiln.pretrained.config import require
+
+    n_embd = doc["n_embd"]
+    require(path, doc, "n_inner", lambda v: v == 4 * n_embd, "Kiln's GPT-2 MLP is 4 x n_embd wide")
+    require(path, doc, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"), "tanh GELU only")
+    require(path, doc, "layer_norm_epsilon", lambda v: abs(v - 1e-5) < 1e-12, "LayerNorm epsilon 1e-5")
+    require(path, doc, "tie_word_embeddings", lambda v: v is True, "the head is tied to the embedding")
+    require(path, doc, "scale_attn_weights", lambda v: v is True, "attention scaled by 1/sqrt(head size)")
+    require(path, doc, "scale_attn_by_inverse_layer_idx", lambda v: v is False, "no per-layer attention scaling")
+    require(path, doc, "add_cross_attention", lambda v: v is False, "decoder only")
+    return ModelConfig(vocab_size=doc["vocab_size"], block_size=doc.get("n_positions") or doc["n_ctx"],
+                       n_layer=doc["n_layer"], n_head=doc["n_head"], n_embd=n_embd, dropout=0.0, bias=True)
+
+
+FAMILY = Family(
+    name="gpt2", model=GPT, style="GPT-2-style",
+    fields=("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias"),  # no `family`: the default
+    embedding="transformer.wte.weight", lora_targets=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+    tied=lambda cfg: True, kv_heads=lambda cfg: cfg.n_head, layer_params=layer_params,
+    embedding_params=lambda cfg: (cfg.vocab_size + cfg.block_size) * cfg.n_embd,  # token and position tables
+    final_norm_params=lambda cfg: (2 if cfg.bias else 1) * cfg.n_embd, saved_per_token=saved_per_token,
+    flops_per_token=flops_per_token, hf_config=hf_config, hf_readers={"gpt2": read_hf_config},
+    hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
+    hf_prefix="transformer.",
+)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kiln.model.cache import KVCache
 from kiln.model.config import ModelConfig
+from kiln.model.families import Family
 from kiln.model.loss import LinearCrossEntropy
 from kiln.model.masks import check_attn_mask
 
@@ -105,8 +106,6 @@ class Block(nn.Module):
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.family != "llama":
-            raise ValueError(f"Llama needs model.family: llama, got {cfg.family!r}")
         self.config = cfg
         self.model = nn.ModuleDict(
             dict(
@@ -177,6 +176,98 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     mlp = 3 * cfg.n_embd * cfg.intermediate_size
     n = cfg.n_layer * (attn + mlp) + cfg.vocab_size * cfg.n_embd  # the head is a matmul, tied or not
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+def complete(cfg: ModelConfig) -> None:
+    """Fill the derived fields (key/value heads, SwiGLU width) and check the grouped-query and rotary shapes."""
+    if cfg.n_kv_head == 0:
+        cfg.n_kv_head = cfg.n_head
+    if cfg.n_head % cfg.n_kv_head:
+        raise ValueError(f"model.n_head ({cfg.n_head}) must be a multiple of model.n_kv_head ({cfg.n_kv_head})")
+    if cfg.intermediate_size == 0:
+        cfg.intermediate_size = -(-(8 * cfg.n_embd // 3) // 64) * 64
+    if (cfg.n_embd // cfg.n_head) % 2:
+        raise ValueError(f"model.n_embd / model.n_head = {cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """q, o and the narrower k, v projections (no biases), SwiGLU's gate, up and down, two RMSNorm weights, and
+    with QK-norm one RMSNorm weight per head dimension for q and for k."""
+    c, kv = cfg.n_embd, cfg.n_kv_head * cfg.head_dim
+    qk_norm = 2 * cfg.head_dim if cfg.qk_norm else 0
+    return 2 * c * c + 2 * c * kv + 3 * c * cfg.intermediate_size + 2 * c + qk_norm
+
+
+def saved_per_token(cfg: ModelConfig) -> tuple[int, int]:
+    """The block input, each RMSNorm's normalised input (for its weight's gradient) and output, rotated q and k, v,
+    the attention output and its contiguous copy, the residual after attention; SwiGLU's gate, silu(gate), up and
+    their product (measured with saved_tensors_hooks: 9 C + 2 kv + 4 I, within 0.3 C). QK-norm keeps q, k, their
+    normalised copies and more (measured 2.7 (C + kv))."""
+    c, kv = cfg.n_embd, cfg.n_kv_head * cfg.head_dim
+    n = 9 * c + 2 * kv + 4 * cfg.intermediate_size
+    return n + (3 * (c + kv) if cfg.qk_norm else 0), 2 * c
+
+
+def hf_config(cfg: ModelConfig, eot: int) -> dict:
+    """config.json of LlamaForCausalLM (Qwen3ForCausalLM with qk_norm, which is where they differ). The rotary base
+    is written both ways transformers has read it (rope_theta; rope_parameters since v5)."""
+    out = {
+        "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
+        "model_type": "qwen3" if cfg.qk_norm else "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
+        "torch_dtype": "float32", "dtype": "float32",
+    }
+    if cfg.qk_norm:  # Qwen3's sliding-window attention, off: every layer attends to the whole context
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
+                   layer_types=["full_attention"] * cfg.n_layer)
+    else:
+        out.update(mlp_bias=False, pretraining_tp=1)
+    return out
+
+
+def read_hf_config(path, doc: dict, qk_norm: bool = False) -> ModelConfig:
+    """A Llama-style config.json (llama; mistral without a sliding window; qwen3 with QK-norm) as ModelConfig;
+    anything Kiln's Llama computes differently is refused."""
+    from kiln.pretrained.config import require, rope_theta
+
+    n_embd, n_head = doc["hidden_size"], doc["num_attention_heads"]
+    require(path, doc, "hidden_act", lambda v: v == "silu", "SwiGLU with SiLU")
+    require(path, doc, "attention_bias", lambda v: v is False, "no attention biases")
+    require(path, doc, "mlp_bias", lambda v: v is False, "no MLP biases")
+    require(path, doc, "head_dim", lambda v: v == n_embd // n_head, "head_dim = hidden_size / num_attention_heads")
+    require(path, doc, "use_sliding_window", lambda v: v is False, "full attention")
+    require(path, doc, "sliding_window", lambda v: False, "full attention")
+    require(path, doc, "pretraining_tp", lambda v: v == 1, "no tensor-parallel slicing")
+    return ModelConfig(
+        family="llama", vocab_size=doc["vocab_size"], block_size=doc["max_position_embeddings"],
+        n_layer=doc["num_hidden_layers"], n_head=n_head, n_embd=n_embd,
+        n_kv_head=doc.get("num_key_value_heads") or n_head, intermediate_size=doc["intermediate_size"],
+        rope_theta=rope_theta(path, doc), norm_eps=float(doc.get("rms_norm_eps", 1e-6)), qk_norm=qk_norm,
+        tie_embeddings=bool(doc.get("tie_word_embeddings", False)), bias=False,
+    )
+
+
+FAMILY = Family(
+    name="llama", model=Llama, style="Llama-style",
+    fields=("family", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "n_kv_head",
+            "intermediate_size", "rope_theta", "norm_eps", "qk_norm", "tie_embeddings"),
+    embedding="model.embed_tokens.weight",
+    lora_targets=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj"),
+    tied=lambda cfg: cfg.tie_embeddings, kv_heads=lambda cfg: cfg.n_kv_head, complete=complete,
+    layer_params=layer_params,
+    embedding_params=lambda cfg: cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2),  # + untied head
+    final_norm_params=lambda cfg: cfg.n_embd,  # RMSNorm: a weight only
+    saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config,
+    # Mistral without a sliding window is Llama's computation under another name
+    hf_readers={"llama": read_hf_config, "mistral": read_hf_config,
+                "qwen3": lambda path, doc: read_hf_config(path, doc, qk_norm=True)},
+)
 
 
 if __name__ == "__main__":

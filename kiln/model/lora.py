@@ -20,12 +20,16 @@ import torch.nn.functional as F
 
 from kiln.model.quant import check_nf4_shape, dequantize, is_nf4, nf4_linear, to_nf4_weight
 
-# The Linear layers of every block, per family (kiln.model.config.FAMILIES); the default targets are all of them.
-TARGETS: dict[str, tuple[str, ...]] = {
-    "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
-    "llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-}
+# The default targets, GPT-2's four projections, mean every Linear layer of the model's family
+# (kiln.model.families.Family.lora_targets), so a LoRA config without targets fits any model.
+DEFAULT_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def family_layers() -> dict[str, tuple[str, ...]]:
+    """Each registered family's block Linear layers (module name suffixes)."""
+    from kiln.model.families import family, names
+
+    return {name: family(name).lora_targets for name in names()}
 
 
 QUANTIZE = ("none", "nf4")  # LoRAConfig.quantize values
@@ -38,7 +42,7 @@ class LoRAConfig:
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapter's input
     # module name suffixes that get adapters; the default (GPT-2's four) means every projection of the model's family
-    targets: list = field(default_factory=lambda: list(TARGETS["gpt2"]))
+    targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
     quantize: Literal["none", "nf4"] = "none"  # the targets' frozen weights: as they are, or 4-bit NF4 (QLoRA)
 
     def __post_init__(self) -> None:
@@ -47,18 +51,19 @@ class LoRAConfig:
         if self.quantize not in QUANTIZE:
             raise ValueError(f"lora.quantize: unknown value {self.quantize!r}; choose 'none' (the frozen weights as "
                              "they are) or 'nf4' (4-bit NormalFloat, QLoRA)")
-        known = {t for names in TARGETS.values() for t in names}
+        layers = family_layers()
+        known = {t for names in layers.values() for t in names}
         unknown = [t for t in self.targets if t not in known]
         if unknown:
             raise ValueError(f"lora.targets: unknown module {unknown[0]!r}; choose from "
-                             + "; ".join(f"{fam}: {', '.join(names)}" for fam, names in TARGETS.items()))
+                             + "; ".join(f"{fam}: {', '.join(names)}" for fam, names in layers.items()))
 
 
 def family_targets(cfg: LoRAConfig, family: str) -> list[str]:
     """The targets ``cfg`` names, checked against ``family``'s Linear layers. The default (every GPT-2 projection)
     means every projection of ``family``, so a LoRA config without targets fits any model."""
-    valid = TARGETS[family]
-    if sorted(cfg.targets) == sorted(TARGETS["gpt2"]):
+    valid = family_layers()[family]
+    if sorted(cfg.targets) == sorted(DEFAULT_TARGETS):
         return list(valid)
     wrong = [t for t in cfg.targets if t not in valid]
     if wrong:

@@ -73,7 +73,9 @@ class RewardModel(nn.Module):
 
 
 def _embedding_name(backbone: nn.Module) -> str:
-    return "model.embed_tokens" if backbone.config.family == "llama" else "transformer.wte"
+    from kiln.model.families import of
+
+    return of(backbone.config).embedding_module
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -265,7 +267,10 @@ def write_hf_reward(ckpt: str | Path, out_dir: str | Path) -> Path:
     model, enc, meta = load_reward_model(ckpt)
     cfg, out_dir = model.config, Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    backbone = {k: v for k, v in model.backbone.state_dict().items() if k != "lm_head.weight"}
+    from kiln.model.families import of
+
+    head = of(cfg).head  # a sequence classifier has no LM head: the score replaces it
+    backbone = {k: v for k, v in model.backbone.state_dict().items() if k != head}
     state = {**to_hf_state_dict(backbone, cfg), "score.weight": model.score.weight.detach().float().contiguous()}
     with atomic_path(out_dir / "model.safetensors") as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})

@@ -14,16 +14,13 @@ from pathlib import Path
 import torch
 
 from kiln.model.config import ModelConfig
-from kiln.model.families import build_model
+from kiln.model.families import build_model, of
 from kiln.pretrained.config import PretrainedError
-from kiln.release.hf import CONV1D  # GPT-2's Conv1D projections: transposed against nn.Linear
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt", "tf_model.h5",
            "flax_model.msgpack")
-BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # non-weights older files carry
-EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -64,30 +61,11 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _renamed(family: str, tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> Kiln's (identical but for GPT-2's prefix and Conv1D transposes); tied heads shared."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.endswith(BUFFERS):
-            continue
-        if family == "gpt2":
-            if name == "lm_head.weight":
-                continue
-            name = name if name.startswith("transformer.") else f"transformer.{name}"  # GPT2Model files lack it
-            t = t.t() if name.endswith(CONV1D) else t
-        elif tied and name == "lm_head.weight":
-            continue
-        out[name] = t.contiguous()
-    if tied and EMBEDDING[family] in out:
-        out["lm_head.weight"] = out[EMBEDDING[family]]
-    return out
-
-
 def kiln_state(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict of ``build_model(cfg)`` from the folder's tensors; a missing, extra or misshapen weight is an
     error naming the tensor, the shapes and config.json."""
-    tied = cfg.family == "gpt2" or cfg.tie_embeddings
-    state = _renamed(cfg.family, tensors, tied)
+    desc = of(cfg)
+    state = desc.from_hf(tensors, cfg)  # the renaming release's bundles are read back with (kiln.model.families)
     with torch.device("meta"):
         template = build_model(cfg).state_dict()
     where = f"{Path(folder)} (config.json against its safetensors)"
@@ -101,7 +79,8 @@ def kiln_state(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor])
                               "differs from what config.json says, so it is not imported")
     for name, t in template.items():
         if tuple(state[name].shape) != tuple(t.shape):
-            hint = " (GPT-2 Conv1D weights are stored transposed)" if cfg.family == "gpt2" else ""
+            transposed = desc.hf_transposed and name.endswith(desc.hf_transposed)
+            hint = " (this family's Hugging Face files store it transposed)" if transposed else ""
             raise PretrainedError(f"{where}: {name} has shape {tuple(state[name].shape)} but config.json implies "
                                   f"{tuple(t.shape)}{hint}; config.json and the weights disagree")
     return state
@@ -120,13 +99,13 @@ def grow_vocab(state: dict[str, torch.Tensor], cfg: ModelConfig, new_ids: list[i
         return state, cfg
     new_cfg = grown_config(cfg, new_ids)
     out = dict(state)
-    emb = EMBEDDING[cfg.family]
-    tied = cfg.family == "gpt2" or cfg.tie_embeddings
-    for key in [emb] if tied else [emb, "lm_head.weight"]:
+    desc = of(cfg)
+    emb, tied = desc.embedding, desc.tied(cfg)
+    for key in [emb] if tied else [emb, desc.head]:
         w = state[key]  # (V, C)
         grown = torch.cat([w, w.new_zeros(new_cfg.vocab_size - w.shape[0], w.shape[1])], dim=0)  # (V_new, C)
         grown[new_ids] = w[:mean_of].mean(dim=0)
         out[key] = grown.contiguous()
     if tied:
-        out["lm_head.weight"] = out[emb]
+        out[desc.head] = out[emb]
     return out, new_cfg

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kiln.common.plots import line_plot_png
+from kiln.model.config import ModelConfig
+from kiln.model.families import family
 from kiln.posttrain.measures import MEASURES, NOISE_Z, change_rows
 
 CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
@@ -45,11 +47,10 @@ def table(rows: list[dict]) -> str:
 
 def _model(name: str, license: str, plan: dict, tok: dict) -> str:
     m = plan["model"]
-    if m.get("family") == "llama":  # GPT-2 plans omit the family (kiln.model.config.model_dict)
-        style, heads = "A Llama-style", f"{m['n_head']} heads ({m['n_kv_head']} key/value)"
-        layout = "Qwen3ForCausalLM" if m.get("qk_norm") else "LlamaForCausalLM"
-    else:
-        style, heads, layout = "A GPT-2-style", f"{m['n_head']} heads", "GPT-2"
+    desc = family(m.get("family", "gpt2"))  # GPT-2 plans omit the family (kiln.model.config.model_dict)
+    style = f"A {desc.style}"
+    heads = f"{m['n_head']} heads" + (f" ({m['n_kv_head']} key/value)" if "n_kv_head" in m else "")
+    layout = desc.hf_config(ModelConfig(**m), 0)["architectures"][0]
     return f"""# {name}
 
 {style} language model trained with Kiln from public text. Released {dt.date.today().isoformat()} under {license}.

@@ -1,4 +1,4 @@
-"""Hugging Face formats of a Kiln model: GPT-2 weights (Conv1D layout) or Llama / Qwen3 weights, config, and the
+"""Hugging Face formats of a Kiln model: its family's weight layout and config (kiln.model.families), and the
 tokenizer with Kiln's ids.
 
 Use: ``to_hf_state_dict(state, cfg)``, ``hf_config(cfg, eot)``, ``hf_tokenizer(enc).encode(text).ids``;
@@ -15,9 +15,8 @@ import torch
 
 from kiln.common.files import atomic_path, atomic_write_json, atomic_write_text
 from kiln.model.config import ModelConfig
+from kiln.model.families import of
 
-# Hugging Face's GPT-2 stores these projections as Conv1D, whose weight is the transpose of nn.Linear's.
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # The chat layout Kiln's SFT trains on (kiln.posttrain.sft.encode_example), as a Jinja template for apply_chat_template.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -42,70 +41,19 @@ class ReleaseError(ValueError):
     """A bundle is incomplete or damaged, or its files cannot be made to match Kiln; the message names the file."""
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """Kiln parameter names already follow GPT2LMHeadModel (LlamaForCausalLM, Qwen3ForCausalLM for llama); for
-    GPT-2 transpose the Conv1D weights; drop a tied head (transformers ties it again from the embedding)."""
-    if cfg is not None and cfg.family == "llama":
-        tied = cfg.tie_embeddings
-        return {name: t.detach().to(torch.float32).contiguous() for name, t in state.items()
-                if not (tied and name == "lm_head.weight")}
-    out = {}
-    for name, t in state.items():
-        if name == "lm_head.weight":
-            continue  # tied to transformer.wte.weight
-        t = t.detach().to(torch.float32)
-        out[name] = (t.t() if name.endswith(CONV1D) else t).contiguous()
-    return out
+def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Kiln's state dict in the layout transformers loads for ``cfg``'s family (kiln.model.families.Family.to_hf)."""
+    return of(cfg).to_hf(state, cfg)
 
 
-def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The inverse of to_hf_state_dict: Kiln's state dict, with a tied head pointing at the embedding."""
-    if cfg is not None and cfg.family == "llama":
-        out = {name: t.contiguous() for name, t in state.items()}
-        if cfg.tie_embeddings:
-            out["lm_head.weight"] = out["model.embed_tokens.weight"]
-        return out
-    out = {name: (t.t() if name.endswith(CONV1D) else t).contiguous() for name, t in state.items()}
-    out["lm_head.weight"] = out["transformer.wte.weight"]
-    return out
+    return of(cfg).from_hf(state, cfg)
 
 
 def hf_config(cfg: ModelConfig, eot: int) -> dict[str, Any]:
-    """config.json for transformers: GPT2LMHeadModel, LlamaForCausalLM, or Qwen3ForCausalLM (llama with qk_norm)."""
-    if cfg.family == "llama":
-        return hf_llama_config(cfg, eot)
-    if not cfg.bias:
-        raise ValueError("Hugging Face GPT-2 needs biases: release a model trained with model.bias=true")
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
-        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True, "torch_dtype": "float32",
-        "dtype": "float32",
-    }
-
-
-def hf_llama_config(cfg: ModelConfig, eot: int) -> dict[str, Any]:
-    """A llama-family config as LlamaForCausalLM's (Qwen3ForCausalLM's with qk_norm, which is where they differ).
-    The rotary base is written both ways transformers has read it (rope_theta; rope_parameters since v5)."""
-    out = {
-        "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
-        "model_type": "qwen3" if cfg.qk_norm else "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.n_embd, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
-        "torch_dtype": "float32", "dtype": "float32",
-    }
-    if cfg.qk_norm:  # Qwen3's sliding-window attention, off: every layer attends to the whole context
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
-                   layer_types=["full_attention"] * cfg.n_layer)
-    else:
-        out.update(mlp_bias=False, pretraining_tp=1)
-    return out
+    """config.json for transformers, as ``cfg``'s family writes it (GPT2LMHeadModel, LlamaForCausalLM, ...)."""
+    return of(cfg).hf_config(cfg, eot)
 
 
 # ---- tokenizer files for transformers -------------------------------------------------------------------

@@ -20,7 +20,8 @@ from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.release.bundle import ReleaseError, load_release, verify_release, write_release
-from kiln.release.hf import CONV1D, bytes_to_unicode, from_hf_state_dict, hf_config, hf_tokenizer, recover_merges, to_hf_state_dict
+from kiln.model.gpt import FAMILY as GPT2
+from kiln.release.hf import bytes_to_unicode, from_hf_state_dict, hf_config, hf_tokenizer, recover_merges, to_hf_state_dict
 from kiln.release.lineage import LINEAGE_SECTIONS, checkpoint_lineage, lineage_tree, read_release_info
 from kiln.common.files import sha256_file
 
@@ -49,9 +50,9 @@ def checkpoint(tmp_path, tiny_tokenizer) -> tuple[Path, GPT]:
 def test_to_hf_state_dict_transposes_conv1d_weights_and_drops_the_head() -> None:
     m = trained_like_model()
     sd = m.state_dict()
-    hf = to_hf_state_dict(sd)
+    hf = to_hf_state_dict(sd, CFG)
     assert set(hf) == set(sd) - {"lm_head.weight"}
-    transposed = [k for k in hf if k.endswith(CONV1D)]
+    transposed = [k for k in hf if k.endswith(GPT2.hf_transposed)]  # GPT-2's Conv1D projections
     assert len(transposed) == 4 * CFG.n_layer
     for k, t in hf.items():
         assert t.dtype == torch.float32 and t.is_contiguous()
@@ -66,7 +67,7 @@ def test_to_hf_state_dict_transposes_conv1d_weights_and_drops_the_head() -> None
     attn = m.transformer.h[0].attn.c_attn
     got = x @ hf["transformer.h.0.attn.c_attn.weight"] + hf["transformer.h.0.attn.c_attn.bias"]
     assert torch.allclose(got, attn(x), atol=1e-6)
-    back = from_hf_state_dict(hf)
+    back = from_hf_state_dict(hf, CFG)
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
