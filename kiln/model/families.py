@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from kiln.model.config import ModelConfig
+# ``ModelConfig`` (kiln.model.config) appears in annotations only: the config module reads this registry, so this
+# module does not import it back.
 
 # family name -> the module whose FAMILY describes it
 FAMILY_MODULES = {"gpt2": "kiln.model.gpt", "llama": "kiln.model.llama"}

@@ -282,7 +282,7 @@ TRAINING_STAGES = (("base", "base_model"), ("sft", "sft_model"), ("dpo", "dpo_mo
 
 def logbook_summary(up: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per training stage from its logbook (kiln.train.logbook): attempts, how they ended, steps lost,
-    spikes, skipped batches; then its ledger (kiln.train.ledger): device-hours, energy and cost. A stage whose
+    spikes, skipped batches; then its ledger (kiln.train.energy): device-hours, energy and cost. A stage whose
     output was recorded before logbooks existed is left out."""
     from kiln.train.logbook import OUTCOMES, summary
 

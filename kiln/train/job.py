@@ -53,7 +53,7 @@ class TrainJob:
     """Fields every training job has; kiln.train.trainer.Trainer reads these and nothing else."""
 
     task: str = "pretrain"  # "pretrain", "sft", "dpo" or "rl": picks the stage (kiln.train.entry.TASKS)
-    out_dir: str = ""  # run folder: checkpoints/, result.json, goodput.jsonl
+    out_dir: str = ""  # run folder: checkpoints/, result.json, logbook.jsonl
     tokenizer: str = ""  # tokenizer.json copied into every checkpoint
     model: ModelConfig = field(default_factory=ModelConfig)  # the architecture and its size
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer, learning rates and schedule
