@@ -1,7 +1,9 @@
 """The fused head-and-loss kernel: mean next-token cross-entropy of ``h @ w.T`` a chunk of tokens at a time.
 
 ``LinearCrossEntropy.apply(h (N, C), w (V, C), targets (N,))`` is what ``GPT(idx, targets)`` returns; the (N, V)
-logits never exist at once. Tested against F.cross_entropy in tests/kiln/test_model.py.
+logits never exist at once. Tested against F.cross_entropy in tests/kiln/model/test_model.py.
+``token_logprobs(*head_inputs(model, x), y)`` is the per-token form post-training uses: log p(y_t) (B, T) through any
+family's forward, chunk by chunk (tests/kiln/model/test_loss.py compares it with the full log-softmax).
 """
 
 from __future__ import annotations
@@ -72,3 +74,129 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_out / count
         return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.w_dtype), None)
+
+
+def _chunk_rows(h: torch.Tensor, v: int) -> int:
+    """Tokens per chunk so one chunk's fp32 logits (n, V) take CE_CHUNK_BYTES."""
+    return max(16, CE_CHUNK_BYTES["cuda" if h.is_cuda else "cpu"] // (4 * v))
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    dev = h.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+
+
+class LinearTokenLogProbs(torch.autograd.Function):
+    """Per-token log p(target) under softmax(h @ w.T), a chunk of tokens at a time: (N,) float32, 0 where the
+    target is IGNORE_INDEX. What post-training (DPO, RL, PPO, the measures) needs instead of a mean.
+
+    Each chunk's logits are made, log-softmaxed in float32 and the target's entry kept, so no (N, V) tensor exists;
+    the numbers are those of ``log_softmax((h @ w.T).float()).gather(targets)`` row for row. Unlike
+    LinearCrossEntropy the gradient cannot be taken in the forward pass (every token has its own upstream
+    gradient), so backward recomputes each chunk's logits: one more head matmul per chunk, the same memory.
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # h (N, C) final hidden states, w (V, C) output embedding, targets (N,) int64
+        n = targets.numel()
+        chunk = _chunk_rows(h, w.size(0))
+        cd = _compute_dtype(h)
+        wc = w.to(cd)  # (V, C)
+        tgt = targets.clamp(min=0)  # (N,)
+        out = torch.empty(n, dtype=torch.float32, device=h.device)  # (N,)
+        for s in range(0, n, chunk):
+            logp = torch.log_softmax((h[s:s + chunk] @ wc.t()).float(), dim=-1)  # (n, V)
+            out[s:s + chunk] = logp.gather(1, tgt[s:s + chunk, None]).squeeze(1)
+        ctx.save_for_backward(h, w, targets)
+        ctx.cd, ctx.chunk = cd, chunk
+        return out * (targets != IGNORE_INDEX)  # (N,)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        h, w, targets = ctx.saved_tensors
+        cd, chunk = ctx.cd, ctx.chunk
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_all = grad_out.float() * (targets != IGNORE_INDEX)  # (N,) upstream gradient, 0 off the targets
+        tgt = targets.clamp(min=0)  # (N,)
+        wc = w.to(cd)  # (V, C)
+        grad_h = torch.empty_like(h) if want_h else None  # (N, C)
+        grad_w = None  # (V, C) fp32, made by the first chunk
+        for s in range(0, targets.numel(), chunk):
+            hc = h[s:s + chunk].to(cd)  # (n, C)
+            with torch.enable_grad():  # the log-softmax's own backward, so the gradient is the unchunked one's
+                e = (hc @ wc.t()).float().detach().requires_grad_(True)  # (n, V) logits
+                picked = torch.log_softmax(e, dim=-1).gather(1, tgt[s:s + chunk, None]).squeeze(1)  # (n,)
+                (ge,) = torch.autograd.grad(picked, e, g_all[s:s + chunk])  # (n, V) d/d logits
+            g = ge.to(cd)  # (n, V)
+            if want_h:
+                grad_h[s:s + chunk] = g @ wc
+            if want_w:
+                if grad_w is None:
+                    grad_w = (g.t() @ hc).float()  # (V, C)
+                elif cd == torch.float32:
+                    grad_w.addmm_(g.t(), hc)
+                else:
+                    grad_w += (g.t() @ hc).float()
+        return grad_h, grad_w.to(w.dtype) if grad_w is not None else None, None
+
+
+def token_logprobs(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """h (..., C), w (V, C), targets (...) -> log p(targets) (...) float32, 0 at IGNORE_INDEX (LinearTokenLogProbs)."""
+    return LinearTokenLogProbs.apply(h.reshape(-1, h.size(-1)), w, targets.reshape(-1)).view(targets.shape)
+
+
+@torch.no_grad()
+def greedy_hits(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """h (..., C), w (V, C), targets (...) -> bool (...): the target is the argmax of its logits, a chunk at a time
+    (False at IGNORE_INDEX)."""
+    hf, t = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+    wc = w.to(_compute_dtype(hf))
+    chunk = _chunk_rows(hf, w.size(0))
+    hit = torch.cat([(hf[s:s + chunk] @ wc.t()).float().argmax(-1) == t[s:s + chunk]
+                     for s in range(0, t.numel(), chunk)]) if t.numel() else t.new_zeros(0, dtype=torch.bool)
+    return (hit & (t != IGNORE_INDEX)).view(targets.shape)
+
+
+def head_inputs(model: torch.nn.Module, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``model(idx)`` feeds its vocabulary head: final hidden states (B, T, C) and the head weight (V, C).
+
+    The model's own forward runs (through a DDP or FSDP wrapper when given one, so their hooks run as in training);
+    a pre-hook on its ``lm_head`` keeps the head's input and weight as the head sees them (FSDP's unsharded
+    weight; a LoRA head's merged weight) and hands the head zero positions, so no (B, T, V) logits are made.
+    The head is the family's (kiln.model.families.Family.head); one other than a bias-free Linear (or a LoRA adapter
+    on one) is an error.
+    """
+    from kiln.model.families import of
+
+    raw = getattr(model, "module", model)  # DDP keeps the model in .module; FSDP2 shards it in place
+    head = raw.get_submodule(of(raw.config).head.removesuffix(".weight"))  # the family's head (lm_head)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(module: torch.nn.Module, args: tuple) -> tuple:
+        seen["h"], seen["w"] = args[0], _head_weight(module)
+        return (args[0][..., :0, :],)  # (B, 0, C): the head's own matmul does no work
+
+    handle = head.register_forward_pre_hook(keep)
+    try:
+        empty = model(idx)  # (B, 0, V)
+    finally:
+        handle.remove()
+    h = seen["h"]
+    if torch.is_grad_enabled():  # + 0.0 ties the forward's output into the graph, so hooks on it (FSDP's) still run
+        h = h + empty.sum().to(h.dtype)
+    return h, seen["w"]
+
+
+def _head_weight(head: torch.nn.Module) -> torch.Tensor:
+    if hasattr(head, "merged_weight"):  # kiln.model.lora.LoRALinear: W + scale * B @ A, differentiable in A and B
+        if head.active and head.dropout and head.training:
+            raise ValueError("a LoRA adapter with dropout on lm_head cannot be folded into one weight; set lora.dropout: 0")
+        if head.active:
+            return head.merged_weight()
+        from kiln.model.quant import dequantize
+
+        return dequantize(head.base.weight)
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(f"lm_head is {type(head).__name__}: per-token log-probs need a bias-free nn.Linear head")
+    return head.weight
