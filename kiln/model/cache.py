@@ -49,3 +49,13 @@ class KVCache:
     def advance(self, T: int) -> None:
         """Called by the model once every layer has stored its T new positions."""
         self.pos += T
+
+    def fork(self, repeats: int) -> "KVCache":
+        """A cache of ``batch * repeats`` rows whose rows i*repeats ... (i+1)*repeats-1 start as copies of row i
+        (every cached position), so a prompt prefilled once can be continued by several samples."""
+        L, B, nkv, S, hs = self.k.shape
+        out = KVCache(L, B * repeats, nkv, S, hs, self.k.device, self.k.dtype)  # (L, B*r, nkv, S, hs)
+        out.k[:, :, :, : self.pos] = self.k[:, :, :, : self.pos].repeat_interleave(repeats, dim=1)
+        out.v[:, :, :, : self.pos] = self.v[:, :, :, : self.pos].repeat_interleave(repeats, dim=1)
+        out.pos = self.pos
+        return out

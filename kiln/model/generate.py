@@ -2,7 +2,8 @@
 
 ``generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, stop_token=eot, n_vocab=enc.n_vocab)`` extends
 idx (B, T). ``kiln generate``, the lm-eval adapter's ``generate_until``, the sample generations and the RL rollouts
-(kiln.posttrain.sampling.complete) all decode through it. Compare with the uncached loop: ``python bench/bench_generate.py``.
+(kiln.posttrain.sampling.complete) all decode through it; ``samples=8`` decodes each prompt 8 times from one prefill
+(its KV cache forked, KVCache.fork). Compare with the uncached loop: ``python bench/bench_generate.py``.
 """
 
 from __future__ import annotations
@@ -36,15 +37,22 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None = Non
 
 class _Context:
     """Next-token logits of each row's last ``window`` tokens: through a KV cache while the context fits in the
-    window, then (exactly as an uncached loop) a full forward pass of the cropped window per step."""
+    window, then (exactly as an uncached loop) a full forward pass of the cropped window per step.
 
-    def __init__(self, model: nn.Module, batch: int, window: int, use_cache: bool):
-        self.model, self.window = model, window
-        self.cache = KVCache.for_model(model, batch, max_len=window) if use_cache else None
+    With ``samples`` > 1 the rows come in runs of ``samples`` copies of one prompt: the first (prefill) pass runs
+    one row per run, and its cache is then forked to every row of the run (KVCache.fork)."""
+
+    def __init__(self, model: nn.Module, batch: int, window: int, use_cache: bool, samples: int = 1):
+        self.model, self.window, self.samples = model, window, samples
+        self.cache = KVCache.for_model(model, batch // samples, max_len=window) if use_cache else None
 
     def logits(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         """buf (B, >=n) tokens, the first n of them real -> logits (B, V) of the position after them."""
         if self.cache is not None and n <= self.window:
+            if self.samples > 1:  # the prefill: each prompt once, then its cache and logits copied to its samples
+                logits = self.model(buf[:: self.samples, :n], cache=self.cache)[:, -1]  # (B / samples, V)
+                self.cache, repeats, self.samples = self.cache.fork(self.samples), self.samples, 1
+                return logits.repeat_interleave(repeats, dim=0)  # (B, V)
             return self.model(buf[:, self.cache.pos : n], cache=self.cache)[:, -1]  # prefill, then one token a step
         self.cache = None  # past the window every step re-reads the cropped window; the cache is of no more use
         return self.model(buf[:, max(0, n - self.window) : n])[:, -1]  # (B, V)
@@ -78,6 +86,7 @@ def generate(
     window: int | None = None,
     stop: StopFn | None = None,
     use_cache: bool = True,
+    samples: int = 1,
 ) -> torch.Tensor:
     """Extend every row of idx (B, T) by up to max_new_tokens; returns (B, T + steps) with the prompts first.
 
@@ -86,7 +95,12 @@ def generate(
     once every row has ended. The context is each row's last ``window`` tokens (default block_size), as if it
     were cropped every step. Rows of different lengths: right-pad idx and give ``lengths``; row i's new tokens
     are out[i, lengths[i] : lengths[i] + max_new_tokens] (its prompt is fed one token a step past the shortest
-    one). ``use_cache=False`` recomputes the whole window every step (same tokens, no cache)."""
+    one). ``use_cache=False`` recomputes the whole window every step (same tokens, no cache). ``samples`` > 1 decodes
+    each row of idx that many times: rows i*samples ... (i+1)*samples-1 of the output (and the row numbers ``stop``
+    sees) continue prompt i, which is prefilled once and its KV cache forked; the tokens are those of idx with each
+    row repeated ``samples`` times (``lengths`` gives one length per prompt)."""
+    if samples < 1:
+        raise ValueError(f"generate: samples must be >= 1, got {samples}")
     B, T = idx.shape
     W = window or model.config.block_size
     if not 1 <= W <= model.config.block_size:
@@ -94,6 +108,8 @@ def generate(
     lens = torch.full((B,), T, device=idx.device) if lengths is None else torch.as_tensor(lengths, device=idx.device)
     if T == 0 or int(lens.min()) < 1 or int(lens.max()) > T:
         raise ValueError(f"generate: every prompt needs 1 to {T} tokens (idx is {tuple(idx.shape)}), got lengths {lens.tolist()}")
+    if samples > 1:
+        idx, lens, B = idx.repeat_interleave(samples, dim=0), lens.repeat_interleave(samples), B * samples  # (B*S, T)
     if max_new_tokens <= 0:
         return idx
     fill = 0 if stop_token is None else stop_token
@@ -102,7 +118,7 @@ def generate(
     buf[:, :T] = idx
     done = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,) rows that have ended
     new: list[list[int]] = [[] for _ in range(B)]
-    ctx = _Context(model, B, W, use_cache)
+    ctx = _Context(model, B, W, use_cache, samples)
     while n < end:
         logits = ctx.logits(buf, n)  # (B, V)
         if n_vocab is not None:

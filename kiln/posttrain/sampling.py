@@ -19,7 +19,8 @@ def complete(model: nn.Module, enc, prompts: list[str], max_new_tokens: int, tem
     """``samples`` completions per prompt, each a token list ending at (and including) the first end-of-text.
 
     Prompts of the same token length share one batch (one prefill pass, no padding; the grouping also fixes the
-    order of the random draws). Returns completions[prompt][sample].
+    order of the random draws); each prompt is prefilled once and its KV cache forked to its ``samples`` rows
+    (kiln.model.generate's ``samples``). Returns completions[prompt][sample].
     """
     ids = [chat_prompt_ids(enc, p)[-(model.config.block_size - max_new_tokens):] for p in prompts]
     out: list[list[list[int]]] = [[] for _ in prompts]
@@ -29,9 +30,9 @@ def complete(model: nn.Module, enc, prompts: list[str], max_new_tokens: int, tem
     for length, members in sorted(by_len.items()):
         for start in range(0, len(members), max(1, 64 // samples)):
             group = members[start : start + max(1, 64 // samples)]
-            x = torch.tensor([ids[i] for i in group for _ in range(samples)], device=device)  # (G*S, L)
+            x = torch.tensor([ids[i] for i in group], device=device)  # (G, L)
             gen = generate(model, x, max_new_tokens, temperature=temperature, stop_token=enc.eot_token,
-                           n_vocab=enc.n_vocab, generator=generator)[:, length:].tolist()  # a row ends at its EOT
+                           n_vocab=enc.n_vocab, generator=generator, samples=samples)[:, length:].tolist()  # (G*S, ...)
             for k, i in enumerate(group):
                 for row in gen[k * samples : (k + 1) * samples]:
                     out[i].append(row[: row.index(enc.eot_token) + 1] if enc.eot_token in row else row)

@@ -1,5 +1,6 @@
 """Tests for kiln.model.generate: the KV-cached loop gives the uncached loop's tokens for both families (greedy and
-seeded sampling, per-row stops, padding ids, contexts past the window, ragged rows, one row and many).
+seeded sampling, per-row stops, padding ids, contexts past the window, ragged rows, one row and many), and samples of
+one prompt from one prefill and a forked cache give the tokens of the prompt's repeated rows.
 
 Run: python -m pytest tests/kiln/model/test_generate.py -q
 """
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.model.cache import KVCache
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
 from kiln.model.generate import generate, next_token
@@ -208,6 +210,54 @@ def test_a_stop_function_ends_its_row_and_sees_only_the_new_tokens() -> None:
     assert out[0] == free[0] and out[2] == free[2]
     assert (1, free[1][:3]) in seen and not any(r == 1 and len(n) > 3 for r, n in seen)
     assert (0, free[0]) in seen  # rows that never stop are shown all their tokens
+
+
+# ---- one prefill per prompt, its cache forked to the samples -----------------------------------------------------
+def test_a_forked_cache_holds_each_rows_positions_for_its_copies() -> None:
+    m = make("llama")
+    cache = KVCache.for_model(m, 2, max_len=16)
+    with torch.no_grad():
+        m(prompts(2, 5), cache=cache)
+    forked = cache.fork(3)
+    assert forked.k.shape[1] == 6 and forked.pos == 5 and forked.max_len == 16
+    for i in range(6):
+        assert torch.equal(forked.k[:, i], cache.k[:, i // 3]) and torch.equal(forked.v[:, i], cache.v[:, i // 3])
+    forked.k[:, 0] += 1.0  # a fork's rows are its own
+    assert torch.equal(forked.k[:, 1], cache.k[:, 0])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 20)])
+def test_samples_decode_each_prompt_as_its_repeated_rows_would(family: str, temperature: float, top_k) -> None:
+    """One prefill per prompt, then its forked cache: the tokens, and the draws from the generator, of a batch of
+    each prompt repeated ``samples`` times (the RL groups' old batches)."""
+    m = make(family)
+    x = prompts(3, 7)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = generate(m, x, 12, temperature=temperature, top_k=top_k, generator=g1, samples=4, stop_token=17, n_vocab=290)
+    b = generate(m, x.repeat_interleave(4, dim=0), 12, temperature=temperature, top_k=top_k, generator=g2,
+                 stop_token=17, n_vocab=290)
+    assert a.shape[0] == 12 and torch.equal(a, b)
+    assert torch.equal(g1.get_state(), g2.get_state())
+    if temperature > 0:
+        assert len({tuple(r) for r in a[:4].tolist()}) > 1  # the samples of one prompt differ
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_samples_with_ragged_rows_past_the_window_and_uncached(family: str) -> None:
+    m = make(family)
+    rows = [prompts(1, n, seed=n)[0].tolist() for n in (3, 9, 30)]  # the last one runs past block_size 32
+    T = max(map(len, rows))
+    x = torch.tensor([r + [0] * (T - len(r)) for r in rows])  # (3, T)
+    lens = [len(r) for r in rows]
+    for kw in ({}, {"use_cache": False}, {"window": 8}):
+        a = generate(m, x, 8, temperature=1.0, lengths=lens, samples=2, generator=torch.Generator().manual_seed(1), **kw)
+        b = generate(m, x.repeat_interleave(2, dim=0), 8, temperature=1.0, lengths=[n for n in lens for _ in "ab"],
+                     generator=torch.Generator().manual_seed(1), **kw)
+        assert torch.equal(a, b), kw
+    assert torch.equal(generate(m, prompts(2, 3), 0, samples=3), prompts(2, 3).repeat_interleave(3, dim=0))
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        generate(m, prompts(1, 3), 2, samples=0)
 
 
 def test_bad_windows_and_prompts_are_errors() -> None:
