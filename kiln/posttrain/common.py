@@ -15,6 +15,7 @@ import torch
 from kiln.common.config import ConfigError
 from kiln.model.families import build_model
 from kiln.model.lora import LoRAConfig, adapters_disabled
+from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.sft import read_pairs
 from kiln.train.checkpoint import load_state, resolve_checkpoint
 from kiln.train.dist import DistInfo
@@ -70,13 +71,13 @@ class PosttrainStage(Stage):
         self.init_note = f"; reference {self.ref_path}"
 
     @torch.no_grad()
-    def reference_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T) -> (B, T, V) logits of the frozen reference."""
+    def reference_logps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x, y (B, T) -> log p(y) (B, T) under the frozen reference, 0 where y is IGNORE (chunked head, no logits)."""
         with self.trainer.autocast():
             if self.ref is not None:
-                return self.ref(x)
+                return model_token_logps(self.ref, x, y)
             with adapters_disabled(self.trainer.raw):
-                return self.trainer.raw(x)
+                return model_token_logps(self.trainer.raw, x, y)
 
     def meta(self) -> dict[str, Any]:
         return {"init_from": self.trainer.init_ckpt, "reference": self.ref_path, "lora": asdict(self.lora)}

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
-from kiln.posttrain.logprobs import sequence_logps
+from kiln.posttrain.logprobs import model_sequence_logps
 from kiln.posttrain.sft import PackedLoader, encode_example, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo, all_mean
 from kiln.train.entry import run_job
@@ -114,9 +114,9 @@ class DpoStage(PosttrainStage):
 
     def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = (t.to(trainer.info.device) for t in batch)  # (2B, T): chosen rows, then rejected rows
-        ref = sequence_logps(self.reference_logits(x), y)  # (2B,)
+        ref = self.reference_logps(x, y).sum(-1)  # (2B,)
         with trainer.autocast():
-            stats = pair_stats(sequence_logps(trainer.model(x), y), ref, self.job.beta, self.job.label_smoothing)
+            stats = pair_stats(model_sequence_logps(trainer.model, x, y), ref, self.job.beta, self.job.label_smoothing)
         return stats.pop("loss_tensor"), stats
 
     @torch.no_grad()
@@ -132,8 +132,8 @@ class DpoStage(PosttrainStage):
             x, y = pair_batch(self.vt[idx], self.vm[idx])
             x, y = x.to(self.info.device), y.to(self.info.device)
             with trainer.autocast():
-                logps = sequence_logps(raw(x), y)  # (2B,)
-            stats = pair_stats(logps, sequence_logps(self.reference_logits(x), y), job.beta, job.label_smoothing)
+                logps = model_sequence_logps(raw, x, y)  # (2B,)
+            stats = pair_stats(logps, self.reference_logps(x, y).sum(-1), job.beta, job.label_smoothing)
             for k, v in stats.items():
                 if k != "loss_tensor":
                     totals[k] = totals.get(k, 0.0) + v * len(idx)

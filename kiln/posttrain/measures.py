@@ -15,7 +15,8 @@ import torch
 from kiln.common.files import stable_hash
 from kiln.model.gpt import GPT
 from kiln.posttrain.instructions import arithmetic_reward
-from kiln.posttrain.logprobs import encode_rows, score_examples, score_responses, token_logps
+from kiln.model.loss import greedy_hits, head_inputs, token_logprobs
+from kiln.posttrain.logprobs import encode_rows, score_examples, score_responses
 from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids, read_pairs
 from kiln.train.checkpoint import load_for_inference
@@ -62,10 +63,10 @@ def measure_items(model: GPT, enc, arithmetic: list[dict], preferences: list[dic
             chunk = instructions[i : i + 16]
             x, y = encode_rows(enc, [c["prompt"] for c in chunk], [c["response"] for c in chunk], seq_len)
             x, y = x.to(device), y.to(device)
-            logits = model(x)  # (B, T, V)
+            h, w = head_inputs(model, x)  # (B, T, C), (V, C): the head is applied a chunk at a time, no logits
             keep = y != IGNORE
-            nll += (-token_logps(logits, y) * keep).sum(1).tolist()  # per pair, summed over its response tokens
-            correct += ((logits.argmax(-1) == y) & keep).sum(1).float().tolist()
+            nll += (-token_logprobs(h, w, y) * keep).sum(1).tolist()  # per pair, summed over its response tokens
+            correct += greedy_hits(h, w, y).sum(1).float().tolist()
             count += int(keep.sum())
         res["response_loss"] = {"items": nll, "denom": max(count, 1)}
         res["response_token_accuracy"] = {"items": correct, "denom": max(count, 1)}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from kiln.common.config import ConfigError
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
-from kiln.posttrain.logprobs import token_logps
+from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.reward import RewardModel, load_reward_model, pad_ids, reward_ids
 from kiln.posttrain.rl import answer_rows
 from kiln.posttrain.sampling import complete, decode_completion
@@ -136,7 +136,7 @@ def rm_scores(rm: RewardModel, enc, prompts: list[str], texts: list[str], seq_le
 
 
 @torch.no_grad()
-def rollout(policy, reference_logits, value: RewardModel, rm: RewardModel, enc, prompts: list[str], job: PpoJob,
+def rollout(policy, reference_logps, value: RewardModel, rm: RewardModel, enc, prompts: list[str], job: PpoJob,
             generator: torch.Generator | None, device) -> dict[str, torch.Tensor]:
     """Sample one answer per prompt and compute what the PPO epochs reuse: x, y, mask, old log-probs and values,
     advantages, returns (N, T), and per-answer score, kl and length (N,)."""
@@ -146,7 +146,7 @@ def rollout(policy, reference_logits, value: RewardModel, rm: RewardModel, enc, 
     x, y = answer_rows(enc, prompts, comps, job.seq_len)
     x, y = x.to(device), y.to(device)  # (N, T)
     mask = (y != IGNORE).float()  # (N, T)
-    logp, ref = token_logps(policy(x), y), token_logps(reference_logits(x), y)  # (N, T)
+    logp, ref = model_token_logps(policy, x, y), reference_logps(x, y)  # (N, T)
     policy.train()
     values = token_values(value, x) * mask  # (N, T)
     score = rm_scores(rm, enc, prompts, texts, job.seq_len, device)  # (N,)
@@ -176,7 +176,7 @@ def ppo_losses(policy, value: RewardModel, buf: dict[str, torch.Tensor], job: Pp
     """(policy loss, value loss, statistics) of one pass over a rollout ``buf``."""
     m = buf["mask"]
     with autocast():
-        logp = token_logps(policy(buf["x"]), buf["y"])  # (N, T)
+        logp = model_token_logps(policy, buf["x"], buf["y"])  # (N, T)
         values = token_values(value, buf["x"])  # (N, T)
     pl, frac = policy_loss(logp, buf["logp"], buf["adv"], m, job.clip_range)
     vl = value_loss(values, buf["values"], buf["returns"], m, job.value_clip)
@@ -222,7 +222,7 @@ class PpoStage(PosttrainStage):
         out = []
         for _ in range(job.grad_accum):
             picked = rng.choice(len(self.items), size=min(job.micro_batch, len(self.items)), replace=False)
-            out.append(rollout(self.trainer.raw, self.reference_logits, self.value, self.rm, self.enc,
+            out.append(rollout(self.trainer.raw, self.reference_logps, self.value, self.rm, self.enc,
                                [self.items[i]["prompt"] for i in picked], job, gen, self.info.device))
         return out
 
@@ -250,7 +250,7 @@ class PpoStage(PosttrainStage):
         x, y = answer_rows(self.enc, prompts, comps, self.job.seq_len)
         x, y = x.to(device), y.to(device)
         m = y != IGNORE
-        kl = ((token_logps(raw(x), y) - token_logps(self.reference_logits(x), y)) * m).sum(1) / m.sum(1).clamp(min=1)
+        kl = ((model_token_logps(raw, x, y) - self.reference_logps(x, y)) * m).sum(1) / m.sum(1).clamp(min=1)
         raw.train()
         score = rm_scores(self.rm, self.enc, prompts, texts, self.job.seq_len, device)
         return all_mean({"val_reward": float(score.mean()), "val_kl": float(kl.mean()),

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kiln.common.config import ConfigError
 from kiln.model.lora import LoRAConfig
+from kiln.model.loss import head_inputs
 from kiln.posttrain.common import PosttrainJob, read_jsonl_split
 from kiln.posttrain.sft import PackedLoader, chat_prompt_ids
 from kiln.train.dist import DistInfo, all_mean
@@ -54,13 +55,9 @@ class RewardModel(nn.Module):
             head.requires_grad_(False)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, T) -> final hidden states (B, T, C): the backbone's forward with its vocabulary head bypassed."""
-        head = self.backbone.lm_head
-        self.backbone.lm_head = nn.Identity()
-        try:
-            return self.backbone(idx)  # (B, T, C) float32
-        finally:
-            self.backbone.lm_head = head
+        """idx (B, T) -> final hidden states (B, T, C) float32: the backbone's forward up to its vocabulary head
+        (kiln.model.loss.head_inputs, the entry point the log-probs use; the head computes no logits)."""
+        return head_inputs(self.backbone, idx)[0].float()  # (B, T, C)
 
     def forward(self, idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """idx (B, T), lengths (B,) real tokens per row -> rewards (B,) read at position lengths - 1."""

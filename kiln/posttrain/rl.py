@@ -20,7 +20,7 @@ import torch.distributed as dist
 from kiln.common.config import ConfigError
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.instructions import arithmetic_reward, final_number
-from kiln.posttrain.logprobs import token_logps
+from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo
@@ -115,13 +115,15 @@ def answer_rows(enc, prompts: list[str], completions: list[list[list[int]]], seq
     return trim_padding(*to_xy(tokens, mask))
 
 
-def rollout_loss(policy: torch.nn.Module, sampler: torch.nn.Module, reference_logits: Callable[[torch.Tensor], torch.Tensor],
+def rollout_loss(policy: torch.nn.Module, sampler: torch.nn.Module,
+                 reference_logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  enc, items: list[dict], reward_fn: RewardFn, job: RlJob, generator: torch.Generator | None = None,
                  device: torch.device | str = "cpu", autocast=contextlib.nullcontext,
                  checks: dict[str, RewardFn] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Sample groups for ``items`` with ``sampler`` (the unwrapped policy), score them, and return the GRPO loss
     computed through ``policy`` (which may be DDP-wrapped) with the reported statistics (``checks`` adds the mean
-    of other scores of the same samples, e.g. the exact answer alone when the reward also counts format)."""
+    of other scores of the same samples, e.g. the exact answer alone when the reward also counts format).
+    ``reference_logps(x, y)`` gives the reference's token log-probs (N, T) (PosttrainStage.reference_logps)."""
     was_training = sampler.training
     sampler.eval()
     prompts = [it["prompt"] for it in items]
@@ -133,9 +135,9 @@ def rollout_loss(policy: torch.nn.Module, sampler: torch.nn.Module, reference_lo
     adv = group_advantages(rewards).flatten().to(device)  # (P*G,)
     x, y = answer_rows(enc, prompts, comps, job.seq_len)
     x, y = x.to(device), y.to(device)
-    ref = token_logps(reference_logits(x), y)  # (N, T)
+    ref = reference_logps(x, y)  # (N, T)
     with autocast():
-        logp = token_logps(policy(x), y)  # (N, T)
+        logp = model_token_logps(policy, x, y)  # (N, T)
     loss, stats = grpo_loss(logp, ref, adv, y != IGNORE, job.kl_coef)
     stats.update({
         "reward_mean": float(rewards.mean()),
@@ -197,7 +199,7 @@ class RlStage(PosttrainStage):
 
     def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
         items, gen = batch
-        return rollout_loss(trainer.model, trainer.raw, self.reference_logits, self.enc, items, self.reward_fn, self.job,
+        return rollout_loss(trainer.model, trainer.raw, self.reference_logps, self.enc, items, self.reward_fn, self.job,
                             gen, trainer.info.device, trainer.autocast, checks={"exact_answer": self.exact_fn})
 
     def validate(self, trainer: Trainer) -> dict[str, float]:

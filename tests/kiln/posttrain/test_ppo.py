@@ -24,6 +24,7 @@ from kiln.model.families import build_model
 from kiln.posttrain.instructions import arithmetic, build_pairs, write_jsonl
 from kiln.posttrain.ppo import (PpoJob, gae, masked_mean, policy_loss, ppo_losses, rollout, step_value, token_rewards,
                                 value_loss, whiten)
+from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.reward import RewardModel
 from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.train.dist import DistInfo
@@ -100,15 +101,16 @@ def test_ppo_raises_a_hand_made_reward_on_held_out_prompts(tiny_tokenizer, one_t
     items = [it["prompt"] for it in arithmetic(96, seed=0)]
     train, held = items[:64], items[64:]
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ref_logps = lambda x, y: model_token_logps(ref, x, y)  # noqa: E731  (the stage's reference_logps)
 
     def held_out_reward() -> float:
-        buf = rollout(policy, ref, value, rm, enc, held, job, torch.Generator().manual_seed(123), "cpu")
+        buf = rollout(policy, ref_logps, value, rm, enc, held, job, torch.Generator().manual_seed(123), "cpu")
         return float(buf["score"].mean())
 
     before, stats = held_out_reward(), []
     gen = torch.Generator().manual_seed(0)
     for r in range(16):
-        buf = rollout(policy, ref, value, rm, enc, train[(r * 16) % 64 : (r * 16) % 64 + 16], job, gen, "cpu")
+        buf = rollout(policy, ref_logps, value, rm, enc, train[(r * 16) % 64 : (r * 16) % 64 + 16], job, gen, "cpu")
         for _ in range(job.ppo_epochs):
             pl, vl, s = ppo_losses(policy, value, buf, job, contextlib.nullcontext)
             step_value(value, vopt, vl, info)

@@ -20,6 +20,7 @@ from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.posttrain.instructions import arithmetic, build_pairs, final_number, write_jsonl
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
+from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.sampling import complete
 from kiln.posttrain.rl import RlJob, answer_rows, group_advantages, grpo_loss, make_reward, rollout_loss
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids
@@ -112,7 +113,7 @@ def test_rl_raises_mean_reward_on_a_task_a_tiny_model_can_learn(tiny_tokenizer, 
     rewards, kls = [], []
     for step in range(30):
         batch = items[(step * 8) % 64 : (step * 8) % 64 + 8]
-        loss, stats = rollout_loss(model, model, lambda x: ref(x), enc, batch, reward, job, gen)
+        loss, stats = rollout_loss(model, model, lambda x, y: model_token_logps(ref, x, y), enc, batch, reward, job, gen)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -1,0 +1,122 @@
+"""Tests for the post-training log-probabilities through the chunked head and the sampler's forked prefill: they
+give what the full log-softmax of the logits and the repeated prompt rows gave (DPO, RL, PPO, the measures, the
+reward model's hidden states).
+
+Run: python -m pytest tests/kiln/posttrain/test_logprobs.py -q
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import kiln.model.loss as km
+import kiln.posttrain.sampling as sampling
+from kiln.model.config import ModelConfig
+from kiln.model.families import build_model
+from kiln.model.generate import generate
+from kiln.posttrain.logprobs import (encode_rows, model_sequence_logps, model_token_logps, score_responses,
+                                     sequence_logps, token_logps)
+from kiln.posttrain.measures import measure_items
+from kiln.posttrain.reward import RewardModel
+from kiln.posttrain.rl import RlJob, rollout_loss
+from kiln.posttrain.sampling import complete
+
+TINY = {"vocab_size": 320, "block_size": 48, "n_layer": 2, "n_head": 2, "n_embd": 32}
+MODELS = {"gpt2": TINY, "llama": {**TINY, "family": "llama", "n_kv_head": 1}}
+
+
+def make(family: str, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(**{**MODELS[family], **kw}))
+
+
+PAIRS = [("What is 1 + 2?", "1 + 2 = 3."), ("Explain the river.", "The river runs to the sea."),
+         ("What is 10 + 20?", "10 + 20 = 30.")]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_model_logps_equal_the_logits_log_softmax_with_gradients(tiny_tokenizer, monkeypatch, family) -> None:
+    enc, _ = tiny_tokenizer
+    monkeypatch.setitem(km.CE_CHUNK_BYTES, "cpu", 1 << 13)  # several chunks per batch
+    x, y = encode_rows(enc, [p for p, _ in PAIRS], [r for _, r in PAIRS], 47)
+    a, b = make(family), make(family)
+    old = token_logps(a(x), y)
+    (old.sum(-1) * torch.tensor([1.0, -2.0, 0.5])).sum().backward()  # a DPO-like weighting of the rows
+    new = model_token_logps(b, x, y)
+    (new.sum(-1) * torch.tensor([1.0, -2.0, 0.5])).sum().backward()
+    assert torch.equal(new, old)
+    assert torch.equal(model_sequence_logps(b, x, y), sequence_logps(a(x), y))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, rtol=1e-5, atol=1e-6), name
+    with torch.no_grad():
+        scored, n = score_responses(b.eval(), enc, [p for p, _ in PAIRS], [r for _, r in PAIRS], 47)
+    assert scored == pytest.approx(sequence_logps(a.eval()(x), y).tolist(), abs=1e-5)
+    assert n == (y != -100).sum(-1).tolist()
+
+
+def test_the_reward_models_hidden_states_are_the_backbones_final_norm_output() -> None:
+    rm = RewardModel(make("llama"))
+    x = torch.randint(0, 320, (2, 9))
+    head = rm.backbone.lm_head
+    rm.backbone.lm_head = torch.nn.Identity()  # what RewardModel.hidden did before: the head swapped out
+    old = rm.backbone(x)
+    rm.backbone.lm_head = head
+    assert torch.equal(rm.hidden(x), old) and rm.hidden(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_sampled_groups_equal_the_repeated_prompt_rows(tiny_tokenizer, one_thread, family) -> None:
+    """complete() prefills each prompt once and forks its cache; the old path decoded ``samples`` copies of each
+    prompt from scratch. Same seed, same tokens, same generator state after."""
+    enc, _ = tiny_tokenizer
+    model = make(family).eval()
+    prompts = ["What is 1 + 2?", "Explain the river.", "What is 10 + 20?", "What is 3 + 4?"]
+
+    def repeated_rows(m, x, n, *, temperature, stop_token, n_vocab, generator, samples):
+        return generate(m, x.repeat_interleave(samples, dim=0), n, temperature=temperature, stop_token=stop_token,
+                        n_vocab=n_vocab, generator=generator)
+
+    g_new, g_old = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    new = complete(model, enc, prompts, max_new_tokens=8, temperature=1.0, samples=6, generator=g_new)
+    with mock.patch.object(sampling, "generate", repeated_rows):
+        old = complete(model, enc, prompts, max_new_tokens=8, temperature=1.0, samples=6, generator=g_old)
+    assert new == old and [len(g) for g in new] == [6] * 4
+    assert torch.equal(g_new.get_state(), g_old.get_state())
+
+
+def test_the_rl_loss_is_the_one_of_the_full_log_softmax(tiny_tokenizer, one_thread) -> None:
+    enc, _ = tiny_tokenizer
+    policy, ref = make("gpt2"), make("gpt2").eval().requires_grad_(False)
+    items = [{"prompt": p, "answer": "3"} for p, _ in PAIRS]
+    job = RlJob(group_size=4, max_new_tokens=6, temperature=1.0, seq_len=47)
+    reward = lambda text, it: float(len(text) % 3 == 0)  # noqa: E731  (some signal in every group)
+
+    def run(reference_logps, logps):
+        with mock.patch("kiln.posttrain.rl.model_token_logps", logps):
+            loss, stats = rollout_loss(policy, policy, reference_logps, enc, items, reward, job,
+                                       torch.Generator().manual_seed(2))
+        loss.backward()
+        grads = [p.grad.clone() for p in policy.parameters()]
+        policy.zero_grad(set_to_none=True)
+        return loss, stats, grads
+
+    new = run(lambda x, y: model_token_logps(ref, x, y), model_token_logps)
+    old = run(lambda x, y: token_logps(ref(x), y), lambda m, x, y: token_logps(m(x), y))
+    assert new[0].item() == old[0].item() and new[1] == old[1]
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(new[2], old[2]))
+
+
+def test_the_response_measures_are_those_of_the_logits(tiny_tokenizer, one_thread) -> None:
+    enc, _ = tiny_tokenizer
+    model = make("llama").eval()
+    rows = [{"prompt": p, "response": r} for p, r in PAIRS]
+    got = measure_items(model, enc, [], [], rows)
+    x, y = encode_rows(enc, [p for p, _ in PAIRS], [r for _, r in PAIRS], model.config.block_size - 1)
+    with torch.no_grad():
+        logits = model(x)
+    keep = y != -100
+    assert got["response_loss"]["items"] == (-token_logps(logits, y) * keep).sum(1).tolist()
+    assert got["response_token_accuracy"]["items"] == ((logits.argmax(-1) == y) & keep).sum(1).float().tolist()
