@@ -230,7 +230,7 @@ def memory_breakdown(cfg: ModelConfig, micro_batch: int, seq_len: int, mixed_pre
         state = n * 16 / world
         p_bytes = 2 if mixed_precision else 4
         block = layer_params(cfg)
-        root = embedding_params(cfg) + of(cfg).final_norm_params(cfg)  # tables, head and final norm
+        root = embedding_params(cfg) + 2 * c  # tables, head and the final norm (counted as weight and bias)
         in_flight = (root + 2 * block) * (p_bytes + 4)  # unsharded params and their fp32 gradients before reduce-scatter
     else:
         state = n * (18 if mixed_precision else 16)
