@@ -63,7 +63,7 @@ class Family:
             if name == self.head and self.tied(cfg):
                 continue
             t = t.detach().float()
-            out[name] = (t.t() if name.endswith(self.hf_transposed) and self.hf_transposed else t).contiguous()
+            out[name] = (t.t() if name.endswith(self.hf_transposed) else t).contiguous()  # endswith(()) is False
         return out
 
     def from_hf(self, tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
@@ -76,7 +76,7 @@ class Family:
                 continue
             if self.hf_prefix and name != self.head and not name.startswith(self.hf_prefix):
                 name = self.hf_prefix + name
-            out[name] = (t.t() if self.hf_transposed and name.endswith(self.hf_transposed) else t).contiguous()
+            out[name] = (t.t() if name.endswith(self.hf_transposed) else t).contiguous()
         if tied and self.embedding in out:
             out[self.head] = out[self.embedding]
         return out

@@ -79,8 +79,7 @@ def kiln_state(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor])
                               "differs from what config.json says, so it is not imported")
     for name, t in template.items():
         if tuple(state[name].shape) != tuple(t.shape):
-            transposed = desc.hf_transposed and name.endswith(desc.hf_transposed)
-            hint = " (this family's Hugging Face files store it transposed)" if transposed else ""
+            hint = " (this family's Hugging Face files store it transposed)" if name.endswith(desc.hf_transposed) else ""
             raise PretrainedError(f"{where}: {name} has shape {tuple(state[name].shape)} but config.json implies "
                                   f"{tuple(t.shape)}{hint}; config.json and the weights disagree")
     return state
