@@ -24,6 +24,7 @@ from kiln.model.config import ModelConfig, padded_vocab, preset_fields  # noqa: 
 from kiln.model.families import build_model  # noqa: E402
 from kiln.model.generate import generate  # noqa: E402
 from kiln.posttrain.instructions import arithmetic, arithmetic_reward  # noqa: E402
+from kiln.posttrain.logprobs import model_token_logps  # noqa: E402
 from kiln.posttrain.rl import RlJob, rollout_loss  # noqa: E402
 from kiln.tokenizer import train_bpe  # noqa: E402
 
@@ -90,17 +91,17 @@ def bench_rl(family: str, enc, repeat: int) -> list[dict]:
     policy = demo_model(family, padded_vocab(enc.n_vocab))
     reference = demo_model(family, padded_vocab(enc.n_vocab))
     items = list(arithmetic(64, seed=3))
-    old = lambda m, x, n, *, temperature, stop_token, n_vocab, generator: uncached_loop(  # noqa: E731
-        m, x, n, temperature, stop_token, generator, n_vocab)
+    old = lambda m, x, n, *, temperature, stop_token, n_vocab, generator, samples=1: uncached_loop(  # noqa: E731
+        m, x.repeat_interleave(samples, 0), n, temperature, stop_token, generator, n_vocab)  # a row per sample
 
-    def ref_logits(x):
+    def reference_logps(x, y):
         with torch.no_grad():
-            return reference(x)
+            return model_token_logps(reference, x, y)
 
     def step(shape: dict) -> tuple[float, float]:
         job = RlJob(group_size=shape["group_size"], max_new_tokens=shape["max_new_tokens"], temperature=1.0)
         g = torch.Generator().manual_seed(11)
-        loss, stats = rollout_loss(policy, policy, ref_logits, enc, items[: shape["prompts"]],
+        loss, stats = rollout_loss(policy, policy, reference_logps, enc, items[: shape["prompts"]],
                                    lambda text, it: arithmetic_reward(text, it["answer"]), job, g)
         loss.backward()
         policy.zero_grad(set_to_none=True)
