@@ -14,9 +14,8 @@ from assets._common import asset_output, failing_on_config_errors, md_table, rep
 from assets._config import schema_of
 from assets.pretrained import recorded_start, start_of
 from kiln.common.config import ConfigError
-from kiln.common.files import stable_hash
 from kiln.model.config import ModelConfig
-from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, plan_from_config
+from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, plan_from_config, plan_version
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, pretrain_report
 from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
@@ -88,7 +87,7 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
             "peak_tflops_per_device": plan["peak_tflops"],
             "estimated_hours": float(f"{plan['est_hours']:.4g}"), "model": MetadataValue.json(plan["model"]),
             **plan_cost_metadata(plan),
-        }, version=stable_hash(plan)[:16])
+        }, version=plan_version(plan))
 
 
 def plan_cost_metadata(plan: dict) -> dict:

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kiln.common.config import ConfigError, from_dict
+from kiln.common.files import stable_hash
 from kiln.model.config import ModelConfig, model_dict, padded_vocab, preset_fields
 from kiln.model.families import flops_per_token, of
 from kiln.model.loss import CE_CHUNK_BYTES
@@ -94,6 +95,16 @@ class TrainingPlan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+HOST_ESTIMATES = ("device_memory_gb", "peak_tflops", "est_hours", "alternatives")
+
+
+def plan_version(plan: dict) -> str:
+    """The data version of a plan (the ``to_dict`` of a TrainingPlan, with any fields the caller adds): a hash of
+    what the run will do, without HOST_ESTIMATES, which follow the planning host's memory and cores when
+    hardware.memory_gb or peak_tflops is unset (the same run planned on another machine keeps its version)."""
+    return stable_hash({k: v for k, v in plan.items() if k not in HOST_ESTIMATES})[:16]
 
 
 class PlanError(ValueError):

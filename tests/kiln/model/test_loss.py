@@ -56,13 +56,15 @@ def test_token_logprobs_equal_the_log_softmax_and_its_gradients(monkeypatch, chu
     got = token_logprobs(h, w, t)
     (ch, cw) = torch.autograd.grad((got * up).sum(), (h, w))
     assert got.dtype == torch.float32 and got.shape == (90,)
-    assert torch.equal(got, ref)  # the same matmul rows and the same log-softmax per row: bit for bit
+    # the same log-softmax per row; a chunk's matmul may round its last bit apart from the whole one's (BLAS kernels
+    # pick their blocking by shape: bit for bit on Intel AVX-512, not on AMD)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     assert torch.count_nonzero(got[:11]) == 0
     assert torch.allclose(ch, gh, rtol=1e-5, atol=1e-6) and torch.allclose(cw, gw, rtol=1e-5, atol=1e-6)  # sum order
     if chunk_bytes == 1 << 30:  # one chunk: the weight gradient is one matmul too, so equal bit for bit
         assert torch.equal(ch, gh) and torch.equal(cw, gw)
     with torch.no_grad():
-        assert torch.equal(token_logprobs(h, w, t), ref)
+        torch.testing.assert_close(token_logprobs(h, w, t), ref, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
