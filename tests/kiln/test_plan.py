@@ -25,6 +25,7 @@ from kiln.plan import (
     make_plan,
     measure_matmul_peak,
     memory_breakdown,
+    plan_version,
 )
 
 GPT2_124M = ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
@@ -344,3 +345,15 @@ def test_plan_from_config_picks_the_named_size_of_the_family() -> None:
         plan_from_config(300, "gpt2-xl", {"family": "llama"}, batch)
     with pytest.raises(ConfigError, match="unknown family 'mamba'"):
         plan_from_config(300, "", {"family": "mamba"}, batch)
+
+
+def test_a_plans_version_follows_what_the_run_does_not_the_planning_hosts_memory_or_cores() -> None:
+    batch = BatchConfig(seq_len=32, global_batch=16, max_steps=10)
+    here = make_plan(TINY, batch, HardwareConfig(device="cpu", nproc_per_node=1, memory_gb=8)).to_dict()
+    bigger = make_plan(TINY, batch, HardwareConfig(device="cpu", nproc_per_node=1, memory_gb=64, peak_tflops=3.0)).to_dict()
+    assert here["device_memory_gb"] != bigger["device_memory_gb"] and here["est_hours"] != bigger["est_hours"]
+    assert plan_version(here) == plan_version(bigger)
+    longer = make_plan(TINY, BatchConfig(seq_len=32, global_batch=16, max_steps=20),
+                       HardwareConfig(device="cpu", nproc_per_node=1, memory_gb=8)).to_dict()
+    assert plan_version(longer) != plan_version(here)
+    assert plan_version({**here, "micro_batch": here["micro_batch"] // 2}) != plan_version(here)
