@@ -23,6 +23,10 @@ from kiln.model.gpt import padded_vocab  # noqa: E402
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one torch thread each, not two fighting threads
+    import torch
+
+    torch.set_num_threads(1)
 
 SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the farmer", "a small bird", "the teacher", "our neighbour"]
 VERBS = ["sees", "likes", "walks to", "finds", "carries", "remembers", "paints", "follows"]
@@ -60,6 +64,18 @@ def one_thread():
     """Tiny models run fastest on one thread (and do not fight other tests for cores)."""
     with single_thread():
         yield
+
+
+@pytest.fixture(scope="session")
+def source_cache(tmp_path_factory) -> Path:
+    """Where the smoke preset's packages are fetched once per test run: /tmp/srccache when a developer keeps them there,
+    else beside the run's temporary folders, one cache for both xdist workers (a fetch commits its folder atomically,
+    so two workers fetching the same package keep one copy)."""
+    kept = Path("/tmp/srccache")
+    if kept.is_dir():
+        return kept
+    root = tmp_path_factory.getbasetemp()
+    return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "source-cache"
 
 
 @pytest.fixture(scope="session")
@@ -198,18 +214,35 @@ def baseline(baselines):
     return baselines("adamw")
 
 
+RAY_CLUSTERS: list = []  # the session's cluster while it runs
+LAST_RAY_TEST: list[str] = []  # the node id of the last test (in run order) that uses it
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real Ray cluster on 127.0.0.1 (tests/ray_cluster.py: a head node and a second worker node, one CPU and a
-    small object store each), started once per session by the first test that asks for it, stopped at the end."""
+    small object store each), started once per session by the first test that asks for it, stopped after the last
+    (its twenty-odd daemons would otherwise take CPU from every later test)."""
     from ray_cluster import RayCluster
 
     cluster = RayCluster(workers=1)
+    RAY_CLUSTERS.append(cluster)
     try:
         cluster.start()
         yield cluster
     finally:
-        cluster.stop()
+        stop_ray()
+
+
+def stop_ray() -> None:
+    while RAY_CLUSTERS:
+        RAY_CLUSTERS.pop().stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    if LAST_RAY_TEST and item.nodeid == LAST_RAY_TEST[0]:
+        stop_ray()
 
 
 # A test skipped because something it needs is not installed ("... is not installed (apt-get install X)") fails
@@ -240,3 +273,42 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"kiln: {len(MISSING_SKIPS)} test(s) skipped for a missing dependency, so this run "
                                     f"fails: {'; '.join(reasons)}. Run bash scripts/test-deps.sh as root (it installs "
                                     "them), or set KILN_ALLOW_SKIPS=1 to allow the skips.", red=True)
+
+
+# Under pytest-xdist (`make test` runs `-n 2`) the tests of one file run on one worker, in file order, so a module
+# fixture (the smoke pipeline of tests/test_e2e.py, say) is made once; the files named test_ray*.py, which share the
+# session's Ray cluster, run on one worker together. The slowest files (measured with --durations) are handed out
+# first, so neither worker is left with one of them at the end. (xdist's own `loadgroup` cannot be used: it renames
+# node ids, which pytest 9 no longer allows, so its groups are silently ignored.)
+SLOWEST_FIRST = ("tests/test_e2e.py", "ray", "tests/ui/test_dagster_ui.py", "tests/test_e2e_pretrained.py",
+                 "tests/kiln/train/test_train_distributed.py", "tests/resources/test_torchrun.py",
+                 "tests/kiln/train/test_train.py", "tests/resources/test_slurm.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: "ray" for the test_ray*.py files, else the test's file."""
+    path = nodeid.split("::")[0]
+    return "ray" if Path(path).name.startswith("test_ray") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order the workers collected (SLOWEST_FIRST)
+    return ByWorkUnit(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {g: n for n, g in enumerate(SLOWEST_FIRST)}
+        first_seen: dict[str, int] = {}
+        for n, item in enumerate(items):
+            first_seen.setdefault(work_unit(item.nodeid), n)
+        items.sort(key=lambda i: (rank.get(work_unit(i.nodeid), len(rank)), first_seen[work_unit(i.nodeid)]))
+    users = [i.nodeid for i in items if "ray_cluster" in getattr(i, "fixturenames", ())]
+    LAST_RAY_TEST[:] = users[-1:]

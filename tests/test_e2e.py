@@ -19,10 +19,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
+def smoke_run(tmp_path_factory, source_cache):
     home = tmp_path_factory.mktemp("kiln-home")
-    cache = tmp_path_factory.getbasetemp() / "source-cache"
-    defs = make_definitions(home, str(cache))
+    defs = make_definitions(home, str(source_cache))
     instance = DagsterInstance.ephemeral()
     result = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
         run_config=load_preset("smoke"), instance=instance, raise_on_error=True)

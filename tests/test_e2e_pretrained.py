@@ -42,10 +42,10 @@ def pretrained_config(folder: Path) -> dict:
     return conf
 
 
-def run_from(tmp_path_factory, arch: str):
+def run_from(tmp_path_factory, source_cache: Path, arch: str):
     folder = save_tiny(tmp_path_factory.mktemp(f"hf-{arch}") / "tiny", arch, extra_rows=0, license="mit")
     home = tmp_path_factory.mktemp("kiln-home")
-    defs = make_definitions(home, str(tmp_path_factory.getbasetemp() / "source-cache"))
+    defs = make_definitions(home, str(source_cache))
     instance = DagsterInstance.ephemeral()
     conf = pretrained_config(folder)
     conf["ops"] = {k: v for k, v in conf["ops"].items() if k not in UNJUDGED}
@@ -56,8 +56,8 @@ def run_from(tmp_path_factory, arch: str):
 
 
 @pytest.fixture(scope="module")
-def imported_run(tmp_path_factory):
-    return run_from(tmp_path_factory, "llama")
+def imported_run(tmp_path_factory, source_cache):
+    return run_from(tmp_path_factory, source_cache, "llama")
 
 
 def test_every_asset_materialized_from_the_imported_model(imported_run):

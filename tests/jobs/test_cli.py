@@ -90,14 +90,6 @@ def test_run_refuses_an_unknown_op_or_resource_name_in_a_preset_before_anything_
     assert ran == [] and not (tmp_path / "home" / "storage").exists()
 
 
-SOURCE_CACHE = Path("/tmp/srccache")  # the smoke manifest's packages, when cached there already (else fetched once)
-
-
-@pytest.fixture(scope="session")
-def source_cache(tmp_path_factory) -> Path:
-    return SOURCE_CACHE if SOURCE_CACHE.is_dir() else tmp_path_factory.getbasetemp() / "source-cache"
-
-
 @pytest.mark.slow
 def test_a_failed_run_says_first_which_step_failed_and_why_and_where_the_trace_is(tmp_path, capsys, monkeypatch,
                                                                                     source_cache):

@@ -25,7 +25,6 @@ from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240  # importing the definitions (torch, mlflow, dagster) on a loaded 2-core machine
-SOURCE_CACHE = Path("/tmp/srccache")  # the smoke sources, when cached there already (else fetched once)
 TRAINED = "raw_documents,clean_corpus,tokenizer,token_shards,training_plan,base_model"
 PAGE_TIMEOUT_S = 90
 
@@ -61,14 +60,14 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def kiln_home(tmp_path_factory):
+def kiln_home(tmp_path_factory, source_cache):
     """(home, MLflow port): a Kiln home where ``kiln run --preset smoke`` materialized the assets up to base_model,
     with MLflow links pointing at the port the mlflow_ui fixture serves."""
     home = tmp_path_factory.mktemp("kiln_home")
     (home / "dagster").mkdir()
     (home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     port = free_port()
-    cache = SOURCE_CACHE if SOURCE_CACHE.is_dir() else tmp_path_factory.getbasetemp() / "source-cache"
+    cache = source_cache
     preset = home / "ui.yaml"
     preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {cache}}}\n"
                       f"  mlflow:\n    config: {{ui_url: 'http://127.0.0.1:{port}'}}\n")
