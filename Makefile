@@ -8,18 +8,20 @@ KILN_HOME ?= $(CURDIR)/.kiln
 
 setup: $(VENV)/.installed
 
-# torch is installed first and pinned: an unpinned torch can pull a multi-GB CUDA build on a CPU machine.
-# The demo needs the package alone; the tests add the `test` extra (transformers, selenium, moto, ...).
+# torch is installed first, pinned, by pip: an unpinned torch can pull a multi-GB CUDA build on a CPU machine, and
+# pip takes a CPU build where the machine keeps one on disk (its find-links). The rest is installed by uv, which
+# keeps that torch (it satisfies the pin) and installs the other ~230 packages in seconds where pip takes minutes.
+# The demo needs the package alone; the tests add the `test` extra (transformers, selenium, moto, pytest-xdist, ...).
+UV := $(BIN)/uv pip install --python $(BIN)/python -q
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q torch==2.13.0 uv==0.13.8
+	$(UV) -e .
 	@bash scripts/apt-lists.sh
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[test]'
+	$(UV) -e '.[test]'
 	touch $@
 
 demo: setup
