@@ -67,9 +67,8 @@ def kiln_home(tmp_path_factory, source_cache):
     (home / "dagster").mkdir()
     (home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     port = free_port()
-    cache = source_cache
     preset = home / "ui.yaml"
-    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {cache}}}\n"
+    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {source_cache}}}\n"
                       f"  mlflow:\n    config: {{ui_url: 'http://127.0.0.1:{port}'}}\n")
     env = {**os.environ, "DAGSTER_HOME": str(home / "dagster"), "PYTHONPATH": str(ROOT), "CI": "1"}
     run = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--preset", str(preset), "--select", TRAINED,
