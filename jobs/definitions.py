@@ -75,14 +75,16 @@ def complete_resource_config(run_config: dict, resources: dict) -> dict:
     return {**run_config, "resources": out}
 
 
-def make_definitions(home: Path = KILN_HOME, source_cache: str = "") -> Definitions:
+def make_definitions(home: Path = KILN_HOME, source_cache: str = "", **resources) -> Definitions:
+    """Kiln's Definitions over ``home``; keyword arguments bind other resources by name (an MLflow resource whose
+    links point at another UI, say)."""
     return Definitions(
         assets=ALL_ASSETS + PARTITIONED_ASSETS,
         asset_checks=[contamination_below_threshold, release_no_regression],
         jobs=[kiln_pipeline_job, checkpoint_eval_job],
         schedules=[nightly_eval_schedule],
         sensors=[new_checkpoint_sensor],
-        resources=make_resources(home, source_cache),
+        resources={**make_resources(home, source_cache), **resources},
         executor=in_process_executor,
     )
 

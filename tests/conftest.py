@@ -1,6 +1,8 @@
-"""Shared fixtures (Dagster-free, used by core, resource and pipeline tests): a tiny BPE, token shards and tiny training job files.
+"""Shared fixtures (used by core, resource and pipeline tests): a tiny BPE, token shards and tiny training job files,
+and the session's one smoke pipeline home.
 
-Everything here is small enough for CPU (vocab 300, width 32-64, seq 32); nothing imports Dagster.
+Everything here is small enough for CPU (vocab 300, width 32-64, seq 32); only the smoke-home fixture imports Dagster,
+inside itself, so core tests never load it.
 """
 
 from __future__ import annotations
@@ -76,6 +78,38 @@ def source_cache(tmp_path_factory) -> Path:
         return kept
     root = tmp_path_factory.getbasetemp()
     return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "source-cache"
+
+
+@pytest.fixture(scope="session")
+def mlflow_ui_port() -> int:
+    """The port the UI tests serve ``mlflow ui`` on, chosen before the smoke run so that its links point there."""
+    from ports import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, source_cache, mlflow_ui_port):
+    """(home, Definitions, DagsterInstance, result): the smoke preset through every asset, once per session, on a
+    persistent Dagster instance in ``home/dagster`` (what ``kiln run`` writes and the Dagster UI reads, the UI tests
+    serve it) with MLflow links to ``mlflow_ui_port``. tests/test_e2e.py checks it and reruns parts of it;
+    tests/ui/test_dagster_ui.py browses it (the two files are one xdist work unit, so one worker makes it)."""
+    from dagster import DagsterInstance
+
+    from jobs.cli import load_preset
+    from jobs.definitions import make_definitions, make_resources
+
+    home = tmp_path_factory.mktemp("kiln-home")
+    (home / "dagster").mkdir()
+    (home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    bound = make_resources(home)["mlflow"]
+    mlflow = type(bound)(**{**bound.model_dump(), "ui_url": f"http://127.0.0.1:{mlflow_ui_port}"})
+    defs = make_definitions(home, str(source_cache), mlflow=mlflow)
+    instance = DagsterInstance.from_config(str(home / "dagster"))
+    result = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
+        run_config=load_preset("smoke"), instance=instance, raise_on_error=True)
+    yield home, defs, instance, result
+    instance.dispose()
 
 
 @pytest.fixture(scope="session")
@@ -276,18 +310,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 
 # Under pytest-xdist (`make test` runs `-n 2`) the tests of one file run on one worker, in file order, so a module
-# fixture (the smoke pipeline of tests/test_e2e.py, say) is made once; the files named test_ray*.py, which share the
-# session's Ray cluster, run on one worker together. The slowest files (measured with --durations) are handed out
+# fixture (the pretrained pipeline of tests/test_e2e_pretrained.py, say) is made once; the files named test_ray*.py,
+# which share the session's Ray cluster, run on one worker together, and so do the two files that use the session's
+# smoke home (SMOKE_HOME_FILES). The slowest files (measured with --durations) are handed out
 # first, so neither worker is left with one of them at the end. (xdist's own `loadgroup` cannot be used: it renames
 # node ids, which pytest 9 no longer allows, so its groups are silently ignored.)
-SLOWEST_FIRST = ("tests/test_e2e.py", "ray", "tests/ui/test_dagster_ui.py", "tests/test_e2e_pretrained.py",
+SMOKE_HOME_FILES = ("tests/test_e2e.py", "tests/ui/test_dagster_ui.py")
+SLOWEST_FIRST = ("smoke", "ray", "tests/test_e2e_pretrained.py",
                  "tests/kiln/train/test_train_distributed.py", "tests/resources/test_torchrun.py",
                  "tests/kiln/train/test_train.py", "tests/resources/test_slurm.py")
 
 
 def work_unit(nodeid: str) -> str:
-    """The xdist work unit of a test: "ray" for the test_ray*.py files, else the test's file."""
+    """The xdist work unit of a test: "ray" for the test_ray*.py files, "smoke" for SMOKE_HOME_FILES, else its file."""
     path = nodeid.split("::")[0]
+    if path in SMOKE_HOME_FILES:
+        return "smoke"
     return "ray" if Path(path).name.startswith("test_ray") else path
 
 

@@ -1,4 +1,5 @@
-"""End to end: the smoke preset through every asset, checking real outputs and MLflow tracking."""
+"""End to end: the smoke preset through every asset (the session's smoke_run), checking real outputs and MLflow
+tracking, then reruns of parts of it against what ``kiln status`` predicts."""
 
 import math
 from pathlib import Path
@@ -6,10 +7,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from dagster import AssetKey, DagsterInstance, DagsterInvalidConfigError
+from dagster import AssetKey, DagsterInvalidConfigError
 
 from jobs.cli import load_preset
-from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources
+from jobs.definitions import ALL_ASSETS, complete_resource_config
 from kiln.train.checkpoint import load_for_inference
 from kiln.release.bundle import load_release
 from kiln.shards import decode_documents, split_of
@@ -18,14 +19,7 @@ from kiln.tokenizer import load_encoding
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory, source_cache):
-    home = tmp_path_factory.mktemp("kiln-home")
-    defs = make_definitions(home, str(source_cache))
-    instance = DagsterInstance.ephemeral()
-    result = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
-        run_config=load_preset("smoke"), instance=instance, raise_on_error=True)
-    return home, defs, instance, result
+# smoke_run (tests/conftest.py): the session's smoke pipeline, made once; the reruns below add to its home.
 
 
 def test_every_asset_materialized_with_a_data_version(smoke_run):
@@ -259,7 +253,7 @@ def test_recomputing_without_reuse_gives_the_same_data_versions(smoke_run):
               for n in select}
     home = smoke_run[0]
     config = complete_resource_config({"ops": smoke_ops(), "resources": {"mlflow": {"config": {"reuse_runs": False}}}},
-                                      make_resources(home, str(Path(defs.resources["storage"].source_cache))))
+                                      defs.resources)
     assert config["resources"]["mlflow"]["config"]["tracking_uri"].endswith(str(home / "mlflow.db"))
     job = defs.resolve_job_def("kiln_pipeline_job")
     result = job.execute_in_process(run_config=config, instance=instance, raise_on_error=False,

@@ -87,3 +87,15 @@ def test_llama_family_picks_its_named_size_and_wrong_fields_fail_as_config_error
     assert isinstance(err.value.__cause__, ConfigError) and err.value.allow_retries is False
     with pytest.raises(Failure, match="unknown model preset 'gpt2-large' for family llama"):
         run(tmp_path, model_preset="gpt2-large", model={"family": "llama"})
+
+
+def test_the_llama_tiny_preset_plans_the_tiny_llama(tmp_path):
+    """The llama-tiny preset (CI for the second family) plans the llama family's tiny size with 2 key/value heads. A
+    llama trained through base_model and released for transformers: tests/test_e2e_pretrained.py; from scratch, on
+    one and two processes: tests/kiln/train/test_train_llama.py."""
+    from jobs.cli import load_preset
+
+    plan = run(tmp_path, **load_preset("llama-tiny")["ops"]["training_plan"]["config"]).value
+    assert {k: plan["model"][k] for k in ("family", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size")} == {
+        "family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "block_size": 64}
+    assert plan["max_steps"] == 60 and plan["seq_len"] == 64 and plan["micro_batch"] * plan["grad_accum"] == 16

@@ -114,6 +114,19 @@ def test_a_failed_run_says_first_which_step_failed_and_why_and_where_the_trace_i
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith(f"{step} failed: EmptyCorpusError:") and f"kiln: step {step[len('kiln: '):]} failed:" in err
     assert any(line.startswith("kiln.clean.report.EmptyCorpusError: ") for line in err[3:])
+    # the same selection from the plain smoke preset succeeds, and DAGSTER_HOME's instance holds what it materialized
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {source_cache}}}\n")
+    assert main(["run", "--preset", str(ok), "--select", "raw_documents,clean_corpus", "--home", str(home)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    run_id = out[0].split()[2].rstrip(",")
+    assert out[0] == f"kiln: run {run_id}, preset {ok}, 2 assets; full log: {home / 'logs' / (run_id + '-events.log')}"
+    done = [line for line in out if line.startswith(f"kiln: run {run_id} materialized 2 assets in ")]
+    assert len(done) == 1 and done[0].endswith(f"(preset {ok})"), out
+    from dagster import AssetKey, DagsterInstance
+
+    with DagsterInstance.get() as instance:
+        assert instance.get_latest_materialization_event(AssetKey("clean_corpus")).run_id == run_id
 
 
 def test_the_innermost_error_is_the_one_the_asset_raised():

@@ -1,5 +1,6 @@
-"""The Dagster and MLflow UIs in a real browser: dagster-webserver over workspace.yaml and ``mlflow ui`` over a Kiln home
-where the smoke preset trained a base model, driven by headless Chromium through Selenium.
+"""The Dagster and MLflow UIs in a real browser: dagster-webserver over workspace.yaml and ``mlflow ui`` over the
+session's smoke home (every asset materialized, and after it tests/test_e2e.py's reruns), driven by
+headless Chromium through Selenium.
 
 Run: python -m pytest tests/ui -q   (needs Debian's chromium and chromium-driver, which make test installs as root)
 Screenshots of the asset graph, the catalog, the release's lineage and base_model's MLflow run are saved in the test's
@@ -25,7 +26,6 @@ from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240  # importing the definitions (torch, mlflow, dagster) on a loaded 2-core machine
-TRAINED = "raw_documents,clean_corpus,tokenizer,token_shards,training_plan,base_model"
 PAGE_TIMEOUT_S = 90
 
 pytestmark = [
@@ -60,21 +60,10 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def kiln_home(tmp_path_factory, source_cache):
-    """(home, MLflow port): a Kiln home where ``kiln run --preset smoke`` materialized the assets up to base_model,
-    with MLflow links pointing at the port the mlflow_ui fixture serves."""
-    home = tmp_path_factory.mktemp("kiln_home")
-    (home / "dagster").mkdir()
-    (home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    port = free_port()
-    preset = home / "ui.yaml"
-    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {source_cache}}}\n"
-                      f"  mlflow:\n    config: {{ui_url: 'http://127.0.0.1:{port}'}}\n")
-    env = {**os.environ, "DAGSTER_HOME": str(home / "dagster"), "PYTHONPATH": str(ROOT), "CI": "1"}
-    run = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--preset", str(preset), "--select", TRAINED,
-                          "--home", str(home)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return home, port
+def kiln_home(smoke_run, mlflow_ui_port):
+    """(home, MLflow port): the session's smoke home (tests/conftest.py smoke_run: every asset materialized on the
+    Dagster instance in home/dagster, MLflow links pointing at the port the mlflow_ui fixture serves)."""
+    return smoke_run[0], mlflow_ui_port
 
 
 @pytest.fixture(scope="module")
