@@ -343,16 +343,21 @@ def test_a_failed_training_attempt_resumes_from_its_verified_checkpoint(smoke_ru
     assert other.action == "recompute" and other.reasons == ["config ckpt_interval 20 -> 10"]
 
 
-RLHF_BRANCH = {"reward_model", "ppo_model"}
+# The stages trained from base_model on (and the release): launches of the same kind as base_model's, left out of the
+# filter-change run; kiln status after it must still see them stale.
+POST_TRAINING = {"sft_model", "dpo_model", "rl_model", "reward_model", "ppo_model", "judged_preferences",
+                 "release_bundle"}
 
 
 def test_a_filter_change_is_predicted_and_rebuilds_the_clean_corpus_and_downstream(smoke_run):
     from jobs.status import format_status
     from kiln.clean.config import CleanSettings
 
-    _, defs, _, _ = smoke_run
+    _, defs, instance, _ = smoke_run
     old = CleanSettings().min_words
-    rows = status(smoke_run, smoke_ops(clean_corpus={"config": {"clean": {"min_words": 80}}}))
+    ops = smoke_ops(clean_corpus={"config": {"clean": {"min_words": 80}}},
+                    contamination_report={"config": {"max_share": 1.0}})  # another corpus: let contamination move
+    rows = status(smoke_run, ops)
     assert rows["clean_corpus"].reasons == [f"config clean.min_words {old} -> 80"]
     assert rows["raw_documents"].action == "reuse"
     assert running(rows) == downstream_of(defs, "clean_corpus")
@@ -361,18 +366,24 @@ def test_a_filter_change_is_predicted_and_rebuilds_the_clean_corpus_and_downstre
     text = format_status(list(rows.values()))
     assert f"    config clean.min_words {old} -> 80" in text.splitlines()
     assert text.splitlines()[-1].startswith(f"{len(running(rows))} of {len(NAMES)} assets would run, about ")
-    # A different corpus trains a different model: let its scores and contamination move without failing a check.
-    # The run leaves out the opt-in RLHF branch (reward_model, ppo_model: two more launches of the same kind as the
-    # DPO and RL stages it reruns); the release, of rl_model, reads ppo_model's earlier output.
-    result = rerun(smoke_run, [n for n in NAMES if n not in RLHF_BRANCH], smoke_ops(clean_corpus={"config": {"clean": {"min_words": 80}}},
-                                               contamination_report={"config": {"max_share": 1.0}},
-                                               release_bundle={"config": {"regression_tolerance": 1e9}}))
+    # The corpus, tokenizer, shards, plan, base model, evaluation and the SFT/DPO data, not the post-training stages.
+    select = [n for n in NAMES if n not in POST_TRAINING]
+    version = lambda n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags[  # noqa: E731
+        "dagster/data_version"]
+    base_before = version("base_model")
+    result = rerun(smoke_run, select, ops)
     assert result.success, failure_message(result)
     computed = computed_assets(smoke_run, result.run_id)
     # Nothing upstream of the change runs; everything whose input data version changed does. An asset below
     # the change whose inputs come out byte-identical (e.g. preference_data when the rebuilt instruction
     # pairs are unchanged) is reused, so the computed set lies between the changed chain and all the predicted.
     assert "raw_documents" not in computed
-    assert computed <= running(rows) - RLHF_BRANCH
-    assert {"clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model", "sft_model", "dpo_model",
-            "rl_model", "eval_scores", "release_bundle"} <= computed
+    assert computed <= running(rows) & set(select)
+    assert {"clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model", "eval_scores"} <= computed
+    # What that run built is now current; every stage trained from the new base model is still to run, and says why.
+    after = status(smoke_run, ops)
+    assert running(after) == running(rows) & POST_TRAINING, {n: after[n].reasons for n in running(after)}
+    moved = f"upstream base_model data version {base_before} -> {version('base_model')}"
+    assert base_before != version("base_model") and moved in after["sft_model"].reasons
+    assert moved in after["release_bundle"].reasons
+    assert after["dpo_model"].reasons[-1] == after["reward_model"].reasons[-1] == f"upstream sft_model changes: {moved}"

@@ -125,6 +125,42 @@ def test_the_same_config_and_inputs_reuse_the_recorded_output_and_a_new_config_d
     assert CALLS == ["notes", "notes"] and changed[1] != first[1]
 
 
+class SourceConfig(Config):
+    text: str = "a"
+
+
+@asset(code_version="1")
+def source(context: AssetExecutionContext, config: SourceConfig, mlflow: MlflowResource) -> Output[dict]:
+    """A plain value versioned by its config: the upstream of derived."""
+    with asset_output(context, mlflow, config=config) as out:
+        if out.reused:
+            return out.reused
+        version = stable_hash(config.text)[:16]
+        return out.result({"text": config.text, "version": version}, version=version)
+
+
+@asset(code_version="1")
+def derived(context: AssetExecutionContext, source: dict, mlflow: MlflowResource) -> Output[dict]:
+    """Reads source: reused while source's data version stays, recomputed when it moves."""
+    with asset_output(context, mlflow, inputs={"source": source}) as out:
+        if out.reused:
+            return out.reused
+        CALLS.append("derived")
+        text = source["text"] * 2
+        return out.result({"text": text, "version": stable_hash(text)[:16]}, version=stable_hash(text)[:16])
+
+
+def test_an_upstream_data_version_change_recomputes_and_the_same_one_reuses(resources):
+    CALLS.clear()
+    first = materialized(run([source, derived], resources), "derived")
+    again = materialized(run([source, derived], resources), "derived")
+    assert CALLS == ["derived"] and again[1] == first[1]  # the same input version: the recorded output
+    moved = materialized(run([source, derived], resources, {"source": {"config": {"text": "b"}}}), "derived")
+    assert CALLS == ["derived", "derived"] and moved[0]["text"] == "bb" and moved[1] != first[1]
+    assert resources["mlflow"].client().get_run(moved[2]["mlflow_run_id"].value).data.tags["input.source"] == \
+        stable_hash("b")[:16]
+
+
 def test_volatile_files_do_not_move_the_version(resources):
     resources["mlflow"] = resources["mlflow"].model_copy(update={"reuse_runs": False})
     CALLS.clear()
