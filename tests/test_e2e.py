@@ -145,6 +145,11 @@ def rerun(smoke_run, select: list[str], ops: dict):
                                   asset_selection=[AssetKey(k) for k in select])
 
 
+def data_version(instance, name: str) -> str:
+    """The data version of ``name``'s latest materialization on ``instance``."""
+    return instance.get_latest_materialization_event(AssetKey(name)).asset_materialization.tags["dagster/data_version"]
+
+
 def failure_message(result) -> str:
     return "\n".join(ev.event_specific_data.error.to_string() for ev in result.all_events if ev.is_step_failure)
 
@@ -250,8 +255,7 @@ def test_recomputing_without_reuse_gives_the_same_data_versions(smoke_run):
     records which Dagster and MLflow runs made it, so its version moves; its weights do not."""
     _, defs, instance, first = smoke_run
     select = ["eval_suite", "contamination_report", "dpo_model", "rl_model", "eval_scores", "release_bundle"]
-    before = {n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags["dagster/data_version"]
-              for n in select}
+    before = {n: data_version(instance, n) for n in select}
     home = smoke_run[0]
     config = complete_resource_config({"ops": smoke_ops(), "resources": {"mlflow": {"config": {"reuse_runs": False}}}},
                                       defs.resources)
@@ -261,8 +265,7 @@ def test_recomputing_without_reuse_gives_the_same_data_versions(smoke_run):
                                     asset_selection=[AssetKey(k) for k in select])
     assert result.success, failure_message(result)
     assert computed_assets(smoke_run, result.run_id) == set(select)  # each really ran again
-    after = {n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags["dagster/data_version"]
-             for n in select}
+    after = {n: data_version(instance, n) for n in select}
     changed = {n for n in select if before[n] != after[n]}
     assert changed <= {"release_bundle"}, {n: (before[n], after[n]) for n in changed}
     a = Path(first.output_for_node("release_bundle")["dir"]) / "model.safetensors"
@@ -293,9 +296,7 @@ def test_an_eval_change_is_predicted_and_rebuilds_only_evaluation_and_release(sm
 def test_a_damaged_output_is_named_and_left_in_place(smoke_run):
     home, _, instance, _ = smoke_run
     ops = smoke_ops(**EVAL_CHANGE)  # the latest run's
-    version = instance.get_latest_materialization_event(AssetKey("eval_scores")).asset_materialization.tags[
-        "dagster/data_version"]
-    target = home / "storage" / "eval_scores" / version / "scores.json"
+    target = home / "storage" / "eval_scores" / data_version(instance, "eval_scores") / "scores.json"
     original = target.read_bytes()
     try:
         target.write_bytes(original[:-1] + b" ")  # same size, other bytes: found by its checksum
@@ -368,9 +369,7 @@ def test_a_filter_change_is_predicted_and_rebuilds_the_clean_corpus_and_downstre
     assert text.splitlines()[-1].startswith(f"{len(running(rows))} of {len(NAMES)} assets would run, about ")
     # The corpus, tokenizer, shards, plan, base model, evaluation and the SFT/DPO data, not the post-training stages.
     select = [n for n in NAMES if n not in POST_TRAINING]
-    version = lambda n: instance.get_latest_materialization_event(AssetKey(n)).asset_materialization.tags[  # noqa: E731
-        "dagster/data_version"]
-    base_before = version("base_model")
+    base_before = data_version(instance, "base_model")
     result = rerun(smoke_run, select, ops)
     assert result.success, failure_message(result)
     computed = computed_assets(smoke_run, result.run_id)
@@ -383,7 +382,8 @@ def test_a_filter_change_is_predicted_and_rebuilds_the_clean_corpus_and_downstre
     # What that run built is now current; every stage trained from the new base model is still to run, and says why.
     after = status(smoke_run, ops)
     assert running(after) == running(rows) & POST_TRAINING, {n: after[n].reasons for n in running(after)}
-    moved = f"upstream base_model data version {base_before} -> {version('base_model')}"
-    assert base_before != version("base_model") and moved in after["sft_model"].reasons
+    base_after = data_version(instance, "base_model")
+    moved = f"upstream base_model data version {base_before} -> {base_after}"
+    assert base_before != base_after and moved in after["sft_model"].reasons
     assert moved in after["release_bundle"].reasons
     assert after["dpo_model"].reasons[-1] == after["reward_model"].reasons[-1] == f"upstream sft_model changes: {moved}"
