@@ -11,6 +11,7 @@ Run: python -m pytest tests/kiln/train/test_optim.py -q   (tiny models on CPU; a
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
 from kiln.model.lora import LoRAConfig, apply_lora
 from kiln.train.optim import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonAdamW, OptimConfig, deal, lr_lambda,
-                              make_optimizer, make_scheduler, muon_lr, newton_schulz)
+                              make_optimizer, make_scheduler, muon_lr, newton_schulz, ns_dtype)
 from ports import free_port
 
 CPU = torch.device("cpu")
@@ -295,21 +296,35 @@ def test_newton_schulz_is_torchs_bit_for_bit(dtype) -> None:
     for shape in [(48, 16), (16, 48), (32, 32), (5, 3), (1, 7), (300, 97), (97, 300)]:
         g = torch.randn(shape, generator=gen).to(dtype)
         before = g.clone()
-        ours, theirs = newton_schulz(g), zeropower(g.clone(), NS_COEFFICIENTS, NS_STEPS, NS_EPS)
+        ours = newton_schulz(g, dtype=torch.bfloat16)
+        theirs = zeropower(g.clone(), NS_COEFFICIENTS, NS_STEPS, NS_EPS)
         assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs), shape
         assert torch.equal(g, before)  # the input is left as it was
     zeros = torch.zeros(4, 6, dtype=dtype)  # eps keeps the division finite
-    assert torch.equal(newton_schulz(zeros), zeropower(zeros.clone(), NS_COEFFICIENTS, NS_STEPS, NS_EPS))
+    assert torch.equal(newton_schulz(zeros, dtype=torch.bfloat16),
+                       zeropower(zeros.clone(), NS_COEFFICIENTS, NS_STEPS, NS_EPS))
     assert not newton_schulz(zeros).isnan().any()
+
+
+def test_newton_schulz_runs_in_bf16_where_it_is_fast_and_in_fp32_on_cpus_without_avx512(monkeypatch) -> None:
+    for capability, dtype in (("AVX512", torch.bfloat16), ("AVX2", torch.float32), ("DEFAULT", torch.float32)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert ns_dtype(CPU) == dtype, capability
+        assert newton_schulz(torch.randn(6, 4)).dtype == dtype, capability
+        assert ns_dtype(torch.device("cuda")) == torch.bfloat16  # no CUDA needed to choose
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    fp32, bf16 = newton_schulz(g, dtype=torch.float32), newton_schulz(g, dtype=torch.bfloat16)
+    assert (fp32 - bf16.float()).abs().max() < 0.02  # the same update, bf16's rounding apart
+    assert not torch.equal(fp32, bf16.float())
 
 
 def test_newton_schulz_takes_the_singular_values_near_one() -> None:
     gen = torch.Generator().manual_seed(0)
-    for shape in [(64, 32), (32, 64), (512, 128)]:
+    for shape, dtype in itertools.product([(64, 32), (32, 64), (512, 128)], [torch.bfloat16, torch.float32]):
         g = torch.randn(shape, generator=gen)
-        before, after = torch.linalg.svdvals(g), torch.linalg.svdvals(newton_schulz(g).float())
+        before, after = torch.linalg.svdvals(g), torch.linalg.svdvals(newton_schulz(g, dtype=dtype).float())
         assert before.max() / before.min() > 2.5, shape  # a spread of singular values ...
-        assert 0.6 < after.min() and after.max() < 1.2, shape  # ... brought near 1
+        assert 0.6 < after.min() and after.max() < 1.2, (shape, dtype)  # ... brought near 1
 
 
 def test_muon_lr_is_torchs_rule() -> None:
@@ -317,6 +332,14 @@ def test_muon_lr_is_torchs_rule() -> None:
     for shape in [(48, 16), (16, 48), (32, 32), (2048, 512), (3, 7)]:
         assert muon_lr(0.02, shape) == adjust(0.02, None, torch.Size(shape)), shape
     assert muon_lr(0.02, (64, 16)) == 0.04 and muon_lr(0.02, (16, 64)) == 0.02
+
+
+@pytest.fixture
+def bf16_newton_schulz(monkeypatch) -> None:
+    """Newton-Schulz in torch's Muon's bf16 on every CPU, for the bit-for-bit comparisons with it."""
+    import kiln.train.optim as optim
+
+    monkeypatch.setattr(optim, "ns_dtype", lambda device: torch.bfloat16)
 
 
 class Both:
@@ -335,7 +358,7 @@ class Both:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_muon_adamw_steps_as_torchs_adamw_and_muon_bit_for_bit(family) -> None:
+def test_muon_adamw_steps_as_torchs_adamw_and_muon_bit_for_bit(family, bf16_newton_schulz) -> None:
     cfg = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1)
     model = tiny(family)
     ref = twin(model, family)
@@ -355,7 +378,7 @@ def test_muon_adamw_steps_as_torchs_adamw_and_muon_bit_for_bit(family) -> None:
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_groups_alone_are_torchs_muon_bit_for_bit(nesterov) -> None:
+def test_muon_groups_alone_are_torchs_muon_bit_for_bit(nesterov, bf16_newton_schulz) -> None:
     torch.manual_seed(0)
     weights = [torch.randn(48, 16), torch.randn(16, 48), torch.randn(5, 3)]
     ours = [torch.nn.Parameter(w.clone()) for w in weights]
@@ -414,7 +437,10 @@ def _sharded_muon_worker(rank: int, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    import kiln.train.optim as optim
+
     _join_gloo(rank, port)
+    optim.ns_dtype = lambda device: torch.bfloat16  # torch's Muon's, on every CPU (this process only)
     try:
         mesh = init_device_mesh("cpu", (2,))
         torch.manual_seed(0)
