@@ -1,8 +1,8 @@
 """The model families by name: what Kiln knows about each architecture, declared once beside its model.
 
 Each model file ends with a ``FAMILY = Family(...)``: its class, the ModelConfig fields it uses, its embedding and
-head, the layers LoRA adapts, its key/value heads, the parameter, FLOP and activation counts the planner uses, and its
-Hugging Face config and weight layout for import and release. Cache, plan, LoRA, the reward model, release and the
+head, the layers LoRA adapts, its key/value heads, the parameter, FLOP and activation counts the planner uses, its
+Hugging Face config and weight layout for import and release, and its tensor-parallel plan. Cache, plan, LoRA, the reward model, release and the
 pretrained import read only this. A new family is one model file plus one line in FAMILY_MODULES.
 
 ``family("llama").model`` is ``kiln.model.llama.Llama``; ``build_model(ModelConfig(family="llama", ...))`` builds one.
@@ -48,6 +48,9 @@ class Family:
     complete: Callable[[ModelConfig], None] = lambda cfg: None  # fill derived fields, check the family's rules
     hf_transposed: tuple[str, ...] = ()  # weights transformers stores transposed against nn.Linear (GPT-2's Conv1D)
     hf_prefix: str = ""  # a prefix some Hugging Face files leave off the weight names (GPT2Model's "transformer.")
+    tp_plan: Callable[[ModelConfig], dict[str, Any]] | None = None  # module path -> ParallelStyle for tensor and
+    # sequence parallelism (kiln.model.tensor_parallel.apply_tp); None: the family cannot be split that way
+    tp_with_fsdp: bool = True  # whether its tensor-parallel shards can be sharded again by FSDP2 (dp_shard > 1)
     buffers: tuple[str, ...] = field(default=(".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))
     # names of non-weights that older Hugging Face files carry (skipped on import)
 

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from kiln.model.cache import KVCache
 from kiln.model.config import MODEL_PRESETS, ModelConfig, padded_vocab, preset_fields  # noqa: F401  (re-exported)
 from kiln.model.families import Family
-from kiln.model.loss import LinearCrossEntropy
+from kiln.model.loss import linear_cross_entropy
 from kiln.model.masks import check_attn_mask
 
 
@@ -32,11 +32,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # 3 x (B, T, C) (C / tp each under tensor parallelism)
         hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         mask, causal = doc_mask, doc_mask is None  # (B, 1, T, T) bool: causal within documents (kiln.model.masks)
         if cache is not None:
             k, v, mask = cache.attend(self.layer, k, v)  # (B, nh, S, hs) each, S = cached + T
@@ -44,7 +44,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, dropout_p=self.dropout if self.training else 0.0
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return F.dropout(self.c_proj(y), self.dropout, self.training)
 
 
@@ -135,7 +135,7 @@ class GPT(nn.Module):
             cache.advance(T)
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is not None:
-            return LinearCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))  # ()
+            return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
         return self.lm_head(x).float()  # (B, T, V)
 
 
@@ -187,6 +187,37 @@ def read_hf_config(path, doc: dict) -> ModelConfig:
                        n_layer=doc["n_layer"], n_head=doc["n_head"], n_embd=n_embd, dropout=0.0, bias=True)
 
 
+def tp_plan(cfg: ModelConfig) -> dict:
+    """Tensor and sequence parallelism (kiln.model.tensor_parallel): the token table row-parallel and the position
+    table replicated, their sum cut into sequence shards at the first block; norms on sequence shards, the fused
+    c_attn column-parallel by heads within each of q, k, v and c_fc by hidden units, both c_proj row-parallel back to
+    sequence shards; the (tied) head column-parallel over the vocabulary."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    from kiln.model.tensor_parallel import FusedColwiseParallel, Replicated
+
+    seq, whole = Shard(1), Replicate()
+    layer = "transformer.h.*."
+    return {
+        "transformer.wte": RowwiseParallel(input_layouts=whole, output_layouts=whole, use_local_output=False),
+        "transformer.wpe": Replicated(),
+        # Block calls are block(x, cache, doc_mask); the first one cuts the embeddings' sum into sequence shards
+        "transformer.h.0": PrepareModuleInput(input_layouts=(whole, None, None), desired_input_layouts=(seq, None, None),
+                                              use_local_output=True),
+        layer + "ln_1": SequenceParallel(),
+        layer + "attn": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(whole, None, None)),
+        layer + "attn.c_attn": FusedColwiseParallel(3),
+        layer + "attn.c_proj": RowwiseParallel(output_layouts=seq),
+        layer + "ln_2": SequenceParallel(),
+        layer + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
+        layer + "mlp.c_fc": ColwiseParallel(),
+        layer + "mlp.c_proj": RowwiseParallel(output_layouts=seq),
+        "transformer.ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole),  # logits; the loss reads the weight
+    }
+
+
 FAMILY = Family(
     name="gpt2", model=GPT, style="GPT-2-style",
     fields=("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias"),  # no `family`: the default
@@ -196,7 +227,10 @@ FAMILY = Family(
     final_norm_params=lambda cfg: (2 if cfg.bias else 1) * cfg.n_embd, saved_per_token=saved_per_token,
     flops_per_token=flops_per_token, hf_config=hf_config, hf_readers={"gpt2": read_hf_config},
     hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
-    hf_prefix="transformer.",
+    hf_prefix="transformer.", tp_plan=tp_plan,
+    # FSDP2 over the strided c_attn shards (_StridedShard twice on dim 0) trains right but gathers the whole
+    # matrix in the wrong row order in torch 2.13, which would corrupt checkpoints and releases
+    tp_with_fsdp=False,
 )
 
 

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from kiln.model.cache import KVCache
 from kiln.model.config import ModelConfig
 from kiln.model.families import Family
-from kiln.model.loss import LinearCrossEntropy
+from kiln.model.loss import linear_cross_entropy
 from kiln.model.masks import check_attn_mask
 
 
@@ -55,9 +55,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        # -1: the heads this rank computes (all of them, or n_head / tp under tensor parallelism)
+        q = self.q_proj(x).view(B, T, -1, self.hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, -1, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
@@ -69,7 +70,7 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=self.n_kv_head != self.n_head,
             dropout_p=self.dropout if self.training else 0.0,
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.hs)  # (B, T, nh*hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh*hs)
         return F.dropout(self.o_proj(y), self.dropout, self.training)  # (B, T, C)
 
 
@@ -165,7 +166,7 @@ class Llama(nn.Module):
             cache.advance(T)
         x = self.model.norm(x)  # (B, T, C)
         if targets is not None:
-            return LinearCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))  # ()
+            return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
         return self.lm_head(x).float()  # (B, T, V)
 
 
@@ -252,6 +253,33 @@ def read_hf_config(path, doc: dict, qk_norm: bool = False) -> ModelConfig:
     )
 
 
+def tp_plan(cfg: ModelConfig) -> dict:
+    """Tensor and sequence parallelism (kiln.model.tensor_parallel): the embedding row-parallel into sequence
+    shards, norms on sequence shards, q/k/v and gate/up column-parallel (whole heads and hidden units per rank),
+    o/down row-parallel back to sequence shards, the head column-parallel over the vocabulary."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    seq, whole = Shard(1), Replicate()
+    layer = "model.layers.*."
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=whole, output_layouts=seq),
+        layer + "input_layernorm": SequenceParallel(),
+        # Block calls self_attn(x, cos, sin, cache, doc_mask): only x is gathered
+        layer + "self_attn": PrepareModuleInput(input_layouts=(seq, None, None, None, None),
+                                                desired_input_layouts=(whole, None, None, None, None)),
+        **{layer + f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+        layer + "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        layer + "post_attention_layernorm": SequenceParallel(),
+        layer + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
+        layer + "mlp.gate_proj": ColwiseParallel(),
+        layer + "mlp.up_proj": ColwiseParallel(),
+        layer + "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole),  # logits; the loss reads the weight
+    }
+
+
 FAMILY = Family(
     name="llama", model=Llama, style="Llama-style",
     fields=("family", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "n_kv_head",
@@ -263,7 +291,7 @@ FAMILY = Family(
     layer_params=layer_params,
     embedding_params=lambda cfg: cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2),  # + untied head
     final_norm_params=lambda cfg: cfg.n_embd,  # RMSNorm: a weight only
-    saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config,
+    saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config, tp_plan=tp_plan,
     # Mistral without a sliding window is Llama's computation under another name
     hf_readers={"llama": read_hf_config, "mistral": read_hf_config,
                 "qwen3": lambda path, doc: read_hf_config(path, doc, qk_norm=True)},

@@ -1,7 +1,8 @@
 """The fused head-and-loss kernel: mean next-token cross-entropy of ``h @ w.T`` a chunk of tokens at a time.
 
-``LinearCrossEntropy.apply(h (N, C), w (V, C), targets (N,))`` is what ``GPT(idx, targets)`` returns; the (N, V)
-logits never exist at once. Tested against F.cross_entropy in tests/kiln/model/test_model.py.
+``linear_cross_entropy(x (B, T, C), w (V, C), targets (B, T))`` is what ``model(idx, targets)`` returns for every
+family: LinearCrossEntropy, or its vocabulary-parallel form under tensor parallelism; the (N, V) logits never exist
+at once. Tested against F.cross_entropy in tests/kiln/model/test_model.py.
 ``token_logprobs(*head_inputs(model, x), y)`` is the per-token form post-training uses: log p(y_t) (B, T) through any
 family's forward, chunk by chunk (tests/kiln/model/test_loss.py compares it with the full log-softmax).
 """
@@ -81,6 +82,97 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_out / count
         return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.w_dtype), None)
+
+
+class VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """LinearCrossEntropy with the head split over the vocabulary across a tensor-parallel group (Megatron-LM's
+    vocabulary-parallel cross-entropy, fused and chunked as LinearCrossEntropy is).
+
+    Every rank holds all N tokens' hidden states ``h`` (N, C) and its rows ``w`` (V / tp, C) of the head, starting at
+    vocabulary id ``start``. Per chunk: local logits (n, V / tp); the row maximum is all-reduced (max), then the
+    target's shifted logit (on the rank that holds the target's row, 0 elsewhere) and the sum of exponentials are
+    all-reduced (sum) together, which gives every rank the same loss; the local softmax minus one-hot gives this
+    rank's head rows' gradient and its share of h's gradient, which are summed across the group once at the end.
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, start: int, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        n, v = targets.numel(), w.size(0)
+        chunk = _chunk_rows(h, v)
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(h) if want_grad else None  # (N, C): this rank's share
+        grad_w = None  # (V / tp, C) fp32
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        valid = targets != IGNORE_INDEX  # (N,)
+        cd = _compute_dtype(h)
+        wc = w.to(cd)  # (V / tp, C)
+        for s in range(0, n, chunk):
+            hc, tc = h[s:s + chunk], targets[s:s + chunk]  # (n, C), (n,)
+            mine = (tc >= start) & (tc < start + v)  # (n,) targets whose head row this rank holds
+            local = torch.where(mine, tc - start, 0)  # (n,)
+            e = (hc @ wc.t()).float()  # (n, V / tp) logits
+            top = e.amax(dim=-1)  # (n,)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            e.sub_(top[:, None])
+            picked = e.gather(1, local[:, None]).squeeze(1) * mine  # (n,)
+            e.exp_()
+            both = torch.stack([picked, e.sum(dim=-1)])  # (2, n): target logit, partition function
+            dist.all_reduce(both, group=group)
+            picked, z = both[0], both[1]
+            keep = valid[s:s + chunk]
+            total += ((z.log() - picked) * keep).sum()
+            if want_grad:
+                e.div_(z[:, None])  # (n, V / tp) softmax
+                rows = torch.arange(e.size(0), device=e.device)
+                e[rows[mine], local[mine]] -= 1.0  # minus the one-hot, where this rank holds the target
+                e.mul_(keep[:, None])
+                g, hcc = e.to(cd), hc.to(cd)
+                grad_h[s:s + chunk] = (g @ wc).to(grad_h.dtype)
+                grad_w = _add_head_grad(grad_w, g, hcc)
+        if want_grad:
+            dist.all_reduce(grad_h, group=group)  # h's gradient: every rank's vocabulary rows contribute
+        if grad_w is None and want_grad:  # no tokens
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        count = valid.sum().clamp(min=1)
+        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.w_dtype = w.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad_out / count
+        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.w_dtype), None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of the head ``w`` (V, C) over final hidden states ``x`` (B, T, C) and
+    ``targets`` (B, T): LinearCrossEntropy, or under tensor parallelism (``w`` a DTensor sharded on the vocabulary,
+    ``x`` sequence-sharded) VocabParallelLinearCrossEntropy over the gathered sequence."""
+    if not _is_dtensor(w):
+        return LinearCrossEntropy.apply(x.reshape(-1, x.size(-1)), w, targets.reshape(-1))
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = w.device_mesh
+    if mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+        raise ValueError(f"the output head is a DTensor placed {tuple(w.placements)} on {mesh}; the vocabulary-parallel "
+                         "loss takes a head sharded on the vocabulary (Shard(0)) over one tensor-parallel mesh")
+    if _is_dtensor(x):
+        x = x.redistribute(placements=[Replicate()]).to_local()  # (B, T, C): every rank needs every token
+    rows = -(-w.size(0) // mesh.size())  # torch.chunk's shard size
+    start = min(mesh.get_local_rank() * rows, w.size(0))
+    return VocabParallelLinearCrossEntropy.apply(x.reshape(-1, x.size(-1)), w.to_local(), targets.reshape(-1), start,
+                                                 mesh.get_group())
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _chunk_rows(h: torch.Tensor, v: int) -> int:

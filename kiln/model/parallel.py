@@ -2,20 +2,80 @@
 
 ``parallelize(model, "fsdp", activation_checkpointing=True, compile=False, device=...)`` inside a torchrun
 worker (kiln.train.loop does this); every step works on CPU with gloo and on CUDA with nccl.
+
+A job's layout is a ``ParallelConfig`` (dp_replicate x dp_shard x tp ranks); ``build_mesh`` makes its named
+DeviceMesh, whose ``"tp"`` dim feeds kiln.model.tensor_parallel.apply_tp and whose ``"dp_shard"`` dim feeds
+apply_fsdp.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from kiln.common.config import ConfigError
 from kiln.model.quant import dequantize
 
 STRATEGIES = ("none", "ddp", "fsdp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")  # outermost first: tensor parallelism on the closest ranks
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks of a job split the work: a (dp_replicate, dp_shard, tp) device mesh whose sizes multiply to
+    the world size. Ranks next to each other (one server's GPUs) form the tensor-parallel groups, which talk most."""
+
+    dp_replicate: int = 1  # model copies that all-reduce their gradients (DDP; with dp_shard > 1, HSDP)
+    dp_shard: int = -1  # ranks that shard parameters, gradients and optimizer state (FSDP2); -1: what the others leave
+    tp: int = 1  # ranks that split each layer (tensor + sequence parallelism, kiln.model.tensor_parallel)
+
+    def resolve(self, world_size: int, cfg: Any = None, where: str = "parallel") -> "ParallelConfig":
+        """These sizes with dp_shard filled in for ``world_size`` ranks, checked against the model ``cfg`` (when
+        given); a layout that cannot run is a ConfigError naming the field and the legal values."""
+        for name in MESH_DIMS:
+            value = getattr(self, name)
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                raise ConfigError(f"{where}.{name}: {value} must be at least 1" +
+                                  (" (or -1: the ranks the other sizes leave)" if name == "dp_shard" else ""))
+        fixed = self.dp_replicate * self.tp
+        shard = self.dp_shard if self.dp_shard != -1 else world_size // fixed if world_size % fixed == 0 else 0
+        if shard < 1 or fixed * shard != world_size:
+            legal = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ConfigError(f"{where}: dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} "
+                              f"must multiply to the world size {world_size}; each size must divide it "
+                              f"({', '.join(map(str, legal))})")
+        if cfg is not None:
+            from kiln.model.families import of
+            from kiln.model.tensor_parallel import check_tp
+
+            check_tp(cfg, self.tp, f"{where}.tp")
+            if self.tp > 1 and shard > 1 and not of(cfg).tp_with_fsdp:
+                raise ConfigError(f"{where}: tp {self.tp} with dp_shard {shard}: the {cfg.family} family's "
+                                  "tensor-parallel shards cannot be sharded again by FSDP2; set dp_shard: 1 and "
+                                  "dp_replicate to the rest of the ranks, or tp: 1")
+        return ParallelConfig(self.dp_replicate, shard, self.tp)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    def describe(self) -> str:
+        parts = [f"{name} {getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
+        return " x ".join(parts) or "one rank"
+
+
+def build_mesh(parallel: ParallelConfig, device_type: str):
+    """The job's DeviceMesh (dims named as MESH_DIMS, every dim kept even at size 1, so ``mesh["tp"]`` and
+    ``mesh["dp_replicate", "dp_shard"]`` always exist); ``parallel`` resolved for this world first."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    resolved = parallel.resolve(dist.get_world_size()) if parallel.dp_shard == -1 else parallel
+    return init_device_mesh(device_type, resolved.sizes, mesh_dim_names=MESH_DIMS)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
@@ -31,8 +91,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     model.checkpoint_blocks = True
 
 
-def apply_fsdp(model: nn.Module, device: torch.device, bf16: bool) -> None:
-    """FSDP2: shard every block, then the root (embeddings, head, final norm), over all ranks.
+def apply_fsdp(model: nn.Module, device: torch.device, bf16: bool, mesh=None) -> None:
+    """FSDP2: shard every block, then the root (embeddings, head, final norm), over all ranks (or over ``mesh``,
+    the data-parallel dims of the job's mesh; after apply_tp, each tensor-parallel shard is sharded further).
 
     Each block is its own all-gather/reduce-scatter unit, so only a block or two is unsharded at a time. With
     ``bf16`` the unsharded parameters are bf16 and gradients are reduced in fp32 (no autocast needed).
@@ -40,7 +101,7 @@ def apply_fsdp(model: nn.Module, device: torch.device, bf16: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
