@@ -3,7 +3,7 @@
 ``parallelize(model, "fsdp", activation_checkpointing=True, compile=False, device=...)`` inside a torchrun
 worker (kiln.train.loop does this); every step works on CPU with gloo and on CUDA with nccl.
 
-A job's layout is a ``ParallelConfig`` (dp_replicate x dp_shard x tp ranks); ``build_mesh`` makes its named
+A job's layout is a ``MeshLayout`` (dp_replicate x dp_shard x tp ranks); ``build_mesh`` makes its named
 DeviceMesh, whose ``"tp"`` dim feeds kiln.model.tensor_parallel.apply_tp and whose ``"dp_shard"`` dim feeds
 apply_fsdp.
 """
@@ -26,7 +26,7 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "tp")  # outermost first: tensor parall
 
 
 @dataclass
-class ParallelConfig:
+class MeshLayout:
     """How the ranks of a job split the work: a (dp_replicate, dp_shard, tp) device mesh whose sizes multiply to
     the world size. Ranks next to each other (one server's GPUs) form the tensor-parallel groups, which talk most."""
 
@@ -34,7 +34,7 @@ class ParallelConfig:
     dp_shard: int = -1  # ranks that shard parameters, gradients and optimizer state (FSDP2); -1: what the others leave
     tp: int = 1  # ranks that split each layer (tensor + sequence parallelism, kiln.model.tensor_parallel)
 
-    def resolve(self, world_size: int, cfg: Any = None, where: str = "parallel") -> "ParallelConfig":
+    def resolve(self, world_size: int, cfg: Any = None, where: str = "parallel") -> "MeshLayout":
         """These sizes with dp_shard filled in for ``world_size`` ranks, checked against the model ``cfg`` (when
         given); a layout that cannot run is a ConfigError naming the field and the legal values."""
         for name in MESH_DIMS:
@@ -58,7 +58,7 @@ class ParallelConfig:
                 raise ConfigError(f"{where}: tp {self.tp} with dp_shard {shard}: the {cfg.family} family's "
                                   "tensor-parallel shards cannot be sharded again by FSDP2; set dp_shard: 1 and "
                                   "dp_replicate to the rest of the ranks, or tp: 1")
-        return ParallelConfig(self.dp_replicate, shard, self.tp)
+        return MeshLayout(self.dp_replicate, shard, self.tp)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -69,7 +69,7 @@ class ParallelConfig:
         return " x ".join(parts) or "one rank"
 
 
-def build_mesh(parallel: ParallelConfig, device_type: str):
+def build_mesh(parallel: MeshLayout, device_type: str):
     """The job's DeviceMesh (dims named as MESH_DIMS, every dim kept even at size 1, so ``mesh["tp"]`` and
     ``mesh["dp_replicate", "dp_shard"]`` always exist); ``parallel`` resolved for this world first."""
     from torch.distributed.device_mesh import init_device_mesh

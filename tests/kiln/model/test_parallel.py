@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
 from kiln.common.config import ConfigError
-from kiln.model.parallel import ParallelConfig, clip_grad_norm, describe, gradient_sync, param_digest, parallelize
+from kiln.model.parallel import MeshLayout, clip_grad_norm, describe, gradient_sync, param_digest, parallelize
 
 CFG = dict(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -90,19 +90,19 @@ def test_param_digest_tells_models_apart() -> None:
 
 
 def test_parallel_config_fills_dp_shard_with_the_ranks_the_other_sizes_leave() -> None:
-    assert ParallelConfig().resolve(8) == ParallelConfig(1, 8, 1)
-    assert ParallelConfig(tp=8).resolve(64).sizes == (1, 8, 8)
-    assert ParallelConfig(dp_replicate=2, tp=2).resolve(8).sizes == (2, 2, 2)
-    assert ParallelConfig(dp_replicate=2, tp=2).resolve(8).describe() == "dp_replicate 2 x dp_shard 2 x tp 2"
-    assert ParallelConfig().resolve(1).describe() == "one rank"
+    assert MeshLayout().resolve(8) == MeshLayout(1, 8, 1)
+    assert MeshLayout(tp=8).resolve(64).sizes == (1, 8, 8)
+    assert MeshLayout(dp_replicate=2, tp=2).resolve(8).sizes == (2, 2, 2)
+    assert MeshLayout(dp_replicate=2, tp=2).resolve(8).describe() == "dp_replicate 2 x dp_shard 2 x tp 2"
+    assert MeshLayout().resolve(1).describe() == "one rank"
 
 
 @pytest.mark.parametrize("parallel, world, message", [
-    (ParallelConfig(tp=3), 8, "parallel: dp_replicate 1 x dp_shard -1 x tp 3 must multiply to the world size 8; "
+    (MeshLayout(tp=3), 8, "parallel: dp_replicate 1 x dp_shard -1 x tp 3 must multiply to the world size 8; "
                               "each size must divide it (1, 2, 4, 8)"),
-    (ParallelConfig(dp_shard=2, tp=2), 8, "must multiply to the world size 8"),
-    (ParallelConfig(tp=0), 8, "parallel.tp: 0 must be at least 1"),
-    (ParallelConfig(dp_shard=0), 8, r"parallel.dp_shard: 0 must be at least 1 \(or -1"),
+    (MeshLayout(dp_shard=2, tp=2), 8, "must multiply to the world size 8"),
+    (MeshLayout(tp=0), 8, "parallel.tp: 0 must be at least 1"),
+    (MeshLayout(dp_shard=0), 8, r"parallel.dp_shard: 0 must be at least 1 \(or -1"),
 ])
 def test_a_layout_that_does_not_fit_the_world_is_a_config_error_naming_the_field(parallel, world, message) -> None:
     with pytest.raises(ConfigError, match=message.replace("(1, 2", r"\(1, 2").replace("8)", r"8\)")):
@@ -111,10 +111,10 @@ def test_a_layout_that_does_not_fit_the_world_is_a_config_error_naming_the_field
 
 def test_the_model_decides_which_tensor_parallel_sizes_are_legal() -> None:
     cfg = ModelConfig(**{**CFG, **FAMILY["llama"]})  # 4 heads, 2 key/value heads
-    assert ParallelConfig(tp=2).resolve(4, cfg).sizes == (1, 2, 2)
+    assert MeshLayout(tp=2).resolve(4, cfg).sizes == (1, 2, 2)
     with pytest.raises(ConfigError, match=r"parallel.tp: 4 does not divide model.n_kv_head \(2\)"):
-        ParallelConfig(tp=4).resolve(4, cfg)
+        MeshLayout(tp=4).resolve(4, cfg)
     gpt2 = ModelConfig(**{**CFG, "n_head": 4})
-    assert ParallelConfig(dp_replicate=2, dp_shard=1, tp=2).resolve(4, gpt2).sizes == (2, 1, 2)
+    assert MeshLayout(dp_replicate=2, dp_shard=1, tp=2).resolve(4, gpt2).sizes == (2, 1, 2)
     with pytest.raises(ConfigError, match="the gpt2 family's tensor-parallel shards cannot be sharded again by FSDP2"):
-        ParallelConfig(tp=2).resolve(4, gpt2)
+        MeshLayout(tp=2).resolve(4, gpt2)

@@ -86,12 +86,12 @@ def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_me
 def _worker(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
 
-    from kiln.model.parallel import ParallelConfig, build_mesh
+    from kiln.model.parallel import MeshLayout, build_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        mesh = build_mesh(ParallelConfig(tp=2), "cpu")  # (dp_replicate 1, dp_shard 1, tp 2)
+        mesh = build_mesh(MeshLayout(tp=2), "cpu")  # (dp_replicate 1, dp_shard 1, tp 2)
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
         mesh = mesh["tp"]
         out = {name: _train_both(CASES[name], False, False, mesh) for name in ("gpt2", "llama")}
@@ -107,12 +107,12 @@ def _fsdp_worker(rank: int, port: int, queue) -> None:
     """Rank ``rank`` of 4 on a (dp_shard 2, tp 2) mesh: a tied llama under FSDP2 x TP."""
     import torch.distributed as dist
 
-    from kiln.model.parallel import ParallelConfig, build_mesh
+    from kiln.model.parallel import MeshLayout, build_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     try:
-        mesh = build_mesh(ParallelConfig(dp_shard=2, tp=2), "cpu")
+        mesh = build_mesh(MeshLayout(dp_shard=2, tp=2), "cpu")
         queue.put((rank, _train_both(CASES["llama-tied"], False, False, mesh["tp"], mesh["dp_shard"])))
     finally:
         dist.destroy_process_group()
