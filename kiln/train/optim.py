@@ -18,7 +18,9 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
   backward take 0.6 s); fp32 is the more exact of the two. Under FSDP2 each parameter is a DTensor sharded
   on dim 0 and Newton-Schulz needs the whole matrix, so each matrix has one owner rank: the ranks send the owner
   their rows of the update, it orthogonalises the matrix and sends each rank back its rows. Each rank orthogonalises
-  about 1/world of the matrices and gets the one-process numbers. (torch's Muon on the shards instead sums bf16
+  about 1/world of the matrices and gets the one-process numbers. A DTensor placed any other way (tensor-parallel
+  shards, FSDP2 over them) takes whole_muon_step: every rank gathers the whole update and orthogonalises it, as a
+  replicated run does. (torch's Muon on the shards instead sums bf16
   partial products across ranks, about 3% off the one-process update on a 48 x 16 matrix.) Muon's update is not
   smooth in the gradient where the gradient's singular values are tiny (a fresh llama's o_proj: a 2e-7 change in
   its gradient moved the bf16 update by 3%), so DDP and FSDP runs follow the one-process loss curve closely but not
@@ -192,12 +194,36 @@ def muon_step(params: list[tuple[torch.Tensor, dict]], state: dict) -> None:
     sharded = []
     for p, group in params:
         if _is_dtensor(p):
-            sharded.append((p, group))
+            if _fsdp_rows(p):
+                sharded.append((p, group))
+            else:
+                whole_muon_step(p, group, state)
             continue
         update = muon_direction(p.grad, momentum_buffer(state, p), group)
         apply_muon(p, newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"]), group, p.shape)
     if sharded:
         sharded_muon_step(sharded, state)
+
+
+def _fsdp_rows(p: torch.Tensor) -> bool:
+    """Whether DTensor ``p`` and its gradient are dim-0 shards over a 1-D mesh (FSDP2 alone: sharded_muon_step)."""
+    from torch.distributed.tensor import Shard
+
+    return (p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),)
+            and tuple(p.grad.placements) == (Shard(0),))
+
+
+def whole_muon_step(p: torch.Tensor, group: dict, state: dict) -> None:
+    """One Muon step of a DTensor placed any other way (tensor-parallel shards, FSDP2 over them): the momentum steps
+    on this rank's piece, every rank gathers the whole update, orthogonalises it and keeps its own piece, as a
+    replicated (DDP) run does. Every rank holding the parameter must call this, in the same order."""
+    from torch.distributed.tensor import distribute_tensor
+
+    update = muon_direction(p.grad, momentum_buffer(state, p), group)  # a DTensor placed as p.grad
+    whole = update.full_tensor()  # (rows, cols): the one-process update
+    ortho = newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    mine = distribute_tensor(ortho, p.device_mesh, p.grad.placements, src_data_rank=None)  # this rank's piece
+    apply_muon(p, mine.redistribute(placements=p.placements), group, p.shape)
 
 
 def deal(shapes: list[tuple[int, int]], world: int) -> tuple[list[int], list[int]]:

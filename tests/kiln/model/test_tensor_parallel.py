@@ -39,7 +39,7 @@ def _batches(n: int, masked: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_mesh=None) -> dict:
+def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_mesh=None, optim: str = "adamw") -> dict:
     """The same seeded model trained STEPS steps in this process whole and tensor-parallel (over ``mesh``; with
     ``dp_mesh`` also FSDP2-sharded over it, each data-parallel rank taking its rows of the batch); what differs."""
     import torch.distributed as dist
@@ -55,7 +55,12 @@ def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_me
         apply_fsdp(tp, torch.device("cpu"), False, dp_mesh)
     dp, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     tp.checkpoint_blocks = one.checkpoint_blocks = checkpoint_blocks
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (one, tp)]
+    if optim == "muon":  # kiln's MuonAdamW: Muon on the block matrices, AdamW on the rest
+        from kiln.train.optim import OptimConfig, make_optimizer
+
+        opts = [make_optimizer(m, OptimConfig(name="muon", lr=1e-2), torch.device("cpu")) for m in (one, tp)]
+    else:
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (one, tp)]
     loss_diff, norm_diff = 0.0, 0.0
     for x, y in _batches(STEPS, masked):
         losses, norms = [], []
@@ -97,6 +102,7 @@ def _worker(rank: int, port: int, queue) -> None:
         out = {name: _train_both(CASES[name], False, False, mesh) for name in ("gpt2", "llama")}
         # a tied llama, with a prompt masked out of the loss and activation checkpointing
         out["llama-tied"] = _train_both(CASES["llama-tied"], True, True, mesh)
+        out["gpt2-muon"] = _train_both(CASES["gpt2"], False, False, mesh, optim="muon")
         out["mesh"] = sizes
         queue.put((rank, out))
     finally:
@@ -104,7 +110,7 @@ def _worker(rank: int, port: int, queue) -> None:
 
 
 def _fsdp_worker(rank: int, port: int, queue) -> None:
-    """Rank ``rank`` of 4 on a (dp_shard 2, tp 2) mesh: a tied llama under FSDP2 x TP."""
+    """Rank ``rank`` of 4 on a (dp_shard 2, tp 2) mesh: a tied llama under FSDP2 x TP, with Muon."""
     import torch.distributed as dist
 
     from kiln.model.parallel import MeshLayout, build_mesh
@@ -113,7 +119,7 @@ def _fsdp_worker(rank: int, port: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     try:
         mesh = build_mesh(MeshLayout(dp_shard=2, tp=2), "cpu")
-        queue.put((rank, _train_both(CASES["llama-tied"], False, False, mesh["tp"], mesh["dp_shard"])))
+        queue.put((rank, _train_both(CASES["llama-tied"], False, False, mesh["tp"], mesh["dp_shard"], optim="muon")))
     finally:
         dist.destroy_process_group()
 
@@ -143,7 +149,7 @@ def test_fsdp2_over_tensor_parallel_shards_follows_one_process_on_a_2x2_mesh() -
     assert r0["tied"] and r0["last"] < 3.0
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "gpt2-muon"])
 def test_tensor_parallel_training_follows_one_process(two_ranks, case) -> None:
     r0, r1 = two_ranks[0][case], two_ranks[1][case]
     assert r0 == r1  # both ranks hold the same loss, norms and gathered weights
