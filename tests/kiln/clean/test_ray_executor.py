@@ -1,5 +1,6 @@
 """The clean step on a real Ray cluster (head + second worker node on 127.0.0.1: tests/ray_cluster.py): the same
-outputs and report as the local executor, a worker killed mid-stage (retried, same result), a worker that dies on
+outputs and report as the local executor (reading its raw corpus through an fsspec URL inside a zip), a memory://
+URL refused, a worker killed mid-stage (retried, same result), a worker that dies on
 every try (a clear error, earlier outputs untouched).
 
 Run: python -m pytest tests/kiln/clean/test_ray_executor.py -q (about a minute: the cluster starts once).
@@ -49,7 +50,7 @@ def run_local(tmp: Path, raw: Path, **kw) -> tuple:
     return outputs(tmp / "local", rep)
 
 
-def run_ray(tmp: Path, raw: Path, cluster, say=None, **kw) -> tuple:
+def run_ray(tmp: Path, raw: Path | str, cluster, say=None, **kw) -> tuple:
     (tmp / "ray").mkdir(exist_ok=True)
     rep = clean_on_ray(raw, tmp / "ray/c.parquet", tmp / "ray/r.parquet", CleanConfig.from_dict(CFG),
                        address=cluster.address, progress=say, work_dir=tmp, **kw)
@@ -61,11 +62,14 @@ def same(a: tuple, b: tuple) -> None:
     assert a[2] == b[2]
 
 
-def test_ray_executor_writes_the_local_outputs(tmp_path: Path, ray_cluster) -> None:
+def test_ray_executor_writes_the_local_outputs_from_a_path_inside_an_fsspec_archive(tmp_path: Path, ray_cluster) -> None:
     raw = corpus(tmp_path)
     lines: list[str] = []
     local = run_local(tmp_path, raw)
-    on_ray = run_ray(tmp_path, raw, ray_cluster, lines.append)
+    with zipfile.ZipFile(tmp_path / "raw.zip", "w") as z:
+        z.write(raw, "corpus/raw.parquet")
+    url = f"zip://corpus/raw.parquet::{(tmp_path / 'raw.zip').as_uri()}"  # the workers open it through fsspec
+    on_ray = run_ray(tmp_path, url, ray_cluster, lines.append)
     same(local, on_ray)
     reasons = local[2]["reasons"]
     assert reasons["dedup:exact"]["docs"] > 0 and reasons["dedup:minhash"]["docs"] > 0
@@ -103,19 +107,10 @@ def test_worker_dying_every_try_fails_clearly_and_leaves_outputs(tmp_path: Path,
     assert not (tmp_path / "ray/r.parquet").exists()
 
 
-def test_raw_corpus_from_fsspec_urls_gives_the_local_outputs(tmp_path: Path, ray_cluster) -> None:
+def test_a_memory_url_the_workers_cannot_open_is_refused_before_the_run(tmp_path: Path, ray_cluster) -> None:
     import fsspec
 
     raw = corpus(tmp_path)
-    local = run_local(tmp_path, raw)
-    with zipfile.ZipFile(tmp_path / "raw.zip", "w") as z:
-        z.write(raw, "corpus/raw.parquet")
-    urls = (raw.as_uri(), f"zip://corpus/raw.parquet::{(tmp_path / 'raw.zip').as_uri()}")
-    for i, url in enumerate(urls):
-        (tmp_path / f"url{i}").mkdir()
-        rep = clean_on_ray(url, tmp_path / f"url{i}/c.parquet", tmp_path / f"url{i}/r.parquet",
-                           CleanConfig.from_dict(CFG), address=ray_cluster.address, work_dir=tmp_path)
-        same(local, outputs(tmp_path / f"url{i}", rep))
     memory = fsspec.filesystem("memory")  # one store per process: a folder of this test's own, removed after
     memory.pipe("/kiln-ray-executor-test/raw.parquet", raw.read_bytes())
     try:
