@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU benchmark: GPT-2 124M trained for 100 steps at sequence length 1024 by Kiln's own training step (bf16
 # autocast, fused AdamW, the chunked head), eager and then with torch.compile, printing tokens/s and MFU against
-# the GPU's dense BF16 peak (and against a bf16 matmul measured in the same run).
+# the GPU's dense BF16 peak (and against a bf16 matmul measured in the same run); with two GPUs or more, a llama
+# trained tensor-parallel over two of them beside one alone (bench/tensor_parallel.py).
 #
 # Run: bash bench/gpu.sh        results also go to $OUT/gpu-eager.json and $OUT/gpu-compile.json (OUT=/tmp/kiln-gpu)
 #
@@ -39,5 +40,12 @@ if [ "$(left)" -gt 90 ]; then
   echo "== torch.compile, each block (at most $(left)s, compile time included)"
   timeout "$(left)" "$PY" bench/bench_train.py "${ARGS[@]}" --compile --json "$OUT/gpu-compile.json" \
     || echo "compiled run did not finish in time; the eager figures above stand"
+fi
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ] && [ "$(left)" -gt 60 ]; then
+  echo "== tensor parallelism over 2 GPUs beside one GPU (at most $(left)s)"
+  timeout "$(left)" "$PY" bench/tensor_parallel.py --device cuda --family llama --layers 8 --width 1024 --heads 16 \
+    --vocab 32768 --seq-len 1024 --micro-batch 8 --steps 20 --ranks 2 --json "$OUT/gpu-tp2.json" \
+    || echo "the tensor-parallel run did not finish in time"
 fi
 echo "done in $((SECONDS - START))s; results in $OUT"
