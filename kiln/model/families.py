@@ -50,7 +50,8 @@ class Family:
     hf_prefix: str = ""  # a prefix some Hugging Face files leave off the weight names (GPT2Model's "transformer.")
     tp_plan: Callable[[ModelConfig], dict[str, Any]] | None = None  # module path -> ParallelStyle for tensor and
     # sequence parallelism (kiln.model.tensor_parallel.apply_tp); None: the family cannot be split that way
-    tp_with_fsdp: bool = True  # whether its tensor-parallel shards can be sharded again by FSDP2 (dp_shard > 1)
+    tp_strided: bool = False  # whether some tensor-parallel shards are strided (GPT-2's fused q|k|v): FSDP2 cannot
+    # shard those again and torch.distributed.checkpoint cannot save them as shards (full checkpoints only)
     buffers: tuple[str, ...] = field(default=(".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))
     # names of non-weights that older Hugging Face files carry (skipped on import)
 

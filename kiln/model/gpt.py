@@ -228,9 +228,9 @@ FAMILY = Family(
     flops_per_token=flops_per_token, hf_config=hf_config, hf_readers={"gpt2": read_hf_config},
     hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
     hf_prefix="transformer.", tp_plan=tp_plan,
-    # FSDP2 over the strided c_attn shards (_StridedShard twice on dim 0) trains right but gathers the whole
-    # matrix in the wrong row order in torch 2.13, which would corrupt checkpoints and releases
-    tp_with_fsdp=False,
+    # c_attn's shards are strided (q_r | k_r | v_r). In torch 2.13 FSDP2 over them trains right but gathers the
+    # whole matrix in the wrong row order, and torch.distributed.checkpoint refuses them as overlapping chunks
+    tp_strided=True,
 )
 
 

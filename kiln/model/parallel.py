@@ -54,7 +54,7 @@ class MeshLayout:
             from kiln.model.tensor_parallel import check_tp
 
             check_tp(cfg, self.tp, f"{where}.tp")
-            if self.tp > 1 and shard > 1 and not of(cfg).tp_with_fsdp:
+            if self.tp > 1 and shard > 1 and of(cfg).tp_strided:
                 raise ConfigError(f"{where}: tp {self.tp} with dp_shard {shard}: the {cfg.family} family's "
                                   "tensor-parallel shards cannot be sharded again by FSDP2; set dp_shard: 1 and "
                                   "dp_replicate to the rest of the ranks, or tp: 1")

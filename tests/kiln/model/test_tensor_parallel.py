@@ -1,7 +1,8 @@
 """Tests for kiln.model.tensor_parallel: tensor + sequence parallelism on two gloo processes trains both families as
 one process does (30 AdamW steps with gradient clipping: losses, logits and weights), with the vocabulary-parallel
 fused loss (masked targets too), a tied head still tied, activation checkpointing; FSDP2 over the tensor-parallel
-shards on a 2 x 2 mesh (four processes); and the layout checks.
+shards on a 2 x 2 mesh (four processes); their sharded checkpoints loaded in one process with the same logits; and
+the layout checks.
 
 Run: python -m pytest tests/kiln/model/test_tensor_parallel.py -q   (a launch of two processes and one of four)
 """
@@ -9,6 +10,7 @@ Run: python -m pytest tests/kiln/model/test_tensor_parallel.py -q   (a launch of
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +41,8 @@ def _batches(n: int, masked: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_mesh=None, optim: str = "adamw") -> dict:
+def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_mesh=None, optim: str = "adamw",
+                save_to: str | None = None) -> dict:
     """The same seeded model trained STEPS steps in this process whole and tensor-parallel (over ``mesh``; with
     ``dp_mesh`` also FSDP2-sharded over it, each data-parallel rank taking its rows of the batch); what differs."""
     import torch.distributed as dist
@@ -80,15 +83,26 @@ def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_me
         norm_diff = max(norm_diff, abs(norms[0] - norms[1]))
     with torch.no_grad():
         logits = (full_value(tp(x)) - one(x)).abs().max().item()
+        want = one(x)  # what the tensor-parallel checkpoint must give back in one process
+    if save_to is not None:  # as the trainer's Checkpointer writes them
+        from dataclasses import asdict
+
+        from kiln.train.checkpointer import Checkpointer
+
+        sharded = not of(tp.config).tp_strided  # GPT-2's strided q|k|v shards: a full checkpoint, gathered
+        ckpt = Checkpointer(Path(save_to), dist.get_rank(), dist.get_world_size(), sharded=sharded, async_save=False,
+                            keep_last=1)
+        ckpt.save(STEPS, tp, opts[1], {}, {"model": asdict(tp.config)})
     weights = max((full_value(p.detach()) - q.detach()).abs().max().item()
                   for p, q in zip(tp.parameters(), one.parameters(), strict=True))
     head, emb = tp.lm_head.weight, tp.get_submodule(of(tp.config).embedding_module).weight
     return {"loss": loss_diff, "grad_norm": norm_diff, "logits": logits, "weights": weights, "last": losses[0],
             "first_block": {n: str(tuple(p.placements)) for n, p in tp.named_parameters() if ".0." in n},
-            "tied": head is emb, "head": str(tuple(head.placements))}
+            "tied": head is emb, "head": str(tuple(head.placements)),
+            "x": x.tolist(), "want": want.tolist()}  # lists: a tensor on the queue dies with its process
 
 
-def _worker(rank: int, port: int, queue) -> None:
+def _worker(rank: int, port: int, queue, root: str) -> None:
     import torch.distributed as dist
 
     from kiln.model.parallel import MeshLayout, build_mesh
@@ -99,7 +113,7 @@ def _worker(rank: int, port: int, queue) -> None:
         mesh = build_mesh(MeshLayout(tp=2), "cpu")  # (dp_replicate 1, dp_shard 1, tp 2)
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
         mesh = mesh["tp"]
-        out = {name: _train_both(CASES[name], False, False, mesh) for name in ("gpt2", "llama")}
+        out = {name: _train_both(CASES[name], False, False, mesh, save_to=f"{root}/{name}") for name in ("gpt2", "llama")}
         # a tied llama, with a prompt masked out of the loss and activation checkpointing
         out["llama-tied"] = _train_both(CASES["llama-tied"], True, True, mesh)
         out["gpt2-muon"] = _train_both(CASES["gpt2"], False, False, mesh, optim="muon")
@@ -109,7 +123,7 @@ def _worker(rank: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def _fsdp_worker(rank: int, port: int, queue) -> None:
+def _fsdp_worker(rank: int, port: int, queue, root: str) -> None:
     """Rank ``rank`` of 4 on a (dp_shard 2, tp 2) mesh: a tied llama under FSDP2 x TP, with Muon."""
     import torch.distributed as dist
 
@@ -119,40 +133,76 @@ def _fsdp_worker(rank: int, port: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     try:
         mesh = build_mesh(MeshLayout(dp_shard=2, tp=2), "cpu")
-        queue.put((rank, _train_both(CASES["llama-tied"], False, False, mesh["tp"], mesh["dp_shard"], optim="muon")))
+        queue.put((rank, _train_both(CASES["llama-tied"], False, False, mesh["tp"], mesh["dp_shard"], optim="muon",
+                                     save_to=root)))
     finally:
         dist.destroy_process_group()
 
 
-def _launch(worker, n: int) -> dict:
+def _launch(worker, n: int, root: Path) -> dict:
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(worker, args=(free_port(), queue), nprocs=n, start_method="spawn")
-    return dict(queue.get() for _ in range(n))
+    procs = mp.start_processes(worker, args=(free_port(), queue, str(root)), nprocs=n, start_method="spawn",
+                               join=False)
+    got = dict(queue.get() for _ in range(n))  # read before joining: a result larger than a pipe's buffer blocks
+    while not procs.join():
+        pass
+    return got
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> dict:
-    return _launch(_worker, 2)
+def saved(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tp-checkpoints")
 
 
-def test_fsdp2_over_tensor_parallel_shards_follows_one_process_on_a_2x2_mesh() -> None:
-    results = _launch(_fsdp_worker, 4)
+@pytest.fixture(scope="module")
+def two_ranks(saved) -> dict:
+    return _launch(_worker, 2, saved)
+
+
+def numbers(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("x", "want")}
+
+
+def one_process_logits(root: Path, x: torch.Tensor) -> torch.Tensor:
+    """The logits of the newest checkpoint under ``root``, loaded in this process as any reader loads it."""
+    from kiln.model.families import build_model
+    from kiln.train.checkpoint import latest_good_checkpoint, load_state
+
+    state, meta = load_state(latest_good_checkpoint(root))
+    model = build_model(ModelConfig(**meta["model"]))
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        return model.eval()(x)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama"])
+def test_a_tensor_parallel_checkpoint_loads_in_one_process_with_the_same_logits(two_ranks, saved, case) -> None:
+    got = two_ranks[0][case]
+    want = torch.tensor(got["want"])
+    torch.testing.assert_close(one_process_logits(saved / case, torch.tensor(got["x"])), want, atol=2e-4, rtol=0)
+
+
+def test_fsdp2_over_tensor_parallel_shards_follows_one_process_on_a_2x2_mesh(tmp_path) -> None:
+    results = _launch(_fsdp_worker, 4, tmp_path)
     got = [results[r] for r in range(4)]
-    assert all(g == got[0] for g in got)  # every rank gathers the same weights and sees the same loss
+    assert all(numbers(g) == numbers(got[0]) for g in got)  # every rank gathers the same weights and sees the same loss
     r0 = got[0]
     assert r0["loss"] < 1e-5 and r0["grad_norm"] < 1e-4 and r0["weights"] < 1e-4, r0
     # FSDP2's dim-0 shards of TP's dim-1 shards; a TP dim-0 shard sharded again on dim 0 is strided
     assert r0["first_block"]["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert r0["first_block"]["model.layers.0.self_attn.q_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert r0["tied"] and r0["last"] < 3.0
+    # its sharded checkpoint (2 x 2 shards) loads in one process
+    torch.testing.assert_close(one_process_logits(tmp_path, torch.tensor(r0["x"])), torch.tensor(r0["want"]),
+                               atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize("case", [*CASES, "gpt2-muon"])
 def test_tensor_parallel_training_follows_one_process(two_ranks, case) -> None:
     r0, r1 = two_ranks[0][case], two_ranks[1][case]
-    assert r0 == r1  # both ranks hold the same loss, norms and gathered weights
+    assert numbers(r0) == numbers(r1)  # both ranks hold the same loss, norms and gathered weights
     assert r0["loss"] < 1e-5 and r0["grad_norm"] < 1e-4, r0  # summation order apart, the same curve
     assert r0["logits"] < 2e-4, r0
     # GPT-2's key bias has no gradient (softmax ignores a constant per query), so AdamW turns rounding noise into
