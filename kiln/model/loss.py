@@ -72,16 +72,26 @@ class LinearCrossEntropy(torch.autograd.Function):
                 else:
                     grad_h[s:s + chunk] = g @ wc
                 grad_w = _add_head_grad(grad_w, g, hcc)
-        count = valid.sum().clamp(min=1)
-        ctx.save_for_backward(grad_h, grad_w, count)
-        ctx.w_dtype = w.dtype
-        return total / count
+        return _keep_grads(ctx, grad_h, grad_w, valid, w.dtype, total)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w, count = ctx.saved_tensors
-        scale = grad_out / count
-        return (grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.w_dtype), None)
+        return (*_scaled_grads(ctx, grad_out), None)
+
+
+def _keep_grads(ctx, grad_h, grad_w, valid: torch.Tensor, w_dtype: torch.dtype, total: torch.Tensor) -> torch.Tensor:
+    """Save the gradients a fused loss computed in its forward pass and return the mean loss over valid targets."""
+    count = valid.sum().clamp(min=1)
+    ctx.save_for_backward(grad_h, grad_w, count)
+    ctx.w_dtype = w_dtype
+    return total / count
+
+
+def _scaled_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The saved gradients of h and w scaled by the upstream gradient of the mean."""
+    grad_h, grad_w, count = ctx.saved_tensors
+    scale = grad_out / count
+    return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.w_dtype)
 
 
 class VocabParallelLinearCrossEntropy(torch.autograd.Function):
@@ -135,16 +145,11 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
             dist.all_reduce(grad_h, group=group)  # h's gradient: every rank's vocabulary rows contribute
         if grad_w is None and want_grad:  # no tokens
             grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        count = valid.sum().clamp(min=1)
-        ctx.save_for_backward(grad_h, grad_w, count)
-        ctx.w_dtype = w.dtype
-        return total / count
+        return _keep_grads(ctx, grad_h, grad_w, valid, w.dtype, total)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w, count = ctx.saved_tensors
-        scale = grad_out / count
-        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.w_dtype), None, None, None
+        return (*_scaled_grads(ctx, grad_out), None, None, None)
 
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
