@@ -27,8 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.train.optim import (MUON_DEFAULTS, MuonAdamW, apply_muon, momentum_buffer, muon_direction,  # noqa: E402
-                              newton_schulz)
+from kiln.train.optim import MUON_DEFAULTS, MuonAdamW, whole_muon_step  # noqa: E402
 
 
 def shapes(layers: int, width: int, kv_width: int, ffn: int) -> list[tuple[int, int]]:
@@ -51,12 +50,8 @@ def sharded_matrices(mesh, sizes: list[tuple[int, int]]) -> torch.nn.Module:
 
 def step_on_every_rank(params: list[torch.Tensor], state: dict, group: dict) -> None:
     """One Muon step in which every rank gathers every matrix's whole update, orthogonalises it and keeps its rows."""
-    from torch.distributed.tensor import distribute_tensor
-
     for p in params:
-        update = muon_direction(p.grad, momentum_buffer(state, p), group)  # DTensor (rows, cols), this rank's rows
-        ortho = newton_schulz(update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"])
-        apply_muon(p, distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None), group, p.shape)
+        whole_muon_step(p, group, state)
 
 
 def _worker(rank: int, port: int, a: argparse.Namespace, queue) -> None:

@@ -74,8 +74,7 @@ def build_mesh(parallel: MeshLayout, device_type: str):
     ``mesh["dp_replicate", "dp_shard"]`` always exist); ``parallel`` resolved for this world first."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    resolved = parallel.resolve(dist.get_world_size()) if parallel.dp_shard == -1 else parallel
-    return init_device_mesh(device_type, resolved.sizes, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, parallel.resolve(dist.get_world_size()).sizes, mesh_dim_names=MESH_DIMS)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
@@ -160,6 +159,15 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's or tensor parallelism's shards)."""
+    if not dist.is_available():  # a torch build without distributed has no DTensor
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

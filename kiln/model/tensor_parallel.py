@@ -69,7 +69,6 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     if desc.tied(cfg):
         head = model.get_submodule(desc.head.removesuffix(".weight"))
         head.weight = model.get_submodule(desc.embedding_module).weight
-    model.tp_mesh = tp_mesh
     return model
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.common.config import ConfigError
+from kiln.model.parallel import is_dtensor
 
 BLOCK_MARKERS = (".h.", ".layers.")  # parameter names inside a transformer block, for both families
 
@@ -193,7 +194,7 @@ def muon_step(params: list[tuple[torch.Tensor, dict]], state: dict) -> None:
     FSDP2's DTensors together (sharded_muon_step)."""
     sharded = []
     for p, group in params:
-        if _is_dtensor(p):
+        if is_dtensor(p):
             if _fsdp_rows(p):
                 sharded.append((p, group))
             else:
@@ -219,11 +220,9 @@ def whole_muon_step(p: torch.Tensor, group: dict, state: dict) -> None:
     replicated (DDP) run does. Every rank holding the parameter must call this, in the same order."""
     from torch.distributed.tensor import distribute_tensor
 
-    update = muon_direction(p.grad, momentum_buffer(state, p), group)  # a DTensor placed as p.grad
-    whole = update.full_tensor()  # (rows, cols): the one-process update
-    ortho = newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-    mine = distribute_tensor(ortho, p.device_mesh, p.grad.placements, src_data_rank=None)  # this rank's piece
-    apply_muon(p, mine.redistribute(placements=p.placements), group, p.shape)
+    update = muon_direction(p.grad, momentum_buffer(state, p), group)  # a DTensor placed as p
+    ortho = newton_schulz(update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"])
+    apply_muon(p, distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None), group, p.shape)
 
 
 def deal(shapes: list[tuple[int, int]], world: int) -> tuple[list[int], list[int]]:
@@ -289,14 +288,6 @@ def sharded_muon_step(params: list[tuple[torch.Tensor, dict]], state: dict) -> N
     for i, (p, group) in enumerate(params):
         local = p.to_local()  # (my rows, cols), p's storage
         apply_muon(local, results[i][:local.size(0)], group, shapes[i])
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():  # a torch build without distributed has no DTensor
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 # -- optimizers

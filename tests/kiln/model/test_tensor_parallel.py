@@ -18,7 +18,7 @@ import torch
 from kiln.common.config import ConfigError
 from kiln.model.config import ModelConfig
 from kiln.model.tensor_parallel import check_tp
-from ports import free_port
+from ranks import on_ranks
 
 STEPS = 30
 CASES = {  # name -> ModelConfig fields beyond the shared ones
@@ -139,18 +139,6 @@ def _fsdp_worker(rank: int, port: int, queue, root: str) -> None:
         dist.destroy_process_group()
 
 
-def _launch(worker, n: int, root: Path) -> dict:
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(worker, args=(free_port(), queue, str(root)), nprocs=n, start_method="spawn",
-                               join=False)
-    got = dict(queue.get() for _ in range(n))  # read before joining: a result larger than a pipe's buffer blocks
-    while not procs.join():
-        pass
-    return got
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tp-checkpoints")
@@ -158,7 +146,7 @@ def saved(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_ranks(saved) -> dict:
-    return _launch(_worker, 2, saved)
+    return on_ranks(_worker, 2, str(saved))
 
 
 def numbers(result: dict) -> dict:
@@ -185,7 +173,7 @@ def test_a_tensor_parallel_checkpoint_loads_in_one_process_with_the_same_logits(
 
 
 def test_fsdp2_over_tensor_parallel_shards_follows_one_process_on_a_2x2_mesh(tmp_path) -> None:
-    results = _launch(_fsdp_worker, 4, tmp_path)
+    results = on_ranks(_fsdp_worker, 4, str(tmp_path))
     got = [results[r] for r in range(4)]
     assert all(numbers(g) == numbers(got[0]) for g in got)  # every rank gathers the same weights and sees the same loss
     r0 = got[0]

@@ -22,7 +22,7 @@ from kiln.model.families import build_model
 from kiln.model.lora import LoRAConfig, apply_lora
 from kiln.train.optim import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonAdamW, OptimConfig, deal, lr_lambda,
                               make_optimizer, make_scheduler, muon_lr, newton_schulz, ns_dtype)
-from ports import free_port
+from ranks import on_ranks
 
 CPU = torch.device("cpu")
 GPT2_MUON = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -404,15 +404,6 @@ def test_deal_gives_the_costliest_matrices_out_first_each_to_the_least_loaded_ra
 
 # -- FSDP2: two gloo processes
 
-def on_two_ranks(worker, *args) -> dict:
-    """{rank: what ``worker(rank, port, queue, *args)`` put on the queue} from two spawned processes."""
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(worker, args=(free_port(), queue, *args), nprocs=2, start_method="spawn")
-    return dict(queue.get() for _ in range(2))
-
-
 def _join_gloo(rank: int, port: int) -> None:
     import torch.distributed as dist
 
@@ -464,7 +455,7 @@ def _sharded_muon_worker(rank: int, port: int, queue) -> None:
 
 
 def test_muon_on_fsdp2_shards_orthogonalises_each_matrix_on_one_rank_with_one_process_numbers() -> None:
-    results = on_two_ranks(_sharded_muon_worker)
+    results = on_ranks(_sharded_muon_worker, 2)
     # deal: (48, 16) to rank 0, (16, 48) to rank 1, then (5, 3) to rank 0 on the tie, (1, 4) to rank 1
     assert results == {0: ([(True, True, True)] * 4, [(48, 16), (5, 3)] * 3),
                        1: ([(True, True, True)] * 4, [(16, 48), (1, 4)] * 3)}
@@ -497,7 +488,7 @@ def _fsdp_model_worker(rank: int, port: int, queue) -> None:
 
 
 def test_fsdp2_training_with_muon_matches_one_process_with_the_work_split_between_ranks() -> None:
-    results = on_two_ranks(_fsdp_model_worker)
+    results = on_ranks(_fsdp_model_worker, 2)
     (diff0, shapes, seen0), (diff1, _, seen1) = results[0], results[1]
     assert len(shapes) == 14 and diff0 == diff1 and diff0 <= 1e-6
     _, owner = deal(shapes, 2)
