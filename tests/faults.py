@@ -99,9 +99,13 @@ class KillWorkerOnce(Filter):
 
     def __init__(self, doc_id: str, marker: str | Path, every_time: bool = False) -> None:
         self.doc_id, self.marker, self.every_time = doc_id, str(marker), every_time
+        self.maker = os.getpid()  # the test's own process, which must never be the one killed
 
     def reason(self, doc) -> None:
         if doc.id == self.doc_id and (self.every_time or not Path(self.marker).exists()):
+            if os.getpid() == self.maker:
+                raise RuntimeError(f"KillWorkerOnce reached {doc.id} in the process that made it (pid {self.maker}), "
+                                   "not in a worker: refusing to kill the test itself")
             Path(self.marker).write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
         return None
