@@ -56,8 +56,8 @@ class MeshLayout:
             check_tp(cfg, self.tp, f"{where}.tp")
             if self.tp > 1 and shard > 1 and of(cfg).tp_strided:
                 raise ConfigError(f"{where}: tp {self.tp} with dp_shard {shard}: the {cfg.family} family's "
-                                  "tensor-parallel shards cannot be sharded again by FSDP2; set dp_shard: 1 and "
-                                  "dp_replicate to the rest of the ranks, or tp: 1")
+                                  "tensor-parallel shards cannot be sharded again by FSDP2; set tp to the world "
+                                  f"size ({world_size}: tensor parallelism alone), or tp: 1 (FSDP2 alone)")
         return MeshLayout(self.dp_replicate, shard, self.tp)
 
     @property
@@ -119,13 +119,15 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def parallelize(model: nn.Module, strategy: str, activation_checkpointing: bool, compile: bool, device: torch.device,
-                bf16: bool = False, compile_backend: str = "inductor") -> nn.Module:
+                bf16: bool = False, compile_backend: str = "inductor", fsdp_mesh=None) -> nn.Module:
     """Apply the steps in their fixed order and return the module to call in the training loop.
 
     1. compile: per block, in place, before anything wraps the blocks (names and hooks stay as they are);
     2. activation checkpointing: around each (compiled) block call, so recomputation reruns the fast code;
     3. FSDP2 or DDP last: sharding must see the final blocks, and DDP wraps the whole finished model.
-    ``model`` itself stays the one to save and load (FSDP2 shards it in place; DDP wraps it).
+    ``model`` itself stays the one to save and load (FSDP2 shards it in place; DDP wraps it). A tensor-parallel
+    model is split first (kiln.model.tensor_parallel.apply_tp) and FSDP2 shards it over ``fsdp_mesh``, the
+    data-parallel dim of the job's mesh.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"job.parallelism must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
@@ -136,7 +138,7 @@ def parallelize(model: nn.Module, strategy: str, activation_checkpointing: bool,
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if strategy == "fsdp":
-        apply_fsdp(model, device, bf16)
+        apply_fsdp(model, device, bf16, fsdp_mesh)
         return model
     if strategy == "ddp":
         return apply_ddp(model, device)

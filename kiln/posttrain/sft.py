@@ -170,5 +170,5 @@ class SftStage(NextTokenStage):
         self.lora = job.lora  # enabled: adapters on the frozen init_from weights
         tt, tm = packed("train")
         vt, vm = packed("val")
-        super().__init__(job, info, PackedLoader(tt, tm, job.micro_batch, info.rank, info.world_size, job.seed),
+        super().__init__(job, info, PackedLoader(tt, tm, job.micro_batch, info.data_rank, info.data_world, job.seed),
                          lambda: iter_packed_eval(vt, vm, job.micro_batch, job.eval_batches))

@@ -26,10 +26,21 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    tp: int = 1  # ranks that split each layer (the job's layout.tp): neighbours in rank order, fed the same data
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (the tensor-parallel ranks of a group share it)."""
+        return self.rank // self.tp
+
+    @property
+    def data_world(self) -> int:
+        """How many data-parallel ranks read disjoint batches (the world size over the tensor-parallel size)."""
+        return self.world_size // self.tp
 
 
 def cuda_problem(nproc_per_node: int) -> str | None:

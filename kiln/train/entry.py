@@ -8,6 +8,7 @@ Several nodes: torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d --rdzv_endp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -45,6 +46,9 @@ def run_job(job_cls, make_stage: Callable, doc: str, argv: list[str] | None, rep
     info = setup_distributed(args.device, args.timeout_s)
     try:
         job = broadcast_config(job_cls, args.config, info)
+        if job.layout.tp > 1:  # before the stage takes its slice of the data: a tensor-parallel group shares one
+            job.check_layout("job", info.world_size)
+            info = dataclasses.replace(info, tp=job.layout.tp)
         return Trainer(job, make_stage(job, info), info, reporter or PrintReporter(), callbacks).fit()
     finally:
         if dist.is_initialized():

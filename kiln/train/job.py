@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from kiln.common.config import ConfigError, from_dict
 from kiln.model.config import ModelConfig, model_dict
 from kiln.model.lora import LoRAConfig
+from kiln.model.parallel import MeshLayout
 from kiln.train.optim import OptimConfig
 from kiln.train.spikes import SpikeConfig
 
@@ -64,6 +65,9 @@ class TrainJob:
     grad_accum: int = 1  # micro-batches per optimizer step
     max_steps: int = 100  # optimizer steps
     parallelism: str = "auto"  # "auto" (ddp on several ranks), "none", "ddp" or "fsdp"; one rank always runs "none"
+    # how the ranks split the model (kiln.model.parallel.MeshLayout): tp > 1 splits each layer over that many
+    # neighbouring ranks (tensor + sequence parallelism), the data-parallel ranks left shard it with FSDP2
+    layout: MeshLayout = field(default_factory=MeshLayout)
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
     compile: bool = False  # torch.compile each block
     eval_interval: int = 100  # steps between validation passes
@@ -86,11 +90,36 @@ class TrainJob:
         if lora is not None and lora.enabled and self.parallelism == "fsdp":
             raise ConfigError(f"{where}.parallelism is 'fsdp' but lora.enabled: a LoRA run replicates its model; "
                               "use 'ddp'")
+        self.check_layout(where)
+
+    def check_layout(self, where: str = "job", world_size: int | None = None) -> None:
+        """A layout this job cannot train is a ConfigError naming ``where.layout.<field>``; with ``world_size``
+        (the launcher knows it) the sizes must also multiply to it and suit the model (MeshLayout.resolve)."""
+        lay = self.layout
+        if lay == MeshLayout():
+            return
+        if lay.dp_replicate != 1:
+            raise ConfigError(f"{where}.layout.dp_replicate: {lay.dp_replicate}; the training job replicates "
+                              "through parallelism: ddp (dp_replicate is 1: every data-parallel rank is in dp_shard)")
+        if lay.tp > 1 and self.task not in ("pretrain", "sft"):
+            raise ConfigError(f"{where}.layout.tp: {lay.tp}; tensor parallelism trains tasks pretrain and sft, "
+                              f"not {self.task!r} (its reference and sampling models run whole): set layout.tp to 1")
+        lora = getattr(self, "lora", None)
+        if lay.tp > 1 and lora is not None and lora.enabled:
+            raise ConfigError(f"{where}.layout.tp: {lay.tp} with lora.enabled: LoRA's adapters wrap whole layers; "
+                              "set layout.tp to 1")
+        if lay.tp > 1 and self.parallelism == "ddp":
+            raise ConfigError(f"{where}.parallelism: 'ddp' with layout.tp {lay.tp}: the data-parallel ranks of a "
+                              "tensor-parallel job shard its layers with FSDP2; set parallelism to 'fsdp' (or 'auto')")
+        if world_size is not None:
+            lay.resolve(world_size, self.model, f"{where}.layout")
 
     def params(self) -> dict[str, Any]:
         """The job as its run records it (MLflow params, checkpoints' meta.json, result.json, the logbook): every
         field, the model in its serialised form (kiln.model.config.model_dict), the data files left out."""
         out = {k: v for k, v in asdict(self).items() if k not in ("train_files", "val_files")}
+        if self.layout == MeshLayout():  # recorded when it splits the model: other runs keep the record they had
+            del out["layout"]
         return {**out, "model": model_dict(self.model)}
 
 

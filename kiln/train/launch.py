@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.common.config import ConfigError
 from kiln.common.files import stable_hash
 from kiln.train.job import TrainJob, job_class, load_job
 
@@ -60,7 +61,10 @@ class RunSpec:
     def validate(self, where: str) -> TrainJob:
         """The job this spec launches, built and checked as the workers will read it (kiln.train.job.load_job):
         a wrong key or value is a ConfigError naming ``where.<key>`` before anything is launched."""
-        return load_job(job_class(self.task, where), self.job(Path("<run folder>"), "", ""), where)
+        job = load_job(job_class(self.task, where), self.job(Path("<run folder>"), "", ""), where)
+        if "world_size" in self.plan:  # the layout must multiply to the ranks the plan launches
+            job.check_layout(where, self.plan["world_size"])
+        return job
 
     def params(self) -> dict[str, Any]:
         shown = ("micro_batch", "world_size") if self.posttrain else ("micro_batch", "grad_accum", "world_size")
@@ -84,7 +88,19 @@ class RunSpec:
         peak = plan["hardware"].get("peak_tflops")
         if peak:
             job["peak_flops"] = peak * 1e12
+        if plan.get("layout"):  # a plan that splits the model (kiln.plan): its mesh
+            job["layout"] = training_layout(plan["layout"])
         return job
+
+
+def training_layout(layout: dict[str, Any]) -> dict[str, int]:
+    """The job's ``layout`` block (kiln.model.parallel.MeshLayout) for a plan's layout; a plan the training job
+    cannot run (pipeline stages) is a ConfigError naming the plan's field."""
+    if layout.get("pp", 1) != 1:
+        raise ConfigError(f"training_plan.parallel.pp: the plan splits the model into {layout['pp']} pipeline stages, "
+                          "which the training job does not run: set parallel.pp to 1 (tensor and data parallelism "
+                          "train; kiln plan shows the layouts a cluster allows)")
+    return {k: int(layout[k]) for k in ("dp_replicate", "dp_shard", "tp")}
 
 
 def pretrain_report(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -109,4 +125,5 @@ def pretrain_report(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "goodput_breakdown": Table([{"where": k.removesuffix("_s"), "seconds": v} for k, v in goodput.items()
                                     if k.endswith("_s")]),
         "spike_events": Table(result.get("events", [])),
+        **({"layout": " x ".join(f"{k} {v}" for k, v in result["layout"].items())} if result.get("layout") else {}),
     }

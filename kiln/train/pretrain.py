@@ -80,7 +80,7 @@ class NextTokenStage(Stage):
 
     def __init__(self, job: JobConfig, info: DistInfo, loader, val_batches: Batches, eot: int | None = None):
         self.job, self.info, self.loader, self.val_batches, self.eot = job, info, loader, val_batches, eot
-        self.tokens_per_step = job.micro_batch * job.seq_len * job.grad_accum * info.world_size
+        self.tokens_per_step = job.micro_batch * job.seq_len * job.grad_accum * info.data_world
 
     def batches(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for _ in range(self.job.grad_accum):
@@ -121,8 +121,8 @@ class PretrainStage(NextTokenStage):
     def __init__(self, job: JobConfig, info: DistInfo):
         from kiln.loader import TokenLoader, iter_eval_batches
 
-        loader = TokenLoader([Path(p) for p in job.train_files], job.micro_batch, job.seq_len, info.rank,
-                             info.world_size, job.seed)
+        loader = TokenLoader([Path(p) for p in job.train_files], job.micro_batch, job.seq_len, info.data_rank,
+                             info.data_world, job.seed)
         val_files = [Path(p) for p in job.val_files]
         super().__init__(job, info, loader,
                          lambda: iter_eval_batches(val_files, job.micro_batch, job.seq_len, job.eval_batches),

@@ -22,9 +22,10 @@ import torch
 
 from kiln.common.files import atomic_write_json
 from kiln.model.config import model_dict
-from kiln.model.families import build_model, flops_per_token
+from kiln.model.families import build_model, flops_per_token, of
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
-from kiln.model.parallel import clip_grad_norm, describe, gradient_sync, parallelize
+from kiln.model.parallel import MESH_DIMS, MeshLayout, build_mesh, clip_grad_norm, describe, gradient_sync, parallelize
+from kiln.model.tensor_parallel import apply_tp
 from kiln.train.checkpoint import CheckpointError, list_checkpoints, load_state, resolve_checkpoint, step_of
 from kiln.train.checkpointer import Checkpointer, rng_state, set_rng_state
 from kiln.train.dist import DistInfo, all_gather, all_mean, rank_digests
@@ -164,14 +165,18 @@ class Trainer:
         self.job, self.stage, self.info, self.reporter = job, stage, info, reporter
         self.callbacks = list(callbacks)
         self.cfg, self.opt_cfg, self.spike_cfg = job.model, job.optim, job.spikes  # built and checked by load_job
-        self.strategy = "none" if info.world_size == 1 else ("ddp" if job.parallelism == "auto" else job.parallelism)
+        self.layout = self.split_layout()  # None unless the model is split over the ranks (job.layout.tp > 1)
+        if self.layout is not None:  # the data-parallel ranks left over shard the split model with FSDP2
+            self.strategy = "fsdp" if self.layout.dp_shard > 1 else "none"
+        else:
+            self.strategy = "none" if info.world_size == 1 else ("ddp" if job.parallelism == "auto" else job.parallelism)
         self.out = Path(job.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)  # the journal's first line is written before any checkpoint
         self.journal = Journal(self.out, info.is_main)  # the run's one record (kiln.train.journal), rank 0's
         self.clock = GoodputClock(self.journal)  # where this process's time goes
         self.base_gb = resident_gb()
         self.logger = make_logger(job, info)  # rank 0 alone tracks
-        self.ckpt = Checkpointer(self.out / "checkpoints", info.rank, info.world_size, sharded=self.strategy == "fsdp",
+        self.ckpt = Checkpointer(self.out / "checkpoints", info.rank, info.world_size, sharded=self.sharded_checkpoints(),
                                  async_save=job.async_save, keep_last=job.keep_last, keep_every=job.keep_every,
                                  extra_files={"tokenizer.json": Path(job.tokenizer)} if job.tokenizer else {}, log=self.say,
                                  on_write=self._on_checkpoint_write)
@@ -207,6 +212,21 @@ class Trainer:
 
     # -- the model
 
+    def split_layout(self) -> MeshLayout | None:
+        """The job's layout resolved for this world (a ConfigError when it cannot run here), or None when no
+        layer is split (tp 1: the data-parallel strategies alone)."""
+        if self.job.layout.tp == 1:
+            return None
+        self.job.check_layout("job", self.info.world_size)
+        return self.job.layout.resolve(self.info.world_size, self.cfg, "job.layout")
+
+    def sharded_checkpoints(self) -> bool:
+        """FSDP2 and tensor-parallel runs save each rank's shards (DCP), except a family whose tensor-parallel
+        shards are strided (GPT-2's fused q|k|v, which DCP cannot save): those gather one full state on rank 0."""
+        if self.layout is not None:
+            return not of(self.cfg).tp_strided
+        return self.strategy == "fsdp"
+
     def build(self) -> None:
         """Seeded init, starting weights, LoRA, device, the stage's own models, parallelism, optimizer, in that order
         (the order random numbers are drawn in: a rerun builds bit-identical models)."""
@@ -223,8 +243,13 @@ class Trainer:
                      "parameters")
         self.raw = raw.to(self.info.device)  # the model to save and load, however it is wrapped
         self.stage.setup(self)
+        fsdp_mesh = None
+        if self.layout is not None:  # split each layer over the tensor-parallel ranks before anything wraps it
+            mesh = build_mesh(self.layout, self.info.device.type)
+            apply_tp(self.raw, mesh["tp"])
+            fsdp_mesh = mesh["dp_shard"]
         self.model = parallelize(self.raw, self.strategy, job.activation_checkpointing, job.compile, self.info.device,
-                                 self.bf16)  # the model to call
+                                 self.bf16, fsdp_mesh=fsdp_mesh)  # the model to call
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
 
@@ -290,13 +315,15 @@ class Trainer:
         else:
             if self.init_ckpt:
                 self.say(f"initialised weights from {self.init_ckpt}{self.stage.init_note}")
-            torch.manual_seed(self.job.seed + self.info.rank)  # weights are identical on every rank; dropout differs
+            # weights are identical on every rank; dropout differs between data-parallel ranks (the ranks of a
+            # tensor-parallel group draw the same masks, as their replicated activations need)
+            torch.manual_seed(self.job.seed + self.info.data_rank)
         tokens = self.stage.tokens_per_step
         self.peak_flops = resolve_peak_flops(self.job.peak_flops, self.info.device) if tokens else 0.0
         if self.info.is_main:
             self.logger.log_params({"job": self.job_params(), "peak_flops_per_device": self.peak_flops})
         self.say(f"training {self.raw.num_params() / 1e6:.2f}M parameters on {self.info.world_size} x "
-                 f"{self.info.device.type} ({describe(self.strategy, self.job.activation_checkpointing, self.job.compile)}), "
+                 f"{self.info.device.type} ({self.describe_parallel()}), "
                  + (f"{tokens} tokens/step, " if tokens else "") + f"steps {self.run.step}->{self.job.max_steps}"
                  + (f", MFU against {self.peak_flops / 1e12:.3g} TFLOP/s per device" if self.peak_flops else ""))
         line = self.stage.describe(self)
@@ -306,10 +333,21 @@ class Trainer:
 
         self.begin_attempt("resume" if self.latest is not None else "fresh", process_start_time())
 
+    def describe_parallel(self) -> str:
+        """How the ranks share the work, for the start line: "fsdp, tensor parallel 2 (dp_shard 2 x tp 2)"."""
+        how = describe(self.strategy, self.job.activation_checkpointing, self.job.compile)
+        if self.layout is None:
+            return how
+        return f"{how}, tensor parallel {self.layout.tp} ({self.layout.describe()})"
+
+    def layout_record(self) -> dict[str, Any]:
+        """The mesh sizes for result.json and the logbook, when the model is split (else nothing is added)."""
+        return {} if self.layout is None else {"layout": dict(zip(MESH_DIMS, self.layout.sizes))}
+
     def env_config(self) -> dict[str, Any]:
         """What the logbook compares between attempts beside the job: where and on what this attempt runs."""
         return {"world_size": self.info.world_size, "device": self.info.device.type, "parallelism": self.strategy,
-                "torch": torch.__version__, "host": socket.gethostname()}
+                "torch": torch.__version__, "host": socket.gethostname(), **self.layout_record()}
 
     def begin_attempt(self, how: str, t: float | None = None) -> None:
         self.energy_mark = self.energy.joules() or 0.0
@@ -549,5 +587,5 @@ class Trainer:
             "tokens_per_s": median(self.tokens_s), "mfu": median(self.mfus), "peak_flops_per_device": self.peak_flops,
             "peak_memory_gb": peak_memory_gb(self.info.device, self.base_gb), "data_batches": run.data_batches,
             "events": self.events, "grad_norm_spikes": self.grad_spikes, "goodput": goodput,
-            "rank_param_digests": digests, **self.stage.summary(self),
+            "rank_param_digests": digests, **self.layout_record(), **self.stage.summary(self),
         }

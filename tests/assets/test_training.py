@@ -20,10 +20,13 @@ from resources.tracking import MlflowResource
 
 @pytest.mark.slow
 def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, tiny_tokenizer, tiny_shards, model_dict):
+    """On two torchrun ranks splitting each layer (a plan's tensor-parallel layout: tp 2, one data-parallel rank);
+    the smoke pipeline materializes base_model on one process."""
     _, tok_path = tiny_tokenizer
     plan = make_plan(ModelConfig(**model_dict), BatchConfig(seq_len=32, global_batch=4, max_steps=12),
                      HardwareConfig(memory_gb=4)).to_dict()
-    plan.update(hardware={"device": "cpu", "nproc_per_node": 1, "nnodes": 1, "peak_tflops": None}, max_steps=12)
+    plan.update(hardware={"device": "cpu", "nproc_per_node": 2, "nnodes": 1, "peak_tflops": None}, max_steps=12,
+                world_size=2, layout={"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1})
 
     @asset(name="training_plan")
     def plan_stub() -> dict:
@@ -56,6 +59,7 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
     assert "| 8 |" in meta["checkpoints"].value and "| 12 |" in meta["checkpoints"].value
     assert 0 < meta["goodput"].value < 1 and "| productive |" in meta["goodput_breakdown"].value
     assert meta["tokens_per_s"].value > 0 and 0 < meta["mfu"].value < 1 and meta["parallelism"].value == "none"
+    assert meta["layout"].value == "dp_replicate 1 x dp_shard 1 x tp 2" and meta["world_size"].value == 2
     assert str(mat.tags.get("dagster/data_version", value["version"])) == value["version"]
 
     client = MlflowClient(mlflow.resolved_uri())
@@ -65,6 +69,7 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
     assert "loss.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
     job = json.loads((Path(value["out_dir"]) / "job.json").read_text())
     assert job["keep_every"] == 8 and job["async_save"] and job["parallelism"] == "none"
+    assert job["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2}
 
 
 def test_base_model_has_a_retry_policy():

@@ -177,8 +177,9 @@ def test_kill_during_save_and_a_damaged_checkpoint_fall_back_to_an_older_one(tmp
     proc = popen_train(job, save_pause_s=2.0)  # each write holds for 2 s
     staging = run / "checkpoints" / ".step_0000010.partial" / "state.pt"
     deadline = time.time() + 120
-    while not staging.exists() and time.time() < deadline:  # the second save is being written, not yet committed
-        time.sleep(0.02)
+    while not staging.exists() and proc.poll() is None and time.time() < deadline:  # the second save is being
+        time.sleep(0.02)  # written, not yet committed
+    assert proc.poll() is None, proc.stdout.read()[-3000:]  # type: ignore[union-attr]
     assert staging.exists() and list_checkpoints(run / "checkpoints") == [run / "checkpoints" / "step_0000005"]
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
