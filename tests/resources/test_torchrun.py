@@ -15,7 +15,10 @@ import pytest
 from dagster import AssetExecutionContext, DagsterInstance, Failure, Output, RetryPolicy, asset, materialize
 
 from kiln.train.cluster import TorchrunSpec
+from kiln.train.loop import main
 from resources.torchrun import TorchrunResource
+from tests.conftest import LineReporter, single_thread
+from tests.kiln.train.test_train import assert_same_final_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,11 +129,13 @@ def test_torchrun_restarts_a_killed_worker_and_a_dagster_retry_resumes_after_a_f
                                                                                         monkeypatch):
     """Rank 0 is SIGKILLed at step 6: torchrun (max_restarts=1) restarts it, it resumes from step 4 and reports
     through Pipes again. At step 9 it raises: no restarts are left, the launch fails naming the worker's error,
-    and Dagster's retry relaunches it, which resumes from step 8 and finishes. The faults come from tests/faults.py,
+    and Dagster's retry relaunches it, which resumes from step 8 and finishes bit-identical to an uninterrupted run,
+    goodput accounting for the lost time. The faults come from tests/faults.py,
     run as the workers' module in place of resources.pipes_worker (which it wraps)."""
     from tests.faults import Faults
 
     monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread, as the reference below: the same sums in the same order
     monkeypatch.setenv("KILN_FAULTS", str(Faults(kill_at_steps=[6], kill_after_save=True, fail_at_step=9).write(tmp_path / "faults.json")))
     job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4).read_text())
     instance = DagsterInstance.ephemeral()
@@ -138,7 +143,15 @@ def test_torchrun_restarts_a_killed_worker_and_a_dagster_retry_resumes_after_a_f
                          resources={"torchrun": TorchrunResource(max_restarts=1, timeout_s=300)})
     value = result.output_for_node("trained")
     assert value["resumed_from"].endswith("step_0000008") and value["steps"] == 12
-    assert value["goodput"]["sessions"] == 3 and value["goodput"]["redone_steps_s"] > 0
+    good = value["goodput"]  # three sessions: the first, torchrun's restart, Dagster's retry
+    assert good["sessions"] == 3 and good["redone_steps_s"] > 0 and good["restarting_s"] > 0 and 0 < good["goodput"] < 1
+    parts = ("productive_s", "redone_steps_s", "saving_s", "validation_s", "startup_s", "restarting_s", "other_s")
+    assert sum(good[k] for k in parts) == pytest.approx(good["wall_s"], rel=0.01)
+    # and the run ends as an uninterrupted one does, bit for bit (weights, optimizer, scheduler, loader, history)
+    ref = pretrain_job(tmp_path / "uninterrupted", max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4)
+    with single_thread():  # as the workers: one thread sums matmuls in their order
+        main(["--config", str(ref), "--device", "cpu"], reporter=LineReporter())
+    assert_same_final_state(ref, Path(job["out_dir"]).parent / "job.json", step=12)
     logs = user_logs(instance, result.run_id)
     assert any("resumed from" in m and m.endswith("at step 4") for m in logs)  # the restarted worker, through Pipes
     assert any("step 12/12" in m for m in logs)

@@ -64,11 +64,24 @@ def resume_copy(run: Path, dest: Path, pretrain_job, family: str, **kw) -> Path:
 TP2 = {"layout": {"tp": 2}}
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, pretrain_job):
+    """``reference(family)``: the one-process result of job_for's job, run once per module."""
+    made: dict[str, dict] = {}
+
+    def get(family: str) -> dict:
+        if family not in made:
+            made[family] = in_process(job_for(pretrain_job, tmp_path_factory.mktemp(f"one-{family}"), family))
+        return made[family]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def tp_run(request, tmp_path_factory, pretrain_job, train_runner):
+def tp_run(request, tmp_path_factory, pretrain_job, train_runner, reference):
     """(family, the tensor-parallel job, its one-process reference result): 30 steps on two ranks, tp 2."""
     family = request.param
-    ref = in_process(job_for(pretrain_job, tmp_path_factory.mktemp(f"one-{family}"), family))
+    ref = reference(family)
     job = job_for(pretrain_job, tmp_path_factory.mktemp(f"tp-{family}"), family, **TP2)
     proc = train_runner(job, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -111,10 +124,11 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process(tmp_path, tp_run, p
 
 
 @pytest.mark.slow
-def test_an_fsdp2_checkpoint_resumes_under_tensor_parallelism(tmp_path, pretrain_job, train_runner) -> None:
+def test_an_fsdp2_checkpoint_resumes_under_tensor_parallelism(tmp_path, pretrain_job, train_runner,
+                                                             reference) -> None:
     """Resharding through torch.distributed.checkpoint: saved as FSDP2's dim-0 shards on two ranks, loaded as
     tensor-parallel shards (llama: its shards are not strided, so both layouts save DCP checkpoints)."""
-    ref = in_process(job_for(pretrain_job, tmp_path / "one", "llama"))
+    ref = reference("llama")
     # two data-parallel ranks of 2 sequences (the same 4 a step); validation reads the same 16 windows on each
     fsdp = job_for(pretrain_job, tmp_path / "fsdp", "llama", parallelism="fsdp", micro_batch=2, eval_batches=8)
     proc = train_runner(fsdp, nproc=2)
