@@ -73,8 +73,8 @@ def wait_for(condition, timeout: float, every: float = 0.05) -> bool:
 
 
 def job_file(pretrain_job, folder: Path) -> Path:
-    """300 steps, a checkpoint every 50; progress and validation lines only at the end."""
-    return pretrain_job(folder, max_steps=300, ckpt_interval=50, keep_last=10, eval_interval=1000, log_interval=1000)
+    """100 steps, a checkpoint every 25; progress and validation lines only at the end."""
+    return pretrain_job(folder, max_steps=100, ckpt_interval=25, keep_last=10, eval_interval=1000, log_interval=1000)
 
 
 def final_weights(job: Path) -> tuple[str, list]:
@@ -98,7 +98,7 @@ def test_a_killed_launcher_leaves_no_torchrun_or_worker_and_a_rerun_resumes_bit_
         leader = subprocess.Popen([sys.executable, "-c", LAUNCH, str(job)], cwd=ROOT, env=env, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        started = wait_for(lambda: (run / "checkpoints" / "step_0000050" / "meta.json").exists(), timeout=180)
+        started = wait_for(lambda: (run / "checkpoints" / "step_0000025" / "meta.json").exists(), timeout=180)
         assert started, (tmp_path / "launcher.log").read_text()[-3000:]
         tree = marked(marker)
         assert any("torch.distributed.run" in c for c in tree.values()), tree
@@ -120,8 +120,8 @@ def test_a_killed_launcher_leaves_no_torchrun_or_worker_and_a_rerun_resumes_bit_
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     result = materialize([launch_asset(json.loads(job.read_text()))], resources={"torchrun": TorchrunResource(timeout_s=300)})
     value = result.output_for_node("trained")
-    assert value["steps"] == 300 and value["resumed_from"], value.get("resumed_from")
-    assert 50 <= int(Path(value["resumed_from"]).name.split("_")[1]) < 300
+    assert value["steps"] == 100 and value["resumed_from"], value.get("resumed_from")
+    assert 25 <= int(Path(value["resumed_from"]).name.split("_")[1]) < 100
     reference = job_file(pretrain_job, tmp_path / "uninterrupted")
     done = train_runner(reference)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
