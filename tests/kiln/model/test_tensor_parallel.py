@@ -61,7 +61,13 @@ def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_me
     dp, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     tp.checkpoint_blocks = one.checkpoint_blocks = checkpoint_blocks
     if optim == "muon":  # kiln's MuonAdamW: Muon on the block matrices, AdamW on the rest
+        import kiln.train.optim as kiln_optim
         from kiln.train.optim import OptimConfig, make_optimizer
+
+        # Newton-Schulz in fp32 on every CPU (this worker process only): in bf16 (what AVX-512 CPUs get) a last-bit
+        # difference in one gradient, from the other summation order, flips bf16 roundings of the update and the two
+        # curves drift apart by 5e-4 in 30 steps, which says nothing about tensor parallelism
+        kiln_optim.ns_dtype = lambda device: torch.float32
 
         opts = [make_optimizer(m, OptimConfig(name="muon", lr=1e-2), torch.device("cpu")) for m in (one, tp)]
     else:
