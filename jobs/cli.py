@@ -38,22 +38,30 @@ what the next run would redo and why. Examples:
 """
 
 
-def load_preset(name_or_path: str, keep_opt_in: bool = False) -> dict[str, Any]:
+def load_preset(name_or_path: str, keep_opt_in: bool = False, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Run config of a preset (a name under conf/presets or a YAML path); unknown presets name the known ones.
-    ``opt_in`` (the opt-in assets, jobs.definitions.OPT_IN, that the preset runs) is kept only with keep_opt_in."""
+    ``opt_in`` (the opt-in assets, jobs.definitions.OPT_IN, that the preset runs) is kept only with keep_opt_in.
+    ``_chain``: the presets that extend this one, outermost first (a preset met twice is a cycle)."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PRESETS / f"{name_or_path}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
         raise SystemExit(f"kiln: give a preset name or a YAML path: no preset '{name_or_path}' ({path}); known presets: {known}")
+    if path.resolve() in [p.resolve() for p in _chain]:
+        cycle = " -> ".join(str(p) for p in (*_chain, path))
+        raise SystemExit(f"kiln: presets extend each other in a cycle: {cycle}; remove the `extends:` line that "
+                         f"closes it in {_chain[-1]}")
     data = yaml.safe_load(path.read_text()) or {}
     unknown = set(data) - {"ops", "resources", "execution", "loggers", "extends", "opt_in"}
     if unknown:
         raise SystemExit(f"kiln: keep to ops, resources, execution, loggers, extends and opt_in at the top of {path}: "
                          f"unknown top-level key(s) {sorted(unknown)} (a preset is Dagster run config)")
     base = data.pop("extends", None)
-    merged = deep_merge(load_preset(base, True), data) if base else data
+    if base is not None and not isinstance(base, str):
+        raise SystemExit(f"kiln: {path}: `extends:` names one preset (a name under conf/presets or a YAML path), "
+                         f"not {base!r}")
+    merged = deep_merge(load_preset(base, True, (*_chain, path)), data) if base else data
     if not keep_opt_in:
         merged.pop("opt_in", None)
     return merged
@@ -66,9 +74,16 @@ def select_config(run_config: dict[str, Any], keys: list[str]) -> dict[str, Any]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from jobs.home import home_lock, writable_home
+
     home = Path(args.home).resolve()
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
-    Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
+    with home_lock(writable_home(home), f"preset {args.preset}"):
+        return run_in_home(args, home)
+
+
+def run_in_home(args: argparse.Namespace, home: Path) -> int:
+    """``kiln run`` in a writable home whose run lock this process holds."""
     from dagster import AssetKey, DagsterInstance, DagsterInvalidConfigError
 
     from jobs.definitions import ALL_ASSETS, OPT_IN, complete_resource_config, make_definitions, make_resources
@@ -186,8 +201,10 @@ def resolve_model_path(ref: str, tracking_uri: str):
         rel = get_release(tracking_uri, name, which)
     except Exception as e:  # LookupError, or MlflowException for an unknown model or version
         raise SystemExit(f"kiln: {ref}: {e}") from e
+    from kiln.release.bundle import is_release
+
     for where in (rel.bundle, rel.source[len("file://"):] if rel.source.startswith("file://") else ""):
-        if where and (Path(where) / "SHA256SUMS").is_file():
+        if where and is_release(where):
             return Path(where), rel
     raise SystemExit(f"kiln: {ref} is version {rel.version} with source {rel.source}, which is not a local bundle folder; "
                      "download it with mlflow artifacts download and pass the folder")
@@ -213,10 +230,10 @@ def summarize(result, keys: list[str]) -> None:
 
 def load_any_model(path: str | Path):
     """A release bundle or a checkpoint (folder, checkpoints root or run folder) -> (model, tokenizer)."""
-    p = Path(path)
-    if (p / "SHA256SUMS").is_file():
-        from kiln.release.bundle import load_release
+    from kiln.release.bundle import is_release, load_release
 
+    p = Path(path)
+    if is_release(p):
         return load_release(p)
     from kiln.train.checkpoint import load_for_inference
 
@@ -251,11 +268,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
+    from kiln.release.bundle import is_release
     from kiln.release.lineage import checkpoint_lineage, lineage_tree, read_release_info
 
     p, registered = resolve_model_path(args.model, args.tracking_uri)
     try:
-        info = read_release_info(p) if (p / "SHA256SUMS").is_file() else checkpoint_lineage(p)
+        info = read_release_info(p) if is_release(p) else checkpoint_lineage(p)
     except (OSError, ValueError, RuntimeError) as e:  # damaged bundle, missing checkpoint, corrupt tokenizer
         raise SystemExit(f"kiln: lineage of {p}: {e}") from e
     if registered is not None:
@@ -349,6 +367,24 @@ def preset_pretrained(ops: dict[str, Any], preset: str) -> tuple[dict | None, di
     return {"path": str(folder), "model": model_dict(cfg)}, shown
 
 
+def preset_error(preset: dict[str, Any], home: Path) -> str | None:
+    """What Dagster refuses in a preset (an unknown op or resource, an unknown key, a wrong type), as one line, or
+    None: the check ``kiln run`` makes before any asset runs, made here without running (for ``kiln plan``)."""
+    from dagster import DagsterInvalidConfigError, validate_run_config
+
+    from jobs.definitions import complete_resource_config, make_definitions, make_resources
+
+    job = make_definitions(home).resolve_job_def("kiln_pipeline_job")
+    unknown = unknown_name_line(preset, job)
+    if unknown:
+        return unknown
+    try:
+        validate_run_config(job, complete_resource_config(preset, make_resources(home)))
+    except DagsterInvalidConfigError as e:
+        return config_error_line(e, job)
+    return None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -357,11 +393,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kiln.plan import PlanError, describe_costs, describe_plan, load_cost
     from kiln.pretrained.config import PretrainedError
 
-    ops = load_preset(args.preset).get("ops") or {}
+    preset = load_preset(args.preset)
+    refused = preset_error(preset, PROJECT / ".kiln")  # the resources are objects only: nothing there is touched
+    if refused:  # the preset as `kiln run` types it: a string for an integer is refused here as there
+        print(f"kiln: preset {args.preset}: {refused}", file=sys.stderr)
+        return 2
+    ops = preset.get("ops") or {}
     conf = dict((ops.get("training_plan") or {}).get("config") or {})
-    unknown = set(conf) - set(TrainingPlanConfig.model_fields)
-    if unknown:
-        raise SystemExit(f"kiln: preset {args.preset}: unknown training_plan.config key(s) {sorted(unknown)}")
     try:  # the architecture of an imported model, as the training_plan asset gets it from pretrained_model
         pretrained, shown = preset_pretrained(ops, args.preset)
     except PretrainedError as e:
@@ -395,8 +433,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import logging
 
+    from jobs.home import lock_holder, writable_home
+
     home = Path(args.home).resolve()
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
+    writable_home(home)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     from dagster import DagsterInstance
 
@@ -414,7 +455,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     config = complete_resource_config(preset, resources)
     mlflow_conf = ((config.get("resources") or {}).get("mlflow") or {}).get("config")
     mlflow = MlflowResource(**mlflow_conf) if mlflow_conf else resources["mlflow"]
-    Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
+    running = lock_holder(home)
+    if running:  # what that run has not finished shows as still to run
+        print(f"kiln status: {running} is running in {home} now", file=sys.stderr)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), DagsterInstance.get() as instance:
         rows = StatusReader(defs, instance, config, mlflow).status([a.key.to_user_string() for a in ALL_ASSETS])
     if args.json:

@@ -7,6 +7,7 @@ Use: ``write_release(checkpoint, out_dir, card, extra, files)`` (files: the card
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,7 +19,7 @@ from kiln.model.families import build_model
 from kiln.release.hf import ReleaseError, from_hf_state_dict, hf_config, to_hf_state_dict, write_hf_tokenizer
 from kiln.train.checkpoint import load_state, resolve_checkpoint
 
-__all__ = ["RELEASE_FORMAT", "ReleaseError", "load_release", "verify_release", "write_release"]
+__all__ = ["RELEASE_FORMAT", "ReleaseError", "is_release", "load_release", "verify_release", "write_release"]
 
 RELEASE_FORMAT = "kiln-release/1"
 
@@ -64,13 +65,40 @@ def write_release(checkpoint: str | Path, out_dir: Path, card: str, extra: dict[
     return {"files": files, "bytes": sum((out_dir / n).stat().st_size for n in files), "checkpoint": str(ckpt)}
 
 
+def is_release(path: str | Path) -> bool:
+    """Whether ``path`` is a release bundle, whole or damaged: it holds the bundle's record (kiln.json) or its
+    checksums (SHA256SUMS). Readers then load it with load_release, which names what is missing or wrong."""
+    p = Path(path)
+    return (p / "SHA256SUMS").is_file() or (p / "kiln.json").is_file()
+
+
+# what write_release writes: a sha256, two spaces, and the name of a file in the bundle's folder (no path)
+SUMS_LINE = re.compile(r"([0-9a-f]{64})  ((?!\.\.?$)[^/]+)")
+REWRITE = "copy the whole bundle folder again, or write it again with the release_bundle asset"
+
+
 def verify_release(bundle: Path) -> None:
-    """Check every file listed in SHA256SUMS; raise ReleaseError naming the first that differs."""
-    sums = Path(bundle) / "SHA256SUMS"
+    """Check every file listed in SHA256SUMS; raise ReleaseError naming the first that differs, or the line of
+    SHA256SUMS that is not a checksum and a file name."""
+    bundle = Path(bundle)
+    sums = bundle / "SHA256SUMS"
     if not sums.is_file():
-        raise ReleaseError(f"{sums}: missing; {bundle} is not a release bundle (write one with the release_bundle asset)")
-    for line in sums.read_text().splitlines():
-        digest, name = line.split("  ", 1)
+        raise ReleaseError(f"{sums}: missing, so nothing in {bundle} can be verified; {REWRITE}")
+    try:
+        lines = sums.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ReleaseError(f"{sums}: not UTF-8 text ({e.reason} at byte {e.start}); the checksum list is damaged: "
+                           f"{REWRITE}") from e
+    entries = []
+    for n, line in enumerate(lines, 1):
+        m = SUMS_LINE.fullmatch(line)
+        if m is None:
+            raise ReleaseError(f"{sums}: line {n} is not '<sha256>  <file name>' (got {line[:80]!r}); the checksum "
+                               f"list is damaged: {REWRITE}")
+        entries.append(m.groups())
+    if not entries:
+        raise ReleaseError(f"{sums}: lists no files; {REWRITE}")
+    for digest, name in entries:
         if not (bundle / name).is_file():
             raise ReleaseError(f"{bundle / name}: listed in SHA256SUMS but missing; the bundle is incomplete")
         if sha256_file(bundle / name) != digest:

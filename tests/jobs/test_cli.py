@@ -31,6 +31,27 @@ def test_preset_with_bad_top_level_key(tmp_path):
         load_preset(str(bad))
 
 
+def test_presets_extending_each_other_in_a_cycle_are_one_line_naming_the_files(tmp_path, capsys):
+    own = tmp_path / "own.yaml"
+    own.write_text(f"extends: {own}\nops: {{}}\n")
+    with pytest.raises(SystemExit) as err:
+        load_preset(str(own))
+    assert str(err.value) == (f"kiln: presets extend each other in a cycle: {own} -> {own}; remove the `extends:` "
+                              f"line that closes it in {own}")
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(f"extends: {b}\n")
+    b.write_text(f"extends: {a}\nops: {{}}\n")
+    with pytest.raises(SystemExit) as err:
+        main(["config", "--preset", str(a)])
+    assert str(err.value) == (f"kiln: presets extend each other in a cycle: {a} -> {b} -> {a}; remove the `extends:` "
+                              f"line that closes it in {b}")
+    b.write_text("extends: [smoke]\n")
+    with pytest.raises(SystemExit, match=r"b\.yaml: `extends:` names one preset .* not \['smoke'\]"):
+        load_preset(str(a))
+    b.write_text("extends: smoke\n")  # no cycle: a -> b -> smoke
+    assert load_preset(str(a)) == load_preset("smoke")
+
+
 def test_help_lists_the_commands_with_examples(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
@@ -219,6 +240,27 @@ def test_lineage_of_a_checkpoint_and_of_a_damaged_release(release, capsys):
         main(["lineage", str(bundle.parent / "nowhere")])
 
 
+def test_a_damaged_or_missing_checksum_list_is_named(release, capsys):
+    bundle, _ = release
+    sums = bundle / "SHA256SUMS"
+    good = sums.read_text()
+    sums.write_text(good + "garbage\n")
+    n = len(good.splitlines()) + 1
+    for verb in ("lineage", "generate"):
+        with pytest.raises(SystemExit) as err:
+            main([verb, str(bundle)])
+        assert f"{sums}: line {n} is not '<sha256>  <file name>' (got 'garbage'); the checksum list is damaged" in str(err.value)
+    sums.write_text(good.replace("  kiln.json", "  ../kiln.json"))  # a name that points out of the bundle
+    with pytest.raises(SystemExit, match=r"SHA256SUMS: line \d+ is not '<sha256>  <file name>' \(got '[0-9a-f]{64}  \.\./kiln\.json'\)"):
+        main(["lineage", str(bundle)])
+    sums.unlink()  # a bundle without its checksums is not taken for a checkpoint folder
+    for verb in ("lineage", "generate"):
+        with pytest.raises(SystemExit) as err:
+            main([verb, str(bundle)])
+        assert f"{sums}: missing, so nothing in {bundle} can be verified" in str(err.value)
+        assert "no checkpoint found" not in str(err.value)
+
+
 def test_generate_from_release_and_checkpoint_agree(release, capsys):
     bundle, ckpt = release
     args = ["--prompt", "The cat", "--prompt", "A dog", "--max-new-tokens", "8", "--temperature", "0"]
@@ -270,14 +312,22 @@ def test_plan_names_an_unknown_key(tmp_path, capsys):
     preset = tmp_path / "typo.yaml"
     preset.write_text("ops:\n  training_plan:\n    config:\n      batch: {seq_len: 64, global_btach: 8}\n")
     assert main(["plan", "--preset", str(preset)]) == 2
-    assert "training_plan.batch" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"kiln: preset {preset}: unknown key 'global_btach' in "
+                                       "ops.training_plan.config.batch; did you mean 'global_batch'?\n")
 
 
-def test_plan_names_a_wrong_type(tmp_path, capsys):
+@pytest.mark.parametrize("value", ["long", '"64"', "6.5"])
+def test_plan_refuses_what_run_refuses_with_the_same_line(tmp_path, capsys, monkeypatch, value):
+    """A string or a float for an integer field: kiln run refuses it before anything runs, so kiln plan must too."""
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
     preset = tmp_path / "typed.yaml"
-    preset.write_text("ops:\n  training_plan:\n    config:\n      batch: {seq_len: long}\n")
+    preset.write_text(f"extends: smoke\nops:\n  training_plan:\n    config:\n      batch: {{seq_len: {value}}}\n")
     assert main(["plan", "--preset", str(preset)]) == 2
-    assert f"kiln: preset {preset}: training_plan.batch.seq_len: Input should be a valid integer" in capsys.readouterr().err
+    plan = capsys.readouterr().err
+    assert main(["run", "--preset", str(preset), "--select", "training_plan", "--home", str(tmp_path / "home")]) == 2
+    run = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kiln:")]
+    assert plan.splitlines() == run and len(run) == 1, (plan, run)
+    assert run[0].startswith(f"kiln: preset {preset}: ") and run[0].endswith("(ops.training_plan.config.batch.seq_len)")
 
 
 def _pretrained_preset(tmp_path: Path, folder: Path, extra: str = "") -> Path:

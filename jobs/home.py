@@ -1,0 +1,82 @@
+"""The Kiln home a command works in: a folder it can write, and one ``kiln run`` at a time in it.
+
+``kiln run`` and ``kiln status`` keep Dagster's instance (sqlite), MLflow's database and every asset's output under
+the home. Two runs started at once on one home would migrate the same databases and train into the same run folders,
+so a run holds ``HOME/kiln.lock`` (an OS file lock, released when the process ends however it ends) and a second run
+waits for it, saying which run it waits for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+LOCK_NAME = "kiln.lock"
+
+
+def writable_home(home: Path) -> Path:
+    """``home`` (created if need be) once every place a run or status writes there can be written: the folder, the
+    Dagster instance's folder (``DAGSTER_HOME``) and its databases, MLflow's database and the output folders.
+    Raises SystemExit with one line naming the first that cannot, and what to do."""
+    dagster_home = Path(os.environ.get("DAGSTER_HOME") or home / "dagster")
+    fix = (f"give --home a writable folder (a copy: cp -a {home} NEW), or make it writable (chmod -R u+w {home})")
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        dagster_home.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"kiln: cannot create {e.filename or home} ({e.strerror}): the Kiln home holds Dagster's "
+                         f"and MLflow's databases and every output; {fix}") from None
+    written = [home, dagster_home, *(p for p in dagster_home.rglob("*") if p.is_dir() or p.suffix == ".db"),
+               *(home / name for name in ("mlflow.db", "storage", "logs", "mlartifacts", LOCK_NAME))]
+    for path in written:
+        if path.exists() and not os.access(path, os.W_OK):
+            raise SystemExit(f"kiln: {path} is not writable: kiln run and kiln status write Dagster's and MLflow's "
+                             f"databases and the outputs in the Kiln home {home}; {fix}")
+    return home
+
+
+def lock_holder(home: Path) -> str | None:
+    """Who holds the home's run lock now ("kiln run pid N, preset P, since T"), or None when no run does."""
+    path = home / LOCK_NAME
+    if not path.exists():
+        return None
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            return f.read().strip() or "another kiln run"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def home_lock(home: Path, what: str, say: Callable[[str], None] = _stderr) -> Iterator[None]:
+    """Hold the home's run lock inside the block; while another run holds it, say so once and wait."""
+    with open(home / LOCK_NAME, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another kiln run"
+            say(f"kiln: {home} is in use by {holder}; waiting for it to end (runs on one home go one at a time; "
+                "Ctrl-C stops waiting)")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"kiln run pid {os.getpid()}, {what}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)
+            f.flush()

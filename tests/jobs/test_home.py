@@ -1,0 +1,91 @@
+"""The Kiln home: runs started at once on one home go one at a time (a new home and an existing one) and leave it
+usable; a home the user cannot write is one line naming it, for `kiln run` and `kiln status`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, subprocess_env
+from jobs.cli import main
+from jobs.home import LOCK_NAME, home_lock, lock_holder, writable_home
+
+RUN = ["run", "--preset", "smoke", "--select", "pretrained_model"]  # the cheapest asset: instance and MLflow all the same
+
+
+def kiln(args: list[str], log: Path, **kw) -> subprocess.Popen:
+    env = {k: v for k, v in subprocess_env().items() if k != "DAGSTER_HOME"}  # the home's own instance
+    env.update(kw.pop("env", {}))
+    with open(log, "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=err, **kw)
+
+
+def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    end = time.time() + timeout
+    while text not in log.read_text():
+        assert proc.poll() is None, f"exited {proc.returncode} before saying {text!r}: {log.read_text()}"
+        assert time.time() < end, f"no {text!r} in {timeout}s: {log.read_text()}"
+        time.sleep(0.2)
+
+
+def test_runs_on_one_home_go_one_at_a_time_new_or_existing_and_the_home_stays_usable(tmp_path, monkeypatch, capsys):
+    home = tmp_path / "home"
+    monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))  # the in-process `kiln status` below reads the home's
+    logs = [tmp_path / f"run{i}.err" for i in range(3)]
+    waiting = f"kiln: {home} is in use by kiln run pid {os.getpid()}, the test, since "
+    with home_lock(writable_home(home), "the test"):
+        assert not any((home / "dagster").iterdir())  # a new home: no database yet
+        both = [kiln([*RUN, "--home", str(home)], log) for log in logs[:2]]  # two at once on the new home
+        for proc, log in zip(both, logs):
+            wait_for(log, waiting, proc)
+        assert not (home / "mlflow.db").exists() and not list((home / "dagster").rglob("*.db"))  # nothing touched
+    assert [p.wait(timeout=300) for p in both] == [0, 0], [log.read_text() for log in logs]
+    assert lock_holder(home) is None and (home / LOCK_NAME).read_text() == ""
+    assert main(["status", "--preset", "smoke", "--home", str(home)]) == 0  # the instance loads: one schema, one head
+    out = capsys.readouterr()
+    assert "is running" not in out.err and "pretrained_model" in out.out
+    with home_lock(home, "the test"):  # an existing home: a run waits, and status says a run is going on
+        third = kiln([*RUN, "--home", str(home)], logs[2])
+        wait_for(logs[2], waiting, third)
+        assert main(["status", "--preset", "smoke", "--home", str(home)]) == 0
+        assert capsys.readouterr().err.startswith(f"kiln status: kiln run pid {os.getpid()}, the test, since ")
+    assert third.wait(timeout=300) == 0, logs[2].read_text()
+
+
+def test_a_home_the_user_cannot_write_is_one_line_naming_it(tmp_path):
+    base = Path(tempfile.mkdtemp(prefix="kiln-readonly-", dir="/tmp"))  # outside pytest's root-only folder
+    try:
+        home, user_home = base / "home", base / "user"
+        (home / "dagster").mkdir(parents=True)
+        (home / "storage").mkdir()
+        user_home.mkdir()
+        for p in (base, user_home):
+            p.chmod(0o777)
+        kw = {"env": {"HOME": str(user_home)}}
+        if os.geteuid() == 0:  # root writes anywhere: read the home as nobody, for whom it is read-only
+            kw.update(user=65534, group=65534)
+        else:
+            for p in (home / "dagster", home / "storage", home):
+                p.chmod(0o555)
+        for args in (["status", "--preset", "smoke"], RUN):
+            log = tmp_path / f"{args[0]}.err"
+            proc = kiln([*args, "--home", str(home)], log, **kw)
+            assert proc.wait(timeout=120) == 1, log.read_text()
+            err = log.read_text().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"kiln: {home} is not writable: kiln run and kiln status write "), err
+            assert err[0].endswith(f"give --home a writable folder (a copy: cp -a {home} NEW), or make it writable "
+                                   f"(chmod -R u+w {home})")
+        assert not (home / LOCK_NAME).exists() and not any((home / "dagster").iterdir())
+    finally:
+        for p in (home, home / "dagster", home / "storage"):
+            p.chmod(0o755)
+        import shutil
+
+        shutil.rmtree(base)
