@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,12 +18,12 @@ from jobs.home import LOCK_NAME, home_lock, lock_holder, writable_home
 RUN = ["run", "--preset", "smoke", "--select", "pretrained_model"]  # the cheapest asset: instance and MLflow all the same
 
 
-def kiln(args: list[str], log: Path, **kw) -> subprocess.Popen:
+def kiln(args: list[str], log: Path, wrap: list[str] = ()) -> subprocess.Popen:
+    """``kiln ARGS`` in a subprocess (under the ``wrap`` command line), its stderr in ``log``."""
     env = {k: v for k, v in subprocess_env().items() if k != "DAGSTER_HOME"}  # the home's own instance
-    env.update(kw.pop("env", {}))
     with open(log, "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                stderr=err, **kw)
+        return subprocess.Popen([*wrap, sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err)
 
 
 def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -60,32 +59,24 @@ def test_runs_on_one_home_go_one_at_a_time_new_or_existing_and_the_home_stays_us
 
 
 def test_a_home_the_user_cannot_write_is_one_line_naming_it(tmp_path):
-    base = Path(tempfile.mkdtemp(prefix="kiln-readonly-", dir="/tmp"))  # outside pytest's root-only folder
+    home = tmp_path / "home"
+    (home / "dagster").mkdir(parents=True)
+    (home / "storage").mkdir()
+    if os.geteuid() == 0:  # root writes anywhere: mount the home read-only in a mount namespace of the command's own
+        wrap = ["unshare", "--mount", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(home)]
+    else:
+        wrap = []
+        for p in (home / "dagster", home / "storage", home):
+            p.chmod(0o555)
     try:
-        home, user_home = base / "home", base / "user"
-        (home / "dagster").mkdir(parents=True)
-        (home / "storage").mkdir()
-        user_home.mkdir()
-        for p in (base, user_home):
-            p.chmod(0o777)
-        kw = {"env": {"HOME": str(user_home)}}
-        if os.geteuid() == 0:  # root writes anywhere: read the home as nobody, for whom it is read-only
-            kw.update(user=65534, group=65534)
-        else:
-            for p in (home / "dagster", home / "storage", home):
-                p.chmod(0o555)
         for args in (["status", "--preset", "smoke"], RUN):
             log = tmp_path / f"{args[0]}.err"
-            proc = kiln([*args, "--home", str(home)], log, **kw)
-            assert proc.wait(timeout=120) == 1, log.read_text()
+            assert kiln([*args, "--home", str(home)], log, wrap).wait(timeout=120) == 1, log.read_text()
             err = log.read_text().splitlines()
             assert len(err) == 1 and err[0].startswith(f"kiln: {home} is not writable: kiln run and kiln status write "), err
             assert err[0].endswith(f"give --home a writable folder (a copy: cp -a {home} NEW), or make it writable "
                                    f"(chmod -R u+w {home})")
-        assert not (home / LOCK_NAME).exists() and not any((home / "dagster").iterdir())
     finally:
         for p in (home, home / "dagster", home / "storage"):
             p.chmod(0o755)
-        import shutil
-
-        shutil.rmtree(base)
+    assert not (home / LOCK_NAME).exists() and not any((home / "dagster").iterdir())
