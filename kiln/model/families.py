@@ -52,6 +52,8 @@ class Family:
     # sequence parallelism (kiln.model.tensor_parallel.apply_tp); None: the family cannot be split that way
     tp_strided: bool = False  # whether some tensor-parallel shards are strided (GPT-2's fused q|k|v): FSDP2 cannot
     # shard those again and torch.distributed.checkpoint cannot save them as shards (full checkpoints only)
+    first_stage: tuple[str, ...] = ()  # modules only the first pipeline stage holds (the tables before the blocks)
+    last_stage: tuple[str, ...] = ()  # modules only the last pipeline stage holds (the final norm and the head)
     buffers: tuple[str, ...] = field(default=(".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))
     # names of non-weights that older Hugging Face files carry (skipped on import)
 

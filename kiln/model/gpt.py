@@ -89,6 +89,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
         self.checkpoint_blocks = False  # recompute block activations in backward (kiln.model.parallel.apply_activation_checkpointing)
+        self.returns_hidden = False  # the last pipeline stage returns ln_f's output (kiln.model.pipeline_parallel)
         self.apply(self._init_weights)
 
     @property
@@ -119,13 +120,16 @@ class GPT(nn.Module):
         (kiln.model.loss.LinearCrossEntropy). With a ``cache``, idx holds only the new positions, which start at
         ``cache.pos``. ``attn_mask`` (B, 1, T, T) bool (kiln.model.masks.document_mask) replaces the causal mask in
         training; positions stay absolute (the window's, not the document's)."""
-        B, T = idx.shape
+        B, T = idx.shape[:2]
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than model.block_size={self.config.block_size}")
         check_attn_mask(attn_mask, B, T, cache)
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        if "wte" in self.transformer:
+            pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+            x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        else:  # a later pipeline stage: idx is the previous stage's output (B, T, C)
+            x = idx
         recompute = self.checkpoint_blocks and torch.is_grad_enabled() and cache is None
         for block in self.transformer.h:
             # with recompute, only the block's input (B, T, C) is kept for backward; its insides are rerun
@@ -133,9 +137,13 @@ class GPT(nn.Module):
                  else block(x, cache, attn_mask))  # (B, T, C)
         if cache is not None:
             cache.advance(T)
+        if "ln_f" not in self.transformer:  # a pipeline stage before the last
+            return x  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is not None:
             return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
+        if self.returns_hidden:
+            return x  # (B, T, C): the pipeline's loss applies the head fused with the cross-entropy
         return self.lm_head(x).float()  # (B, T, V)
 
 
@@ -228,6 +236,7 @@ FAMILY = Family(
     flops_per_token=flops_per_token, hf_config=hf_config, hf_readers={"gpt2": read_hf_config},
     hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
     hf_prefix="transformer.", tp_plan=tp_plan,
+    first_stage=("transformer.wte", "transformer.wpe"), last_stage=("transformer.ln_f", "lm_head"),
     # c_attn's shards are strided (q_r | k_r | v_r). In torch 2.13 FSDP2 over them trains right but gathers the
     # whole matrix in the wrong row order, and torch.distributed.checkpoint refuses them as overlapping chunks
     tp_strided=True,

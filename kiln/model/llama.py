@@ -122,6 +122,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hs)
         self.register_buffer("rope_sin", sin, persistent=False)  # (block_size, hs)
         self.checkpoint_blocks = False  # recompute block activations in backward (kiln.model.parallel)
+        self.returns_hidden = False  # the last pipeline stage returns the norm's output (kiln.model.pipeline_parallel)
         self.apply(self._init_weights)
 
     @property
@@ -151,22 +152,27 @@ class Llama(nn.Module):
         (kiln.model.masks.document_mask) replaces the causal mask in training. Rotary positions stay the window's:
         attention scores depend on q and k positions only through their difference, so within one document they
         equal those of the document run from position 0 (to float rounding)."""
-        B, T = idx.shape
+        B, T = idx.shape[:2]
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than model.block_size={self.config.block_size}")
         check_attn_mask(attn_mask, B, T, cache)
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hs) each
-        x = self.model.embed_tokens(idx)  # (B, T, C)
+        # a later pipeline stage has no table: idx is the previous stage's output (B, T, C)
+        x = self.model.embed_tokens(idx) if "embed_tokens" in self.model else idx  # (B, T, C)
         recompute = self.checkpoint_blocks and torch.is_grad_enabled() and cache is None
         for block in self.model.layers:
             x = (checkpoint(block, x, cos, sin, None, attn_mask, use_reentrant=False) if recompute
                  else block(x, cos, sin, cache, attn_mask))  # (B, T, C)
         if cache is not None:
             cache.advance(T)
+        if "norm" not in self.model:  # a pipeline stage before the last
+            return x  # (B, T, C)
         x = self.model.norm(x)  # (B, T, C)
         if targets is not None:
             return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
+        if self.returns_hidden:
+            return x  # (B, T, C): the pipeline's loss applies the head fused with the cross-entropy
         return self.lm_head(x).float()  # (B, T, V)
 
 
@@ -292,6 +298,7 @@ FAMILY = Family(
     embedding_params=lambda cfg: cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2),  # + untied head
     final_norm_params=lambda cfg: cfg.n_embd,  # RMSNorm: a weight only
     saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config, tp_plan=tp_plan,
+    first_stage=("model.embed_tokens",), last_stage=("model.norm", "lm_head"),
     # Mistral without a sliding window is Llama's computation under another name
     hf_readers={"llama": read_hf_config, "mistral": read_hf_config,
                 "qwen3": lambda path, doc: read_hf_config(path, doc, qk_norm=True)},

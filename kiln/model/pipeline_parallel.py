@@ -1,0 +1,189 @@
+"""Pipeline parallelism: a model's blocks cut into consecutive stages over the ranks of a pipeline group, run by a
+torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B or interleaved zero bubble).
+
+``pipe = Pipeline(model, PipelineConfig(schedule="1f1b", microbatches=4), group, device)`` on every rank of the
+group, then per step ``loss = pipe.step(x, y)`` (forward and backward of the whole batch; every rank gets the loss),
+``pipe.clip_grad_norm(1.0)`` and the optimizer over ``pipe.parameters()``. Each stage is a copy of the whole model
+with the blocks and tables it does not run taken out, so its parameter names are the whole model's and a checkpoint
+is read by name under any layout. The loss is the fused chunked cross-entropy (kiln.model.loss), applied on the last
+stage to the final norm's output, so no stage holds a tokens x vocabulary tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from kiln.common.config import ConfigError
+from kiln.model.families import of
+from kiln.model.loss import linear_cross_entropy
+
+# schedule name -> torch.distributed.pipelining class; the looped ones run several stages per rank (rank r holds
+# stages r, r + pp, r + 2 pp, ...), which shrinks the bubble from (pp - 1) / m to (pp - 1) / (v m)
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}
+LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble")
+
+
+@dataclass
+class PipelineConfig:
+    """How a pipeline runs: its schedule, the stages each rank holds and the micro-batches a batch is cut into."""
+
+    schedule: str = "1f1b"  # one of SCHEDULES
+    virtual_stages: int = 1  # stages per rank: 1 for gpipe and 1f1b, 2 or more for the looped schedules
+    microbatches: int = 0  # micro-batches per step (0: the pipeline's rank count); a multiple of it, at least it
+
+    def check(self, cfg, pp: int, batch: int | None = None, where: str = "parallel") -> None:
+        """A pipeline ``cfg`` (a ModelConfig) cannot run on ``pp`` ranks is a ConfigError naming the field and the
+        legal values."""
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"{where}.pp_schedule: {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        looped = self.schedule in LOOPED
+        if looped and self.virtual_stages < 2 or not looped and self.virtual_stages != 1:
+            raise ConfigError(f"{where}.pp_virtual_stages: {self.virtual_stages} with schedule {self.schedule}; "
+                              + ("the looped schedules run 2 or more stages per rank" if looped
+                                 else f"{self.schedule} runs one stage per rank: set it to 1, or pick "
+                                      f"{' or '.join(LOOPED)}"))
+        stages = pp * self.virtual_stages
+        if cfg.n_layer % stages:
+            legal = [d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % (d * self.virtual_stages) == 0]
+            raise ConfigError(f"{where}.pp: {pp} ranks x {self.virtual_stages} stages each must divide the "
+                              f"{cfg.n_layer} layers (model.n_layer); pp may be {', '.join(map(str, legal))}")
+        m = self.microbatches or pp
+        if m < pp or m % pp:
+            raise ConfigError(f"{where}.pp_microbatches: {m}; a multiple of pp ({pp}), so that every stage works "
+                              "in the steady state")
+        if batch is not None and batch % m:
+            raise ConfigError(f"{where}.pp_microbatches: {m} must divide the batch of {batch} sequences per step")
+
+
+class Skip(nn.Module):
+    """A block another stage runs: passes the hidden states through, holds nothing."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return x
+
+
+def stage_layers(n_layer: int, n_stages: int) -> list[range]:
+    """The blocks of each stage: equal consecutive runs (n_layer divisible by n_stages, PipelineConfig.check)."""
+    per = n_layer // n_stages
+    return [range(s * per, (s + 1) * per) for s in range(n_stages)]
+
+
+def _drop(model: nn.Module, path: str) -> None:
+    parent_path, _, leaf = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    if isinstance(parent, nn.ModuleDict):
+        del parent[leaf]
+    else:
+        setattr(parent, leaf, None)
+
+
+def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """A copy of ``model`` that runs only stage ``stage`` of ``n_stages``: the other stages' blocks are Skip, the
+    tables before the blocks stay on the first stage, the final norm and head on the last. On the last stage the
+    model returns the final norm's output, to which the pipeline's loss applies the head."""
+    fam = of(model.config)
+    part = copy.deepcopy(model)
+    keep = stage_layers(len(part.blocks), n_stages)[stage]
+    for i in range(len(part.blocks)):
+        if i not in keep:
+            part.blocks[i] = Skip()
+    for path in (fam.first_stage if stage > 0 else ()) + (fam.last_stage if stage < n_stages - 1 else ()):
+        _drop(part, path)
+    part.returns_hidden = stage == n_stages - 1
+    return part
+
+
+class Pipeline:
+    """This rank's stages of ``model`` and the schedule that runs them with the other ranks of ``group``."""
+
+    def __init__(self, model: nn.Module, config: PipelineConfig, group: dist.ProcessGroup, device: torch.device,
+                 batch: int | None = None):
+        from torch.distributed import pipelining
+
+        self.config, self.group, self.cfg = config, group, model.config
+        pp, rank = dist.get_world_size(group), dist.get_rank(group)
+        config.check(self.cfg, pp, batch)
+        n_stages = pp * config.virtual_stages
+        self.stage_ids = list(range(rank, n_stages, pp))  # looped placement: rank r runs r, r + pp, ...
+        self.modules = [cut_stage(model, s, n_stages).to(device) for s in self.stage_ids]
+        self.stages = [pipelining.PipelineStage(m, s, n_stages, device, group=group)
+                       for m, s in zip(self.modules, self.stage_ids)]
+        self.first, self.last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        self.last_rank = (n_stages - 1) % pp  # the group rank that computes the loss
+        fam = of(self.cfg)
+        self.tied = fam.tied(self.cfg) and n_stages > 1  # the head shares the token table across two stages
+        self.head = self.modules[-1].get_parameter(fam.head) if self.last else None
+        self.table = self.modules[0].get_parameter(fam.embedding) if self.first else None
+        schedule = getattr(pipelining, SCHEDULES[config.schedule])
+        m = config.microbatches or pp
+        self.schedule = schedule(self.stages if config.schedule in LOOPED else self.stages[0], n_microbatches=m,
+                                 loss_fn=self._loss, scale_grads=True)
+
+    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch: head and cross-entropy fused, as the whole model computes it."""
+        return linear_cross_entropy(hidden, self.head, targets)  # ()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for m in self.modules:
+            yield from m.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under the whole model's names (a tied head, held by the last stage, under its own
+        name too, as the whole model's state dict has it)."""
+        out: dict[str, torch.Tensor] = {}
+        for m in self.modules:
+            out.update(m.state_dict())
+        return out
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of a batch x, y (B, T) cut into micro-batches; the mean loss of the micro-batches,
+        on every rank of the group (the last stage computes it). Gradients are the mean over the micro-batches, and a
+        tied head's gradient is added into the token table's and back, so both copies take the same step."""
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None)
+        else:
+            self.schedule.step(target=y if self.last else None, losses=losses if self.last else None)
+        loss = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=x.device)
+        dist.broadcast(loss, dist.get_global_rank(self.group, self.last_rank), group=self.group)
+        if self.tied:
+            self._sum_tied_grads()
+        return loss
+
+    def _sum_tied_grads(self) -> None:
+        """The head's and the token table's gradients summed over the group (ranks holding neither add zeros)."""
+        grad = torch.zeros(self.cfg.vocab_size, self.cfg.n_embd, device=next(self.parameters()).device)
+        for p in (self.table, self.head):
+            if p is not None and p.grad is not None:
+                grad += p.grad
+        dist.all_reduce(grad, group=self.group)
+        for p in (self.table, self.head):
+            if p is not None:
+                p.grad = grad.clone()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale every stage's gradients so that their global norm is at most ``max_norm`` (0: no clipping) as
+        torch.nn.utils.clip_grad_norm_ does for one process; the norm before, over the whole model (a tied table
+        counted once)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None and not (self.tied and p is self.head)]
+        device = next(self.parameters()).device
+        sq = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads]).sum() if grads else torch.zeros((), device=device)
+        dist.all_reduce(sq, group=self.group)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return float(norm)

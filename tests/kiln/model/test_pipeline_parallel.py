@@ -1,0 +1,153 @@
+"""Tests for kiln.model.pipeline_parallel: both families cut into pipeline stages over two gloo processes train as
+one process does for 30 steps (AdamW, gradient clipping; the 1F1B schedule, and interleaved 1F1B with two stages per
+rank; GPT-2's head tied to its token table across the first and last stage), each stage holding only its blocks under
+the whole model's names; and the pipeline's config errors.
+
+Run: python -m pytest tests/kiln/model/test_pipeline_parallel.py -q   (one launch of two processes)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kiln.common.config import ConfigError
+from kiln.model.config import ModelConfig
+from kiln.model.pipeline_parallel import PipelineConfig, cut_stage, stage_layers
+from ranks import on_ranks
+
+STEPS = 30
+SHARED = dict(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.0)
+CASES = {  # name -> (ModelConfig fields beyond the shared ones, PipelineConfig)
+    "gpt2-1f1b": ({}, PipelineConfig("1f1b", 1, 4)),  # tied head: the table on stage 0, the head on stage 1
+    "llama-1f1b": ({"family": "llama", "n_kv_head": 2, "tie_embeddings": False}, PipelineConfig("1f1b", 1, 4)),
+    "llama-interleaved": ({"family": "llama", "n_kv_head": 2, "tie_embeddings": True},
+                          PipelineConfig("interleaved_1f1b", 2, 4)),  # 4 stages of one block, 2 per rank
+    "gpt2-gpipe": ({}, PipelineConfig("gpipe", 1, 2)),
+    "gpt2-zero-bubble": ({}, PipelineConfig("interleaved_zero_bubble", 2, 4)),  # backward split into input and weights
+}
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 64, (8, 16), generator=gen)
+        out.append((x, (3 * x + 1) % 64))  # each token's successor is a function of it
+    return out
+
+
+def _train_both(fields: dict, pipe_cfg: PipelineConfig, group) -> dict:
+    """The same seeded model trained STEPS steps here whole and as this rank's pipeline stages; what differs."""
+    from kiln.model.families import build_model
+    from kiln.model.parallel import clip_grad_norm
+    from kiln.model.pipeline_parallel import Pipeline
+
+    torch.manual_seed(0)
+    one = build_model(ModelConfig(**{**SHARED, **fields}))
+    pipe = Pipeline(copy.deepcopy(one), pipe_cfg, group, torch.device("cpu"), batch=8)
+    opts = [torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) for params in (one.parameters(), pipe.parameters())]
+    loss_diff, norm_diff, losses = 0.0, 0.0, []
+    for x, y in _batches(STEPS):
+        whole = one(x, y)
+        whole.backward()
+        norms = [clip_grad_norm(one, 1.0)]
+        piped = pipe.step(x, y)
+        norms.append(pipe.clip_grad_norm(1.0))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        loss_diff = max(loss_diff, abs(float(whole.detach()) - float(piped)))
+        norm_diff = max(norm_diff, abs(norms[0] - norms[1]))
+        losses.append(float(piped))
+    whole_state = one.state_dict()
+    mine = pipe.state_dict()
+    # GPT-2's key bias has no true gradient (softmax ignores a constant added per query), so AdamW turns rounding
+    # noise into lr-sized steps there: it is compared on its own, more loosely
+    diffs = {name: float((t - whole_state[name]).abs().max()) for name, t in mine.items()}
+    key_bias = max([d for n, d in diffs.items() if n.endswith("attn.c_attn.bias")], default=0.0)
+    return {"loss": loss_diff, "grad_norm": norm_diff, "key_bias": key_bias,
+            "weights": max(d for n, d in diffs.items() if not n.endswith("attn.c_attn.bias")),
+            "first": losses[0], "last": losses[-1],
+            "stages": pipe.stage_ids, "names": sorted(mine)}
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1])
+        queue.put((rank, {name: _train_both(fields, pc, group) for name, (fields, pc) in CASES.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    return on_ranks(_worker, 2)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_pipeline_over_two_ranks_trains_as_one_process(two_ranks, case) -> None:
+    r0, r1 = two_ranks[0][case], two_ranks[1][case]
+    assert r0["loss"] == r1["loss"] and r0["last"] == r1["last"]  # every rank reports the last stage's loss
+    for r in (r0, r1):
+        assert r["loss"] < 1e-5 and r["grad_norm"] < 1e-4 and r["weights"] < 1e-4, r  # summation order apart
+        assert r["key_bias"] < 1e-3, r
+    assert r0["last"] < 0.5 * r0["first"]  # and it learns
+    looped = CASES[case][1].virtual_stages == 2
+    assert (r0["stages"], r1["stages"]) == (([0, 2], [1, 3]) if looped else ([0], [1]))
+
+
+def test_each_rank_holds_only_its_stages_under_the_whole_models_names(two_ranks) -> None:
+    r0, r1 = two_ranks[0]["llama-1f1b"], two_ranks[1]["llama-1f1b"]
+    assert "model.embed_tokens.weight" in r0["names"] and "model.embed_tokens.weight" not in r1["names"]
+    assert "lm_head.weight" in r1["names"] and "model.norm.weight" in r1["names"] and "lm_head.weight" not in r0["names"]
+    assert {n.split(".")[2] for n in r0["names"] if n.startswith("model.layers.")} == {"0", "1"}
+    assert {n.split(".")[2] for n in r1["names"] if n.startswith("model.layers.")} == {"2", "3"}
+    whole = ModelConfig(**{**SHARED, **CASES["llama-1f1b"][0]})
+    from kiln.model.families import build_model
+
+    assert sorted(set(r0["names"]) | set(r1["names"])) == sorted(build_model(whole).state_dict())
+    i0, i1 = two_ranks[0]["llama-interleaved"], two_ranks[1]["llama-interleaved"]  # stages 0, 2 and 1, 3
+    assert {n.split(".")[2] for n in i0["names"] if n.startswith("model.layers.")} == {"0", "2"}
+    assert "lm_head.weight" in i1["names"] and "model.embed_tokens.weight" in i0["names"]
+
+
+def test_a_stage_runs_its_blocks_and_passes_hidden_states_on() -> None:
+    from kiln.model.families import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**SHARED, "family": "llama", "n_kv_head": 2, "tie_embeddings": False})
+    model = build_model(cfg).eval()
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        h = x
+        for s in range(4):
+            h = cut_stage(model, s, 4)(h)
+        want = model.model.embed_tokens(x)
+        for block in model.model.layers:
+            want = block(want, model.rope_cos, model.rope_sin)
+        want = model.model.norm(want)
+    torch.testing.assert_close(h, want, atol=0, rtol=0)  # the last stage returns the final norm's output
+    assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+
+
+@pytest.mark.parametrize("pc, pp, match", [
+    (PipelineConfig("zigzag"), 2, r"parallel.pp_schedule: 'zigzag'; choose one of gpipe, 1f1b, interleaved_1f1b"),
+    (PipelineConfig("interleaved_1f1b", 1), 2, r"pp_virtual_stages: 1 with schedule interleaved_1f1b; the looped"),
+    (PipelineConfig("1f1b", 2), 2, r"pp_virtual_stages: 2 with schedule 1f1b; 1f1b runs one stage per rank"),
+    (PipelineConfig("1f1b"), 3, r"parallel.pp: 3 ranks x 1 stages each must divide the 4 layers \(model.n_layer\); "
+                                r"pp may be 1, 2, 4"),
+    (PipelineConfig("interleaved_1f1b", 2), 4, r"pp may be 1, 2$"),
+    (PipelineConfig("1f1b", 1, 3), 2, r"parallel.pp_microbatches: 3; a multiple of pp \(2\)"),
+])
+def test_a_pipeline_that_cannot_run_is_a_config_error_naming_the_field(pc, pp, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        pc.check(ModelConfig(**SHARED), pp)
+    with pytest.raises(ConfigError, match=r"pp_microbatches: 4 must divide the batch of 6 sequences"):
+        PipelineConfig("1f1b", 1, 4).check(ModelConfig(**SHARED), 2, batch=6)
