@@ -89,7 +89,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
         self.checkpoint_blocks = False  # recompute block activations in backward (kiln.model.parallel.apply_activation_checkpointing)
-        self.returns_hidden = False  # the last pipeline stage returns ln_f's output (kiln.model.pipeline_parallel)
         self.apply(self._init_weights)
 
     @property
@@ -142,8 +141,6 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is not None:
             return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
-        if self.returns_hidden:
-            return x  # (B, T, C): the pipeline's loss applies the head fused with the cross-entropy
         return self.lm_head(x).float()  # (B, T, V)
 
 

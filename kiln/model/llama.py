@@ -122,7 +122,6 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hs)
         self.register_buffer("rope_sin", sin, persistent=False)  # (block_size, hs)
         self.checkpoint_blocks = False  # recompute block activations in backward (kiln.model.parallel)
-        self.returns_hidden = False  # the last pipeline stage returns the norm's output (kiln.model.pipeline_parallel)
         self.apply(self._init_weights)
 
     @property
@@ -171,8 +170,6 @@ class Llama(nn.Module):
         x = self.model.norm(x)  # (B, T, C)
         if targets is not None:
             return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
-        if self.returns_hidden:
-            return x  # (B, T, C): the pipeline's loss applies the head fused with the cross-entropy
         return self.lm_head(x).float()  # (B, T, V)
 
 

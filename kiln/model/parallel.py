@@ -3,9 +3,9 @@
 ``parallelize(model, "fsdp", activation_checkpointing=True, compile=False, device=...)`` inside a torchrun
 worker (kiln.train.loop does this); every step works on CPU with gloo and on CUDA with nccl.
 
-A job's layout is a ``MeshLayout`` (dp_replicate x dp_shard x tp ranks); ``build_mesh`` makes its named
-DeviceMesh, whose ``"tp"`` dim feeds kiln.model.tensor_parallel.apply_tp and whose ``"dp_shard"`` dim feeds
-apply_fsdp.
+A job's layout is a ``MeshLayout`` (pp x dp_replicate x dp_shard x tp ranks); ``build_mesh`` makes its named
+DeviceMesh, whose ``"tp"`` dim feeds kiln.model.tensor_parallel.apply_tp, whose ``"dp_shard"`` dim feeds apply_fsdp
+and whose ``"pp"`` dim feeds kiln.model.pipeline_parallel.Pipeline.
 """
 
 from __future__ import annotations
@@ -22,17 +22,20 @@ from kiln.common.config import ConfigError
 from kiln.model.quant import dequantize
 
 STRATEGIES = ("none", "ddp", "fsdp")
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")  # outermost first: tensor parallelism on the closest ranks
+# outermost first: tensor parallelism on the closest ranks (one server's), pipeline stages the farthest apart
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass
 class MeshLayout:
-    """How the ranks of a job split the work: a (dp_replicate, dp_shard, tp) device mesh whose sizes multiply to
-    the world size. Ranks next to each other (one server's GPUs) form the tensor-parallel groups, which talk most."""
+    """How the ranks of a job split the work: a (pp, dp_replicate, dp_shard, tp) device mesh whose sizes multiply
+    to the world size. Ranks next to each other (one server's GPUs) form the tensor-parallel groups, which talk most;
+    pipeline stages, which pass only activations, are the farthest apart."""
 
     dp_replicate: int = 1  # model copies that all-reduce their gradients (DDP; with dp_shard > 1, HSDP)
     dp_shard: int = -1  # ranks that shard parameters, gradients and optimizer state (FSDP2); -1: what the others leave
     tp: int = 1  # ranks that split each layer (tensor + sequence parallelism, kiln.model.tensor_parallel)
+    pp: int = 1  # ranks that each run consecutive blocks (pipeline parallelism, kiln.model.pipeline_parallel)
 
     def resolve(self, world_size: int, cfg: Any = None, where: str = "parallel") -> "MeshLayout":
         """These sizes with dp_shard filled in for ``world_size`` ranks, checked against the model ``cfg`` (when
@@ -42,27 +45,35 @@ class MeshLayout:
             if value < 1 and not (name == "dp_shard" and value == -1):
                 raise ConfigError(f"{where}.{name}: {value} must be at least 1" +
                                   (" (or -1: the ranks the other sizes leave)" if name == "dp_shard" else ""))
-        fixed = self.dp_replicate * self.tp
+        fixed = self.pp * self.dp_replicate * self.tp
         shard = self.dp_shard if self.dp_shard != -1 else world_size // fixed if world_size % fixed == 0 else 0
         if shard < 1 or fixed * shard != world_size:
             legal = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ConfigError(f"{where}: dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} "
-                              f"must multiply to the world size {world_size}; each size must divide it "
+            raise ConfigError(f"{where}: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
+                              f"x tp {self.tp} must multiply to the world size {world_size}; each size must divide it "
                               f"({', '.join(map(str, legal))})")
         if cfg is not None:
             from kiln.model.families import of
             from kiln.model.tensor_parallel import check_tp
 
             check_tp(cfg, self.tp, f"{where}.tp")
+            if cfg.n_layer % self.pp:
+                legal = [d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]
+                raise ConfigError(f"{where}.pp: {self.pp} pipeline stages must divide the {cfg.n_layer} layers "
+                                  f"(model.n_layer); pp may be {', '.join(map(str, legal))}")
             if self.tp > 1 and shard > 1 and of(cfg).tp_strided:
                 raise ConfigError(f"{where}: tp {self.tp} with dp_shard {shard}: the {cfg.family} family's "
                                   "tensor-parallel shards cannot be sharded again by FSDP2; set tp to the world "
                                   f"size ({world_size}: tensor parallelism alone), or tp: 1 (FSDP2 alone)")
-        return MeshLayout(self.dp_replicate, shard, self.tp)
+        return MeshLayout(self.dp_replicate, shard, self.tp, self.pp)
 
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    def record(self) -> dict[str, int]:
+        """The sizes by name, as runs record them (pp only when there are pipeline stages, as runs before it did)."""
+        return {name: getattr(self, name) for name in MESH_DIMS if name != "pp" or self.pp > 1}
 
     def describe(self) -> str:
         parts = [f"{name} {getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
@@ -102,7 +113,7 @@ def apply_fsdp(model: nn.Module, device: torch.device, bf16: bool, mesh=None) ->
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    blocks = list(model.blocks)
+    blocks = [b for b in model.blocks if any(True for _ in b.parameters())]  # a pipeline stage's own blocks
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by backward: keep them gathered
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)

@@ -5,8 +5,8 @@ torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B or interlea
 group, then per step ``loss = pipe.step(x, y)`` (forward and backward of the whole batch; every rank gets the loss),
 ``pipe.clip_grad_norm(1.0)`` and the optimizer over ``pipe.parameters()``. Each stage is a copy of the whole model
 with the blocks and tables it does not run taken out, so its parameter names are the whole model's and a checkpoint
-is read by name under any layout. The loss is the fused chunked cross-entropy (kiln.model.loss), applied on the last
-stage to the final norm's output, so no stage holds a tokens x vocabulary tensor.
+is read by name under any layout. The last stage computes the loss as the whole model does (the fused chunked
+cross-entropy of kiln.model.loss), so no stage holds a tokens x vocabulary tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from kiln.common.config import ConfigError
 from kiln.model.families import of
-from kiln.model.loss import linear_cross_entropy
+from kiln.model.parallel import apply_fsdp, is_dtensor
 
 # schedule name -> torch.distributed.pipelining class; the looped ones run several stages per rank (rank r holds
 # stages r, r + pp, r + 2 pp, ...), which shrinks the bubble from (pp - 1) / m to (pp - 1) / (v m)
@@ -86,8 +86,8 @@ def _drop(model: nn.Module, path: str) -> None:
 
 def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """A copy of ``model`` that runs only stage ``stage`` of ``n_stages``: the other stages' blocks are Skip, the
-    tables before the blocks stay on the first stage, the final norm and head on the last. On the last stage the
-    model returns the final norm's output, to which the pipeline's loss applies the head."""
+    tables before the blocks stay on the first stage, the final norm and head on the last. A stage before the last
+    returns its hidden states; the last, given the targets, the loss."""
     fam = of(model.config)
     part = copy.deepcopy(model)
     keep = stage_layers(len(part.blocks), n_stages)[stage]
@@ -96,23 +96,31 @@ def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
             part.blocks[i] = Skip()
     for path in (fam.first_stage if stage > 0 else ()) + (fam.last_stage if stage < n_stages - 1 else ()):
         _drop(part, path)
-    part.returns_hidden = stage == n_stages - 1
     return part
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
 class Pipeline:
-    """This rank's stages of ``model`` and the schedule that runs them with the other ranks of ``group``."""
+    """This rank's stages of ``model`` and the schedule that runs them with the other ranks of ``group``; with
+    ``dp_mesh`` each stage is also sharded by FSDP2 over the data-parallel ranks (which each bring their own rows of
+    the batch)."""
 
     def __init__(self, model: nn.Module, config: PipelineConfig, group: dist.ProcessGroup, device: torch.device,
-                 batch: int | None = None):
+                 batch: int | None = None, dp_mesh=None, bf16: bool = False):
         from torch.distributed import pipelining
 
-        self.config, self.group, self.cfg = config, group, model.config
+        self.config, self.group, self.cfg, self.dp_mesh = config, group, model.config, dp_mesh
         pp, rank = dist.get_world_size(group), dist.get_rank(group)
         config.check(self.cfg, pp, batch)
         n_stages = pp * config.virtual_stages
         self.stage_ids = list(range(rank, n_stages, pp))  # looped placement: rank r runs r, r + pp, ...
         self.modules = [cut_stage(model, s, n_stages).to(device) for s in self.stage_ids]
+        if dp_mesh is not None:
+            for m in self.modules:
+                apply_fsdp(m, device, bf16, dp_mesh)
         self.stages = [pipelining.PipelineStage(m, s, n_stages, device, group=group)
                        for m, s in zip(self.modules, self.stage_ids)]
         self.first, self.last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
@@ -122,21 +130,15 @@ class Pipeline:
         self.head = self.modules[-1].get_parameter(fam.head) if self.last else None
         self.table = self.modules[0].get_parameter(fam.embedding) if self.first else None
         schedule = getattr(pipelining, SCHEDULES[config.schedule])
-        m = config.microbatches or pp
-        self.schedule = schedule(self.stages if config.schedule in LOOPED else self.stages[0], n_microbatches=m,
-                                 loss_fn=self._loss, scale_grads=True)
-
-    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of one micro-batch: head and cross-entropy fused, as the whole model computes it."""
-        return linear_cross_entropy(hidden, self.head, targets)  # ()
+        # the last stage's forward computes the loss (the fused head and cross-entropy, inside the module, where
+        # FSDP2 has its weights gathered): the schedule's loss function passes it on
+        self.schedule = schedule(self.stages if config.schedule in LOOPED else self.stages[0],
+                                 n_microbatches=config.microbatches or pp, loss_fn=lambda loss, _: loss,
+                                 scale_grads=True)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for m in self.modules:
             yield from m.parameters()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for m in self.modules:
-            yield from m.named_parameters()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under the whole model's names (a tied head, held by the last stage, under its own
@@ -151,35 +153,46 @@ class Pipeline:
         on every rank of the group (the last stage computes it). Gradients are the mean over the micro-batches, and a
         tied head's gradient is added into the token table's and back, so both copies take the same step."""
         losses: list[torch.Tensor] = []
-        if self.first:
-            self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None)
-        else:
-            self.schedule.step(target=y if self.last else None, losses=losses if self.last else None)
-        loss = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=x.device)
+        args = (x,) if self.first else ()
+        self.schedule.step(*args, targets=y, target=y if self.last else None, losses=losses if self.last else None,
+                           return_outputs=False)
+        loss = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=y.device)
         dist.broadcast(loss, dist.get_global_rank(self.group, self.last_rank), group=self.group)
         if self.tied:
             self._sum_tied_grads()
         return loss
 
+    def _table_rows(self) -> int:
+        """Rows of the token table (or tied head) this rank holds: all of them, or its FSDP2 shard's."""
+        if self.dp_mesh is None:
+            return self.cfg.vocab_size
+        chunks = torch.empty(self.cfg.vocab_size, 0).chunk(self.dp_mesh.size())  # FSDP2's dim-0 split
+        r = self.dp_mesh.get_local_rank()
+        return chunks[r].size(0) if r < len(chunks) else 0
+
     def _sum_tied_grads(self) -> None:
-        """The head's and the token table's gradients summed over the group (ranks holding neither add zeros)."""
-        grad = torch.zeros(self.cfg.vocab_size, self.cfg.n_embd, device=next(self.parameters()).device)
+        """The head's and the token table's gradients (this rank's shards of them) summed over the pipeline group,
+        ranks holding neither adding zeros."""
+        device = next(self.parameters()).device
+        grad = torch.zeros(self._table_rows(), self.cfg.n_embd, device=device)
         for p in (self.table, self.head):
             if p is not None and p.grad is not None:
-                grad += p.grad
+                grad += _local(p.grad)
         dist.all_reduce(grad, group=self.group)
         for p in (self.table, self.head):
             if p is not None:
-                p.grad = grad.clone()
+                _local(p.grad).copy_(grad)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale every stage's gradients so that their global norm is at most ``max_norm`` (0: no clipping) as
         torch.nn.utils.clip_grad_norm_ does for one process; the norm before, over the whole model (a tied table
-        counted once)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None and not (self.tied and p is self.head)]
+        counted once, each FSDP2 shard once)."""
+        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None and not (self.tied and p is self.head)]
         device = next(self.parameters()).device
         sq = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads]).sum() if grads else torch.zeros((), device=device)
         dist.all_reduce(sq, group=self.group)
+        if self.dp_mesh is not None:
+            dist.all_reduce(sq, group=self.dp_mesh.get_group())
         norm = sq.sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

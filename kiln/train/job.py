@@ -98,6 +98,9 @@ class TrainJob:
         lay = self.layout
         if lay == MeshLayout():
             return
+        if lay.pp != 1:
+            raise ConfigError(f"{where}.layout.pp: {lay.pp}; the training job does not run pipeline stages yet "
+                              "(kiln.model.pipeline_parallel does, outside it): set layout.pp to 1")
         if lay.dp_replicate != 1:
             raise ConfigError(f"{where}.layout.dp_replicate: {lay.dp_replicate}; the training job replicates "
                               "through parallelism: ddp (dp_replicate is 1: every data-parallel rank is in dp_shard)")
@@ -120,6 +123,8 @@ class TrainJob:
         out = {k: v for k, v in asdict(self).items() if k not in ("train_files", "val_files")}
         if self.layout == MeshLayout():  # recorded when it splits the model: other runs keep the record they had
             del out["layout"]
+        elif self.layout.pp == 1:  # and without pipeline stages, as tensor-parallel runs recorded it before pp
+            del out["layout"]["pp"]
         return {**out, "model": model_dict(self.model)}
 
 

@@ -24,7 +24,7 @@ from kiln.common.files import atomic_write_json
 from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token, of
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
-from kiln.model.parallel import MESH_DIMS, MeshLayout, build_mesh, clip_grad_norm, describe, gradient_sync, parallelize
+from kiln.model.parallel import MeshLayout, build_mesh, clip_grad_norm, describe, gradient_sync, parallelize
 from kiln.model.tensor_parallel import apply_tp
 from kiln.train.checkpoint import CheckpointError, list_checkpoints, load_state, resolve_checkpoint, step_of
 from kiln.train.checkpointer import Checkpointer, rng_state, set_rng_state
@@ -342,7 +342,7 @@ class Trainer:
 
     def layout_record(self) -> dict[str, Any]:
         """The mesh sizes for result.json and the logbook, when the model is split (else nothing is added)."""
-        return {} if self.layout is None else {"layout": dict(zip(MESH_DIMS, self.layout.sizes))}
+        return {} if self.layout is None else {"layout": self.layout.record()}
 
     def env_config(self) -> dict[str, Any]:
         """What the logbook compares between attempts beside the job: where and on what this attempt runs."""

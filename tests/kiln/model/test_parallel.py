@@ -91,17 +91,21 @@ def test_param_digest_tells_models_apart() -> None:
 
 def test_parallel_config_fills_dp_shard_with_the_ranks_the_other_sizes_leave() -> None:
     assert MeshLayout().resolve(8) == MeshLayout(1, 8, 1)
-    assert MeshLayout(tp=8).resolve(64).sizes == (1, 8, 8)
-    assert MeshLayout(dp_replicate=2, tp=2).resolve(8).sizes == (2, 2, 2)
+    assert MeshLayout(tp=8).resolve(64).sizes == (1, 1, 8, 8)  # (pp, dp_replicate, dp_shard, tp)
+    assert MeshLayout(dp_replicate=2, tp=2).resolve(8).sizes == (1, 2, 2, 2)
     assert MeshLayout(dp_replicate=2, tp=2).resolve(8).describe() == "dp_replicate 2 x dp_shard 2 x tp 2"
+    assert MeshLayout(tp=8, pp=16).resolve(16384).sizes == (16, 1, 128, 8)  # Llama 3 405B's layout
+    assert MeshLayout(tp=8, pp=16).resolve(16384).describe() == "pp 16 x dp_shard 128 x tp 8"
     assert MeshLayout().resolve(1).describe() == "one rank"
 
 
 @pytest.mark.parametrize("parallel, world, message", [
-    (MeshLayout(tp=3), 8, "parallel: dp_replicate 1 x dp_shard -1 x tp 3 must multiply to the world size 8; "
+    (MeshLayout(tp=3), 8, "parallel: pp 1 x dp_replicate 1 x dp_shard -1 x tp 3 must multiply to the world size 8; "
                               "each size must divide it (1, 2, 4, 8)"),
     (MeshLayout(dp_shard=2, tp=2), 8, "must multiply to the world size 8"),
     (MeshLayout(tp=0), 8, "parallel.tp: 0 must be at least 1"),
+    (MeshLayout(pp=0), 8, "parallel.pp: 0 must be at least 1"),
+    (MeshLayout(pp=3), 8, "parallel: pp 3 x dp_replicate 1 x dp_shard -1 x tp 1 must multiply to the world size 8"),
     (MeshLayout(dp_shard=0), 8, r"parallel.dp_shard: 0 must be at least 1 \(or -1"),
 ])
 def test_a_layout_that_does_not_fit_the_world_is_a_config_error_naming_the_field(parallel, world, message) -> None:
@@ -111,10 +115,14 @@ def test_a_layout_that_does_not_fit_the_world_is_a_config_error_naming_the_field
 
 def test_the_model_decides_which_tensor_parallel_sizes_are_legal() -> None:
     cfg = ModelConfig(**{**CFG, **FAMILY["llama"]})  # 4 heads, 2 key/value heads
-    assert MeshLayout(tp=2).resolve(4, cfg).sizes == (1, 2, 2)
+    assert MeshLayout(tp=2).resolve(4, cfg).sizes == (1, 1, 2, 2)
+    assert MeshLayout(pp=2).resolve(4, cfg).sizes == (2, 1, 2, 1)
+    with pytest.raises(ConfigError, match=r"parallel.pp: 4 pipeline stages must divide the 2 layers \(model.n_layer\); "
+                                          "pp may be 1, 2"):
+        MeshLayout(pp=4).resolve(4, cfg)
     with pytest.raises(ConfigError, match=r"parallel.tp: 4 does not divide model.n_kv_head \(2\)"):
         MeshLayout(tp=4).resolve(4, cfg)
     gpt2 = ModelConfig(**{**CFG, "n_head": 4})
-    assert MeshLayout(dp_replicate=2, dp_shard=1, tp=2).resolve(4, gpt2).sizes == (2, 1, 2)
+    assert MeshLayout(dp_replicate=2, dp_shard=1, tp=2).resolve(4, gpt2).sizes == (1, 2, 1, 2)
     with pytest.raises(ConfigError, match="the gpt2 family's tensor-parallel shards cannot be sharded again by FSDP2"):
         MeshLayout(tp=2).resolve(4, gpt2)

@@ -1,9 +1,10 @@
 """Tests for kiln.model.pipeline_parallel: both families cut into pipeline stages over two gloo processes train as
 one process does for 30 steps (AdamW, gradient clipping; the 1F1B schedule, and interleaved 1F1B with two stages per
 rank; GPT-2's head tied to its token table across the first and last stage), each stage holding only its blocks under
-the whole model's names; and the pipeline's config errors.
+the whole model's names; FSDP2 over the stages on a (pp 2, dp_shard 2) mesh of four processes, whose checkpoint
+shards load into one whole model; and the pipeline's config errors.
 
-Run: python -m pytest tests/kiln/model/test_pipeline_parallel.py -q   (one launch of two processes)
+Run: python -m pytest tests/kiln/model/test_pipeline_parallel.py -q   (a launch of two processes and one of four)
 """
 
 from __future__ import annotations
@@ -39,22 +40,30 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _train_both(fields: dict, pipe_cfg: PipelineConfig, group) -> dict:
-    """The same seeded model trained STEPS steps here whole and as this rank's pipeline stages; what differs."""
+def _train_both(fields: dict, pipe_cfg: PipelineConfig, group, dp_mesh=None, save_to: str | None = None) -> dict:
+    """The same seeded model trained STEPS steps here whole and as this rank's pipeline stages (with ``dp_mesh``
+    also sharded by FSDP2 over it, each data-parallel rank taking its rows of the batch); what differs."""
+    import torch.distributed as dist
+
     from kiln.model.families import build_model
-    from kiln.model.parallel import clip_grad_norm
+    from kiln.model.parallel import clip_grad_norm, full_value
     from kiln.model.pipeline_parallel import Pipeline
 
     torch.manual_seed(0)
     one = build_model(ModelConfig(**{**SHARED, **fields}))
-    pipe = Pipeline(copy.deepcopy(one), pipe_cfg, group, torch.device("cpu"), batch=8)
+    dp, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    pipe = Pipeline(copy.deepcopy(one), pipe_cfg, group, torch.device("cpu"), batch=8 // dp_size, dp_mesh=dp_mesh)
     opts = [torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) for params in (one.parameters(), pipe.parameters())]
     loss_diff, norm_diff, losses = 0.0, 0.0, []
     for x, y in _batches(STEPS):
         whole = one(x, y)
         whole.backward()
         norms = [clip_grad_norm(one, 1.0)]
-        piped = pipe.step(x, y)
+        rows = slice(dp * len(x) // dp_size, (dp + 1) * len(x) // dp_size)
+        piped = pipe.step(x[rows], y[rows])
+        if dp_mesh is not None:  # the mean over the data-parallel ranks' rows (equal counts of targets)
+            dist.all_reduce(piped, group=dp_mesh.get_group())
+            piped /= dp_size
         norms.append(pipe.clip_grad_norm(1.0))
         for opt in opts:
             opt.step()
@@ -66,12 +75,17 @@ def _train_both(fields: dict, pipe_cfg: PipelineConfig, group) -> dict:
     mine = pipe.state_dict()
     # GPT-2's key bias has no true gradient (softmax ignores a constant added per query), so AdamW turns rounding
     # noise into lr-sized steps there: it is compared on its own, more loosely
-    diffs = {name: float((t - whole_state[name]).abs().max()) for name, t in mine.items()}
+    diffs = {name: float((full_value(t) - whole_state[name]).abs().max()) for name, t in mine.items()}
+    if save_to is not None:  # this rank's stages' weights as torch.distributed.checkpoint shards, by name
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": mine}, checkpoint_id=save_to)
+        saved = {name: full_value(t).tolist() for name, t in mine.items()}  # lists: tensors die with the process
     key_bias = max([d for n, d in diffs.items() if n.endswith("attn.c_attn.bias")], default=0.0)
     return {"loss": loss_diff, "grad_norm": norm_diff, "key_bias": key_bias,
             "weights": max(d for n, d in diffs.items() if not n.endswith("attn.c_attn.bias")),
-            "first": losses[0], "last": losses[-1],
-            "stages": pipe.stage_ids, "names": sorted(mine)}
+            "first": losses[0], "last": losses[-1], "stages": pipe.stage_ids, "names": sorted(mine),
+            **({"saved": saved} if save_to is not None else {})}
 
 
 def _worker(rank: int, port: int, queue) -> None:
@@ -86,9 +100,50 @@ def _worker(rank: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
+def _fsdp_worker(rank: int, port: int, queue, root: str) -> None:
+    """Rank ``rank`` of 4 on a (pp 2, dp_shard 2) mesh: each pipeline stage sharded by FSDP2 over two ranks."""
+    import torch.distributed as dist
+
+    from kiln.model.parallel import MeshLayout, build_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        mesh = build_mesh(MeshLayout(dp_shard=2, pp=2), "cpu")
+        out = {name: _train_both(CASES[name][0], CASES[name][1], mesh["pp"].get_group(), mesh["dp_shard"],
+                                 save_to=f"{root}/{name}") for name in FSDP_CASES}
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+FSDP_CASES = ("llama-interleaved", "gpt2-1f1b")  # tied heads whose table and head are FSDP2 shards
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
     return on_ranks(_worker, 2)
+
+
+def test_fsdp2_over_pipeline_stages_trains_as_one_process_and_its_checkpoint_loads_whole(tmp_path) -> None:
+    from kiln.model.families import build_model
+    from kiln.train.checkpoint import load_sharded
+
+    results = on_ranks(_fsdp_worker, 4, str(tmp_path))
+    for name in FSDP_CASES:
+        got = [results[r][name] for r in range(4)]
+        for r in got:
+            assert r["loss"] < 1e-5 and r["grad_norm"] < 1e-4 and r["weights"] < 1e-4 and r["key_bias"] < 1e-3, r
+        assert got[0]["stages"] == got[1]["stages"] != got[2]["stages"] == got[3]["stages"]  # dp_shard is inner
+        # the four ranks' shards of the two stages load into one whole model by name, every weight as trained
+        model = build_model(ModelConfig(**{**SHARED, **CASES[name][0]}))
+        state = {"model": model.state_dict()}
+        load_sharded(state, tmp_path / name)
+        model.load_state_dict(state["model"])
+        saved = {k: v for r in got for k, v in r["saved"].items()}
+        assert sorted(saved) == sorted(model.state_dict())
+        for k, t in model.state_dict().items():
+            assert torch.equal(t, torch.tensor(saved[k])), (name, k)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -118,22 +173,24 @@ def test_each_rank_holds_only_its_stages_under_the_whole_models_names(two_ranks)
     assert "lm_head.weight" in i1["names"] and "model.embed_tokens.weight" in i0["names"]
 
 
-def test_a_stage_runs_its_blocks_and_passes_hidden_states_on() -> None:
+def test_stages_pass_hidden_states_on_and_the_last_gives_the_whole_models_logits_and_loss() -> None:
     from kiln.model.families import build_model
 
     torch.manual_seed(0)
     cfg = ModelConfig(**{**SHARED, "family": "llama", "n_kv_head": 2, "tie_embeddings": False})
     model = build_model(cfg).eval()
+    stages = [cut_stage(model, s, 4) for s in range(4)]
+    assert [[type(b).__name__ for b in st.blocks] for st in stages[:2]] == [["Block", "Skip", "Skip", "Skip"],
+                                                                              ["Skip", "Block", "Skip", "Skip"]]
     x = torch.randint(0, 64, (2, 16))
+    y = (3 * x + 1) % 64
     with torch.no_grad():
         h = x
-        for s in range(4):
-            h = cut_stage(model, s, 4)(h)
-        want = model.model.embed_tokens(x)
-        for block in model.model.layers:
-            want = block(want, model.rope_cos, model.rope_sin)
-        want = model.model.norm(want)
-    torch.testing.assert_close(h, want, atol=0, rtol=0)  # the last stage returns the final norm's output
+        for st in stages[:3]:
+            h = st(h, y)  # a stage before the last passes its hidden states on, targets or not
+            assert h.shape == (2, 16, 32)
+        torch.testing.assert_close(stages[3](h), model(x), atol=0, rtol=0)  # (B, T, V) logits
+        torch.testing.assert_close(stages[3](h, y), model(x, y), atol=0, rtol=0)  # the loss
     assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
 
 
