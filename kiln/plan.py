@@ -398,14 +398,7 @@ def plan_from_config(n_vocab: int, model_preset: str = "", model: dict | None = 
     """The plan for a ``training_plan`` config block (model preset and overrides, batch, hardware, parallel) and a
     tokenizer of ``n_vocab`` tokens: what the training_plan asset and ``kiln plan`` both compute. Unknown keys
     are errors naming ``where.<section>.<key>``; device "auto" becomes cuda when a GPU is visible."""
-    family = (model or {}).get("family", "gpt2")
-    try:
-        base = preset_fields(model_preset, family) if model_preset else {}
-        cfg = from_dict(ModelConfig, {"vocab_size": padded_vocab(n_vocab), **base, **(model or {})}, f"{where}.model")
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:  # a field the family does not use, an unknown family or size, a bad shape
-        raise ConfigError(f"{where}: {e}") from e
+    cfg = model_from_config(n_vocab, model_preset, model, where)
     bc = from_dict(BatchConfig, batch, f"{where}.batch")
     hw = from_dict(HardwareConfig, hardware, f"{where}.hardware")
     par = from_dict(ParallelConfig, parallel, f"{where}.parallel")
@@ -414,6 +407,20 @@ def plan_from_config(n_vocab: int, model_preset: str = "", model: dict | None = 
 
         hw.device = "cuda" if torch.cuda.is_available() else "cpu"
     return make_plan(cfg, bc, hw, par), cfg, bc, hw
+
+
+def model_from_config(n_vocab: int, model_preset: str = "", model: dict | None = None,
+                      where: str = "training_plan") -> ModelConfig:
+    """The ModelConfig of a ``training_plan`` block's model preset and overrides for a tokenizer of ``n_vocab``
+    tokens; a bad field is a ConfigError naming ``where``."""
+    family = (model or {}).get("family", "gpt2")
+    try:
+        base = preset_fields(model_preset, family) if model_preset else {}
+        return from_dict(ModelConfig, {"vocab_size": padded_vocab(n_vocab), **base, **(model or {})}, f"{where}.model")
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # a field the family does not use, an unknown family or size, a bad shape
+        raise ConfigError(f"{where}: {e}") from e
 
 
 def _family_note(model: dict) -> str:
