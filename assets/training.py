@@ -14,6 +14,7 @@ from assets._common import asset_output, failing_on_config_errors, md_table, rep
 from assets._config import schema_of
 from assets.pretrained import recorded_start, start_of
 from kiln.common.config import ConfigError
+from kiln.layout import LayoutPlan, LayoutRequest, layout_from_config
 from kiln.model.config import ModelConfig
 from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, plan_from_config, plan_version
 from kiln.train.job import JobConfig
@@ -34,6 +35,7 @@ ModelOverrides = schema_of(ModelConfig, optional=True, name="ModelOverrides")
 Batch = schema_of(BatchConfig, name="Batch")
 Hardware = schema_of(HardwareConfig, name="Hardware")
 Parallel = schema_of(ParallelConfig, name="Parallel")
+LayoutBlock = schema_of(LayoutRequest, name="LayoutRequest")
 Optim = schema_of(OptimConfig, defaults=PRETRAIN_OPTIM, name="Optim")
 Spikes = schema_of(SpikeConfig, name="Spikes")
 
@@ -44,10 +46,15 @@ class TrainingPlanConfig(Config):
     batch: Batch = Field(default_factory=Batch, description="The token budget: sequence length, global batch, steps.")
     hardware: Hardware = Field(default_factory=Hardware, description="Where it trains: device, processes, nodes, memory.")
     parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile.")
+    layout: Optional[LayoutBlock] = Field(default=None, description="Plan tensor, pipeline and data parallelism for the hardware block's GPUs over these links (kiln.layout); `kiln plan` shows the choice, the training job does not take it yet. Unset: data parallelism alone.")
 
     def plan(self, n_vocab: int, pretrained: dict | None = None) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
         """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it); with an imported
         ``pretrained`` model its architecture replaces model_preset and model (only dropout may be set)."""
+        if self.layout is not None:
+            raise ConfigError("training_plan.layout: a layout plan (tensor and pipeline parallelism over a cluster) is "
+                              "shown by `kiln plan` and not trained yet; remove training_plan.layout to train with the "
+                              "data-parallel plan")
         model = self.model.to_dict()
         if pretrained and pretrained.get("path"):
             if self.model_preset or set(model) - {"dropout"}:
@@ -57,6 +64,19 @@ class TrainingPlanConfig(Config):
                                     self.hardware.to_dict(), self.parallel.to_dict())
         return plan_from_config(n_vocab, self.model_preset, model, self.batch.to_dict(),
                                 self.hardware.to_dict(), self.parallel.to_dict())
+
+    def layout_plan(self, n_vocab: int, pretrained: dict | None = None) -> LayoutPlan:
+        """kiln.layout.layout_from_config for these fields (``kiln plan`` of a preset with a ``layout`` block)."""
+        model = self.model.to_dict()
+        if pretrained and pretrained.get("path"):
+            if self.model_preset or set(model) - {"dropout"}:
+                raise ConfigError(f"training_plan.model_preset / training_plan.model: the architecture comes from "
+                                  f"pretrained_model.path ({pretrained['path']}); remove them (model.dropout may stay)")
+            preset, model = "", {**pretrained["model"], **model}
+        else:
+            preset = self.model_preset
+        return layout_from_config(n_vocab, preset, model, self.batch.to_dict(), self.hardware.to_dict(),
+                                  self.parallel.to_dict(), self.layout.to_dict() if self.layout else {})
 
 
 @asset(code_version="3", group_name="training")

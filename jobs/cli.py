@@ -409,6 +409,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"kiln: --vocab: the vocabulary comes from pretrained_model.path ({pretrained['path']})", file=sys.stderr)
         return 2
     n_vocab = shown.get("n_vocab") or args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
+    if conf.get("layout") is not None:  # a cluster to split the model over: the layout planner instead
+        return print_layout_plan(args, conf, n_vocab, pretrained)
     try:  # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.plan_from_config
         plan, _, _, hw = TrainingPlanConfig(**conf).plan(n_vocab, pretrained)
     except ValidationError as e:
@@ -427,6 +429,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{shown['imported_vocab']:,} imported tokens, added {added})")
     print(describe_plan(plan), end="")
     print(describe_costs(plan, load_cost(hw.device)), end="")  # device-hours, energy and money; the compute-optimal size
+    return 0
+
+
+def print_layout_plan(args: argparse.Namespace, conf: dict[str, Any], n_vocab: int, pretrained: dict | None) -> int:
+    """``kiln plan`` of a preset with a ``training_plan.layout`` block: kiln.layout's choice of tensor, pipeline and
+    data parallelism, why each size, memory per rank, communication, bubble, step time, MFU and the runner-up."""
+    from pydantic import ValidationError
+
+    from assets.training import TrainingPlanConfig
+    from kiln.common.config import ConfigError
+    from kiln.layout import describe_layout_plan
+    from kiln.plan import PlanError
+
+    try:
+        plan = TrainingPlanConfig(**conf).layout_plan(n_vocab, pretrained)
+    except ValidationError as e:
+        bad = e.errors()[0]
+        print(f"kiln: preset {args.preset}: training_plan.{'.'.join(map(str, bad['loc']))}: {bad['msg']}", file=sys.stderr)
+        return 2
+    except (PlanError, ConfigError) as e:
+        print(f"kiln: preset {args.preset}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    print(describe_layout_plan(plan), end="")
     return 0
 
 

@@ -376,3 +376,30 @@ def test_plan_refuses_a_model_size_beside_a_pretrained_model(tmp_path, capsys):
     folder = save_tiny(tmp_path / "tiny-gpt2", "gpt2")
     assert main(["plan", "--preset", str(_pretrained_preset(tmp_path, folder, "      model_preset: tiny\n"))]) == 2
     assert "the architecture comes from pretrained_model.path" in capsys.readouterr().err
+
+
+def test_plan_of_the_layout_presets_shows_the_choice_the_runner_up_and_metas_layout(capsys):
+    """The four presets with a training_plan.layout block: GPT-2 124M on one GPU splits nothing, Llama 3 8B on 8
+    GPUs takes tp 2 x FSDP 4, 70B on 64 FSDP over all 64, 405B on 16,384 H100s Meta's tp 8 x pp 16 x 128-way data
+    parallelism (kiln/layout.py and tests/kiln/test_layout.py hold the cost model and its checks)."""
+    from assets.training import TrainingPlanConfig
+    from kiln.common.config import ConfigError
+
+    sizes = {}
+    for preset in ("gpt2-124m-1gpu-layout", "llama3-8b-8gpu", "llama3-70b-64gpu"):
+        assert main(["plan", "--preset", preset, "--json"]) == 0
+        lay = json.loads(capsys.readouterr().out)["chosen"]["layout"]
+        sizes[preset] = (lay["dp_replicate"], lay["dp_shard"], lay["tp"], lay["pp"])
+    assert sizes == {"gpt2-124m-1gpu-layout": (1, 1, 1, 1), "llama3-8b-8gpu": (1, 4, 2, 1),
+                     "llama3-70b-64gpu": (1, 64, 1, 1)}
+    assert main(["plan", "--preset", "llama3-405b-16k-h100"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model        405.85B parameters (llama): 126 blocks x 16384 wide")
+    assert "16,384 x H100" in out and "layout       tp 8 x pp 16 x dp_" in out and "interleaved 1F1B v 8" in out
+    for head in ("  tp ", "  pp ", "memory/rank ", "comm/step ", "bubble ", "step ", "throughput ", "runner-up ",
+                 "reference    Meta's Llama 3 405B layout", "run ", "considered "):
+        assert "\n" + head in out, head
+    assert "as given it does not fit" in out  # Meta's no-checkpointing layout under Kiln's activation count
+    conf = load_preset("llama3-405b-16k-h100")["ops"]["training_plan"]["config"]
+    with pytest.raises(ConfigError, match="training_plan.layout: a layout plan"):
+        TrainingPlanConfig(**conf).plan(128256)  # the training_plan asset does not train a layout plan yet
