@@ -18,12 +18,23 @@ from kiln.sources.packages import RECORD
 
 @dataclass
 class InputFile:
-    """One file of a source: its path relative to the source root, a URL for provenance, and how to open it."""
+    """One file of a source: its path relative to the source root, a URL for provenance, and how to open it.
+
+    ``rel`` and ``uri`` are valid UTF-8 (see ``printable``); ``open`` opens the file by its real name."""
 
     rel: str
     uri: str
     size: int
     open: Callable[[], Any]  # returns a binary file object (local file or fsspec stream)
+
+    def __post_init__(self) -> None:
+        self.rel, self.uri = printable(self.rel), printable(self.uri)
+
+
+def printable(name: str) -> str:
+    r"""A file name as valid UTF-8, for ids, URLs and reports: bytes of the real name that are not UTF-8 (held by
+    Python as lone surrogates) are written as \xNN; the name b'caf\xe9.txt' is shown as caf\xe9.txt."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 class Chunk(NamedTuple):
@@ -45,7 +56,9 @@ def list_files(spec: SourceSpec, root: Path | str, refused: Refused | None = Non
     A file reached twice (e.g. through a symlink) is read once; links that cannot be read (dangling, a loop, out of a
     package's folder) are left out. Both are appended to ``refused``, if given, as (path, reason, detail).
     """
-    note = refused.append if refused is not None else (lambda _item: None)
+    def note(item: tuple[str, str, str]) -> None:
+        if refused is not None:
+            refused.append((printable(item[0]), item[1], printable(item[2])))
     if isinstance(root, str) and is_url(root):
         return _url_files(spec, root, note)
     root = Path(root)

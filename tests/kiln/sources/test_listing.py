@@ -1,16 +1,19 @@
-"""Tests for kiln.sources.listing: symlinked files (the Hugging Face cache layout), unreadable links, packages' links.
+"""Tests for kiln.sources.listing: symlinked files (the Hugging Face cache layout), unreadable links, packages' links,
+file names that are not UTF-8.
 
 Run: python -m pytest tests/kiln/sources/test_listing.py -q
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from sources_kit import docs, local
 
-from kiln.sources import SourceError, SourceSpec, iter_documents
+from kiln.sources import SourceError, SourceSpec, collect, iter_documents
 
 
 def hf_snapshot(tmp_path: Path) -> Path:
@@ -83,3 +86,27 @@ def test_a_dangling_link_under_a_file_url_is_counted_not_raised(tmp_path: Path) 
     assert [d["text"] for d in got] == ["kept"]
     assert stats["bad_link"] == 1 and stats["skipped"][0]["file"] == "b.txt"
     assert stats["skipped"][0]["detail"].startswith("unreadable link")
+
+
+def test_file_names_that_are_not_utf8_are_read_and_shown_escaped(tmp_path: Path) -> None:
+    folder = os.fsencode(tmp_path / "d")
+    os.mkdir(folder)
+    for name, data in ((b"caf\xe9.txt", b"bonjour"), (b"b.txt", b"plain"), (b"\xff.txt", b"bin\x00ary")):
+        try:
+            fd = os.open(folder + b"/" + name, os.O_WRONLY | os.O_CREAT)
+        except OSError:  # a file system that holds UTF-8 names only (e.g. APFS)
+            pytest.skip("this file system refuses names that are not UTF-8")
+        os.write(fd, data)
+        os.close(fd)
+    os.symlink(b"gon\xe9", folder + b"/link\xe9.txt")
+    out = tmp_path / "raw.parquet"
+    result = collect([local(tmp_path / "d", "text")], tmp_path / "cache", out)
+    rows = pq.read_table(out).to_pylist()
+    assert [(r["id"], r["text"]) for r in rows] == [("loc/b.txt", "plain"), ("loc/caf\\xe9.txt", "bonjour")]
+    assert rows[0]["url"] == (tmp_path / "d" / "b.txt").resolve().as_uri()  # ordinary names as before
+    assert rows[1]["url"] == (tmp_path / "d").resolve().as_uri() + "/caf%E9.txt"
+    skipped = {s["file"]: (s["reason"], s["detail"]) for s in result["sources"]["loc"]["skipped"]}
+    assert skipped == {"link\\xe9.txt": ("bad_link", "dangling symlink to 'gon\\udce9'"),
+                       "\\xff.txt": ("binary", "NUL bytes: a binary file, not text")}
+    assert [d["id"] for d in docs(local(f"file://{tmp_path / 'd'}", "text", "u"))] == ["u/b.txt", "u/caf\\xe9.txt"]
+
