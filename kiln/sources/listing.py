@@ -1,5 +1,6 @@
 """The input files of a source: include globs minus excludes, over a local folder or an fsspec URL (s3://, file://);
 symlinks are followed (out of a package's folder only for local sources), and a link that cannot be read is reported.
+A local file notes in ``InputFile.change`` whether it changed since it was listed, as it is read.
 
 Use from Python: ``for file in list_files(spec, fetch(spec, cache_dir), refused=[]): data = file.open().read()``.
 """
@@ -7,6 +8,7 @@ Use from Python: ``for file in list_files(spec, fetch(spec, cache_dir), refused=
 from __future__ import annotations
 
 import fnmatch
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ class InputFile:
     uri: str
     size: int
     open: Callable[[], Any]  # returns a binary file object (local file or fsspec stream)
+    change: str = ""  # how a local file changed since it was listed, noted as it is read; "" if it did not
 
     def __post_init__(self) -> None:
         self.rel, self.uri = printable(self.rel), printable(self.uri)
@@ -84,8 +87,48 @@ def list_files(spec: SourceSpec, root: Path | str, refused: Refused | None = Non
             continue  # the URL names a local file as the source lists it (a link's name, not the blob it points to)
         uri = (real_root / rel).as_uri() if spec.kind == "local" else \
             f"pkg://{'pypi' if spec.kind == 'pip' else 'deb'}/{spec.package}@{spec.version}/{rel}"
-        files[target] = InputFile(rel, uri, target.stat().st_size, lambda t=target: open(t, "rb"))
+        files[target] = _local_file(rel, uri, target)
     return list(files.values())
+
+
+def _local_file(rel: str, uri: str, path: Path | str) -> InputFile:
+    """A local file as listed now; reading it notes in ``change`` whether it changed since."""
+    listed = os.stat(path)
+    file = InputFile(rel, uri, listed.st_size, lambda: io.BufferedReader(_WatchedFile(file, path, listed)))
+    return file
+
+
+class _WatchedFile(io.FileIO):
+    """A local file opened for reading that notes in ``file.change`` how it differs from the file ``listed``: a read
+    that finds its end before the listed size, or, when closed, another size or mtime."""
+
+    def __init__(self, file: InputFile, path: Path | str, listed: os.stat_result) -> None:
+        super().__init__(path, "rb")
+        self.file, self.listed = file, listed
+
+    def readinto(self, buffer: Any) -> int | None:
+        n = super().readinto(buffer)
+        if n == 0 and len(buffer):  # the end of the file
+            self._ended()
+        return n
+
+    def readall(self) -> bytes:  # BufferedReader.read() with no size reads through this, not readinto
+        data = super().readall()
+        self._ended()
+        return data
+
+    def _ended(self) -> None:
+        if self.tell() < self.listed.st_size and not self.file.change:
+            self.file.change = f"reading ended at byte {self.tell():,} of {self.listed.st_size:,}"
+
+    def close(self) -> None:
+        if not self.closed:
+            now = os.fstat(self.fileno())
+            if now.st_size != self.listed.st_size:  # says more than where a read found the end
+                self.file.change = f"size {self.listed.st_size:,} -> {now.st_size:,} bytes"
+            elif now.st_mtime_ns != self.listed.st_mtime_ns and not self.file.change:
+                self.file.change = "modified: its mtime changed, its size did not"
+        super().close()
 
 
 def _target(p: Path, real_root: Path, outside_ok: bool) -> tuple[Path | None, str]:
@@ -134,5 +177,6 @@ def _url_files(spec: SourceSpec, url: str, note: Callable[[tuple[str, str, str]]
         if info.get("type") != "file":
             continue
         full = fs.unstrip_protocol(p) if hasattr(fs, "unstrip_protocol") else f"{protocol}://{p}"
-        out[rel] = InputFile(rel, full, int(info.get("size") or 0), lambda p=p: fs.open(p, "rb"))
+        out[rel] = _local_file(rel, full, p) if protocol in ("file", "local") else \
+            InputFile(rel, full, int(info.get("size") or 0), lambda p=p: fs.open(p, "rb"))
     return [out[k] for k in sorted(out)]

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from kiln.sources.decode import decode, is_binary
 from kiln.sources.listing import Chunk, InputFile, list_files
-from kiln.sources.manifest import SourceSpec, is_url
+from kiln.sources.manifest import SourceError, SourceSpec, is_url
 from kiln.sources.tally import COUNTERS, SKIP_LOG_MAX, SKIP_REASONS, Tally
 from kiln.sources.warc import read_warc
 
@@ -225,7 +225,8 @@ def iter_documents(
 
 def file_documents(spec: SourceSpec, file: InputFile, tally: Tally) -> Iterator[dict[str, Any]]:
     """The documents of one file; what is skipped is counted in ``tally``, and its bytes in tally.input_bytes (read)
-    or lost_bytes (in no record), which add up to the file's size."""
+    or lost_bytes (in no record), which add up to the file's size. A local file that changed while it was read stops
+    the source with a SourceError, whatever ``on_bad_input`` says."""
     counts = tally.counts
     before = tally.input_bytes + counts["lost_bytes"]
     try:
@@ -251,5 +252,17 @@ def file_documents(spec: SourceSpec, file: InputFile, tally: Tally) -> Iterator[
                 "license": spec.license,
             }
     except OSError as e:  # a stream that breaks mid-file (network, truncated compression)
+        _stop_if_changed(spec, file)
         lost = max(file.size - (tally.input_bytes + counts["lost_bytes"] - before), 0)
         tally("corrupt", file.rel, None, f"read failed: {e}; {lost} bytes not read", lost=lost)
+    except SourceError:  # bad input that stops the run, which may be the file changing under the reader
+        _stop_if_changed(spec, file)
+        raise
+    _stop_if_changed(spec, file)
+
+
+def _stop_if_changed(spec: SourceSpec, file: InputFile) -> None:
+    """A file that changed while it was read is not bad input to skip: what was read of it is no snapshot of it."""
+    if file.change:
+        raise SourceError(f"source '{spec.name}': file {file.rel} changed while it was read ({file.change}). "
+                          f"Fix: rerun once it stops changing (copy it aside first if something keeps writing to it).")

@@ -1,19 +1,22 @@
 """Tests for kiln.sources.listing: symlinked files (the Hugging Face cache layout), unreadable links, packages' links,
-file names that are not UTF-8.
+file names that are not UTF-8, files that change while they are read.
 
 Run: python -m pytest tests/kiln/sources/test_listing.py -q
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sources_kit import docs, local
+from sources_kit import docs, local, page, warc_file
 
-from kiln.sources import SourceError, SourceSpec, collect, iter_documents
+from kiln.sources import SourceError, SourceSpec, collect, iter_documents, pipeline
+from kiln.sources.listing import list_files
 
 
 def hf_snapshot(tmp_path: Path) -> Path:
@@ -110,3 +113,75 @@ def test_file_names_that_are_not_utf8_are_read_and_shown_escaped(tmp_path: Path)
                        "\\xff.txt": ("binary", "NUL bytes: a binary file, not text")}
     assert [d["id"] for d in docs(local(f"file://{tmp_path / 'd'}", "text", "u"))] == ["u/b.txt", "u/caf\\xe9.txt"]
 
+
+@pytest.mark.parametrize("on_bad_input", [None, "fail"])  # "fail": the line cut in two must not be reported instead
+def test_a_file_cut_short_while_it_is_read_stops_the_source_and_nothing_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_bad_input: str | None) -> None:
+    path = tmp_path / "d" / "big.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps({"text": f"record {i} " + "x" * 80}) + "\n" for i in range(2000)))
+    size = path.stat().st_size
+    spec = local(tmp_path / "d", "jsonl", on_bad_input=on_bad_input)
+    stats: dict = {}
+    assert len(docs(spec, stats)) == 2000 and stats["lost_bytes"] == 0  # unchanged, it reads to the end
+    monkeypatch.setattr(pipeline, "PROGRESS_EVERY", 1)  # a progress line after every document
+
+    def cut(msg: str) -> None:  # after the first document, the file is cut to 10,000 bytes
+        if msg.startswith("1 documents so far"):
+            os.truncate(path, 10_000)
+
+    out = tmp_path / "raw.parquet"
+    with pytest.raises(SourceError, match=rf"^source 'loc': file big\.jsonl changed while it was read \(size "
+                       rf"{size:,} -> 10,000 bytes\)\. Fix: rerun once it stops changing"):
+        collect([spec], tmp_path / "cache", out, progress=cut)
+    assert not out.exists()
+
+
+def one_doc_file(path: Path, fmt: str) -> None:
+    if fmt == "parquet":
+        pq.write_table(pa.table({"text": [path.stem]}), path)
+    elif fmt == "warc":
+        path.write_bytes(warc_file([(f"http://x/{path.stem}", page(path.stem.encode()))])[0])
+    else:
+        path.write_text(json.dumps({"text": path.stem}) if fmt == "jsonl" else path.stem, encoding="utf-8")
+
+
+@pytest.mark.parametrize("change", ["append", "touch"])
+@pytest.mark.parametrize("fmt, ext", [("jsonl", "jsonl"), ("text", "txt"), ("parquet", "parquet"), ("warc", "warc")])
+def test_every_format_stops_at_a_file_changed_after_it_was_listed(tmp_path: Path, fmt: str, ext: str,
+                                                                  change: str) -> None:
+    a, b = tmp_path / f"a.{ext}", tmp_path / f"b.{ext}"
+    one_doc_file(a, fmt)
+    one_doc_file(b, fmt)
+    size, st = b.stat().st_size, b.stat()
+    assert [d["text"] for d in docs(local(tmp_path, fmt))] == ["a", "b"]
+    got = iter_documents(local(tmp_path, fmt), tmp_path)
+    assert next(got)["text"] == "a"  # b is listed; now it changes
+    if change == "append":
+        with open(b, "ab") as f:
+            f.write(b"\n")
+        what = rf"size {size:,} -> {size + 1:,} bytes"
+    else:
+        os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        what = "modified: its mtime changed, its size did not"
+    with pytest.raises(SourceError, match=rf"source 'loc': file b\.{ext} changed while it was read \({what}\)"):
+        list(got)
+
+
+@pytest.mark.parametrize("read", [lambda f: f.read(), lambda f: f.read(4096), lambda f: f.readlines()],
+                         ids=["read_all", "read_n", "readlines"])
+def test_a_read_that_ends_before_the_listed_size_is_a_change_though_size_and_mtime_come_back(tmp_path: Path,
+                                                                                             read) -> None:
+    path = tmp_path / "a.txt"
+    path.write_bytes(b"line\n" * 200)
+    st = path.stat()
+    (file,) = list_files(local(tmp_path, "text"), tmp_path)
+    with file.open() as f:
+        read(f)
+    assert file.change == ""  # read to its end, unchanged
+    with file.open() as f:
+        os.truncate(path, 500)
+        read(f)  # the end comes at byte 500
+        os.truncate(path, 1000)  # as long again, and as old: only the short read tells
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file.change == "reading ended at byte 500 of 1,000"
