@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from kiln.common.files import DIGEST, _fsync_dir, atomic_write_json, file_digest, stable_hash, witness
+from kiln.train.diskfull import naming
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 STAGING_PREFIX = ".step_"  # folders being written; a save killed part way leaves one, cleaned up on the next start
@@ -45,16 +46,28 @@ def write_state_file(path: Path, obj: Any, on_write: Callable[[Path], None] | No
     """torch.save ``obj`` to ``path``, fsync it, return its checksum.
 
     torch.save's per-record CRC32 is turned off for the write: it costs more than the write itself here, and
-    the file's xxh3 checksum (checked on every load) covers every byte. ``on_write(path)`` is called once the
-    file is on disk, before the checkpoint holding it is committed.
+    the file's xxh3 checksum (checked on every load) covers every byte. torch.save writes through a Python file
+    object: its failed writes raise OSError with their errno, where torch.save given a path turns a full disk into
+    a RuntimeError without one; an ENOSPC names ``path`` (kiln.train.diskfull). ``on_write(path)`` is called once
+    the file is on disk, before the checkpoint holding it is committed.
     """
-    with _SAVE_LOCK:
-        crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            torch.save(obj, path)
-        finally:
-            torch.serialization.set_crc32_options(crc)
+    with naming(path):
+        with _SAVE_LOCK:
+            crc = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+            try:
+                with open(path, "wb") as f:
+                    torch.save(obj, f)
+            finally:
+                torch.serialization.set_crc32_options(crc)
+        digest = _synced_digest(path)
+    if on_write is not None:
+        on_write(path)
+    return digest
+
+
+def _synced_digest(path: Path) -> str:
+    """fsync ``path`` while computing its checksum (from the page cache, just written); raise what fsync raised."""
     fd = os.open(path, os.O_RDONLY)
     failed: list[OSError] = []
 
@@ -67,14 +80,12 @@ def write_state_file(path: Path, obj: Any, on_write: Callable[[Path], None] | No
     try:
         flusher = threading.Thread(target=flush)  # the disk flushes while the checksum is computed
         flusher.start()
-        digest = file_digest(path)  # from the page cache, just written
+        digest = file_digest(path)
         flusher.join()
     finally:
         os.close(fd)
     if failed:
         raise failed[0]
-    if on_write is not None:
-        on_write(path)
     return digest
 
 
@@ -135,7 +146,8 @@ def staging_dir(ckpt_root: Path, step: int) -> Path:
 
 def commit_checkpoint(tmp: Path, final: Path, files: dict[str, str], meta: dict[str, Any]) -> Path:
     """Write meta.json last, then rename the staging folder into place: the checkpoint appears whole or not at all."""
-    atomic_write_json(tmp / "meta.json", {**meta, "checksum": CHECKSUM, "files": files})
+    with naming(tmp / "meta.json"):
+        atomic_write_json(tmp / "meta.json", {**meta, "checksum": CHECKSUM, "files": files})
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -178,7 +190,8 @@ def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], meta: dic
 def copy_extra_files(folder: Path, extra_files: dict[str, Path] | None) -> dict[str, str]:
     out = {}
     for name, src in (extra_files or {}).items():
-        shutil.copyfile(src, folder / name)
+        with naming(folder / name):
+            shutil.copyfile(src, folder / name)
         out[name] = file_digest(folder / name)
     return out
 

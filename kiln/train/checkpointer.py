@@ -25,6 +25,7 @@ from kiln.train.checkpoint import (SINGLE_PROCESS_WARNING, CheckpointError, clea
                                    copy_extra_files, digest_tree, latest_good_checkpoint, load_sharded,
                                    load_state_file, prune_checkpoints, quiet_single_process, staging_dir, step_dir,
                                    weights_digest, write_state_file)
+from kiln.train.diskfull import naming
 
 
 # ---------------------------------------------------------------------------------------------- RNG state
@@ -151,10 +152,10 @@ class Checkpointer:
             work = lambda: self._write_full(state, tmp, final, meta) if self.rank == 0 else None  # noqa: E731
         self._pending = final
         if self.async_save:
-            self._thread = threading.Thread(target=self._run, args=(work,), name=f"kiln-save-{step}", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(work, tmp), name=f"kiln-save-{step}", daemon=True)
             self._thread.start()
         else:
-            self._run(work)
+            self._run(work, tmp)
             self._raise()
         blocked = time.perf_counter() - t0
         self.blocked_s += blocked
@@ -171,7 +172,8 @@ class Checkpointer:
             if self.async_save:
                 out = dcp.async_save(state, storage_writer=writer, process_group=self.group)
                 return getattr(out, "upload_completion", out)
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            with naming(folder):  # DCP's failed writes name no file
+                dcp.save(state, storage_writer=writer, process_group=self.group)
         done: Future = Future()
         done.set_result(None)
         return done
@@ -186,7 +188,8 @@ class Checkpointer:
         self._done(commit_checkpoint(tmp, final, files, meta))
 
     def _finish_sharded(self, future: Future, tmp: Path, final: Path, extras: dict[str, Any], meta: dict[str, Any]) -> None:
-        future.result()  # on rank 0 this returns once every rank's shards and the index are on disk
+        with naming(tmp / "model"):  # DCP's failed writes name no file
+            future.result()  # on rank 0 this returns once every rank's shards and the index are on disk
         if self.rank != 0:
             return
         files = {"state.pt": write_state_file(tmp / "state.pt", extras, self.on_write)}
@@ -200,16 +203,17 @@ class Checkpointer:
             if old in self.committed:
                 self.committed.remove(old)
 
-    def _run(self, work: Callable[[], None]) -> None:
+    def _run(self, work: Callable[[], None], folder: Path) -> None:
         try:
-            work()
+            with naming(folder):  # a full disk names the folder being written when the failed write named no file
+                work()
         except BaseException as e:  # surfaced by wait() on the training thread
             self._error = e
 
     def _raise(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"saving {self._pending} failed: {err!r}") from err
+            raise CheckpointError(f"saving {self._pending} failed: {type(err).__name__}: {err}") from err
 
     def wait(self) -> float:
         """Block until the save in flight (if any) is committed; return seconds blocked. Raises if it failed."""

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kiln.train.diskfull import naming
+
 JOURNAL = "logbook.jsonl"
 
 
@@ -28,7 +30,8 @@ class Journal:
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:  # one short line per write: appends stay whole
+        # one short line per write: appends stay whole; a full disk names this file (kiln.train.diskfull)
+        with naming(self.path), open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({**record, "session": self.session}, default=str) + "\n")
 
     def read(self) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from kiln.model.parallel import MeshLayout, build_mesh, clip_grad_norm, describe
 from kiln.model.tensor_parallel import apply_tp
 from kiln.train.checkpoint import CheckpointError, list_checkpoints, load_state, resolve_checkpoint, step_of
 from kiln.train.checkpointer import Checkpointer, rng_state, set_rng_state
+from kiln.train.diskfull import naming
 from kiln.train.dist import DistInfo, all_gather, all_mean, rank_digests
 from kiln.train.energy import EnergyMeter
 from kiln.train.goodput import GoodputClock, summarize
@@ -567,7 +568,8 @@ class Trainer:
         self.end_attempt(outcome, self.run.step, **(end or {}))
         summary = {**self.summary(t_start, digests, goodput), "outcome": outcome, "preemption": end or None}
         if self.info.is_main:
-            atomic_write_json(self.out / "result.json", summary)
+            with naming(self.out / "result.json"):
+                atomic_write_json(self.out / "result.json", summary)
         return summary
 
     def summary(self, t_start: float, digests: list[str], goodput: dict[str, Any]) -> dict[str, Any]:

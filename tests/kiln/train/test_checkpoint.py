@@ -6,6 +6,7 @@ Run: python -m pytest tests/kiln/train/test_checkpoint.py -q
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from kiln.train.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
     verify_checkpoint,
+    write_state_file,
 )
 from kiln.train.checkpointer import rng_state  # what a training checkpoint holds
 from kiln.model.config import ModelConfig
@@ -163,6 +165,15 @@ def test_failed_save_leaves_previous_checkpoint_and_no_staging(tmp_path) -> None
         save_checkpoint(tmp_path, 2, model_state(2), {}, extra_files={"tokenizer.json": tmp_path / "nope.json"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000001"]
     assert latest_good_checkpoint(tmp_path) == good
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, whose every write fails with ENOSPC")
+def test_a_full_disk_reaches_the_caller_as_enospc_naming_the_file() -> None:
+    """torch.save given a path reports a full disk as a RuntimeError with no errno; the state file is written
+    through a Python file, so the caller (kiln.train.diskfull.no_space) can tell a full disk from a bug."""
+    with pytest.raises(OSError) as raised:
+        write_state_file(Path("/dev/full"), model_state(1))
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == "/dev/full"
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path) -> None:
