@@ -27,7 +27,8 @@ from resources.tracking import MlflowResource
 
 # A failed launch is retried: the run folder is keyed by the inputs, so the retry resumes from the newest good
 # checkpoint (torchrun's own restarts cover a worker that dies; this covers the launch itself failing). A config
-# error is not retried (failing_on_config_errors).
+# error is not retried (failing_on_config_errors), nor a full disk (resources.torchrun.full_disk_failure: the job
+# stops without a torchrun restart either).
 TRAINING_RETRY = RetryPolicy(max_retries=2, delay=5, backoff=Backoff.EXPONENTIAL)
 
 

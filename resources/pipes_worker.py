@@ -3,19 +3,25 @@
 python -m torch.distributed.run --nproc_per_node=2 -m resources.pipes_worker --config job.json
 The job's task picks the training module (kiln.train.entry.TASKS); every rank runs it, rank 0 alone reports.
 It imports ``dagster_pipes`` (the small protocol package), never ``dagster`` itself. A worker ends itself once its
-torchrun or the process that launched the job (KILN_LAUNCHER_PID) is gone, rather than train on as an orphan.
+torchrun or the process that launched the job (KILN_LAUNCHER_PID) is gone, rather than train on as an orphan. A worker
+that finds the disk full (ENOSPC) asks the launcher that reads its output (KILN_STOP_TOKEN) to stop the job rather
+than let torchrun restart it: a restart would find the same full disk.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterable
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 from kiln.common.files import process_alive
+from kiln.train.diskfull import no_space, record
 from kiln.train.entry import entry_point
 from kiln.train.preempt import exit_code
 
@@ -35,6 +41,10 @@ class PipesReporter:
 
 LAUNCHER_ENV = "KILN_LAUNCHER_PID"  # the pid of the process that launched the job (set by resources.torchrun)
 WATCH_INTERVAL_S = 0.5  # how often a worker checks that torchrun and the launcher still run
+# set by resources.torchrun's local launcher, which reads the workers' output: a line "<token> <json>" there asks it
+# to stop the whole job now (torchrun and every worker, SIGKILL) and fail the launch without a retry
+STOP_ENV = "KILN_STOP_TOKEN"
+STOP_WAIT_S = 60.0  # a worker that asked to be stopped waits this long for it, then exits (and torchrun restarts it)
 
 
 def orphan_reason(parent: int | None, launcher: int | None) -> str | None:
@@ -85,10 +95,61 @@ def watch_for_orphaning(interval_s: float = WATCH_INTERVAL_S,
     return thread
 
 
+def ask_launcher_to_stop(request: dict[str, Any]) -> bool:
+    """Send ``request`` to the launcher as one line on stdout, a pipe it reads (nothing is written to disk, which may
+    be full); False when no launcher reads this worker's output for it (STOP_ENV unset: Slurm, a plain torchrun)."""
+    token = os.environ.get(STOP_ENV)
+    if not token:
+        return False
+    # one write(2) under PIPE_BUF is never interleaved with another rank's output; the leading newline ends any
+    # partial line before it
+    line = f"\n{token} {json.dumps(request)}\n".encode()
+    try:
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), line)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def run_folder(argv: list[str]) -> str:
+    """The job's run folder (``out_dir`` in the ``--config`` file), named when a full disk's error names no file."""
+    config = Path(argv[argv.index("--config") + 1]) if "--config" in argv else Path("job.json")
+    try:
+        return str(json.loads(config.read_text()).get("out_dir") or config.parent)
+    except (OSError, ValueError, AttributeError):
+        return str(config.parent)
+
+
+def stopping_on_a_full_disk(run_job: Callable[..., dict[str, Any]], argv: list[str]) -> Callable[..., dict[str, Any]]:
+    """``run_job``, except that a full disk (ENOSPC anywhere in the error) asks the launcher to stop the job and
+    waits to be stopped (SIGKILL) instead of exiting, which torchrun would answer with a restart."""
+
+    def run(*args: Any) -> dict[str, Any]:
+        try:
+            return run_job(*args)
+        except BaseException as e:
+            full = no_space(e)
+            if full is None:
+                raise
+            request = {**record(full, run_folder(argv)), "rank": int(os.environ.get("RANK", "0"))}
+            if not os.environ.get(STOP_ENV):
+                raise
+            traceback.print_exc()  # into the launcher's log, as an exit would have printed it
+            if not ask_launcher_to_stop(request):
+                raise
+            time.sleep(STOP_WAIT_S)
+            print(f"worker {os.getpid()}: the launcher did not stop the job within {STOP_WAIT_S:g}s", file=sys.stderr,
+                  flush=True)
+            raise
+
+    return run
+
+
 def main(argv: list[str], callbacks: Iterable = ()) -> None:
     """Run the job named by ``--config``; ``callbacks`` (kiln.train.trainer.Callback) go to its Trainer."""
     watch_for_orphaning()
-    run_job = entry_point(argv)
+    run_job = stopping_on_a_full_disk(entry_point(argv), argv)
     if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
         from dagster_pipes import open_dagster_pipes
 

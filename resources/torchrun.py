@@ -37,9 +37,10 @@ from kiln.common.config import ConfigError
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.train.cluster import WORKER_MODULE, TorchrunSpec  # WORKER_MODULE: tests swap in tests.faults here
+from kiln.train.diskfull import describe, no_space, record
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
-from resources.pipes_worker import LAUNCHER_ENV
+from resources.pipes_worker import LAUNCHER_ENV, STOP_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
@@ -133,6 +134,32 @@ def _as_failure() -> Iterator[None]:
         raise Failure(description=str(e), allow_retries=False) from None
 
 
+def full_disk_failure(rec: dict[str, Any], log_path: Path) -> Failure:
+    """The Failure for a full disk (a worker's stop request, or the launcher's own write): the path, the space left,
+    what to do. Not retried: another attempt would find the same full disk."""
+    who = f"rank {rec['rank']}" if "rank" in rec else "the launcher"
+    return Failure(
+        description=f"{describe(rec)}, on {who}. Not restarted by torchrun nor retried: another attempt would "
+                    "find the disk full. Free space there, or point the storage root (resources.storage.root; its "
+                    "cache when root is a URL) at a larger disk, then rematerialize: training resumes from the newest "
+                    f"good checkpoint. Log: {log_path}",
+        metadata={k: rec[k] for k in ("path", "free_bytes", "total_bytes", "error") if rec.get(k) is not None},
+        allow_retries=False)
+
+
+@contextlib.contextmanager
+def _failing_on_a_full_disk(where: Path, log_path: Path) -> Iterator[None]:
+    """The launcher's own writes (the job file): ENOSPC as full_disk_failure, naming ``where`` if the error names
+    no file."""
+    try:
+        yield
+    except OSError as e:
+        full = no_space(e)
+        if full is None:
+            raise
+        raise full_disk_failure(record(full, where), log_path) from None
+
+
 def check_local_devices(device: str, nproc_per_node: int) -> None:
     """Fail before launching when this machine cannot give every local rank its GPU (the workers would each die
     with CUDA's own less helpful error)."""
@@ -152,7 +179,7 @@ class TorchrunResource(ConfigurableResource):
     node_rank: int = Field(default=0, description="This machine's rank among nnodes (multi-node only).")
     rdzv_endpoint: str = Field(default="", description="host:port of the c10d rendezvous for multi-node runs.")
     rdzv_id: str = Field(default="", description="Rendezvous job id (defaults to the Dagster run id).")
-    max_restarts: int = Field(default=3, description="torchrun restarts the whole worker group this many times after a worker dies; each restart resumes from the newest good checkpoint.")
+    max_restarts: int = Field(default=3, description="torchrun restarts the whole worker group this many times after a worker dies; each restart resumes from the newest good checkpoint. A full disk (ENOSPC) stops the job instead (resources.pipes_worker).")
     timeout_s: int = Field(default=6 * 3600, description="Upper bound on the whole launch; the job is killed past it.")
     pg_timeout_s: int = Field(default=600, description="Process-group timeout: a hung collective fails after this.")
     python: str = Field(default="", description="Python interpreter for the workers (default: this one).")
@@ -215,12 +242,12 @@ class TorchrunResource(ConfigurableResource):
         """Write the job file, run it (torchrun here, or an sbatch script) under a Pipes session, stream logs,
         return result.json. Rank 0's progress reaches the Dagster log through Pipes."""
         out = Path(job["out_dir"])
-        out.mkdir(parents=True, exist_ok=True)
-        job_path = out / "job.json"
-        atomic_write_json(job_path, job)
+        job_path, log_path = out / "job.json", out / "train.log"
+        with _failing_on_a_full_disk(job_path, log_path):
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(job_path, job)
         (out / "result.json").unlink(missing_ok=True)
         (out / "slurm_job_id").unlink(missing_ok=True)
-        log_path = out / "train.log"
         cmd, injector, reader, own_log = self._plan_launch(context, out, job_path, nproc_per_node, device)
         context.log.info("launching: " + " ".join(cmd))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
@@ -228,21 +255,26 @@ class TorchrunResource(ConfigurableResource):
                "KILN_LAUNCH_ID": uuid.uuid4().hex[:12],  # one launch in the run's logbook (kiln.train.logbook)
                "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHELASTIC_SIGNALS}
         start = time.time()
+        stops: list[dict[str, Any]] = []  # the workers' requests to stop the job (a full disk), read by _run
         with open_pipes_session(context=context, context_injector=injector, message_reader=reader) as session:
             env.update(session.get_bootstrap_env_vars())
             if self.launcher == "local":  # the workers end themselves once this process is gone
                 env[LAUNCHER_ENV] = str(os.getpid())
-            else:  # the workers run on other machines, where this pid means nothing
+                env[STOP_ENV] = f"kiln-stop-{uuid.uuid4().hex}"  # read in the workers' output (resources.pipes_worker)
+            else:  # the workers run on other machines, where this pid means nothing and their output goes to a file
                 env.pop(LAUNCHER_ENV, None)
+                env.pop(STOP_ENV, None)
             if self.launcher == "slurm":
                 rc, timed_out, tail = self._run_slurm(context, cmd, env, own_log)
             else:
-                rc, timed_out, tail = self._run(cmd, env, own_log)
+                rc, timed_out, tail = self._run(cmd, env, own_log, stops)
         slurm_ids = [m.group(1) for ln in tail[:1] if (m := re.search(r"Submitted batch job (\d+)", ln))]
         if slurm_ids:
             atomic_write_text(out / "slurm_job_id", slurm_ids[0])  # read back by TrainingLaunch for the metadata
         if own_log != log_path and log_path.exists():  # the job's own output, written on the cluster
             tail = log_path.read_text(errors="replace").splitlines(keepends=True)[-400:]
+        if stops:
+            raise full_disk_failure(stops[0], log_path)
         self._raise_if_preempted(out, time.time() - start)
         if timed_out:
             raise Failure(f"training exceeded torchrun.timeout_s={self.timeout_s}s and was killed; "
@@ -323,19 +355,38 @@ class TorchrunResource(ConfigurableResource):
         code, _, sig = info.get("ExitCode", "1:0").partition(":")
         return (int(code) or (128 + int(sig or 0) if state != "COMPLETED" else 0)), False, lines
 
-    def _run(self, cmd: list[str], env: dict[str, str], own_log: Path) -> tuple[int, bool, list[str]]:
-        """Run ``cmd``, appending its output to ``own_log``; (exit code, whether it timed out, its last lines)."""
+    def _run(self, cmd: list[str], env: dict[str, str], own_log: Path,
+             stops: list[dict[str, Any]]) -> tuple[int, bool, list[str]]:
+        """Run ``cmd``, appending its output to ``own_log``; (exit code, whether it timed out, its last lines).
+
+        A worker's stop request, a line ``<env[STOP_ENV]> <json>`` in that output (resources.pipes_worker; the token
+        is new for each launch), is appended to ``stops`` and ends torchrun and every worker at once (SIGKILL): the
+        worker waits for that, so torchrun never restarts it. The output is still read to the end when ``own_log``
+        cannot be written (a full disk), or the workers would block on a full pipe."""
         tail: list[str] = []
         timed_out = False
+        token = f"{env[STOP_ENV]} " if env.get(STOP_ENV) else None
         with open(own_log, "a", encoding="utf-8") as log:
             # its own session (a stop signal reaches torchrun and the workers, not this process), ended with us
             proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, start_new_session=True, preexec_fn=die_with_parent())
 
             def pump() -> None:
+                writing = True
                 for line in proc.stdout:  # type: ignore[union-attr]
-                    log.write(line)
-                    log.flush()
+                    at = line.find(token) if token else -1  # after any prefix torchrun may put on a line
+                    if at >= 0:  # stop now, before torchrun can restart the worker that asked (it waits for this)
+                        stops.append(stop_request(line[at + len(token):]))
+                        kill_tree(proc.pid)
+                    if writing:
+                        try:
+                            log.write(line)
+                            log.flush()
+                        except OSError as e:  # a full disk: keep reading
+                            writing = False
+                            with contextlib.suppress(OSError):
+                                log.close()
+                            line += f"(could not write {own_log}: {e}; its later lines are not kept)\n"
                     tail.append(line)
                     del tail[:-400]
 
@@ -380,6 +431,15 @@ class TorchrunResource(ConfigurableResource):
         ids = [m.group(1) for ln in sbatch_lines if (m := re.search(r"Submitted batch job (\d+)", ln))]
         if ids:
             subprocess.run(["scancel", ids[0]], check=False, capture_output=True, timeout=60)
+
+
+def stop_request(text: str) -> dict[str, Any]:
+    """A worker's stop request (resources.pipes_worker.ask_launcher_to_stop) from the JSON after its token."""
+    try:
+        found = json.loads(text)
+    except ValueError:
+        found = None
+    return found if isinstance(found, dict) else {"path": "unknown", "error": f"unreadable stop request {text.strip()!r}"}
 
 
 def slurm_job(job_id: str, env: dict[str, str] | None = None) -> dict[str, str]:

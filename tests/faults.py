@@ -1,6 +1,6 @@
 """Test-only fault injection for training jobs: crash once at a step, SIGKILL rank 0 at steps (once each), pause
-inside checkpoint writes, train one data batch at a multiplied learning rate, slow every step down, send SIGTERM
-(a preemption) at a step; and for the clean step on Ray, a document rule that kills its worker process once
+inside checkpoint writes, fail checkpoint writes with ENOSPC (a full disk), train one data batch at a multiplied
+learning rate, slow every step down, send SIGTERM (a preemption) at a step; and for the clean step on Ray, a document rule that kills its worker process once
 (``KillWorkerOnce``).
 
 One process:   python tests/faults.py --faults F.json --config job.json --device cpu
@@ -12,8 +12,10 @@ F.json holds Faults fields. It wraps resources.pipes_worker: production code onl
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -36,6 +38,8 @@ class Faults:
     kill_after_save: bool = False  # before such a kill, wait for the checkpoint save in flight to commit (a kill that
     # must find the last interval's checkpoint, however slow the machine makes the background save)
     save_pause_s: float = 0.0  # pause inside each checkpoint write: a window for kill-during-save tests
+    no_space_from_step: int = -1  # the state file of every checkpoint from this step on fails as on a full disk:
+    # OSError ENOSPC naming no file, as a failed write() raises it, each time (a restart would meet it again)
     spike_batch: int = -1  # data batch trained at spike_lr_factor x the learning rate (a poisoned batch)
     spike_lr_factor: float = 1.0
     step_sleep_s: float = 0.0  # sleep after every step: a run slow enough for a test to act while it trains
@@ -83,6 +87,9 @@ class FaultInjector(Callback):
     def on_checkpoint_write(self, path: Path) -> None:
         if self.faults.save_pause_s:
             time.sleep(self.faults.save_pause_s)
+        step = int(re.sub(r"\D", "", path.parent.name))  # the staging folder: .step_0000008.partial
+        if 0 <= self.faults.no_space_from_step <= step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def injector(**faults) -> FaultInjector:

@@ -1,7 +1,7 @@
 """The torchrun launcher: its command line and Slurm and Kubernetes files are kiln.train.cluster's (rendered there,
 tested in tests/kiln/train/test_cluster.py) for its settings, a two-process gloo job through Pipes, torchrun
-restarting a killed worker, a Dagster retry that resumes, timeouts and failures, and torchrun and its workers
-ending with the process that launched them."""
+restarting a killed worker, a Dagster retry that resumes, timeouts and failures, a full disk that ends the launch at
+once, and torchrun and its workers ending with the process that launched them."""
 
 import json
 import os
@@ -317,3 +317,36 @@ def test_a_preempted_launch_is_retried_and_resumes_from_the_step_it_saved(tmp_pa
     events = [e.dagster_event for e in instance.all_logs(result.run_id) if e.dagster_event is not None]
     retries = [e for e in events if e.event_type_value == "STEP_UP_FOR_RETRY"]
     assert len(retries) == 1 and not [e for e in events if e.event_type_value == "STEP_FAILURE"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_launch_at_once_naming_the_path(tmp_path, pretrain_job, monkeypatch):
+    """Every checkpoint write from step 8 on fails with ENOSPC (tests/faults.py; a failed write names no file):
+    the worker asks the launcher to stop the job, so torchrun (max_restarts=1) does not restart it and base_model's
+    retry policy does not run it again; the one failure names the folder that could not be written, the free space
+    there and what to do."""
+    from assets.training import TRAINING_RETRY
+    from kiln.train.checkpoint import list_checkpoints
+    from kiln.train.logbook import attempts
+    from tests.faults import Faults
+
+    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
+    monkeypatch.setenv("KILN_FAULTS", str(Faults(no_space_from_step=8).write(tmp_path / "faults.json")))
+    job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4).read_text())
+    instance = DagsterInstance.ephemeral()
+    result = materialize([launch_asset(job, 1, TRAINING_RETRY)], instance=instance, raise_on_error=False,
+                         resources={"torchrun": TorchrunResource(max_restarts=1, timeout_s=300)})
+    assert not result.success
+    out = Path(job["out_dir"])
+    rows = attempts(out)
+    assert [(r["attempt"], r["outcome"]) for r in rows] == [("1.0", "crashed")], rows  # no restart, no relaunch
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_0000004"]  # where the next run resumes
+    events = [e.dagster_event for e in instance.all_logs(result.run_id) if e.dagster_event is not None]
+    assert not [e for e in events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    failures = [e.event_specific_data.error for e in events if e.event_type_value == "STEP_FAILURE"]
+    assert len(failures) == 1
+    message = failures[0].cause.message if failures[0].cause else failures[0].message
+    written = out / "checkpoints" / ".step_0000008.partial"
+    assert f"No space left on device (ENOSPC) writing {written} (" in message
+    assert " free of " in message and "on that filesystem" in message
+    assert "storage root" in message and "training resumes from the newest good checkpoint" in message
