@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from kiln.common.config import ConfigError
 from kiln.model.families import of
-from kiln.model.parallel import apply_fsdp, is_dtensor
+from kiln.model.parallel import apply_fsdp, full_value, is_dtensor
 
 # schedule name -> torch.distributed.pipelining class; the looped ones run several stages per rank (rank r holds
 # stages r, r + pp, r + 2 pp, ...), which shrinks the bubble from (pp - 1) / m to (pp - 1) / (v m)
@@ -156,7 +156,7 @@ class Pipeline:
         args = (x,) if self.first else ()
         self.schedule.step(*args, targets=y, target=y if self.last else None, losses=losses if self.last else None,
                            return_outputs=False)
-        loss = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=y.device)
+        loss = torch.stack([full_value(t) for t in losses]).mean().detach() if self.last else torch.zeros((), device=y.device)
         dist.broadcast(loss, dist.get_global_rank(self.group, self.last_rank), group=self.group)
         if self.tied:
             self._sum_tied_grads()
@@ -186,13 +186,11 @@ class Pipeline:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale every stage's gradients so that their global norm is at most ``max_norm`` (0: no clipping) as
         torch.nn.utils.clip_grad_norm_ does for one process; the norm before, over the whole model (a tied table
-        counted once, each FSDP2 shard once)."""
-        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None and not (self.tied and p is self.head)]
+        counted once; a sharded gradient's norm is its whole norm, as DTensor computes it)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None and not (self.tied and p is self.head)]
         device = next(self.parameters()).device
-        sq = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads]).sum() if grads else torch.zeros((), device=device)
+        sq = sum((full_value(torch.linalg.vector_norm(g)) ** 2 for g in grads), torch.zeros((), device=device))
         dist.all_reduce(sq, group=self.group)
-        if self.dp_mesh is not None:
-            dist.all_reduce(sq, group=self.dp_mesh.get_group())
         norm = sq.sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -10,6 +10,7 @@ Run: python -m pytest tests/kiln/model/test_pipeline_parallel.py -q   (a launch 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def _worker(rank: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def _fsdp_worker(rank: int, port: int, queue, root: str) -> None:
+def _four_worker(rank: int, port: int, queue, root: str) -> None:
     """Rank ``rank`` of 4 on a (pp 2, dp_shard 2) mesh: each pipeline stage sharded by FSDP2 over two ranks."""
     import torch.distributed as dist
 
@@ -125,11 +126,17 @@ def two_ranks() -> dict:
     return on_ranks(_worker, 2)
 
 
-def test_fsdp2_over_pipeline_stages_trains_as_one_process_and_its_checkpoint_loads_whole(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> tuple[dict, Path]:
+    root = tmp_path_factory.mktemp("pp-fsdp")
+    return on_ranks(_four_worker, 4, str(root)), root
+
+
+def test_fsdp2_over_pipeline_stages_trains_as_one_process_and_its_checkpoint_loads_whole(four_ranks) -> None:
     from kiln.model.families import build_model
     from kiln.train.checkpoint import load_sharded
 
-    results = on_ranks(_fsdp_worker, 4, str(tmp_path))
+    results, tmp_path = four_ranks
     for name in FSDP_CASES:
         got = [results[r][name] for r in range(4)]
         for r in got:
