@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -386,11 +386,8 @@ def preset_error(preset: dict[str, Any], home: Path) -> str | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from assets.training import TrainingPlanConfig
-    from kiln.common.config import ConfigError
-    from kiln.plan import PlanError, describe_costs, describe_plan, load_cost
+    from kiln.plan import describe_costs, describe_plan, load_cost
     from kiln.pretrained.config import PretrainedError
 
     preset = load_preset(args.preset)
@@ -411,15 +408,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     n_vocab = shown.get("n_vocab") or args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
     if conf.get("layout") is not None:  # a cluster to split the model over: the layout planner instead
         return print_layout_plan(args, conf, n_vocab, pretrained)
-    try:  # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.plan_from_config
-        plan, _, _, hw = TrainingPlanConfig(**conf).plan(n_vocab, pretrained)
-    except ValidationError as e:
-        bad = e.errors()[0]
-        print(f"kiln: preset {args.preset}: training_plan.{'.'.join(map(str, bad['loc']))}: {bad['msg']}", file=sys.stderr)
+    # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.plan_from_config
+    got = plan_or_refuse(args.preset, lambda: TrainingPlanConfig(**conf).plan(n_vocab, pretrained))
+    if got is None:
         return 2
-    except (PlanError, ConfigError) as e:
-        print(f"kiln: preset {args.preset}: {e}", file=sys.stderr)
-        return 2
+    plan, _, _, hw = got
     if args.json:
         print(json.dumps({**plan.to_dict(), **({"pretrained": shown} if shown else {})}, indent=2))
         return 0
@@ -432,24 +425,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_layout_plan(args: argparse.Namespace, conf: dict[str, Any], n_vocab: int, pretrained: dict | None) -> int:
-    """``kiln plan`` of a preset with a ``training_plan.layout`` block: kiln.layout's choice of tensor, pipeline and
-    data parallelism, why each size, memory per rank, communication, bubble, step time, MFU and the runner-up."""
+def plan_or_refuse(preset: str, make: Callable[[], Any]) -> Any:
+    """What ``make()`` plans, or None after one line on stderr saying what the preset asks that cannot be (a value
+    of the wrong kind, a model that fits nowhere)."""
     from pydantic import ValidationError
 
-    from assets.training import TrainingPlanConfig
     from kiln.common.config import ConfigError
-    from kiln.layout import describe_layout_plan
     from kiln.plan import PlanError
 
     try:
-        plan = TrainingPlanConfig(**conf).layout_plan(n_vocab, pretrained)
+        return make()
     except ValidationError as e:
         bad = e.errors()[0]
-        print(f"kiln: preset {args.preset}: training_plan.{'.'.join(map(str, bad['loc']))}: {bad['msg']}", file=sys.stderr)
-        return 2
+        print(f"kiln: preset {preset}: training_plan.{'.'.join(map(str, bad['loc']))}: {bad['msg']}", file=sys.stderr)
     except (PlanError, ConfigError) as e:
-        print(f"kiln: preset {args.preset}: {e}", file=sys.stderr)
+        print(f"kiln: preset {preset}: {e}", file=sys.stderr)
+    return None
+
+
+def print_layout_plan(args: argparse.Namespace, conf: dict[str, Any], n_vocab: int, pretrained: dict | None) -> int:
+    """``kiln plan`` of a preset with a ``training_plan.layout`` block: kiln.layout's choice of tensor, pipeline and
+    data parallelism, why each size, memory per rank, communication, bubble, step time, MFU and the runner-up."""
+    from assets.training import TrainingPlanConfig
+    from kiln.layout import describe_layout_plan
+
+    plan = plan_or_refuse(args.preset, lambda: TrainingPlanConfig(**conf).layout_plan(n_vocab, pretrained))
+    if plan is None:
         return 2
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
