@@ -88,6 +88,26 @@ class ClusterConfig:
 
 
 @dataclass
+class ReferenceLayout:
+    """A layout to evaluate beside the planner's choice (a published one, say): the Layout fields it fixes; a field
+    left unset is chosen as the fastest that fits."""
+
+    dp_replicate: int | None = None  # model copies that all-reduce their gradients
+    dp_shard: int | None = None  # ranks that shard weights, gradients and optimizer state (FSDP)
+    tp: int | None = None  # ranks that split each block, inside one server
+    pp: int | None = None  # pipeline stages
+    virtual_stages: int | None = None  # chunks of blocks per pipeline rank (interleaved 1F1B)
+    schedule: str | None = None  # "1f1b" or "interleaved_1f1b"
+    micro_batch: int | None = None  # sequences per forward pass of a data-parallel replica
+    checkpoint_every: int | None = None  # every n-th block recomputed in backward (0: none)
+    reshard_after_forward: bool | None = None  # FSDP gathers the weights per micro-batch (True) or once per step
+
+    def fields(self) -> dict[str, Any]:
+        """The Layout fields this reference fixes."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
 class LayoutRequest:
     """A preset's ``training_plan.layout`` block: plan the layout of training_plan.hardware's GPUs (count, memory,
     peak) over these links."""
@@ -96,7 +116,7 @@ class LayoutRequest:
     intra_node_gb_s: float = 450.0  # GB/s per GPU each way inside a server (H100 SXM NVLink 4: 900 GB/s both ways)
     inter_node_gb_s: float = 50.0  # GB/s per GPU each way between servers (one 400 Gb/s InfiniBand NIC per GPU)
     latency_us: float = 10.0  # microseconds per step of a collective algorithm, and per point-to-point send
-    reference: dict = field(default_factory=dict)  # a layout to evaluate beside the choice (Layout fields; those left out are the fastest that fit), e.g. a published one
+    reference: ReferenceLayout = field(default_factory=ReferenceLayout)  # a layout to evaluate beside the choice, e.g. a published one
     reference_name: str = ""  # what the plan calls the reference
 
     def cluster(self, nproc_per_node: int, nnodes: int, memory_gb: float | None, peak_tflops: float | None,
@@ -913,10 +933,6 @@ def layout_from_config(n_vocab: int, model_preset: str = "", model: dict | None 
     if hw.device != "cuda":
         raise ConfigError(f"{where}.layout plans GPU clusters: set {where}.hardware.device to cuda "
                           f"(not {hw.device!r}), or remove {where}.layout")
-    names = [f.name for f in dataclasses.fields(Layout)]
-    unknown = sorted(set(req.reference) - set(names))
-    if unknown:
-        raise ConfigError(f"{where}.layout.reference: unknown key '{unknown[0]}'; Layout fields: {', '.join(names)}")
     pinned: dict[str, Any] = {}
     if bc.micro_batch:
         pinned["micro_batch"] = bc.micro_batch
@@ -927,7 +943,7 @@ def layout_from_config(n_vocab: int, model_preset: str = "", model: dict | None 
     elif par.strategy != "auto":
         raise ConfigError(f"{where}.parallel.strategy must be auto, ddp or fsdp, not {par.strategy!r}")
     cluster = req.cluster(hw.nproc_per_node, hw.nnodes, hw.memory_gb, hw.peak_tflops, par.headroom, where)
-    plan = plan_layout(cfg, bc.seq_len, bc.global_batch, cluster, pinned, req.reference or None,
+    plan = plan_layout(cfg, bc.seq_len, bc.global_batch, cluster, pinned, req.reference.fields() or None,
                        req.reference_name or "reference")
     plan.max_steps, plan.pinned = bc.max_steps, pinned
     return plan

@@ -216,7 +216,7 @@ def test_tensor_parallel_training_follows_one_process(two_ranks, case) -> None:
 
 def test_tied_heads_stay_tied_and_each_weight_is_sharded_as_megatron_does(two_ranks) -> None:
     got = two_ranks[0]
-    assert got["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2}  # build_mesh's named dims, size 1 kept
+    assert got["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2}  # build_mesh's named dims, size 1 kept
     assert got["gpt2"]["tied"] and got["llama-tied"]["tied"] and not got["llama"]["tied"]
     llama = got["llama"]["first_block"]
     for name in ("q_proj", "k_proj", "v_proj"):
