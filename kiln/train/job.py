@@ -123,8 +123,8 @@ class TrainJob:
         out = {k: v for k, v in asdict(self).items() if k not in ("train_files", "val_files")}
         if self.layout == MeshLayout():  # recorded when it splits the model: other runs keep the record they had
             del out["layout"]
-        elif self.layout.pp == 1:  # and without pipeline stages, as tensor-parallel runs recorded it before pp
-            del out["layout"]["pp"]
+        else:  # as MeshLayout records it (pp only when there are pipeline stages)
+            out["layout"] = self.layout.record()
         return {**out, "model": model_dict(self.model)}
 
 
