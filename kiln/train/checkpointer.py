@@ -221,6 +221,24 @@ class Checkpointer:
         self.blocked_s += waited
         return waited
 
+    def finish_after_crash(self, timeout_s: float = 120.0) -> bool:
+        """Give the save in flight ``timeout_s`` to commit after the training thread failed; return whether it
+        did. Its state was copied before the failure, so it is good; without this a crash loses every step since
+        the checkpoint before it. Never raises: the crash being reported matters more than the save's own error."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return False
+        thread.join(timeout_s)
+        if thread.is_alive():
+            self.log(f"the save of {self._pending} did not finish within {timeout_s:.0f} s of the crash; "
+                     "the run resumes from the checkpoint before it")
+            return False
+        if self._error is not None:
+            self.log(f"the save of {self._pending} failed too: {type(self._error).__name__}: {self._error}")
+            self._error = None
+            return False
+        return True
+
     def _join(self) -> float:
         t0 = time.perf_counter()
         if self._thread is not None:

@@ -267,6 +267,8 @@ class Trainer:
         try:
             return self._fit()
         except Exception as e:
+            if getattr(self, "ckpt", None) is not None:
+                self.ckpt.finish_after_crash()
             self.end_attempt("crashed", self.run.step, error=f"{type(e).__name__}: {e}")
             raise
         except BaseException as e:  # KeyboardInterrupt, SystemExit: stopped from outside without a save

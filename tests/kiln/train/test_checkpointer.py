@@ -99,6 +99,22 @@ def test_background_save_is_a_snapshot_and_blocks_only_for_the_copy(tmp_path) ->
     assert_same(expected, state["model"])  # the checkpoint holds the weights as they were at save()
 
 
+def test_a_save_in_flight_when_training_crashes_is_committed_not_lost(tmp_path) -> None:
+    m, opt = trained(1)
+    logged: list[str] = []
+    ck = checkpointer(tmp_path, log=logged.append, on_write=lambda path: time.sleep(0.5))
+    ck.save(1, m, opt, {"step": 1}, {})
+    assert list_checkpoints(tmp_path) == []  # the crash comes while step 1 is being written
+    assert ck.finish_after_crash() is True and [p.name for p in list_checkpoints(tmp_path)] == ["step_0000001"]
+    assert ck.finish_after_crash() is False and logged == []  # nothing in flight any more
+    slow = checkpointer(tmp_path, log=logged.append, on_write=lambda path: time.sleep(1.0))
+    slow.save(2, m, opt, {"step": 2}, {})
+    assert slow.finish_after_crash(timeout_s=0.1) is False and "did not finish within 0 s" in logged[-1]
+    failing = checkpointer(tmp_path, log=logged.append, extra_files={"t": tmp_path / "missing.json"})
+    failing.save(3, m, opt, {"step": 3}, {})
+    assert failing.finish_after_crash() is False and "failed too: FileNotFoundError" in logged[-1]
+
+
 def test_checkpointer_reports_a_failed_background_save_and_keeps_the_previous(tmp_path) -> None:
     m, opt = trained(1)
     ck = checkpointer(tmp_path, extra_files={"tokenizer.json": tmp_path / "missing.json"})
