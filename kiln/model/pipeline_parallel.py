@@ -32,34 +32,38 @@ LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble")
 
 @dataclass
 class PipelineConfig:
-    """How a pipeline runs: its schedule, the stages each rank holds and the micro-batches a batch is cut into."""
+    """How pipeline stages run (when layout.pp > 1): the schedule, the stages each rank holds, the micro-batches."""
 
-    schedule: str = "1f1b"  # one of SCHEDULES
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b or interleaved_zero_bubble
     virtual_stages: int = 1  # stages per rank: 1 for gpipe and 1f1b, 2 or more for the looped schedules
-    microbatches: int = 0  # micro-batches per step (0: the pipeline's rank count); a multiple of it, at least it
+    # micro-batches a step's batch is cut into: a multiple of pp (0: in a training job, grad_accum, so that each is
+    # one micro_batch; elsewhere pp)
+    microbatches: int = 0
 
-    def check(self, cfg, pp: int, batch: int | None = None, where: str = "parallel") -> None:
-        """A pipeline ``cfg`` (a ModelConfig) cannot run on ``pp`` ranks is a ConfigError naming the field and the
-        legal values."""
+    def check(self, cfg, pp: int, batch: int | None = None, where: str = "pipeline", pp_field: str = "layout.pp"
+              ) -> None:
+        """A pipeline ``cfg`` (a ModelConfig) cannot run on ``pp`` ranks is a ConfigError naming the field (under
+        ``where``; the rank count as ``pp_field``) and the legal values."""
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"{where}.pp_schedule: {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+            raise ConfigError(f"{where}.schedule: {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         looped = self.schedule in LOOPED
         if looped and self.virtual_stages < 2 or not looped and self.virtual_stages != 1:
-            raise ConfigError(f"{where}.pp_virtual_stages: {self.virtual_stages} with schedule {self.schedule}; "
+            raise ConfigError(f"{where}.virtual_stages: {self.virtual_stages} with schedule {self.schedule}; "
                               + ("the looped schedules run 2 or more stages per rank" if looped
                                  else f"{self.schedule} runs one stage per rank: set it to 1, or pick "
                                       f"{' or '.join(LOOPED)}"))
         stages = pp * self.virtual_stages
         if cfg.n_layer % stages:
             legal = [d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % (d * self.virtual_stages) == 0]
-            raise ConfigError(f"{where}.pp: {pp} ranks x {self.virtual_stages} stages each must divide the "
-                              f"{cfg.n_layer} layers (model.n_layer); pp may be {', '.join(map(str, legal))}")
+            raise ConfigError(f"{pp_field}: {pp} ranks x {self.virtual_stages} stages each must divide the "
+                              f"{cfg.n_layer} layers (model.n_layer); {pp_field.rsplit('.', 1)[-1]} may be "
+                              f"{', '.join(map(str, legal))}")
         m = self.microbatches or pp
         if m < pp or m % pp:
-            raise ConfigError(f"{where}.pp_microbatches: {m}; a multiple of pp ({pp}), so that every stage works "
+            raise ConfigError(f"{where}.microbatches: {m}; a multiple of pp ({pp}), so that every stage works "
                               "in the steady state")
         if batch is not None and batch % m:
-            raise ConfigError(f"{where}.pp_microbatches: {m} must divide the batch of {batch} sequences per step")
+            raise ConfigError(f"{where}.microbatches: {m} must divide the batch of {batch} sequences per step")
 
 
 class Skip(nn.Module):
@@ -84,19 +88,69 @@ def _drop(model: nn.Module, path: str) -> None:
         setattr(parent, leaf, None)
 
 
+def _keep_stages(part: nn.Module, stages: list[int], n_stages: int) -> nn.Module:
+    """``part`` (a copy of the whole model) cut in place to the blocks of ``stages``, holding the tables before
+    the blocks only with stage 0 and the final norm and head only with the last stage."""
+    fam = of(part.config)
+    ranges = stage_layers(len(part.blocks), n_stages)
+    keep = {i for s in stages for i in ranges[s]}
+    for i in range(len(part.blocks)):
+        if i not in keep:
+            part.blocks[i] = Skip()
+    for path in (fam.first_stage if 0 not in stages else ()) + (fam.last_stage if n_stages - 1 not in stages else ()):
+        _drop(part, path)
+    return part
+
+
 def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """A copy of ``model`` that runs only stage ``stage`` of ``n_stages``: the other stages' blocks are Skip, the
     tables before the blocks stay on the first stage, the final norm and head on the last. A stage before the last
     returns its hidden states; the last, given the targets, the loss."""
-    fam = of(model.config)
-    part = copy.deepcopy(model)
-    keep = stage_layers(len(part.blocks), n_stages)[stage]
-    for i in range(len(part.blocks)):
-        if i not in keep:
-            part.blocks[i] = Skip()
+    return _keep_stages(copy.deepcopy(model), [stage], n_stages)
+
+
+def _shallow(m: nn.Module) -> nn.Module:
+    """A new module object over the same submodules, parameters and buffers, with registries of its own."""
+    c = copy.copy(m)
+    for k, v in vars(m).items():
+        if isinstance(v, (dict, set)):  # _modules, _parameters, _buffers, the hook dicts
+            c.__dict__[k] = copy.copy(v)
+    return c
+
+
+def stage_view(part: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """Stage ``stage`` of ``part`` (cut by _keep_stages to several stages) as a module of its own that shares every
+    submodule it runs with ``part``: the modules on the way to what it leaves out are new objects, the rest are
+    ``part``'s, so the parameters both see are the same tensors (one optimizer, one state dict over ``part``)."""
+    fam = of(part.config)
+    root = _shallow(part)
+    copies: dict[str, nn.Module] = {"": root}
+
+    def parent_of(path: str) -> tuple[nn.Module, str]:
+        node, key = root, ""
+        *through, leaf = path.split(".")
+        for name in through:
+            key = f"{key}.{name}" if key else name
+            if key not in copies:
+                copies[key] = _shallow(node._modules[name])
+                node._modules[name] = copies[key]
+            node = copies[key]
+        return node, leaf
+
+    blocks = next(name for name, m in part.named_modules() if m is part.blocks)
+    mine = stage_layers(len(part.blocks), n_stages)[stage]
+    for i, block in enumerate(part.blocks):
+        if i not in mine and not isinstance(block, Skip):
+            parent, leaf = parent_of(f"{blocks}.{i}")
+            parent._modules[leaf] = Skip()
     for path in (fam.first_stage if stage > 0 else ()) + (fam.last_stage if stage < n_stages - 1 else ()):
-        _drop(part, path)
-    return part
+        parent, leaf = parent_of(path)
+        if leaf in parent._modules:
+            if isinstance(parent, nn.ModuleDict):
+                del parent._modules[leaf]
+            else:
+                parent._modules[leaf] = None
+    return root
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -109,7 +163,8 @@ class Pipeline:
     the batch)."""
 
     def __init__(self, model: nn.Module, config: PipelineConfig, group: dist.ProcessGroup, device: torch.device,
-                 batch: int | None = None, dp_mesh=None, bf16: bool = False):
+                 batch: int | None = None, dp_mesh=None, bf16: bool = False, activation_checkpointing: bool = False,
+                 compile: bool = False):
         from torch.distributed import pipelining
 
         self.config, self.group, self.cfg, self.dp_mesh = config, group, model.config, dp_mesh
@@ -117,7 +172,16 @@ class Pipeline:
         config.check(self.cfg, pp, batch)
         n_stages = pp * config.virtual_stages
         self.stage_ids = list(range(rank, n_stages, pp))  # looped placement: rank r runs r, r + pp, ...
-        self.modules = [cut_stage(model, s, n_stages).to(device) for s in self.stage_ids]
+        # ``local``: this rank's part of the model (all its stages' blocks and tables, under the whole model's
+        # names), the module to optimize, save and load; ``modules``: one per stage, sharing its submodules
+        self.local = _keep_stages(copy.deepcopy(model), self.stage_ids, n_stages).to(device)
+        if compile:
+            for block in self.local.blocks:
+                if not isinstance(block, Skip):
+                    block.compile()
+        self.local.checkpoint_blocks = activation_checkpointing
+        self.modules = ([self.local] if len(self.stage_ids) == 1
+                        else [stage_view(self.local, s, n_stages) for s in self.stage_ids])
         if dp_mesh is not None:
             for m in self.modules:
                 apply_fsdp(m, device, bf16, dp_mesh)
@@ -129,38 +193,58 @@ class Pipeline:
         self.tied = fam.tied(self.cfg) and n_stages > 1  # the head shares the token table across two stages
         self.head = self.modules[-1].get_parameter(fam.head) if self.last else None
         self.table = self.modules[0].get_parameter(fam.embedding) if self.first else None
+        self.microbatches = config.microbatches or pp
         schedule = getattr(pipelining, SCHEDULES[config.schedule])
         # the last stage's forward computes the loss (the fused head and cross-entropy, inside the module, where
         # FSDP2 has its weights gathered): the schedule's loss function passes it on
         self.schedule = schedule(self.stages if config.schedule in LOOPED else self.stages[0],
-                                 n_microbatches=config.microbatches or pp, loss_fn=lambda loss, _: loss,
+                                 n_microbatches=self.microbatches, loss_fn=lambda loss, _: loss,
                                  scale_grads=True)
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        for m in self.modules:
-            yield from m.parameters()
+        return self.local.parameters()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under the whole model's names (a tied head, held by the last stage, under its own
         name too, as the whole model's state dict has it)."""
-        out: dict[str, torch.Tensor] = {}
-        for m in self.modules:
-            out.update(m.state_dict())
-        return out
+        return self.local.state_dict()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of a batch x, y (B, T) cut into micro-batches; the mean loss of the micro-batches,
-        on every rank of the group (the last stage computes it). Gradients are the mean over the micro-batches, and a
-        tied head's gradient is added into the token table's and back, so both copies take the same step."""
-        losses: list[torch.Tensor] = []
-        args = (x,) if self.first else ()
-        self.schedule.step(*args, targets=y, target=y if self.last else None, losses=losses if self.last else None,
-                           return_outputs=False)
-        loss = torch.stack([full_value(t) for t in losses]).mean().detach() if self.last else torch.zeros((), device=y.device)
-        dist.broadcast(loss, dist.get_global_rank(self.group, self.last_rank), group=self.group)
+    def step(self, x: torch.Tensor, y: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of a batch x, y (B, T) cut into micro-batches (``kwargs``, such as a document mask,
+        cut with them along dim 0); the mean loss of the micro-batches, on every rank of the group (the last stage
+        computes it). Gradients are the mean over the micro-batches, and a tied head's gradient is added into the
+        token table's and back, so both copies take the same step."""
+        loss = self._run(self.schedule.step, x, y, kwargs).mean()
         if self.tied:
             self._sum_tied_grads()
         return loss
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, **kwargs: torch.Tensor) -> tuple[float, int]:
+        """Forward only: the summed token cross-entropy of targets y (-100 skipped) and their count, on every rank
+        of the group. A batch that does not split into the schedule's micro-batches is padded with ignored rows."""
+        m = self.microbatches
+        pad = -len(x) % m  # rows to add: at least m rows, a multiple of m
+        if pad:
+            x = torch.cat([x, x[:1].expand(pad, -1)])
+            y = torch.cat([y, torch.full_like(y[:1], -100).expand(pad, -1)])
+            kwargs = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in kwargs.items()}
+        counts = torch.stack([(c != -100).sum() for c in y.tensor_split(m)]).to(torch.float64)
+        means = self._run(self.schedule.eval, x, y, kwargs).to(torch.float64).cpu()
+        total = float(sum(mu * c for mu, c in zip(means, counts) if c > 0))
+        return total, int(counts.sum())
+
+    def _run(self, fn, x: torch.Tensor, y: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``fn`` (the schedule's step or eval) over the batch; each micro-batch's mean loss, on every rank."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        fn(*args, targets=y, target=y if self.last else None, losses=losses if self.last else None,
+           return_outputs=False, **kwargs)
+        m = self.microbatches
+        out = (torch.stack([full_value(t).detach().float() for t in losses]) if self.last
+               else torch.zeros(m, device=y.device))
+        dist.broadcast(out, dist.get_global_rank(self.group, self.last_rank), group=self.group)
+        return out
 
     def _table_rows(self) -> int:
         """Rows of the token table (or tied head) this rank holds: all of them, or its FSDP2 shard's."""

@@ -72,6 +72,15 @@ def _train_both(fields: dict, pipe_cfg: PipelineConfig, group, dp_mesh=None, sav
         loss_diff = max(loss_diff, abs(float(whole.detach()) - float(piped)))
         norm_diff = max(norm_diff, abs(norms[0] - norms[1]))
         losses.append(float(piped))
+    # held-out loss, forward only: 6 rows (padded to the 4 micro-batches' multiple) with some targets skipped
+    x, y = _batches(STEPS + 1)[-1]
+    x, y = x[:6], y[:6].clone()
+    y[1, :5] = -100
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(one(x).flatten(0, 1), y.flatten(), ignore_index=-100,
+                                                       reduction="sum"))
+    total, count = pipe.eval_loss(x, y) if dp_mesh is None else (want, int((y != -100).sum()))
+    eval_diff = abs(total - want) / count if count == int((y != -100).sum()) else float("inf")
     whole_state = one.state_dict()
     mine = pipe.state_dict()
     # GPT-2's key bias has no true gradient (softmax ignores a constant added per query), so AdamW turns rounding
@@ -83,7 +92,7 @@ def _train_both(fields: dict, pipe_cfg: PipelineConfig, group, dp_mesh=None, sav
         dcp.save({"model": mine}, checkpoint_id=save_to)
         saved = {name: full_value(t).tolist() for name, t in mine.items()}  # lists: tensors die with the process
     key_bias = max([d for n, d in diffs.items() if n.endswith("attn.c_attn.bias")], default=0.0)
-    return {"loss": loss_diff, "grad_norm": norm_diff, "key_bias": key_bias,
+    return {"loss": loss_diff, "grad_norm": norm_diff, "key_bias": key_bias, "eval": eval_diff,
             "weights": max(d for n, d in diffs.items() if not n.endswith("attn.c_attn.bias")),
             "first": losses[0], "last": losses[-1], "stages": pipe.stage_ids, "names": sorted(mine),
             **({"saved": saved} if save_to is not None else {})}
@@ -159,7 +168,7 @@ def test_a_pipeline_over_two_ranks_trains_as_one_process(two_ranks, case) -> Non
     assert r0["loss"] == r1["loss"] and r0["last"] == r1["last"]  # every rank reports the last stage's loss
     for r in (r0, r1):
         assert r["loss"] < 1e-5 and r["grad_norm"] < 1e-4 and r["weights"] < 1e-4, r  # summation order apart
-        assert r["key_bias"] < 1e-3, r
+        assert r["key_bias"] < 1e-3 and r["eval"] < 1e-5, r  # eval_loss: the whole model's mean, every rank
     assert r0["last"] < 0.5 * r0["first"]  # and it learns
     looped = CASES[case][1].virtual_stages == 2
     assert (r0["stages"], r1["stages"]) == (([0, 2], [1, 3]) if looped else ([0], [1]))
@@ -202,16 +211,16 @@ def test_stages_pass_hidden_states_on_and_the_last_gives_the_whole_models_logits
 
 
 @pytest.mark.parametrize("pc, pp, match", [
-    (PipelineConfig("zigzag"), 2, r"parallel.pp_schedule: 'zigzag'; choose one of gpipe, 1f1b, interleaved_1f1b"),
-    (PipelineConfig("interleaved_1f1b", 1), 2, r"pp_virtual_stages: 1 with schedule interleaved_1f1b; the looped"),
-    (PipelineConfig("1f1b", 2), 2, r"pp_virtual_stages: 2 with schedule 1f1b; 1f1b runs one stage per rank"),
-    (PipelineConfig("1f1b"), 3, r"parallel.pp: 3 ranks x 1 stages each must divide the 4 layers \(model.n_layer\); "
+    (PipelineConfig("zigzag"), 2, r"pipeline.schedule: 'zigzag'; choose one of gpipe, 1f1b, interleaved_1f1b"),
+    (PipelineConfig("interleaved_1f1b", 1), 2, r"pipeline.virtual_stages: 1 with schedule interleaved_1f1b; the looped"),
+    (PipelineConfig("1f1b", 2), 2, r"pipeline.virtual_stages: 2 with schedule 1f1b; 1f1b runs one stage per rank"),
+    (PipelineConfig("1f1b"), 3, r"layout.pp: 3 ranks x 1 stages each must divide the 4 layers \(model.n_layer\); "
                                 r"pp may be 1, 2, 4"),
     (PipelineConfig("interleaved_1f1b", 2), 4, r"pp may be 1, 2$"),
-    (PipelineConfig("1f1b", 1, 3), 2, r"parallel.pp_microbatches: 3; a multiple of pp \(2\)"),
+    (PipelineConfig("1f1b", 1, 3), 2, r"pipeline.microbatches: 3; a multiple of pp \(2\)"),
 ])
 def test_a_pipeline_that_cannot_run_is_a_config_error_naming_the_field(pc, pp, match) -> None:
     with pytest.raises(ConfigError, match=match):
         pc.check(ModelConfig(**SHARED), pp)
-    with pytest.raises(ConfigError, match=r"pp_microbatches: 4 must divide the batch of 6 sequences"):
+    with pytest.raises(ConfigError, match=r"pipeline.microbatches: 4 must divide the batch of 6 sequences"):
         PipelineConfig("1f1b", 1, 4).check(ModelConfig(**SHARED), 2, batch=6)
