@@ -204,6 +204,11 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.local.parameters()
 
+    def train(self, mode: bool = True) -> None:
+        """Training or evaluation mode (dropout) for every stage."""
+        for m in (self.local, *self.modules):
+            m.train(mode)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under the whole model's names (a tied head, held by the last stage, under its own
         name too, as the whole model's state dict has it)."""

@@ -134,8 +134,9 @@ class Checkpointer:
         self._join()
         meta = {**meta, "step": step, "format": "sharded" if self.sharded else "full", "saved_at": time.time()}
         tmp, final = staging_dir(self.root, step), step_dir(self.root, step)
-        if self.sharded:
-            msd, osd = get_state_dict(model, optimizer)
+        if self.sharded:  # the optimizer's state keyed by parameter name: it reshards to any layout, stages included
+            meta["optim_state"] = "flat"
+            msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
             if self.rank == 0:
                 if tmp.exists():
                     shutil.rmtree(tmp)
@@ -287,13 +288,17 @@ class Checkpointer:
         meta = json.loads((path / "meta.json").read_text())
         state = load_state_file(path / "state.pt")
         if meta.get("format") == "sharded":
-            msd, osd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
+            # older sharded checkpoints hold the optimizer's parameter groups as a list
+            opts = StateDictOptions(flatten_optimizer_state_dict=meta.get("optim_state") == "flat")
+            msd, osd = (get_state_dict(model, optimizer, options=opts) if optimizer is not None
+                        else (get_model_state_dict(model), None))
             target = {"model": msd} if osd is None else {"model": msd, "optim": osd}
             load_sharded(target, path / "model", self.group)
             if osd is None:
                 set_model_state_dict(model, target["model"])
             else:
-                set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+                set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
+                               options=opts)
         else:
             opts = StateDictOptions(full_state_dict=True, strict=part == "model")
             if optimizer is None or "optimizer" not in state:

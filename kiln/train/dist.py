@@ -27,6 +27,7 @@ class DistInfo:
     world_size: int
     device: torch.device
     tp: int = 1  # ranks that split each layer (the job's layout.tp): neighbours in rank order, fed the same data
+    pp: int = 1  # pipeline stages (the job's layout.pp): the outermost mesh dim, each stage fed the same data
 
     @property
     def is_main(self) -> bool:
@@ -34,13 +35,15 @@ class DistInfo:
 
     @property
     def data_rank(self) -> int:
-        """This rank's place among the data-parallel ranks (the tensor-parallel ranks of a group share it)."""
-        return self.rank // self.tp
+        """This rank's place among the data-parallel ranks (the tensor-parallel ranks of a group and the pipeline
+        stages of a model copy share it)."""
+        return self.rank // self.tp % self.data_world
 
     @property
     def data_world(self) -> int:
-        """How many data-parallel ranks read disjoint batches (the world size over the tensor-parallel size)."""
-        return self.world_size // self.tp
+        """How many data-parallel ranks read disjoint batches (the world size over the tensor-parallel and pipeline
+        sizes)."""
+        return self.world_size // (self.tp * self.pp)
 
 
 def cuda_problem(nproc_per_node: int) -> str | None:

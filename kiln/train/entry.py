@@ -46,9 +46,9 @@ def run_job(job_cls, make_stage: Callable, doc: str, argv: list[str] | None, rep
     info = setup_distributed(args.device, args.timeout_s)
     try:
         job = broadcast_config(job_cls, args.config, info)
-        if job.layout.tp > 1:  # before the stage takes its slice of the data: a tensor-parallel group shares one
-            job.check_layout("job", info.world_size)
-            info = dataclasses.replace(info, tp=job.layout.tp)
+        if job.layout.tp > 1 or job.layout.pp > 1:  # before the stage takes its slice of the data: a tensor-parallel
+            job.check_layout("job", info.world_size)  # group, and the stages of a pipeline, share one
+            info = dataclasses.replace(info, tp=job.layout.tp, pp=job.layout.pp)
         return Trainer(job, make_stage(job, info), info, reporter or PrintReporter(), callbacks).fit()
     finally:
         if dist.is_initialized():

@@ -17,6 +17,7 @@ from kiln.common.config import ConfigError, from_dict
 from kiln.model.config import ModelConfig, model_dict
 from kiln.model.lora import LoRAConfig
 from kiln.model.parallel import MeshLayout
+from kiln.model.pipeline_parallel import PipelineConfig
 from kiln.train.optim import OptimConfig
 from kiln.train.spikes import SpikeConfig
 
@@ -68,6 +69,9 @@ class TrainJob:
     # how the ranks split the model (kiln.model.parallel.MeshLayout): tp > 1 splits each layer over that many
     # neighbouring ranks (tensor + sequence parallelism), the data-parallel ranks left shard it with FSDP2
     layout: MeshLayout = field(default_factory=MeshLayout)
+    # how the pipeline stages run when layout.pp > 1: the schedule, stages per rank, and the micro-batches a step's
+    # micro_batch x grad_accum sequences are cut into (0: grad_accum of micro_batch sequences each)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
     compile: bool = False  # torch.compile each block
     eval_interval: int = 100  # steps between validation passes
@@ -99,8 +103,7 @@ class TrainJob:
         if lay == MeshLayout():
             return
         if lay.pp != 1:
-            raise ConfigError(f"{where}.layout.pp: {lay.pp}; the training job does not run pipeline stages yet "
-                              "(kiln.model.pipeline_parallel does, outside it): set layout.pp to 1")
+            self.check_pipeline(where)
         if lay.dp_replicate != 1:
             raise ConfigError(f"{where}.layout.dp_replicate: {lay.dp_replicate}; the training job replicates "
                               "through parallelism: ddp (dp_replicate is 1: every data-parallel rank is in dp_shard)")
@@ -117,10 +120,42 @@ class TrainJob:
         if world_size is not None:
             lay.resolve(world_size, self.model, f"{where}.layout")
 
+    def check_pipeline(self, where: str) -> None:
+        """Pipeline stages (layout.pp > 1) that cannot run this job: a ConfigError naming the field."""
+        lay, lora = self.layout, getattr(self, "lora", None)
+        if self.task not in ("pretrain", "sft"):
+            raise ConfigError(f"{where}.layout.pp: {lay.pp}; pipeline stages train tasks pretrain and sft, not "
+                              f"{self.task!r} (its reference and sampling models run whole): set layout.pp to 1")
+        if lora is not None and lora.enabled:
+            raise ConfigError(f"{where}.layout.pp: {lay.pp} with lora.enabled: a LoRA run replicates its model; set "
+                              "layout.pp to 1")
+        if lay.tp > 1:
+            raise ConfigError(f"{where}.layout: pp {lay.pp} with tp {lay.tp}; the training job runs pipeline stages "
+                              "alone or sharded by FSDP2 (dp_shard), not yet split by tensor parallelism: set tp to 1")
+        if self.parallelism == "ddp":
+            raise ConfigError(f"{where}.parallelism: 'ddp' with layout.pp {lay.pp}: the data-parallel ranks of a "
+                              "pipeline shard its stages with FSDP2; set parallelism to 'fsdp' (or 'auto')")
+        try:
+            self.pipeline_config().check(self.model, lay.pp, self.micro_batch * self.grad_accum, f"{where}.pipeline",
+                                         f"{where}.layout.pp")
+        except ConfigError as e:
+            if self.pipeline.microbatches or "microbatches" not in str(e):
+                raise
+            raise ConfigError(f"{e} (pipeline.microbatches 0 takes grad_accum, {self.grad_accum}: raise "
+                              f"{where}.grad_accum to a multiple of layout.pp, or set {where}.pipeline.microbatches)"
+                              ) from None
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The pipeline as it runs: microbatches 0 resolved to grad_accum."""
+        return PipelineConfig(self.pipeline.schedule, self.pipeline.virtual_stages,
+                              self.pipeline.microbatches or self.grad_accum)
+
     def params(self) -> dict[str, Any]:
         """The job as its run records it (MLflow params, checkpoints' meta.json, result.json, the logbook): every
         field, the model in its serialised form (kiln.model.config.model_dict), the data files left out."""
         out = {k: v for k, v in asdict(self).items() if k not in ("train_files", "val_files")}
+        if self.layout.pp == 1:  # recorded when there are pipeline stages: other runs keep the record they had
+            del out["pipeline"]
         if self.layout == MeshLayout():  # recorded when it splits the model: other runs keep the record they had
             del out["layout"]
         else:  # as MeshLayout records it (pp only when there are pipeline stages)

@@ -73,6 +73,35 @@ def evaluate(model: torch.nn.Module, batches: Batches, info: DistInfo, autocast,
     return total / max(count, 1)
 
 
+@torch.no_grad()
+def evaluate_pipeline(trainer: Trainer, batches: Batches, eot: int | None = None) -> float:
+    """``evaluate`` through the trainer's pipeline stages: the validation batches in groups of one step's
+    micro-batches, forward only (the schedule's eval); the same mean over every rank."""
+    pipe, info = trainer.pipe, trainer.info
+    pipe.train(False)
+    total, count, group = 0.0, 0, []
+
+    def run() -> tuple[float, int]:
+        x, y = (torch.cat(t).to(info.device) for t in zip(*group))
+        with trainer.autocast():
+            return pipe.eval_loss(x, y, **mask_kwargs(x, eot))
+
+    for batch in batches():
+        group.append(batch)
+        if len(group) == pipe.microbatches:
+            t, c = run()
+            total, count, group = total + t, count + c, []
+    if group:
+        t, c = run()
+        total, count = total + t, count + c
+    pipe.train(True)
+    if info.world_size > 1:  # every stage of a model copy holds the same sums: the ratio is the copies' mean
+        t = torch.tensor([total, count], dtype=torch.float64)
+        dist.all_reduce(t)
+        total, count = t.tolist()
+    return total / max(count, 1)
+
+
 class NextTokenStage(Stage):
     """Mean next-token cross-entropy of (B, T) inputs against (B, T) targets through the model's chunked head
     (kiln.model.loss.LinearCrossEntropy); validation is the same loss on held-out batches. With ``eot`` (an
@@ -91,7 +120,16 @@ class NextTokenStage(Stage):
         with trainer.autocast():
             return trainer.model(x, y, **mask_kwargs(x, self.eot)), {}
 
+    def pipeline_batch(self, trainer: Trainer, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        x, y = (torch.cat(t).to(trainer.info.device) for t in zip(*self.batches(index)))  # (grad_accum B, T)
+        return x, y, mask_kwargs(x, self.eot)
+
     def validate(self, trainer: Trainer) -> dict[str, float]:
+        if trainer.pipe is not None:
+            val = {"val_loss": evaluate_pipeline(trainer, self.val_batches, self.eot)}
+            if self.eot is not None:
+                val["val_loss_unmasked"] = evaluate_pipeline(trainer, self.val_batches)
+            return val
         val = {"val_loss": evaluate(trainer.model, self.val_batches, trainer.info, trainer.autocast, self.eot)}
         if self.eot is not None:  # also attending across documents, as an unmasked run measures: comparable with it
             val["val_loss_unmasked"] = evaluate(trainer.model, self.val_batches, trainer.info, trainer.autocast)

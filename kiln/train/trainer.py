@@ -25,6 +25,7 @@ from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token, of
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import MeshLayout, build_mesh, clip_grad_norm, describe, gradient_sync, parallelize
+from kiln.model.pipeline_parallel import Pipeline
 from kiln.model.tensor_parallel import apply_tp
 from kiln.train.checkpoint import CheckpointError, list_checkpoints, load_state, resolve_checkpoint, step_of
 from kiln.train.checkpointer import Checkpointer, rng_state, set_rng_state
@@ -96,6 +97,11 @@ class Stage:
         """Held-out measures, named as logged (every rank calls this and gets the same numbers)."""
         raise NotImplementedError
 
+    def pipeline_batch(self, trainer: Trainer, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Global batch ``index`` whole for pipeline stages: inputs, targets and extra forward arguments, each cut
+        along dim 0 into the schedule's micro-batches. Stages whose batches are not (x, y) pairs do not pipeline."""
+        raise NotImplementedError(f"{type(self).__name__} does not run on pipeline stages")
+
     def history_row(self, step: int, train: dict[str, float], val: dict[str, float] | None) -> dict | None:
         """The history row of ``step`` (by default one per validation), or None."""
         return None if val is None else {"step": step, "train_loss": train["train_loss"], **val}
@@ -166,7 +172,8 @@ class Trainer:
         self.job, self.stage, self.info, self.reporter = job, stage, info, reporter
         self.callbacks = list(callbacks)
         self.cfg, self.opt_cfg, self.spike_cfg = job.model, job.optim, job.spikes  # built and checked by load_job
-        self.layout = self.split_layout()  # None unless the model is split over the ranks (job.layout.tp > 1)
+        self.layout = self.split_layout()  # None unless the model is split over the ranks (layout.tp or pp > 1)
+        self.pipe: Pipeline | None = None  # this rank's pipeline stages (layout.pp > 1)
         if self.layout is not None:  # the data-parallel ranks left over shard the split model with FSDP2
             self.strategy = "fsdp" if self.layout.dp_shard > 1 else "none"
         else:
@@ -214,9 +221,9 @@ class Trainer:
     # -- the model
 
     def split_layout(self) -> MeshLayout | None:
-        """The job's layout resolved for this world (a ConfigError when it cannot run here), or None when no
-        layer is split (tp 1: the data-parallel strategies alone)."""
-        if self.job.layout.tp == 1:
+        """The job's layout resolved for this world (a ConfigError when it cannot run here), or None when the
+        model is not split (tp 1 and pp 1: the data-parallel strategies alone)."""
+        if self.job.layout.tp == 1 and self.job.layout.pp == 1:
             return None
         self.job.check_layout("job", self.info.world_size)
         return self.job.layout.resolve(self.info.world_size, self.cfg, "job.layout")
@@ -224,8 +231,8 @@ class Trainer:
     def sharded_checkpoints(self) -> bool:
         """FSDP2 and tensor-parallel runs save each rank's shards (DCP), except a family whose tensor-parallel
         shards are strided (GPT-2's fused q|k|v, which DCP cannot save): those gather one full state on rank 0."""
-        if self.layout is not None:
-            return not of(self.cfg).tp_strided
+        if self.layout is not None:  # pipeline stages: each rank holds other parameters
+            return self.layout.pp > 1 or not of(self.cfg).tp_strided
         return self.strategy == "fsdp"
 
     def build(self) -> None:
@@ -244,13 +251,29 @@ class Trainer:
                      "parameters")
         self.raw = raw.to(self.info.device)  # the model to save and load, however it is wrapped
         self.stage.setup(self)
+        self.counts = (self.raw.num_params(), trainable_parameters(self.raw))  # the whole model's
         fsdp_mesh = None
+        if self.layout is not None and self.layout.pp > 1:
+            return self.build_pipeline(build_mesh(self.layout, self.info.device.type))
         if self.layout is not None:  # split each layer over the tensor-parallel ranks before anything wraps it
             mesh = build_mesh(self.layout, self.info.device.type)
             apply_tp(self.raw, mesh["tp"])
             fsdp_mesh = mesh["dp_shard"]
         self.model = parallelize(self.raw, self.strategy, job.activation_checkpointing, job.compile, self.info.device,
                                  self.bf16, fsdp_mesh=fsdp_mesh)  # the model to call
+        self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
+        self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
+
+    def build_pipeline(self, mesh) -> None:
+        """This rank's pipeline stages of the model (sharded by FSDP2 over dp_shard when it is above 1), their
+        schedule, and the optimizer over them; ``raw`` and ``model`` become this rank's part of the model (its
+        stages' blocks and tables under the whole model's names), which the checkpoints save and load."""
+        job = self.job
+        dp_mesh = mesh["dp_shard"] if self.layout.dp_shard > 1 else None
+        self.pipe = Pipeline(self.raw, job.pipeline_config(), mesh["pp"].get_group(), self.info.device,
+                             batch=job.micro_batch * job.grad_accum, dp_mesh=dp_mesh, bf16=self.bf16,
+                             activation_checkpointing=job.activation_checkpointing, compile=job.compile)
+        self.raw = self.model = self.pipe.local  # trained through self.pipe: its forward runs one stage only
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
 
@@ -325,7 +348,7 @@ class Trainer:
         self.peak_flops = resolve_peak_flops(self.job.peak_flops, self.info.device) if tokens else 0.0
         if self.info.is_main:
             self.logger.log_params({"job": self.job_params(), "peak_flops_per_device": self.peak_flops})
-        self.say(f"training {self.raw.num_params() / 1e6:.2f}M parameters on {self.info.world_size} x "
+        self.say(f"training {self.counts[0] / 1e6:.2f}M parameters on {self.info.world_size} x "
                  f"{self.info.device.type} ({self.describe_parallel()}), "
                  + (f"{tokens} tokens/step, " if tokens else "") + f"steps {self.run.step}->{self.job.max_steps}"
                  + (f", MFU against {self.peak_flops / 1e12:.3g} TFLOP/s per device" if self.peak_flops else ""))
@@ -341,11 +364,18 @@ class Trainer:
         how = describe(self.strategy, self.job.activation_checkpointing, self.job.compile)
         if self.layout is None:
             return how
+        if self.pipe is not None:
+            pc = self.pipe.config
+            per = f", {pc.virtual_stages} stages per rank" if pc.virtual_stages > 1 else ""
+            return (f"{how}, pipeline parallel {self.layout.pp} ({pc.schedule}{per}, {self.pipe.microbatches} "
+                    f"micro-batches; {self.layout.describe()})")
         return f"{how}, tensor parallel {self.layout.tp} ({self.layout.describe()})"
 
     def layout_record(self) -> dict[str, Any]:
         """The mesh sizes for result.json and the logbook, when the model is split (else nothing is added)."""
-        return {} if self.layout is None else {"layout": self.layout.record()}
+        if self.layout is None:
+            return {}
+        return {"layout": self.layout.record(), **({"pipeline": asdict(self.pipe.config)} if self.pipe else {})}
 
     def env_config(self) -> dict[str, Any]:
         """What the logbook compares between attempts beside the job: where and on what this attempt runs."""
@@ -370,10 +400,17 @@ class Trainer:
     def train_step(self, index: int) -> tuple[dict[str, float], float]:
         """Forward and backward every micro-batch of data batch ``index``; return the step's training measures
         (averaged over ranks) and the gradient norm before clipping."""
-        loss, stats = accumulate_gradients(self.model, self.stage.batches(index), lambda b: self.stage.loss(self, b),
-                                           self.job.grad_accum, self.info.device)
-        self.run.data_batches += 1
-        norm = clip_grad_norm(self.model, self.opt_cfg.grad_clip)
+        if self.pipe is not None:  # the schedule runs the micro-batches; the last stage's loss reaches every rank
+            x, y, kwargs = self.stage.pipeline_batch(self, index)
+            with self.autocast():
+                loss, stats = float(self.pipe.step(x, y, **kwargs)), {}
+            self.run.data_batches += 1
+            norm = self.pipe.clip_grad_norm(self.opt_cfg.grad_clip)
+        else:
+            loss, stats = accumulate_gradients(self.model, self.stage.batches(index),
+                                               lambda b: self.stage.loss(self, b), self.job.grad_accum, self.info.device)
+            self.run.data_batches += 1
+            norm = clip_grad_norm(self.model, self.opt_cfg.grad_clip)
         values = {"train_loss": loss}
         if self.info.world_size > 1:  # a stop signal on any rank rides on the loss all-reduce: all stop together
             values["stop_signal"] = float(self.preempt.requested)
@@ -559,7 +596,8 @@ class Trainer:
         self.clock.add("save_s", self.ckpt.wait())
         self.logger.flush()
         digests = rank_digests(self.model, self.info)
-        if self.info.is_main and len(set(digests)) > 1:
+        copies = self.info.world_size // (self.layout.pp if self.pipe else 1)  # ranks holding one stage's weights
+        if self.info.is_main and any(len(set(digests[i:i + copies])) > 1 for i in range(0, len(digests), copies)):
             self.warn(f"ranks disagree on the final parameters: {digests}")
         self.clock.beat(self.run.step)
         goodput = summarize(self.out) if self.info.is_main else {}
@@ -586,8 +624,8 @@ class Trainer:
             "checkpoint": checkpoints[-1]["path"] if checkpoints else None, "checkpoints": checkpoints,
             "resumed_from": self.resumed_from, "world_size": self.info.world_size, "device": self.info.device.type,
             "parallelism": self.strategy, "activation_checkpointing": self.job.activation_checkpointing,
-            "compile": self.job.compile, "params": self.raw.num_params(),
-            "trainable_params": trainable_parameters(self.raw), "wall_s": time.time() - t_start,
+            "compile": self.job.compile, "params": self.counts[0], "trainable_params": self.counts[1],
+            "wall_s": time.time() - t_start,
             "tokens_per_s": median(self.tokens_s), "mfu": median(self.mfus), "peak_flops_per_device": self.peak_flops,
             "peak_memory_gb": peak_memory_gb(self.info.device, self.base_gb), "data_batches": run.data_batches,
             "events": self.events, "grad_norm_spikes": self.grad_spikes, "goodput": goodput,

@@ -150,7 +150,6 @@ def test_an_fsdp2_checkpoint_resumes_under_tensor_parallelism(tmp_path, pretrain
     ({"layout": {"tp": 2, "dp_replicate": 2}}, 4, "job.layout.dp_replicate: 2"),
     ({"layout": {"tp": 2, "dp_shard": 2}}, 4, "gpt2 family's tensor-parallel shards cannot be sharded again"),
     ({"layout": {"tp": 2}, "task": "sft", "lora": {"enabled": True}}, 2, "job.layout.tp: 2 with lora.enabled"),
-    ({"layout": {"pp": 2}}, 2, "job.layout.pp: 2; the training job does not run pipeline stages yet"),
 ])
 def test_a_layout_the_job_cannot_train_is_a_config_error_naming_the_field(tmp_path, pretrain_job, fields, world,
                                                                           message) -> None:
