@@ -64,15 +64,26 @@ def pp_reference(tmp_path_factory, pretrain_job):
     return get
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pp_run(request, tmp_path_factory, pretrain_job, train_runner, pp_reference):
-    """(family, the pipeline job, its one-process reference result, the launch): 30 steps on two ranks, pp 2."""
-    family = request.param
-    ref = pp_reference(family)
-    job = pp_job(pretrain_job, tmp_path_factory.mktemp(f"pp-{family}"), family)
-    proc = train_runner(job, nproc=2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return family, job, ref, proc
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory, pretrain_job, train_runner, pp_reference):
+    """``pp_runs(family)``: (family, the pipeline job, its one-process reference result, the launch): 30 steps on
+    two ranks, pp 2, launched once per module."""
+    made: dict[str, tuple] = {}
+
+    def get(family: str) -> tuple:
+        if family not in made:
+            job = pp_job(pretrain_job, tmp_path_factory.mktemp(f"pp-{family}"), family)
+            proc = train_runner(job, nproc=2)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            made[family] = (family, job, pp_reference(family), proc)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(params=list(CASES))
+def pp_run(request, pp_runs):
+    return pp_runs(request.param)
 
 
 @pytest.mark.slow
@@ -102,6 +113,96 @@ def test_pipeline_training_follows_one_process_and_resumes_bit_for_bit(tmp_path,
     assert again["rank_param_digests"] == res["rank_param_digests"]
     assert again["curve"] == res["curve"] and again["history"] == res["history"]
 
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_on_one_process(tmp_path, pp_run, pretrain_job) -> None:
+    family, job, ref, _ = pp_run
+    one = in_process(pp_resume(result_of(job), tmp_path, pretrain_job, family, pipelined=False))
+    assert one["resumed_from"].endswith(f"step_{RESUME_AT:07d}") and "layout" not in one
+    assert_same_curve(one, ref)
+
+
+FSDP_SPLIT = {"micro_batch": 2, "eval_batches": 8}  # two data-parallel ranks of 2 sequences: the same 4 a micro-step
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_under_fsdp2(tmp_path, pp_runs, pretrain_job, train_runner) -> None:
+    """Resharding through torch.distributed.checkpoint: each rank's stages saved by name (Llama's interleaved
+    stages, two per rank), loaded as FSDP2's dim-0 shards of the whole model on two data-parallel ranks."""
+    family, job, ref, _ = pp_runs("llama")
+    resumed = pp_resume(result_of(job), tmp_path, pretrain_job, family, pipelined=False, parallelism="fsdp",
+                        **FSDP_SPLIT)
+    proc = train_runner(resumed, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = result_of(resumed)
+    assert res["resumed_from"].endswith(f"step_{RESUME_AT:07d}") and res["parallelism"] == "fsdp"
+    assert_same_curve(res, ref)
+
+
+@pytest.mark.slow
+def test_fsdp2_over_pipeline_stages_on_four_ranks_follows_one_process(tmp_path, pretrain_job, train_runner,
+                                                                     pp_reference) -> None:
+    """pp 2 x dp_shard 2: each stage sharded by FSDP2 over the two data-parallel ranks, which read disjoint rows."""
+    ref = pp_reference("gpt2")
+    job = pp_job(pretrain_job, tmp_path, "gpt2", **FSDP_SPLIT)
+    proc = train_runner(job, nproc=4, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = result_of(job)
+    assert res["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1} and res["parallelism"] == "fsdp"
+    assert res["tokens"] == ref["tokens"]
+    digests = res["rank_param_digests"]  # ranks 0, 1 hold stage 0; ranks 2, 3 stage 1 (pp is the outer dim)
+    assert digests[0] == digests[1] != digests[2] == digests[3]
+    assert_same_curve(res, ref)
+    assert "pipeline parallel 2 (1f1b, 2 micro-batches; pp 2 x dp_shard 2)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_rollback_preemption_and_sigkill_under_a_pipeline_end_where_one_process_ends(tmp_path, pretrain_job,
+                                                                                   train_runner) -> None:
+    """A poisoned batch (17, at 1000x the lr) rolls the pipeline back to step 10; SIGTERM on rank 1 at step 24 stops
+    both ranks after step 25 with its checkpoint saved; the next launch is SIGKILLed at step 27 and the third
+    finishes. The one-process run through the same spike ends on the same curve."""
+    from kiln.train import logbook
+    from kiln.train.loop import main
+    from kiln.train.preempt import PREEMPTED_EXIT
+    from tests.conftest import single_thread
+    from tests.faults import Faults, injector
+
+    spikes = {"ckpt_interval": 5, "keep_last": 4, "optim": {"lr": 3e-3, "warmup_steps": 5},
+              "spikes": {"warmup_steps": 5, "window": 20, "rollback_steps": 5, "skip_batches": 3}}
+    one = pp_job(pretrain_job, tmp_path / "one", "gpt2", pipelined=False, **spikes)
+    with single_thread():
+        ref = main(["--config", str(one), "--device", "cpu"], callbacks=[injector(spike_batch=17, spike_lr_factor=1000.0)])
+    assert [e["event"] for e in ref["events"]] == ["rollback"] and ref["events"][0]["to_step"] == 10
+
+    job = pp_job(pretrain_job, tmp_path / "pp", "gpt2", **spikes)
+
+    def launch(**faults) -> subprocess.CompletedProcess:
+        f = Faults(**faults).write(tmp_path / "faults.json")
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "tests.faults", "--faults", str(f), "--config", str(job), "--device", "cpu",
+                               "--timeout-s", "120"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                              timeout=240)
+
+    proc = launch(spike_batch=17, spike_lr_factor=1000.0, term_at_step=24, term_rank=1)
+    assert proc.returncode != 0 and str(PREEMPTED_EXIT) in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert result_of(job)["preemption"]["saved_step"] == 25
+    proc = launch(kill_at_steps=[27])
+    assert proc.returncode != 0 and "SIGKILL" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    proc = launch()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = result_of(job)
+    assert res["resumed_from"].endswith("step_0000025") and res["steps"] == STEPS
+    same = ("event", "step", "to_step", "skipped_batches")
+    assert [{k: e[k] for k in same} for e in res["events"]] == [{k: ref["events"][0][k] for k in same}]
+    assert res["events"][0]["loss"] == pytest.approx(ref["events"][0]["loss"], rel=1e-4)
+    assert_same_curve(res, ref)
+    rows = logbook.attempts(Path(json.loads(job.read_text())["out_dir"]))
+    got = [(r["attempt"], r["outcome"], r["from_step"], r["to_step"]) for r in rows]
+    assert got == [("1.0", "rolled_back", 0, 18), ("1.1", "preempted", 10, 25), ("2.0", "killed", 25, 27),
+                   ("3.0", "completed", 25, STEPS)], got
+    assert res["goodput"]["goodput"] < 1.0 and res["goodput"]["redone_steps_s"] > 0  # steps 10-18, 26, 27 redone
 
 @pytest.mark.parametrize("fields, world, message", [
     ({"layout": {"pp": 2, "tp": 2}}, 4, "job.layout: pp 2 with tp 2; the training job runs pipeline stages alone or "
