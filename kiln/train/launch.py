@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.common.config import ConfigError
 from kiln.common.files import stable_hash
 from kiln.train.job import TrainJob, job_class, load_job
 
@@ -88,19 +87,19 @@ class RunSpec:
         peak = plan["hardware"].get("peak_tflops")
         if peak:
             job["peak_flops"] = peak * 1e12
-        if plan.get("layout"):  # a plan that splits the model (kiln.plan): its mesh
-            job["layout"] = training_layout(plan["layout"])
+        if plan.get("layout"):  # a plan that splits the model: its mesh, and how its pipeline stages run
+            job["layout"] = {k: int(v) for k, v in plan["layout"].items()
+                             if k in ("dp_replicate", "dp_shard", "tp") or k == "pp" and v > 1}
+            if plan.get("pipeline"):
+                job["pipeline"] = dict(plan["pipeline"])
         return job
 
 
-def training_layout(layout: dict[str, Any]) -> dict[str, int]:
-    """The job's ``layout`` block (kiln.model.parallel.MeshLayout) for a plan's layout; a plan the training job
-    cannot run (pipeline stages) is a ConfigError naming the plan's field."""
-    if layout.get("pp", 1) != 1:
-        raise ConfigError(f"training_plan.parallel.pp: the plan splits the model into {layout['pp']} pipeline stages, "
-                          "which the training job does not run: set parallel.pp to 1 (tensor and data parallelism "
-                          "train; kiln plan shows the layouts a cluster allows)")
-    return {k: int(layout[k]) for k in ("dp_replicate", "dp_shard", "tp")}
+def describe_sizes(layout: dict[str, int]) -> str:
+    """A recorded layout as "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1", outermost mesh dim first."""
+    from kiln.model.parallel import MESH_DIMS
+
+    return " x ".join(f"{k} {layout[k]}" for k in MESH_DIMS if k in layout)
 
 
 def pretrain_report(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -125,5 +124,5 @@ def pretrain_report(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "goodput_breakdown": Table([{"where": k.removesuffix("_s"), "seconds": v} for k, v in goodput.items()
                                     if k.endswith("_s")]),
         "spike_events": Table(result.get("events", [])),
-        **({"layout": " x ".join(f"{k} {v}" for k, v in result["layout"].items())} if result.get("layout") else {}),
+        **({"layout": describe_sizes(result["layout"])} if result.get("layout") else {}),
     }

@@ -18,15 +18,24 @@ from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
 
+SPLITS = {  # a plan's layout on two torchrun ranks, one data-parallel rank: the fields the plan carries
+    "tp2": {"layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1}},  # each layer split over both
+    "pp2": {"layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2}, "micro_batch": 2, "grad_accum": 2,
+            "pipeline": {"schedule": "1f1b", "virtual_stages": 1, "microbatches": 0}},  # a block per rank
+}
+
+
 @pytest.mark.slow
-def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, tiny_tokenizer, tiny_shards, model_dict):
-    """On two torchrun ranks splitting each layer (a plan's tensor-parallel layout: tp 2, one data-parallel rank);
-    the smoke pipeline materializes base_model on one process."""
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, tiny_tokenizer, tiny_shards, model_dict,
+                                                                   split):
+    """On two torchrun ranks splitting the model (a plan's tensor-parallel or pipeline layout, one data-parallel
+    rank); the smoke pipeline materializes base_model on one process."""
     _, tok_path = tiny_tokenizer
     plan = make_plan(ModelConfig(**model_dict), BatchConfig(seq_len=32, global_batch=4, max_steps=12),
                      HardwareConfig(memory_gb=4)).to_dict()
     plan.update(hardware={"device": "cpu", "nproc_per_node": 2, "nnodes": 1, "peak_tflops": None}, max_steps=12,
-                world_size=2, layout={"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1})
+                world_size=2, **SPLITS[split])
 
     @asset(name="training_plan")
     def plan_stub() -> dict:
@@ -59,7 +68,10 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
     assert "| 8 |" in meta["checkpoints"].value and "| 12 |" in meta["checkpoints"].value
     assert 0 < meta["goodput"].value < 1 and "| productive |" in meta["goodput_breakdown"].value
     assert meta["tokens_per_s"].value > 0 and 0 < meta["mfu"].value < 1 and meta["parallelism"].value == "none"
-    assert meta["layout"].value == "dp_replicate 1 x dp_shard 1 x tp 2" and meta["world_size"].value == 2
+    layout = SPLITS[split]["layout"]
+    assert meta["layout"].value == {"tp2": "dp_replicate 1 x dp_shard 1 x tp 2",
+                                    "pp2": "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"}[split]
+    assert meta["world_size"].value == 2
     assert str(mat.tags.get("dagster/data_version", value["version"])) == value["version"]
 
     client = MlflowClient(mlflow.resolved_uri())
@@ -69,7 +81,8 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
     assert "loss.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
     job = json.loads((Path(value["out_dir"]) / "job.json").read_text())
     assert job["keep_every"] == 8 and job["async_save"] and job["parallelism"] == "none"
-    assert job["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    assert job["layout"] == {k: v for k, v in layout.items() if k != "pp" or v > 1}
+    assert job.get("pipeline") == SPLITS[split].get("pipeline")
 
 
 def test_base_model_has_a_retry_policy():
