@@ -152,6 +152,8 @@ class Llama(nn.Module):
         attention scores depend on q and k positions only through their difference, so within one document they
         equal those of the document run from position 0 (to float rounding)."""
         B, T = idx.shape[:2]
+        if idx.dim() == 3 and targets is not None:  # a later pipeline stage's input: under sequence parallelism
+            T = targets.shape[1]  # each rank holds T / tp of the positions; the targets span them all
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than model.block_size={self.config.block_size}")

@@ -164,10 +164,10 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, config: PipelineConfig, group: dist.ProcessGroup, device: torch.device,
                  batch: int | None = None, dp_mesh=None, bf16: bool = False, activation_checkpointing: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, tp_mesh=None):
         from torch.distributed import pipelining
 
-        self.config, self.group, self.cfg, self.dp_mesh = config, group, model.config, dp_mesh
+        self.config, self.group, self.cfg, self.dp_mesh, self.tp_mesh = config, group, model.config, dp_mesh, tp_mesh
         pp, rank = dist.get_world_size(group), dist.get_rank(group)
         config.check(self.cfg, pp, batch)
         n_stages = pp * config.virtual_stages
@@ -175,6 +175,10 @@ class Pipeline:
         # ``local``: this rank's part of the model (all its stages' blocks and tables, under the whole model's
         # names), the module to optimize, save and load; ``modules``: one per stage, sharing its submodules
         self.local = _keep_stages(copy.deepcopy(model), self.stage_ids, n_stages).to(device)
+        if tp_mesh is not None:  # each held layer split over the tensor-parallel ranks, before the stages share it
+            from kiln.model.tensor_parallel import apply_tp
+
+            apply_tp(self.local, tp_mesh)
         if compile:
             for block in self.local.blocks:
                 if not isinstance(block, Skip):
@@ -220,9 +224,19 @@ class Pipeline:
         computes it). Gradients are the mean over the micro-batches, and a tied head's gradient is added into the
         token table's and back, so both copies take the same step."""
         loss = self._run(self.schedule.step, x, y, kwargs).mean()
+        if self.tp_mesh is not None:
+            self._align_grads()
         if self.tied:
             self._sum_tied_grads()
         return loss
+
+    def _align_grads(self) -> None:
+        """Each tensor-parallel gradient in its parameter's placement: a stage's token table, row-parallel over the
+        vocabulary, gets its gradient replicated (the whole table's) without the head's sharded one added to it as
+        in the whole model; the optimizer and the tied sum need this rank's rows."""
+        for p in self.parameters():
+            if p.grad is not None and is_dtensor(p.grad) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, **kwargs: torch.Tensor) -> tuple[float, int]:
@@ -252,10 +266,12 @@ class Pipeline:
         return out
 
     def _table_rows(self) -> int:
-        """Rows of the token table (or tied head) this rank holds: all of them, or its FSDP2 shard's."""
+        """Rows of the token table (or tied head) this rank holds: all of them, its tensor-parallel vocabulary
+        shard's (vocab_size divides by tp), and of those its FSDP2 shard's."""
+        rows = self.cfg.vocab_size // (self.tp_mesh.size() if self.tp_mesh is not None else 1)
         if self.dp_mesh is None:
-            return self.cfg.vocab_size
-        chunks = torch.empty(self.cfg.vocab_size, 0).chunk(self.dp_mesh.size())  # FSDP2's dim-0 split
+            return rows
+        chunks = torch.empty(rows, 0).chunk(self.dp_mesh.size())  # FSDP2's dim-0 split
         r = self.dp_mesh.get_local_rank()
         return chunks[r].size(0) if r < len(chunks) else 0
 

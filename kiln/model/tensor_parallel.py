@@ -65,11 +65,38 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     cfg = model.config
     check_tp(cfg, tp_mesh.size())
     desc = of(cfg)
-    parallelize_module(model, tp_mesh, desc.tp_plan(cfg))
-    if desc.tied(cfg):
-        head = model.get_submodule(desc.head.removesuffix(".weight"))
-        head.weight = model.get_submodule(desc.embedding_module).weight
+    parallelize_module(model, tp_mesh, held_plan(model, desc.tp_plan(cfg)))
+    head, table = (_held(model, path) for path in (desc.head.removesuffix(".weight"), desc.embedding_module))
+    if desc.tied(cfg) and head is not None and table is not None:
+        head.weight = table.weight
     return model
+
+
+def _held(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at ``path`` when ``model`` holds it (a pipeline stage holds some blocks and tables), else None;
+    a block another stage runs (an empty stand-in without parameters or children) is not held."""
+    try:
+        mod = model.get_submodule(path)
+    except AttributeError:
+        return None
+    if mod is None or not any(True for _ in mod.parameters()) and not any(True for _ in mod.children()):
+        return None
+    return mod
+
+
+def held_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """``plan`` with its wildcards (``layers.*.mlp``) expanded over the modules ``model`` holds and the entries for
+    modules it does not hold left out: a pipeline stage applies the part of the plan that is its own."""
+    from fnmatch import fnmatch
+
+    out: dict[str, ParallelStyle] = {}
+    for path, style in plan.items():
+        found = [""]
+        for atom in path.split("."):
+            found = [f"{at}.{name}" if at else name for at in found
+                     for name, _ in (model.get_submodule(at) if at else model).named_children() if fnmatch(name, atom)]
+        out.update({at: style for at in found if _held(model, at) is not None})
+    return out
 
 
 class FusedColwiseParallel(ParallelStyle):

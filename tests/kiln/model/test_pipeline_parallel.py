@@ -2,9 +2,9 @@
 one process does for 30 steps (AdamW, gradient clipping; the 1F1B schedule, and interleaved 1F1B with two stages per
 rank; GPT-2's head tied to its token table across the first and last stage), each stage holding only its blocks under
 the whole model's names; FSDP2 over the stages on a (pp 2, dp_shard 2) mesh of four processes, whose checkpoint
-shards load into one whole model; and the pipeline's config errors.
+shards load into one whole model; tensor-parallel stages on a (pp 2, tp 2) mesh; and the pipeline's config errors.
 
-Run: python -m pytest tests/kiln/model/test_pipeline_parallel.py -q   (a launch of two processes and one of four)
+Run: python -m pytest tests/kiln/model/test_pipeline_parallel.py -q   (a launch of two processes and two of four)
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _train_both(fields: dict, pipe_cfg: PipelineConfig, group, dp_mesh=None, save_to: str | None = None) -> dict:
+def _train_both(fields: dict, pipe_cfg: PipelineConfig, group, dp_mesh=None, save_to: str | None = None,
+                tp_mesh=None) -> dict:
     """The same seeded model trained STEPS steps here whole and as this rank's pipeline stages (with ``dp_mesh``
     also sharded by FSDP2 over it, each data-parallel rank taking its rows of the batch); what differs."""
     import torch.distributed as dist
@@ -53,7 +54,8 @@ def _train_both(fields: dict, pipe_cfg: PipelineConfig, group, dp_mesh=None, sav
     torch.manual_seed(0)
     one = build_model(ModelConfig(**{**SHARED, **fields}))
     dp, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
-    pipe = Pipeline(copy.deepcopy(one), pipe_cfg, group, torch.device("cpu"), batch=8 // dp_size, dp_mesh=dp_mesh)
+    pipe = Pipeline(copy.deepcopy(one), pipe_cfg, group, torch.device("cpu"), batch=8 // dp_size, dp_mesh=dp_mesh,
+                    tp_mesh=tp_mesh)
     opts = [torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) for params in (one.parameters(), pipe.parameters())]
     loss_diff, norm_diff, losses = 0.0, 0.0, []
     for x, y in _batches(STEPS):
@@ -130,9 +132,34 @@ def _four_worker(rank: int, port: int, queue, root: str) -> None:
 FSDP_CASES = ("llama-interleaved", "gpt2-1f1b")  # tied heads whose table and head are FSDP2 shards
 
 
+def _tp_worker(rank: int, port: int, queue) -> None:
+    """Rank ``rank`` of 4 on a (pp 2, tp 2) mesh: each pipeline stage's layers split over two ranks."""
+    import torch.distributed as dist
+
+    from kiln.model.parallel import MeshLayout, build_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        mesh = build_mesh(MeshLayout(dp_shard=1, tp=2, pp=2), "cpu")
+        out = {name: _train_both(CASES[name][0], CASES[name][1], mesh["pp"].get_group(), tp_mesh=mesh["tp"])
+               for name in TP_CASES}
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+TP_CASES = ("gpt2-1f1b", "llama-interleaved")  # GPT-2's fused q|k|v and tied head; Llama's GQA, two stages per rank
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
     return on_ranks(_worker, 2)
+
+
+@pytest.fixture(scope="module")
+def tp_ranks() -> dict:
+    return on_ranks(_tp_worker, 4, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +187,18 @@ def test_fsdp2_over_pipeline_stages_trains_as_one_process_and_its_checkpoint_loa
         assert sorted(saved) == sorted(model.state_dict())
         for k, t in model.state_dict().items():
             assert torch.equal(t, torch.tensor(saved[k])), (name, k)
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_tensor_parallel_pipeline_stages_on_four_ranks_train_as_one_process(tp_ranks, case) -> None:
+    """pp 2 x tp 2: each stage's layers split over two ranks (the held part of the family's plan), the sequence
+    shards passed between stages; GPT-2's tied head summed across the first and last stage shard by shard."""
+    got = [tp_ranks[r][case] for r in range(4)]
+    for r in got:
+        assert r["loss"] < 1e-5 and r["grad_norm"] < 1e-4 and r["weights"] < 1e-4 and r["key_bias"] < 1e-3, r
+        assert r["eval"] < 1e-5 and r["last"] < 0.5 * r["first"], r
+    assert got[0]["stages"] == got[1]["stages"] != got[2]["stages"] == got[3]["stages"]  # tp is the inner dim
+    assert got[0]["loss"] == got[3]["loss"]  # every rank reports the last stage's loss
 
 
 @pytest.mark.parametrize("case", list(CASES))
