@@ -118,7 +118,11 @@ class TrainJob:
             raise ConfigError(f"{where}.parallelism: 'ddp' with layout.tp {lay.tp}: the data-parallel ranks of a "
                               "tensor-parallel job shard its layers with FSDP2; set parallelism to 'fsdp' (or 'auto')")
         if world_size is not None:
-            lay.resolve(world_size, self.model, f"{where}.layout")
+            sizes = lay.resolve(world_size, self.model, f"{where}.layout")
+            if sizes.pp > 1 and sizes.tp > 1 and sizes.dp_shard > 1:
+                raise ConfigError(f"{where}.layout: pp {sizes.pp} x dp_shard {sizes.dp_shard} x tp {sizes.tp} on "
+                                  f"{world_size} ranks; pipeline stages are split by tensor parallelism or sharded by "
+                                  "FSDP2, not both at once: make pp x tp the world size, or set tp to 1")
 
     def check_pipeline(self, where: str) -> None:
         """Pipeline stages (layout.pp > 1) that cannot run this job: a ConfigError naming the field."""
@@ -129,9 +133,17 @@ class TrainJob:
         if lora is not None and lora.enabled:
             raise ConfigError(f"{where}.layout.pp: {lay.pp} with lora.enabled: a LoRA run replicates its model; set "
                               "layout.pp to 1")
-        if lay.tp > 1:
-            raise ConfigError(f"{where}.layout: pp {lay.pp} with tp {lay.tp}; the training job runs pipeline stages "
-                              "alone or sharded by FSDP2 (dp_shard), not yet split by tensor parallelism: set tp to 1")
+        if lay.tp > 1 and lay.dp_shard not in (1, -1):
+            raise ConfigError(f"{where}.layout: pp {lay.pp} x dp_shard {lay.dp_shard} x tp {lay.tp}; pipeline stages "
+                              "are split by tensor parallelism or sharded by FSDP2, not both at once: set dp_shard "
+                              "or tp to 1")
+        from kiln.model.families import of
+
+        if lay.tp > 1 and of(self.model).tp_strided:
+            raise ConfigError(f"{where}.layout: pp {lay.pp} with tp {lay.tp} for the {self.model.family} family: its "
+                              "tensor-parallel shards are strided, which torch.distributed.checkpoint cannot save, "
+                              "and with pipeline stages no rank holds the whole model to save it instead; set tp or "
+                              "pp to 1")
         if self.parallelism == "ddp":
             raise ConfigError(f"{where}.parallelism: 'ddp' with layout.pp {lay.pp}: the data-parallel ranks of a "
                               "pipeline shard its stages with FSDP2; set parallelism to 'fsdp' (or 'auto')")

@@ -265,14 +265,16 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
 
     def build_pipeline(self, mesh) -> None:
-        """This rank's pipeline stages of the model (sharded by FSDP2 over dp_shard when it is above 1), their
+        """This rank's pipeline stages of the model (split over tp or sharded by FSDP2 over dp_shard), their
         schedule, and the optimizer over them; ``raw`` and ``model`` become this rank's part of the model (its
         stages' blocks and tables under the whole model's names), which the checkpoints save and load."""
         job = self.job
         dp_mesh = mesh["dp_shard"] if self.layout.dp_shard > 1 else None
+        tp_mesh = mesh["tp"] if self.layout.tp > 1 else None
         self.pipe = Pipeline(self.raw, job.pipeline_config(), mesh["pp"].get_group(), self.info.device,
                              batch=job.micro_batch * job.grad_accum, dp_mesh=dp_mesh, bf16=self.bf16,
-                             activation_checkpointing=job.activation_checkpointing, compile=job.compile)
+                             activation_checkpointing=job.activation_checkpointing, compile=job.compile,
+                             tp_mesh=tp_mesh)
         self.raw = self.model = self.pipe.local  # trained through self.pipe: its forward runs one stage only
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)

@@ -1,11 +1,12 @@
 """Tests for the training job on pipeline stages (job.layout.pp, kiln.model.pipeline_parallel) on two gloo
 processes: both families follow the one-process loss curve over 30 steps (GPT-2 on 1F1B with its tied head across
 the stages, Llama on interleaved 1F1B with two stages per rank), resume from a mid-run checkpoint bit for
-bit as a restart after SIGKILL does, and reshard: a pipeline checkpoint resumes on one process and under FSDP2. A
-run hit by a poisoned batch, a preemption and a SIGKILL rolls back, saves, resumes and ends where one process
+bit as a restart after SIGKILL does, and reshard: a pipeline checkpoint resumes on one process and under FSDP2.
+On four processes, pp 2 x dp_shard 2 and pp 2 x tp 2 follow one process too, and the latter's checkpoint resumes on
+one. A run hit by a poisoned batch, a preemption and a SIGKILL rolls back, saves, resumes and ends where one process
 through the same faults ends. Layouts the job cannot run are config errors before anything trains.
 
-Run: python -m pytest tests/kiln/train/test_train_pipeline.py -q   (torchrun launches of two processes)
+Run: python -m pytest tests/kiln/train/test_train_pipeline.py -q   (torchrun launches of two and four processes)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def pp_job(pretrain_job, path: Path, family: str, pipelined: bool = True, **kw) 
     shared, pp = CASES[family]
     fields = dict(shared)
     model = fields.pop("model_fields", {})
-    job = job_for(pretrain_job, path, family, grad_accum=2, **fields, **(pp if pipelined else {}), **kw)
+    job = job_for(pretrain_job, path, family, grad_accum=2, **{**fields, **(pp if pipelined else {}), **kw})
     if model:
         data = json.loads(job.read_text())
         data["model"].update(model)
@@ -158,6 +159,26 @@ def test_fsdp2_over_pipeline_stages_on_four_ranks_follows_one_process(tmp_path, 
 
 
 @pytest.mark.slow
+def test_tensor_parallel_pipeline_stages_on_four_ranks_follow_one_process_and_resume_on_one(tmp_path, pretrain_job,
+                                                                                          train_runner,
+                                                                                          pp_reference) -> None:
+    """pp 2 x tp 2 (Llama, two interleaved stages per rank, each split over two ranks): the one-process curve; its
+    checkpoint (every rank's shards of its stages) resumes on one process on the same curve."""
+    ref = pp_reference("llama")
+    job = pp_job(pretrain_job, tmp_path / "pptp", "llama", layout={"pp": 2, "tp": 2})
+    proc = train_runner(job, nproc=4, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = result_of(job)
+    assert res["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2} and res["tokens"] == ref["tokens"]
+    digests = res["rank_param_digests"]  # ranks 0, 1 hold stages 0 and 2; ranks 2, 3 stages 1 and 3
+    assert digests[0] == digests[1] != digests[2] == digests[3]
+    assert_same_curve(res, ref)
+    assert "pipeline parallel 2 (interleaved_1f1b, 2 stages per rank, 2 micro-batches; pp 2 x tp 2)" in proc.stdout
+    one = in_process(pp_resume(res, tmp_path / "one", pretrain_job, "llama", pipelined=False))
+    assert one["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
+    assert_same_curve(one, ref)
+
+@pytest.mark.slow
 def test_rollback_preemption_and_sigkill_under_a_pipeline_end_where_one_process_ends(tmp_path, pretrain_job,
                                                                                    train_runner) -> None:
     """A poisoned batch (17, at 1000x the lr) rolls the pipeline back to step 10; SIGTERM on rank 1 at step 24 stops
@@ -205,8 +226,10 @@ def test_rollback_preemption_and_sigkill_under_a_pipeline_end_where_one_process_
     assert res["goodput"]["goodput"] < 1.0 and res["goodput"]["redone_steps_s"] > 0  # steps 10-18, 26, 27 redone
 
 @pytest.mark.parametrize("fields, world, message", [
-    ({"layout": {"pp": 2, "tp": 2}}, 4, "job.layout: pp 2 with tp 2; the training job runs pipeline stages alone or "
-                                        "sharded by FSDP2"),
+    ({"layout": {"pp": 2, "tp": 2}}, 4, "job.layout: pp 2 with tp 2 for the gpt2 family: its tensor-parallel "
+                                        "shards are strided"),
+    ({"layout": {"pp": 2, "tp": 2}, "model_fields": {"family": "llama", "n_kv_head": 2, "tie_embeddings": False}}, 8,
+     "job.layout: pp 2 x dp_shard 2 x tp 2 on 8 ranks; pipeline stages are split by tensor parallelism or sharded"),
     ({"layout": {"pp": 2}, "parallelism": "ddp"}, 4, "job.parallelism: 'ddp' with layout.pp 2"),
     ({"layout": {"pp": 2}, "task": "sft", "lora": {"enabled": True}}, 2, "job.layout.pp: 2 with lora.enabled"),
     ({"layout": {"pp": 3}}, 3, "job.layout.pp: 3 ranks x 1 stages each must divide the 2 layers (model.n_layer); pp "
@@ -224,7 +247,10 @@ def test_rollback_preemption_and_sigkill_under_a_pipeline_end_where_one_process_
 ])
 def test_a_pipeline_the_job_cannot_train_is_a_config_error_naming_the_field(tmp_path, pretrain_job, fields, world,
                                                                             message) -> None:
+    fields = dict(fields)
+    model = fields.pop("model_fields", {})
     data = json.loads(job_for(pretrain_job, tmp_path, "gpt2", **{"grad_accum": 2, **fields}).read_text())
+    data["model"].update(model)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_job(JobConfig, data, "job").check_layout("job", world)
 
