@@ -83,7 +83,7 @@ def test_the_manifests_must_agree_on_the_eot(tmp_path, pretrain_job, tiny_shards
 def test_the_mask_reaches_the_model_in_training_and_validation(tmp_path, pretrain_job, on) -> None:
     stage = PretrainStage(job_of(pretrain_job, tmp_path, document_mask=on), CPU)
     spy = Spy()
-    trainer = SimpleNamespace(model=spy, info=CPU, autocast=nullcontext)
+    trainer = SimpleNamespace(model=spy, info=CPU, autocast=nullcontext, pipe=None)
     x, y = next(stage.batches(0))  # (4, 32) each, from the loader
     stage.loss(trainer, (x, y))
     val = stage.validate(trainer)

@@ -26,9 +26,10 @@ from tests.kiln.train.test_train_tensor_parallel import (RESUME_AT, STEPS, asser
                                                          result_of, resume_copy)
 
 # two micro-batches of 4 sequences a step: the one-process run accumulates them, the pipeline runs them as its
-# micro-batches; GPT-2 on 1F1B (a block per stage), Llama's 4 blocks as 4 stages, two per rank
+# micro-batches; GPT-2 on 1F1B (a block per stage) attending within documents, Llama's 4 blocks as 4 stages, two
+# per rank
 CASES = {
-    "gpt2": ({}, {"layout": {"pp": 2}}),
+    "gpt2": ({"document_mask": True}, {"layout": {"pp": 2}}),  # the (B, 1, T, T) mask cut into micro-batches too
     "llama": ({"model_fields": {"n_layer": 4}, "optim": {"lr": 1e-2, "warmup_steps": 5, "weight_decay": 0.1}},
               {"layout": {"pp": 2}, "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}),
 }
@@ -98,6 +99,10 @@ def test_pipeline_training_follows_one_process_and_resumes_bit_for_bit(tmp_path,
     assert res["tokens"] == STEPS * 8 * 32  # both stages read the same 8 sequences: one data-parallel rank
     assert len(set(res["rank_param_digests"])) == 2  # each rank holds other blocks
     assert_same_curve(res, ref)
+    if family == "gpt2":  # validated masked and unmasked, as one process does
+        assert [h["val_loss_unmasked"] for h in res["history"]] == pytest.approx(
+            [h["val_loss_unmasked"] for h in ref["history"]], abs=1e-4)
+        assert res["history"][-1]["val_loss_unmasked"] != res["history"][-1]["val_loss"]
     schedule = "interleaved_1f1b, 2 stages per rank" if family == "llama" else "1f1b"
     assert f"pipeline parallel 2 ({schedule}, 2 micro-batches; pp 2)" in proc.stdout, proc.stdout
     meta = verify_checkpoint(Path(res["checkpoint"]))
