@@ -2,7 +2,8 @@
 # One-GPU benchmark: GPT-2 124M trained for 100 steps at sequence length 1024 by Kiln's own training step (bf16
 # autocast, fused AdamW, the chunked head), eager and then with torch.compile, printing tokens/s and MFU against
 # the GPU's dense BF16 peak (and against a bf16 matmul measured in the same run); with two GPUs or more, a llama
-# trained tensor-parallel over two of them beside one alone (bench/tensor_parallel.py).
+# trained tensor-parallel over two of them, then as two pipeline stages (1F1B, then interleaved 1F1B), each beside
+# one GPU alone (bench/model_parallel.py).
 #
 # Run: bash bench/gpu.sh        results also go to $OUT/gpu-eager.json and $OUT/gpu-compile.json (OUT=/tmp/kiln-gpu)
 #
@@ -42,10 +43,18 @@ if [ "$(left)" -gt 90 ]; then
     || echo "compiled run did not finish in time; the eager figures above stand"
 fi
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+SPLIT=(--device cuda --family llama --layers 8 --width 1024 --heads 16 --vocab 32768 --seq-len 1024 --micro-batch 8
+       --steps 20 --ranks 2)
 if [ "$GPUS" -ge 2 ] && [ "$(left)" -gt 60 ]; then
   echo "== tensor parallelism over 2 GPUs beside one GPU (at most $(left)s)"
-  timeout "$(left)" "$PY" bench/tensor_parallel.py --device cuda --family llama --layers 8 --width 1024 --heads 16 \
-    --vocab 32768 --seq-len 1024 --micro-batch 8 --steps 20 --ranks 2 --json "$OUT/gpu-tp2.json" \
+  timeout "$(left)" "$PY" bench/model_parallel.py --split tp "${SPLIT[@]}" --json "$OUT/gpu-tp2.json" \
     || echo "the tensor-parallel run did not finish in time"
 fi
+for SCHEDULE in 1f1b interleaved_1f1b; do
+  if [ "$GPUS" -ge 2 ] && [ "$(left)" -gt 60 ]; then
+    echo "== two pipeline stages ($SCHEDULE, 4 micro-batches) beside one GPU (at most $(left)s)"
+    timeout "$(left)" "$PY" bench/model_parallel.py --split pp --schedule "$SCHEDULE" --microbatches 4 "${SPLIT[@]}" \
+      --json "$OUT/gpu-pp2-$SCHEDULE.json" || echo "the pipeline run ($SCHEDULE) did not finish in time"
+  fi
+done
 echo "done in $((SECONDS - START))s; results in $OUT"
