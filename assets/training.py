@@ -14,11 +14,12 @@ from assets._common import asset_output, failing_on_config_errors, md_table, rep
 from assets._config import schema_of
 from assets.pretrained import recorded_start, start_of
 from kiln.common.config import ConfigError
-from kiln.layout import LayoutPlan, LayoutRequest, layout_from_config
+from kiln.layout import LayoutPlan, LayoutRequest, layout_from_config, training_plan_of
 from kiln.model.config import ModelConfig
-from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, plan_from_config, plan_version
+from kiln.plan import (BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, model_from_config, plan_from_config,
+                       plan_version)
 from kiln.train.job import JobConfig
-from kiln.train.launch import RunSpec, pretrain_report
+from kiln.train.launch import RunSpec, describe_sizes, pretrain_report
 from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
 from kiln.train.spikes import SpikeConfig
 from resources.storage import KilnStorageResource
@@ -47,15 +48,14 @@ class TrainingPlanConfig(Config):
     batch: Batch = Field(default_factory=Batch, description="The token budget: sequence length, global batch, steps.")
     hardware: Hardware = Field(default_factory=Hardware, description="Where it trains: device, processes, nodes, memory.")
     parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile.")
-    layout: Optional[LayoutBlock] = Field(default=None, description="Plan tensor, pipeline and data parallelism for the hardware block's GPUs over these links (kiln.layout); `kiln plan` shows the choice, the training job does not take it yet. Unset: data parallelism alone.")
+    layout: Optional[LayoutBlock] = Field(default=None, description="Plan tensor, pipeline and data parallelism for the hardware block's GPUs over these links (kiln.layout): base_model trains the fastest layout that fits, `kiln plan` explains the choice. Unset: data parallelism alone.")
 
     def plan(self, n_vocab: int, pretrained: dict | None = None) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
         """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it); with an imported
         ``pretrained`` model its architecture replaces model_preset and model (only dropout may be set)."""
         if self.layout is not None:
-            raise ConfigError("training_plan.layout: a layout plan (tensor and pipeline parallelism over a cluster) is "
-                              "shown by `kiln plan` and not trained yet; remove training_plan.layout to train with the "
-                              "data-parallel plan")
+            raise ConfigError("training_plan.layout is set: the plan is layout_training_plan's (tensor, pipeline and "
+                              "data parallelism over a cluster), not the data-parallel planner's")
         model = self.model.to_dict()
         if pretrained and pretrained.get("path"):
             if self.model_preset or set(model) - {"dropout"}:
@@ -66,27 +66,40 @@ class TrainingPlanConfig(Config):
         return plan_from_config(n_vocab, self.model_preset, model, self.batch.to_dict(),
                                 self.hardware.to_dict(), self.parallel.to_dict())
 
-    def layout_plan(self, n_vocab: int, pretrained: dict | None = None) -> LayoutPlan:
-        """kiln.layout.layout_from_config for these fields (``kiln plan`` of a preset with a ``layout`` block)."""
+    def _model(self, pretrained: dict | None) -> tuple[str, dict]:
+        """(model preset, model fields): an imported pretrained model's architecture replaces them."""
         model = self.model.to_dict()
         if pretrained and pretrained.get("path"):
             if self.model_preset or set(model) - {"dropout"}:
                 raise ConfigError(f"training_plan.model_preset / training_plan.model: the architecture comes from "
                                   f"pretrained_model.path ({pretrained['path']}); remove them (model.dropout may stay)")
-            preset, model = "", {**pretrained["model"], **model}
-        else:
-            preset = self.model_preset
+            return "", {**pretrained["model"], **model}
+        return self.model_preset, model
+
+    def layout_plan(self, n_vocab: int, pretrained: dict | None = None) -> LayoutPlan:
+        """kiln.layout.layout_from_config for these fields (``kiln plan`` of a preset with a ``layout`` block)."""
+        preset, model = self._model(pretrained)
         return layout_from_config(n_vocab, preset, model, self.batch.to_dict(), self.hardware.to_dict(),
                                   self.parallel.to_dict(), self.layout.to_dict() if self.layout else {})
+
+    def layout_training_plan(self, n_vocab: int, pretrained: dict | None = None) -> dict:
+        """The training plan of the chosen layout (kiln.layout.training_plan_of): what base_model launches."""
+        preset, model = self._model(pretrained)
+        chosen = self.layout_plan(n_vocab, pretrained)
+        return training_plan_of(chosen, model_from_config(n_vocab, preset, model), self.hardware.to_dict(),
+                                bool(self.parallel.to_dict().get("compile")))
 
 
 @asset(code_version="3", group_name="training")
 def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, tokenizer: dict, token_shards: dict,
                   mlflow: MlflowResource, pretrained_model: Optional[dict] = None) -> Output[dict]:
-    """Model size, memory per rank, parallelism (DDP or FSDP2), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; with an imported pretrained model, its architecture and the checkpoint base_model starts from."""
+    """Model size, memory per rank, parallelism (DDP or FSDP2; with a layout block, tensor and pipeline parallelism too), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; with an imported pretrained model, its architecture and the checkpoint base_model starts from."""
     with failing_on_config_errors():
-        made, _, batch, hw = config.plan(tokenizer["n_vocab"], pretrained_model)
-    plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
+        if config.layout is not None:  # a cluster's layout: tensor, pipeline and data parallelism
+            plan = config.layout_training_plan(tokenizer["n_vocab"], pretrained_model)
+        else:
+            made, _, batch, hw = config.plan(tokenizer["n_vocab"], pretrained_model)
+            plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
     if pretrained_model and pretrained_model["path"]:  # base_model continues from these weights
         plan["pretrained"] = start_of(pretrained_model)
     plan["epochs"] = plan["total_tokens"] / max(token_shards["totals"]["train"]["tokens"], 1)
@@ -98,6 +111,9 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
         return out.result(plan, {
             "parameters": plan["params"], "parameters_non_embedding": plan["params_non_embedding"],
             "parallelism": plan["parallelism"], "activation_checkpointing": plan["activation_checkpointing"],
+            **({"layout": describe_sizes(plan["layout"])} if plan.get("layout") else {}),
+            **({"pipeline": f"{plan['pipeline']['schedule']}, {plan['pipeline']['virtual_stages']} stage(s) per rank, "
+                            f"{plan['grad_accum']} micro-batches"} if plan.get("pipeline") else {}),
             "compile": plan["compile"], "why": plan["reason"], "world_size": plan["world_size"],
             "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"], "global_batch": plan["global_batch"],
             "tokens_per_step": plan["tokens_per_step"], "total_tokens": plan["total_tokens"],

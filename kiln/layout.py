@@ -947,3 +947,64 @@ def layout_from_config(n_vocab: int, model_preset: str = "", model: dict | None 
                        req.reference_name or "reference")
     plan.max_steps, plan.pinned = bc.max_steps, pinned
     return plan
+
+
+def training_plan_of(plan: LayoutPlan, cfg: ModelConfig, hardware: dict[str, Any], compile: bool = False,
+                     where: str = "training_plan") -> dict[str, Any]:
+    """The chosen layout as the training plan base_model launches (kiln.plan.TrainingPlan's fields, with the job's
+    ``layout`` and ``pipeline`` blocks when the model is split): world size, micro-batch, gradient accumulation (the
+    pipeline's micro-batches), FSDP2 over dp_shard, activation checkpointing. A layout the training job cannot run is
+    a ConfigError naming what to pin instead; "every n-th block recomputed" trains with every block recomputed (the
+    job's activation checkpointing is all or nothing), which the plan's reason says."""
+    from kiln.model.config import model_dict
+    from kiln.model.parallel import MeshLayout
+    from kiln.model.pipeline_parallel import PipelineConfig
+    from kiln.train.job import JobConfig
+
+    best, lay = plan.chosen, plan.chosen.layout
+    split = lay.tp > 1 or lay.pp > 1
+    if lay.dp_replicate > 1 and (split or lay.dp_shard > 1):
+        raise ConfigError(f"{where}.layout: the plan chose {lay.describe()}, replicating sharded or split copies "
+                          f"(HSDP), which the training job does not run; pin {where}.parallel.strategy: fsdp "
+                          "(dp_replicate 1) and plan again")
+    parallelism = "fsdp" if lay.dp_shard > 1 else "ddp" if lay.dp_replicate > 1 else "none"
+    fields = {"micro_batch": lay.micro_batch, "grad_accum": best.micro_batches, "parallelism": parallelism,
+              "activation_checkpointing": lay.checkpoint_every > 0, "compile": compile}
+    if split:
+        fields["layout"] = {"dp_replicate": 1, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp}
+    if lay.pp > 1:
+        fields["pipeline"] = {"schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "microbatches": 0}
+    job = JobConfig(model=cfg, seq_len=plan.seq_len, micro_batch=lay.micro_batch, grad_accum=best.micro_batches,
+                    parallelism="auto" if parallelism == "none" else parallelism,
+                    layout=MeshLayout(**fields["layout"]) if split else MeshLayout(),
+                    pipeline=PipelineConfig(**fields.get("pipeline", {})))
+    try:
+        job.check_layout("job", lay.world)
+    except ConfigError as e:
+        raise ConfigError(f"{where}.layout: the plan chose {lay.describe()}, which the training job cannot run "
+                          f"({e}); pin other sizes through {where}.layout.reference or {where}.parallel") from None
+    params, non_embedding = count_params(cfg)
+    tokens_per_step = plan.global_batch * plan.seq_len
+    total_tokens = tokens_per_step * plan.max_steps
+    fpt = flops_per_token(cfg, plan.seq_len)
+    reason = f"layout {lay.describe()}: " + "; ".join(f"{name}: {text}" for name, text in plan.why)
+    if lay.checkpoint_every > 1:
+        reason += (f"; the job recomputes every block where the plan recomputes every {_nth(lay.checkpoint_every)} "
+                   "(more recomputation, less memory than estimated)")
+    if lay.dp_shard > 1 and not lay.reshard_after_forward:
+        reason += ("; the job's FSDP2 reshards the weights after each forward where the plan keeps them gathered "
+                   "(less memory, more all-gathers than estimated)")
+    runner = plan.runner_up
+    return {
+        "model": model_dict(cfg), "params": params, "params_non_embedding": non_embedding, "world_size": lay.world,
+        **{k: v for k, v in fields.items() if k not in ("layout", "pipeline")},
+        "global_batch": plan.global_batch, "seq_len": plan.seq_len, "tokens_per_step": tokens_per_step,
+        "total_tokens": total_tokens, "memory_gb": {k: round(v, 4) for k, v in best.memory_gb.items()},
+        "device_memory_gb": plan.cluster.memory_gb, "flops_per_token": fpt, "total_flops": fpt * total_tokens,
+        "peak_tflops": plan.cluster.peak_tflops, "est_hours": plan.hours, "tokens_per_param": total_tokens / params,
+        "reason": reason,
+        "alternatives": [{"layout": e.layout.describe(), "step_s": round(e.step_s, 4), "mfu": round(e.mfu, 4),
+                          "GiB": round(e.memory_gb["total"], 3)} for e in ([best] + ([runner] if runner else []))],
+        "hardware": dict(hardware), "max_steps": plan.max_steps,
+        **({"layout": fields["layout"]} if split else {}), **({"pipeline": fields["pipeline"]} if lay.pp > 1 else {}),
+    }

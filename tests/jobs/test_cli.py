@@ -401,5 +401,28 @@ def test_plan_of_the_layout_presets_shows_the_choice_the_runner_up_and_metas_lay
         assert "\n" + head in out, head
     assert "as given it does not fit" in out  # Meta's no-checkpointing layout under Kiln's activation count
     conf = load_preset("llama3-405b-16k-h100")["ops"]["training_plan"]["config"]
-    with pytest.raises(ConfigError, match="training_plan.layout: a layout plan"):
-        TrainingPlanConfig(**conf).plan(128256)  # the training_plan asset does not train a layout plan yet
+    with pytest.raises(ConfigError, match="training_plan.layout is set: the plan is layout_training_plan's"):
+        TrainingPlanConfig(**conf).plan(128256)  # the data-parallel planner does not plan a cluster's layout
+
+
+def test_the_training_plan_of_a_layout_preset_is_the_job_base_model_launches() -> None:
+    """The training_plan asset trains the chosen layout: Llama 3 8B's tp 2 x dp_shard 4 becomes the job's layout,
+    FSDP2 and 32 micro-batches of one sequence, and the job built from it passes the launcher's checks on 8 ranks;
+    405B's HSDP layout, which the job does not run, is an error saying what to pin."""
+    from assets.training import TrainingPlanConfig
+    from kiln.common.config import ConfigError
+    from kiln.train.launch import RunSpec
+
+    conf = load_preset("llama3-8b-8gpu")["ops"]["training_plan"]["config"]
+    plan = TrainingPlanConfig(**conf).layout_training_plan(128256)
+    assert (plan["world_size"], plan["parallelism"], plan["micro_batch"], plan["grad_accum"]) == (8, "fsdp", 1, 32)
+    assert plan["layout"] == {"dp_replicate": 1, "dp_shard": 4, "tp": 2, "pp": 1} and "pipeline" not in plan
+    assert plan["global_batch"] == 8 * 1 * 32 // 2 and plan["reason"].startswith("layout tp 2 x dp_shard 4")
+    assert "reshards the weights after each forward" in plan["reason"]  # the plan kept them gathered
+    spec = RunSpec("pretrain", {"train_files": [], "val_files": []}, plan, {}, "tokenizer.json")
+    job = spec.validate("base_model")
+    assert job.layout.tp == 2 and job.parallelism == "fsdp" and job.model.n_layer == 32
+    conf = load_preset("llama3-405b-16k-h100")["ops"]["training_plan"]["config"]
+    with pytest.raises(ConfigError, match=r"\(HSDP\), which the training job does not run; pin "
+                                          r"training_plan.parallel.strategy: fsdp"):
+        TrainingPlanConfig(**conf).layout_training_plan(128256)
