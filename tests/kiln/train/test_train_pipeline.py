@@ -122,11 +122,24 @@ def test_pipeline_training_follows_one_process_and_resumes_bit_for_bit(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_resumes_on_one_process(tmp_path, pp_run, pretrain_job) -> None:
+def test_a_pipeline_checkpoint_resumes_on_one_process_and_releases_whole(tmp_path, pp_run, pretrain_job) -> None:
+    """The stages' shards resume as one whole model on the same curve, and the release (Hugging Face safetensors)
+    gathered from them gives the one-process run's logits."""
+    import torch
+
+    from kiln.release.bundle import load_release, write_release
+
     family, job, ref, _ = pp_run
     one = in_process(pp_resume(result_of(job), tmp_path, pretrain_job, family, pipelined=False))
     assert one["resumed_from"].endswith(f"step_{RESUME_AT:07d}") and "layout" not in one
     assert_same_curve(one, ref)
+    logits = []
+    for name, res in (("pp", result_of(job)), ("one", ref)):
+        write_release(res["checkpoint"], tmp_path / name, card="# card\n")
+        model, _ = load_release(tmp_path / name)
+        with torch.no_grad():
+            logits.append(model(torch.arange(32).remainder(model.config.vocab_size)[None]))
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-3, rtol=0)
 
 
 FSDP_SPLIT = {"micro_batch": 2, "eval_batches": 8}  # two data-parallel ranks of 2 sequences: the same 4 a micro-step
