@@ -22,8 +22,9 @@ from kiln.common.config import ConfigError
 from kiln.train.checkpoint import verify_checkpoint
 from kiln.train.job import JobConfig, load_job
 from tests.conftest import ROOT, subprocess_env
-from tests.kiln.train.test_train_tensor_parallel import (RESUME_AT, STEPS, assert_same_curve, in_process, job_for,
-                                                         result_of, resume_copy)
+from tests.kiln.train.test_train_tensor_parallel import (RESUME_AT, STEPS, assert_restart_is_bit_identical,
+                                                         assert_same_curve, in_process, job_for, result_of,
+                                                         resume_copy)
 
 # two micro-batches of 4 sequences a step: the one-process run accumulates them, the pipeline runs them as its
 # micro-batches; GPT-2 on 1F1B (a block per stage) attending within documents, Llama's 4 blocks as 4 stages, two
@@ -111,14 +112,7 @@ def test_pipeline_training_follows_one_process_and_resumes_bit_for_bit(tmp_path,
         "pipeline", {"schedule": "1f1b"})["schedule"]
 
     # a restart after a crash resumes from the newest good checkpoint: the same run, bit for bit
-    resumed = pp_resume(res, tmp_path / "again", pretrain_job, family)
-    proc = train_runner(resumed, nproc=2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    again = result_of(resumed)
-    assert again["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
-    assert again["rank_param_digests"] == res["rank_param_digests"]
-    assert again["curve"] == res["curve"] and again["history"] == res["history"]
-
+    assert_restart_is_bit_identical(pp_resume(res, tmp_path / "again", pretrain_job, family), res, train_runner)
 
 
 @pytest.mark.slow

@@ -106,7 +106,12 @@ def test_tensor_parallel_training_follows_one_process_and_resumes_bit_for_bit(tm
 
     # a restart after a crash resumes from the newest good checkpoint: the same run, bit for bit
     resumed = resume_copy(Path(res["checkpoint"]).parents[1], tmp_path / "again", pretrain_job, family, **TP2)
-    proc = train_runner(resumed, nproc=2)
+    assert_restart_is_bit_identical(resumed, res, train_runner)
+
+
+def assert_restart_is_bit_identical(resumed: Path, res: dict, train_runner, nproc: int = 2) -> None:
+    """Job ``resumed`` (a copy of the run of result ``res`` cut back to RESUME_AT) ends as that run did, bit for bit."""
+    proc = train_runner(resumed, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     again = result_of(resumed)
     assert again["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
