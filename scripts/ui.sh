@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start the Dagster UI (port 3000) and the MLflow UI (port 5000) over Kiln's local history; Ctrl-C stops both and
-# every process they started. Usage: DAGSTER_HOME=... bash scripts/ui.sh VENV_BIN KILN_HOME (make ui does this).
+# every process they started, as does a signal that ends only its parent (make) or a SIGKILL of the script.
+# Usage: DAGSTER_HOME=... bash scripts/ui.sh VENV_BIN KILN_HOME (make ui does this).
 # DAGSTER_PORT / MLFLOW_PORT move the ports. MLflow's background job workers stay off unless
 # MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true is set.
 set -euo pipefail
@@ -13,6 +14,7 @@ GROUPS_STARTED=()
 
 stop() {  # TERM every process group, give them 10 s, then KILL what is left
   trap - INT TERM EXIT
+  if [ -n "${WATCHER:-}" ]; then kill -TERM -- "-$WATCHER" 2>/dev/null || true; fi
   for g in "${GROUPS_STARTED[@]}"; do kill -TERM -- "-$g" 2>/dev/null || true; done
   for _ in $(seq 50); do
     alive=0
@@ -24,11 +26,19 @@ stop() {  # TERM every process group, give them 10 s, then KILL what is left
 }
 trap 'stop; exit 130' INT TERM
 trap stop EXIT
+PARENT=$PPID; SCRIPT=$$
+
+watch() {  # the parent gone (a signal to make's pid alone: make does not pass it on) or this script killed: stop
+  while kill -0 "$PARENT" 2>/dev/null && kill -0 "$SCRIPT" 2>/dev/null; do sleep 1; done
+  stop
+}
 
 "$BIN/mlflow" ui --backend-store-uri "sqlite:///$HOME_DIR/mlflow.db" --default-artifact-root "file://$HOME_DIR/mlartifacts" \
   --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 &
 GROUPS_STARTED+=($!)
 "$BIN/dagster" dev -w workspace.yaml -h 127.0.0.1 -p "$DAGSTER_PORT" &
 GROUPS_STARTED+=($!)
+watch &
+WATCHER=$!
 echo "Dagster at http://127.0.0.1:$DAGSTER_PORT, MLflow at http://127.0.0.1:$MLFLOW_PORT (Ctrl-C stops both)"
 wait -n  # when either server exits, the EXIT trap stops the other

@@ -56,7 +56,15 @@ def answers(url: str) -> bool:
         return False
 
 
-def test_ui_script_stops_every_child_on_ctrl_c(tmp_path):
+# make's part in ``make ui``: a parent that does not pass a signal on to the script (it just ends)
+MAKE_LIKE = ("import os, signal, subprocess, sys; p = subprocess.Popen(sys.argv[1:]); "
+             "signal.signal(signal.SIGINT, lambda *a: os._exit(130)); p.wait()")
+
+
+@pytest.mark.parametrize("to", ["script", "parent"])
+def test_ui_script_stops_every_child_on_ctrl_c(tmp_path, to):
+    """SIGINT to the script (Ctrl-C in its terminal), or to its parent alone (`kill -INT` of make ui's pid: make ends
+    without passing it on): every process the script started stops."""
     home = tmp_path / "kiln"
     (home / "dagster").mkdir(parents=True)
     (home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
@@ -65,8 +73,10 @@ def test_ui_script_stops_every_child_on_ctrl_c(tmp_path):
            "MLFLOW_PORT": str(mlflow_port), "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", None)
     log = open(tmp_path / "ui.log", "wb")
-    proc = subprocess.Popen(["bash", "scripts/ui.sh", str(Path(sys.executable).parent), str(home)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
+    script = ["bash", "scripts/ui.sh", str(Path(sys.executable).parent), str(home)]
+    proc = subprocess.Popen(script if to == "script" else [sys.executable, "-c", MAKE_LIKE, *script], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_default_sigint)
     started: set[int] = set()
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -78,7 +88,7 @@ def test_ui_script_stops_every_child_on_ctrl_c(tmp_path):
         lines = {p: cmdline(p) for p in started}
         assert any("dagster" in c for c in lines.values()) and any("mlflow" in c for c in lines.values()), lines
         assert not any("huey" in c for c in lines.values()), lines  # MLflow's job workers are off by default
-        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends the script
+        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends the script, or kill -INT sends make
         assert proc.wait(timeout=60) == 130
         deadline = time.monotonic() + 30
         while (left := [p for p in started if Path(f"/proc/{p}").exists() and cmdline(p)]) and time.monotonic() < deadline:
