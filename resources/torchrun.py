@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 from dagster import (
     ConfigurableResource,
+    DagsterExecutionInterruptedError,
     Failure,
     PipesFileContextInjector,
     PipesFileMessageReader,
@@ -51,6 +52,18 @@ SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_
               "DEADLINE")  # terminal JobState values (scontrol show job)
 
 
+def stopped_failure(out: Path, seconds: float) -> Stopped:
+    """The failure of a launch the user interrupted, saying what was saved (the workers' result.json) and how to
+    resume."""
+    path = out / "result.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    saved = (result.get("preemption") or {}).get("saved_step") if result.get("outcome") == "preempted" else None
+    what = (f"step {saved} saved" if saved is not None else
+            "the workers stopped before saving a step of their own (the newest good checkpoint stands)")
+    return Stopped(f"stopped by an interrupt (Ctrl-C, or the run terminated) after {seconds:.0f}s: {what}; not "
+                   f"retried. Materialize again to resume from it ({out / 'logbook.jsonl'})")
+
+
 class Preempted(RetryRequested):
     """The job was preempted (a stop signal) and saved its last step: not a failure. Dagster puts the step up for
     retry, and the retry resumes from that checkpoint; resources.tracking ends the MLflow run as KILLED."""
@@ -61,6 +74,17 @@ class Preempted(RetryRequested):
 
     def __str__(self) -> str:
         return self.message
+
+
+class Stopped(Failure):
+    """The run was interrupted (Ctrl-C in ``kiln run``, a run terminated from the Dagster UI): the workers saved their
+    last step and stopped. Never retried, whatever the asset's retry policy (Dagster retries an interrupted step that
+    has one); materializing again resumes from that step. resources.tracking ends the MLflow run as KILLED."""
+
+    stopped = True  # read by resources.tracking
+
+    def __init__(self, description: str):
+        super().__init__(description=description, allow_retries=False)
 
 
 def _exception_lines(lines: list[str]) -> list[str]:
@@ -264,10 +288,13 @@ class TorchrunResource(ConfigurableResource):
             else:  # the workers run on other machines, where this pid means nothing and their output goes to a file
                 env.pop(LAUNCHER_ENV, None)
                 env.pop(STOP_ENV, None)
-            if self.launcher == "slurm":
-                rc, timed_out, tail = self._run_slurm(context, cmd, env, own_log)
-            else:
-                rc, timed_out, tail = self._run(cmd, env, own_log, stops)
+            try:
+                if self.launcher == "slurm":
+                    rc, timed_out, tail = self._run_slurm(context, cmd, env, own_log)
+                else:
+                    rc, timed_out, tail = self._run(cmd, env, own_log, stops)
+            except (DagsterExecutionInterruptedError, KeyboardInterrupt) as e:  # the job was stopped first
+                raise stopped_failure(out, time.time() - start) from e
         slurm_ids = [m.group(1) for ln in tail[:1] if (m := re.search(r"Submitted batch job (\d+)", ln))]
         if slurm_ids:
             atomic_write_text(out / "slurm_job_id", slurm_ids[0])  # read back by TrainingLaunch for the metadata

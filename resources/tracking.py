@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from dagster import ConfigurableResource, RetryRequested
+from dagster import ConfigurableResource, Failure, RetryRequested
 from pydantic import Field
 
 from kiln.common.files import stable_hash
@@ -142,6 +142,11 @@ class MlflowResource(ConfigurableResource):
         except RetryRequested:  # preempted (resources.torchrun.Preempted): stopped with its work saved, not failed
             status = "KILLED"
             handle.logger.set_tags({"kiln.outcome": "preempted"})
+            raise
+        except Failure as e:  # interrupted by the user (resources.torchrun.Stopped): saved, stopped, not retried
+            if getattr(e, "stopped", False):
+                status = "KILLED"
+                handle.logger.set_tags({"kiln.outcome": "stopped"})
             raise
         finally:
             handle.logger.flush()

@@ -320,6 +320,47 @@ def test_a_preempted_launch_is_retried_and_resumes_from_the_step_it_saved(tmp_pa
 
 
 @pytest.mark.slow
+def test_ctrl_c_stops_the_launch_with_its_step_saved_and_no_retry(tmp_path, pretrain_job):
+    """SIGINT to the process running Dagster (Ctrl-C in `kiln run`) mid-training: the workers save the step they
+    reached and stop, and the step fails once as Stopped even though the asset has base_model's retry policy (Dagster
+    turns an interrupted step with a retry policy into a retry, so the run would go on); the next materialization
+    resumes from the saved step."""
+    from assets.training import TRAINING_RETRY
+    from kiln.train.logbook import attempts
+    from resources.torchrun import Stopped
+
+    job = json.loads(pretrain_job(tmp_path, max_steps=400, ckpt_interval=1000, eval_interval=1000,
+                                  log_interval=1).read_text())
+    out = Path(job["out_dir"])
+
+    def interrupt() -> None:  # Ctrl-C once the run is past step 12 (long before its end at step 400)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            log = out / "train.log"
+            if log.exists() and "step 12/400" in log.read_text():
+                os.kill(os.getpid(), signal.SIGINT)  # Dagster's handler turns it into an interrupt of the step
+                return
+            time.sleep(0.05)
+
+    import threading
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    instance = DagsterInstance.ephemeral()
+    result = materialize([launch_asset(job, 1, TRAINING_RETRY)], instance=instance, raise_on_error=False,
+                         resources={"torchrun": TorchrunResource(timeout_s=300)})
+    assert not result.success
+    events = [e.dagster_event for e in instance.all_logs(result.run_id) if e.dagster_event is not None]
+    assert not [e for e in events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    failure = next(e for e in events if e.event_type_value == "STEP_FAILURE").step_failure_data.error
+    assert failure.cls_name == Stopped.__name__, failure
+    rows = attempts(out)
+    saved = rows[0]["to_step"]
+    assert [r["outcome"] for r in rows] == ["preempted"] and 12 <= saved < 400 and rows[0]["steps_lost"] == 0
+    assert f"step {saved} saved; not retried. Materialize again to resume" in failure.message
+    assert (out / "checkpoints" / f"step_{saved:07d}").is_dir()
+
+
+@pytest.mark.slow
 def test_a_full_disk_stops_the_launch_at_once_naming_the_path(tmp_path, pretrain_job, monkeypatch):
     """Every checkpoint write from step 8 on fails with ENOSPC (tests/faults.py; a failed write names no file):
     the worker asks the launcher to stop the job, so torchrun (max_restarts=1) does not restart it and base_model's
