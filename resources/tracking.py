@@ -228,11 +228,30 @@ def _checkpoint_problem(paths: list[str]) -> str | None:
 
 
 def reused_output(recorded: dict[str, Any], url: str, run_id: str):
-    from dagster import DataVersion, MetadataValue, Output
+    """The Output of a recorded earlier run: its value, data version and the metadata it showed (tables, plots,
+    links; outputs recorded before that kept only their numbers and strings), with where it was reused from."""
+    from dagster import DataVersion, MetadataValue, Output, deserialize_value
 
-    meta = {k: v for k, v in recorded.get("metadata", {}).items()}
+    meta = dict(recorded.get("metadata", {}))
+    if recorded.get("metadata_serdes"):
+        meta.update(deserialize_value(recorded["metadata_serdes"]))
     meta.update({"reused_from_mlflow_run": MetadataValue.url(url), "reused_mlflow_run_id": run_id})
     return Output(recorded["value"], data_version=DataVersion(recorded["data_version"]), metadata=meta)
+
+
+def storable_metadata(metadata: dict[str, Any]) -> str:
+    """``metadata`` (MetadataValues, numbers, strings) in Dagster's serialized form, for reuse to show it again; an
+    entry Dagster cannot serialize is left out."""
+    from dagster import serialize_value
+
+    keep = {}
+    for k, v in metadata.items():
+        try:
+            serialize_value(v)
+        except Exception:  # noqa: BLE001 - a value of a type serdes does not know: shown only when computed
+            continue
+        keep[k] = v
+    return serialize_value(keep)
 
 
 class AssetRun:
@@ -251,7 +270,8 @@ class AssetRun:
         from dagster import DataVersion, Output
 
         plain = {k: v for k, v in metadata.items() if isinstance(v, (int, float, str, bool))}
-        record = {"value": value, "data_version": data_version, "metadata": plain, "witnesses": output_witnesses(value)}
+        record = {"value": value, "data_version": data_version, "metadata": plain,
+                  "metadata_serdes": storable_metadata(metadata), "witnesses": output_witnesses(value)}
         self.client.log_text(self.run_id, json.dumps(record, default=str), OUTPUT_ARTIFACT)
         self.logger.set_tags({"kiln.output_recorded": "true", "kiln.data_version": data_version})
         return Output(value, data_version=DataVersion(data_version), metadata=metadata)

@@ -234,3 +234,36 @@ def test_an_output_recorded_without_witnesses_still_has_its_checkpoint_verified(
     assert output_witnesses(value)[str(ckpt)]["checkpoint"] is True
     flip_a_byte(ckpt / "state.pt")
     assert output_problem({"value": value}).startswith(f"{ckpt / 'state.pt'}: checksum mismatch")
+
+
+def test_a_reused_materialization_shows_the_metadata_of_the_computed_one(tmp_path, local_resources) -> None:
+    """Tables, plots, JSON, links and paths of an asset's page come back when a rerun reuses its output (not only
+    its numbers and strings), with where it was reused from added."""
+    from dagster import AssetKey, MetadataValue
+
+    calls = []
+
+    @asset(code_version="1")
+    def report(context: AssetExecutionContext, mlflow: MlflowResource) -> Output[dict]:
+        with mlflow.asset_run(context, params={"n": 2}, reuse={"n": 2}) as run:
+            if run.reused is not None:
+                return run.reused
+            calls.append(1)
+            return run.output({"n": 2}, "v2", {
+                "rows": 2, "loss": 0.25, "why": "because",
+                "table": MetadataValue.md("| a | b |\n|---|---|\n| 1 | 2 |"),
+                "plot": MetadataValue.md("![loss](data:image/png;base64,iVBORw0KGgo=)"),
+                "model": MetadataValue.json({"n_layer": 2, "family": "gpt2"}),
+                "run": MetadataValue.url("http://127.0.0.1:5000/#/runs/x"), "folder": MetadataValue.path(str(tmp_path)),
+            })
+
+    instance = DagsterInstance.ephemeral()
+    resources = local_resources
+    pages = []
+    for _ in range(2):
+        assert materialize([report], resources=resources, instance=instance).success
+        pages.append(instance.get_latest_materialization_event(AssetKey("report")).asset_materialization.metadata)
+    assert calls == [1]  # the second was reused
+    reused = {k: v for k, v in pages[1].items() if not k.startswith("reused_")}
+    assert reused == pages[0] and {"reused_from_mlflow_run", "reused_mlflow_run_id"} <= set(pages[1])
+    assert pages[1]["table"].value.startswith("| a | b |") and pages[1]["model"].value == {"n_layer": 2, "family": "gpt2"}
