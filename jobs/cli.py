@@ -82,6 +82,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_in_home(args, home)
 
 
+def run_selection(names: list[str], opt_in: list[str], select: str | None = None) -> list[str]:
+    """The assets ``kiln run`` materializes (``kiln status`` shows the rest as skipped): ``--select``'s, else every
+    asset but the opt-in ones (jobs.definitions.OPT_IN) the preset's ``opt_in`` does not list."""
+    from jobs.definitions import OPT_IN
+
+    if select:
+        return [k.strip() for k in select.split(",")]
+    return [n for n in names if n not in OPT_IN or n in opt_in]
+
+
 def run_in_home(args: argparse.Namespace, home: Path) -> int:
     """``kiln run`` in a writable home whose run lock this process holds."""
     from dagster import AssetKey, DagsterInstance, DagsterInvalidConfigError
@@ -94,7 +104,7 @@ def run_in_home(args: argparse.Namespace, home: Path) -> int:
     opt_in = preset.pop("opt_in", None) or []
     if set(opt_in) - set(OPT_IN):
         raise SystemExit(f"kiln: preset {args.preset}: opt_in may name {', '.join(OPT_IN)}: unknown {sorted(set(opt_in) - set(OPT_IN))}")
-    keys = [k.strip() for k in args.select.split(",")] if args.select else [n for n in names if n not in OPT_IN or n in opt_in]
+    keys = run_selection(names, opt_in, args.select)
     bad = [k for k in keys if k not in names]
     if bad:
         raise SystemExit(f"kiln: pick --select from {', '.join(names)}: unknown asset(s) {bad}")
@@ -475,7 +485,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from resources.tracking import MlflowResource
 
     defs = make_definitions(home)
-    preset = load_preset(args.preset)
+    preset = load_preset(args.preset, keep_opt_in=True)
+    opt_in = preset.pop("opt_in", None) or []  # as kiln run reads it: the opt-in assets this preset runs
     unknown = unknown_name_line(preset, defs.resolve_job_def("kiln_pipeline_job"))
     if unknown:
         print(f"kiln: fix preset {args.preset} first: {unknown}", file=sys.stderr)
@@ -488,7 +499,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if running:  # what that run has not finished shows as still to run
         print(f"kiln status: {running} is running in {home} now", file=sys.stderr)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), DagsterInstance.get() as instance:
-        rows = StatusReader(defs, instance, config, mlflow).status([a.key.to_user_string() for a in ALL_ASSETS])
+        names = [a.key.to_user_string() for a in ALL_ASSETS]
+        runs = run_selection(names, opt_in)
+        rows = StatusReader(defs, instance, config, mlflow).status(names, skipped=[n for n in names if n not in runs])
     if args.json:
         print(status_json(rows))
     else:

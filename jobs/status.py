@@ -26,7 +26,7 @@ class AssetStatus:
     asset: str
     version: str | None  # data version of the latest materialization (None: never materialized)
     materialized_at: str | None  # its time, ISO 8601 UTC
-    action: str  # "reuse", "resume", "recompute" (or "compute" when it was never materialized)
+    action: str  # "reuse", "resume", "recompute", "compute" (never materialized) or "skip" (opt-in, not selected)
     reasons: list[str] = field(default_factory=list)
     estimate_s: float | None = None  # seconds the next run would spend on it (None: unknown)
     estimate_from: str = ""  # "last run", "training plan", "reuse"
@@ -74,10 +74,20 @@ class StatusReader:
         self.experiment_id = exp.experiment_id if exp is not None else None
         self.decided: dict[str, AssetStatus] = {}
 
-    def status(self, names: list[str]) -> list[AssetStatus]:
-        for name in names:  # ALL_ASSETS order: every asset after its upstream
-            self.decided[name] = self.decide(name)
+    def status(self, names: list[str], skipped: list[str] = ()) -> list[AssetStatus]:
+        """Each asset's status in ``names`` order (every asset after its upstream); ``skipped``: opt-in assets the
+        preset does not run (jobs.definitions.OPT_IN), which kiln run leaves out."""
+        for name in names:
+            self.decided[name] = self.skip(name) if name in skipped else self.decide(name)
         return [self.decided[n] for n in names]
+
+    def skip(self, name: str) -> AssetStatus:
+        ev = self.instance.get_latest_materialization_event(_key(name))
+        when = (dt.datetime.fromtimestamp(ev.timestamp, dt.timezone.utc).isoformat(timespec="seconds")
+                if ev is not None else None)
+        version = ev.asset_materialization.tags.get("dagster/data_version") if ev is not None else None
+        return AssetStatus(name, version, when, "skip", [f"opt-in: the preset's opt_in does not list it (kiln run "
+                                                         f"--select {name} runs it)"])
 
     def decide(self, name: str) -> AssetStatus:
         from dagster import AssetKey
@@ -320,16 +330,22 @@ def format_status(rows: list[AssetStatus]) -> str:
     total = 0.0
     for r in rows:
         when = r.materialized_at.replace("T", " ")[:16] if r.materialized_at else "-"
-        est = "-" if r.estimate_s is None else ("" if r.action == "reuse" else "~" + format_seconds(r.estimate_s))
-        total += r.estimate_s or 0.0
+        est = ("" if r.action in ("reuse", "skip") else "unknown" if r.estimate_s is None
+               else "~" + format_seconds(r.estimate_s))
+        total += r.estimate_s or 0.0 if r.action != "skip" else 0.0
         lines.append(f"{r.asset:<21} {r.version or '-':<17} {when:<20} {r.action:<10} {est}"
                      + (f" ({r.estimate_from})" if r.estimate_from not in ("", "reuse", "last run") else ""))
         if r.action != "reuse":
             lines += [f"    {why}" for why in r.reasons]
-    n = sum(r.action != "reuse" for r in rows)
-    lines.append(f"{n} of {len(rows)} assets would run, about {format_seconds(total)} (from the last runs' durations); "
-                 "one below a change is reused after all when its inputs come out byte-identical"
-                 if n else f"nothing to run: all {len(rows)} assets would be reused")
+    running = [r for r in rows if r.action not in ("reuse", "skip")]
+    unknown = [r.asset for r in running if r.estimate_s is None]
+    skipped = sum(r.action == "skip" for r in rows)
+    selected = len(rows) - skipped
+    took = f"about {format_seconds(total)}" + (f" plus {', '.join(unknown)} (never run: no estimate)" if unknown else "")
+    lines.append((f"{len(running)} of {selected} assets would run, {took} (from the last runs' durations); one below "
+                  "a change is reused after all when its inputs come out byte-identical" if running
+                  else f"nothing to run: all {selected} assets would be reused")
+                 + (f"; {skipped} opt-in assets not selected" if skipped else ""))
     return "\n".join(lines) + "\n"
 
 
