@@ -45,8 +45,12 @@ class MlflowResource(ConfigurableResource):
         return MlflowClient(self.resolved_uri())
 
     def experiment_id(self, client) -> str:
+        """The experiment's id, created on first use; tagged as model training (EXPERIMENT_KIND), so MLflow's UI
+        opens it on runs, metrics and charts rather than in its GenAI mode on (empty) traces."""
         exp = client.get_experiment_by_name(self.experiment)
         if exp is not None:
+            if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # made before the tag: tagged now
+                client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
             return exp.experiment_id
         location = None
         if not self.is_server():  # a tracking server keeps artifacts in its own store, reachable by every machine
@@ -54,7 +58,7 @@ class MlflowResource(ConfigurableResource):
             root.mkdir(parents=True, exist_ok=True)
             location = root.as_uri()
         try:
-            return client.create_experiment(self.experiment, artifact_location=location)
+            return client.create_experiment(self.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
         except Exception:  # created concurrently by another process
             return client.get_experiment_by_name(self.experiment).experiment_id
 
@@ -164,6 +168,8 @@ def run_identity(context) -> tuple[str, str]:
         return f"direct-{uuid.uuid4().hex[:12]}", "direct_invocation"
 
 
+# the experiment tag MLflow 3's UI reads to choose its layout (an untagged experiment may open in GenAI mode)
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 OUTPUT_ARTIFACT = "kiln_output.json"
 PATH_KEYS = ("path", "dir", "checkpoint", "removed")
 

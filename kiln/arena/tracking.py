@@ -35,7 +35,9 @@ class ArenaTracker:
             exp_id = exp.experiment_id
         else:
             location = artifact_root.resolve().as_uri() if artifact_root is not None else None
-            exp_id = self.client.create_experiment(EXPERIMENT, artifact_location=location)
+            # model development, not GenAI traces: the layout MLflow 3's UI opens it in
+            exp_id = self.client.create_experiment(EXPERIMENT, artifact_location=location,
+                                                   tags={"mlflow.experimentKind": "custom_model_development"})
         found = self.client.search_runs([exp_id], f"tags.`kiln.arena_id` = '{arena_id}'", max_results=1)
         if found:
             self.run_id = found[0].info.run_id

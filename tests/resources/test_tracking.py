@@ -267,3 +267,7 @@ def test_a_reused_materialization_shows_the_metadata_of_the_computed_one(tmp_pat
     reused = {k: v for k, v in pages[1].items() if not k.startswith("reused_")}
     assert reused == pages[0] and {"reused_from_mlflow_run", "reused_mlflow_run_id"} <= set(pages[1])
     assert pages[1]["table"].value.startswith("| a | b |") and pages[1]["model"].value == {"n_layer": 2, "family": "gpt2"}
+    # the experiment opens in MLflow's model-training layout, not its GenAI one
+    mlflow = resources["mlflow"]
+    exp = mlflow.client().get_experiment_by_name(mlflow.experiment)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
