@@ -567,10 +567,27 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+class VerbHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """A verb's --help: its description, and each option's default where it has one its help does not state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", argparse.SUPPRESS)
+        if unset or "default" in text or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description=USAGE, formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
         prog, width=120, max_help_position=16))
     sub = parser.add_subparsers(title="commands", dest="command", required=True)
+    add_parser = sub.add_parser
+
+    def verb(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002 - argparse's own word
+        return add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".", formatter_class=VerbHelp)
+
+    sub.add_parser = verb  # every verb below: its help line doubles as the description of its own --help
     run = sub.add_parser("run", help="materialize assets with a preset")
     run.add_argument("--preset", default="demo", help="name under conf/presets (smoke, demo, gpt2-124m-1gpu, ...) or a YAML path")
     run.add_argument("--select", default="", help="comma-separated asset names (default: all)")
@@ -582,10 +599,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default 'The')")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (<|user|>...<|assistant|>)")
-    gen.add_argument("--max-new-tokens", type=int, default=60)
+    gen.add_argument("--max-new-tokens", type=int, default=60, help="tokens to sample after each prompt")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
-    gen.add_argument("--top-k", type=int, default=50)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
     gen.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
     gen.set_defaults(fn=cmd_generate)
     stat = sub.add_parser("status", help="what the next run with a preset would reuse, resume or recompute, why, and how long")
@@ -594,10 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     stat.add_argument("--json", action="store_true", help="one record per asset as JSON, for scripts")
     stat.set_defaults(fn=cmd_status)
     conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
-    conf.add_argument("--preset", default="demo")
+    conf.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
     conf.set_defaults(fn=cmd_config)
     pl = sub.add_parser("plan", help="the training plan a preset gets (parallelism, batch, memory, hours) without running")
-    pl.add_argument("--preset", default="demo")
+    pl.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
     pl.add_argument("--vocab", type=int, default=0, help="tokenizer size to plan for (default: from the preset's tokenizer config)")
     pl.add_argument("--json", action="store_true", help="the whole plan as JSON")
     pl.set_defaults(fn=cmd_plan)
@@ -619,9 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     ar.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0 picks a free one)")
     ar.add_argument("--prompts", default=None, help="YAML, JSONL or text file of prompts (default: see --home, else "
                     "conf/arena_prompts.yaml)")
-    ar.add_argument("--max-new-tokens", type=int, default=60)
+    ar.add_argument("--max-new-tokens", type=int, default=60, help="tokens each model samples per answer")
     ar.add_argument("--temperature", type=float, default=0.0, help="0 answers greedily")
-    ar.add_argument("--top-k", type=int, default=50)
+    ar.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens")
     ar.add_argument("--seed", type=int, default=0, help="seeds the pairing, the sides, sampling and the bootstrap")
     ar.add_argument("--tracking-uri", default=None, help="MLflow for models:/ references and the arena's run "
                     "(default: sqlite HOME/mlflow.db)")

@@ -66,6 +66,21 @@ def test_help_lists_the_commands_with_examples(capsys):
     assert all(len(line.split(None, 1)) == 2 for line in verbs if line.strip())  # each verb with its one line
 
 
+@pytest.mark.parametrize("verb", ["run", "generate", "status", "config", "plan", "lineage", "logbook", "arena"])
+def test_each_verbs_help_says_what_it_does_and_its_defaults(capsys, verb):
+    with pytest.raises(SystemExit) as exit_:
+        main([verb, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert description[0].isupper() and description.rstrip().endswith(".") and "options:" not in description
+    flat = " ".join(out.split())
+    if verb in ("run", "status", "config", "plan"):
+        assert "--preset PRESET name under conf/presets" in flat and "(default: demo)" in flat
+    if verb == "generate":
+        assert "(default: 60)" in flat and "(default: 0.8)" in flat and "(default: 0)" in flat
+
+
 def test_run_rejects_unknown_asset(tmp_path):
     with pytest.raises(SystemExit, match="unknown asset"):
         main(["run", "--preset", "smoke", "--select", "tokenizr", "--home", str(tmp_path)])
