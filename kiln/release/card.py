@@ -162,7 +162,9 @@ def _evaluation(scores: dict, figures: Mapping[str, bytes]) -> str:
                      "contaminated": _contaminated(row)})
     plot = f"\n![Scores at each checkpoint]({CHECKPOINT_PLOT})\n" if CHECKPOINT_PLOT in figures else ""
     return f"""## Evaluation
-Validation bits per byte {scores['val_bits_per_byte']:.4f}. The tasks are built from held-out documents (MMLU from its
+Bits per byte on the validation shards (the token windows the base model was validated on):
+{scores['val_bits_per_byte']:.4f}; the kiln_heldout_ppl row below is the same measure through lm-eval on whole held-out
+documents, hence a different figure. The tasks are built from held-out documents (MMLU from its
 own questions) and scored with lm-eval through Kiln's adapter. Each row gives the task's primary metric with its standard
 error and number of items, on all items and on the clean items (those sharing no 13-word run with the training data),
 beside what guessing scores:
@@ -184,7 +186,8 @@ Three stages, each a torchrun job starting from the previous stage's weights; th
    ({_counts(prefs['counts'])}; the correct response chosen, a wrong one rejected), against the SFT model as reference.
 3. Reinforcement learning ({rl['steps']} steps, GRPO-style, {rl['group_size']} answers per prompt, KL weight {rl['kl_coef']} to the
    DPO model) on {rl['reward']} prompts whose answers are checked exactly (a near miss earns {rl['partial_credit']} x its
-   closeness); held-out greedy exact-answer rate {rl['initial_val_reward']:.3f} -> {rl['final_val_reward']:.3f}.
+   closeness); greedy exact-answer rate on {_rl_heldout(rl)} {rl['initial_val_reward']:.3f} -> {rl['final_val_reward']:.3f}
+   (the table below scores every held-out arithmetic item, so its rates differ).
 {lora}
 Held-out measures after each stage, on the same items throughout:
 
@@ -192,6 +195,12 @@ Held-out measures after each stage, on the same items throughout:
 {_changes(sft, dpo, rl)}{chr(10).join(f"- `{m}`: {what}" for m, what in MEASURES.items())}
 
 """
+
+
+def _rl_heldout(rl: dict) -> str:
+    """The held-out prompts the RL stage measured itself on, in words."""
+    n = (rl.get("prompts") or {}).get("val")
+    return f"its {n} held-out prompts" if n else "its held-out prompts"
 
 
 def _changes(sft: dict, dpo: dict, rl: dict) -> str:

@@ -391,7 +391,8 @@ UPSTREAM = {  # outputs of the assets release_bundle reads, reduced to the field
     "sft_model": {"version": "9999aaaa", "steps": 20, "mlflow_run_id": "run-sft"},
     "dpo_model": {"version": "dpo1", "steps": 10, "beta": 0.1, "lora": {"enabled": False}, "mlflow_run_id": "run-dpo"},
     "rl_model": {"version": "rl1", "steps": 8, "group_size": 4, "kl_coef": 0.05, "reward": "arithmetic", "partial_credit": 0.5,
-                 "initial_val_reward": 0.1, "final_val_reward": 0.25, "lora": {"enabled": True}, "mlflow_run_id": "run-rl"},
+                 "initial_val_reward": 0.1, "final_val_reward": 0.25, "lora": {"enabled": True}, "mlflow_run_id": "run-rl",
+                 "prompts": {"train": 80, "val": 20}},
 }
 
 
@@ -414,11 +415,13 @@ def test_model_card_tells_the_lineage_section_by_section() -> None:
                    "Trained on 2 CPU processes with DDP (data parallel): 30 steps of 4,096 tokens (122,880 tokens,\n0.12 tokens per "
                    "parameter); micro-batch 4 x gradient accumulation 2.",
                    "Validation loss fell from 5.7000 to 3.2100 nats/token (guessing uniformly over\nthe vocabulary scores 5.7038).",
-                   "Validation bits per byte 1.8765.", "| task | metric | all items (n) | clean items (n) | chance | contaminated |\n",
+                   "Bits per byte on the validation shards (the token windows the base model was validated on):\n1.8765; "
+                   "the kiln_heldout_ppl row below is the same measure through lm-eval", "| task | metric | all items (n) | clean items (n) | chance | contaminated |\n",
                    "| kiln_continuation | acc_norm | 0.400 (40) | - | 0.25 | 0 items |\n\n## Post-training",
                    "Pairs sharing a 13-word run\n   with an evaluation item were removed (2)",
                    "Direct Preference Optimization (10 steps, beta 0.1) on preference data version `qqqq`",
-                   "rate 0.100 -> 0.250.\n Adapters (LoRA) were trained and merged into these weights.\n",
+                   "greedy exact-answer rate on its 20 held-out prompts 0.100 -> 0.250\n   (the table below scores every "
+                   "held-out arithmetic item, so its rates differ).\n Adapters (LoRA) were trained and merged",
                    "| measure | base | sft | dpo | rl |\n|---|---|---|---|---|\n| response_loss | 2 | 1.5 | 1.4 | 1.4 |\n\n- `"):
         assert needle in card, needle
     assert "acc_stderr" not in card
