@@ -38,8 +38,10 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
     "instruction_data": [("pairs", "{:,} pairs")],
     "preference_data": [("pairs", "{:,} pairs")],
     "sft_model": [("final_val_loss", "response loss {:.3f}"), ("steps", "{:,} steps")],
-    "dpo_model": [("steps", "{:,} steps")],
-    "rl_model": [("steps", "{:,} steps")],
+    "dpo_model": [("held_out_reward_accuracy", "held-out reward accuracy {:.2f}"), ("steps", "{:,} steps")],
+    "rl_model": [("final_held_out_reward", "held-out reward {:.3f}"), ("steps", "{:,} steps")],
+    "reward_model": [("held_out_accuracy", "held-out pair accuracy {:.2f}"), ("steps", "{:,} steps")],
+    "ppo_model": [("final_held_out_reward", "held-out reward {:.3f}"), ("steps", "{:,} steps")],
     "release_bundle": [("bytes", "{:,} bytes")],
 }
 # Loggers of libraries whose INFO lines are for their developers, not for a person running Kiln.

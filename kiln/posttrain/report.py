@@ -21,6 +21,11 @@ def stage_report(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str
             "trainable_parameters": result["trainable_params"], "lora": result["lora"]["enabled"]}
 
 
+def _rounded(v: Any, digits: int = 4) -> Any:
+    """A figure for a page: 4 decimals (None stays None)."""
+    return round(v, digits) if isinstance(v, float) else v
+
+
 def _series(hist: list[dict], key: str) -> list[tuple[float, float]]:
     return [(h["step"], h[key]) for h in hist if h.get(key) is not None]
 
@@ -39,6 +44,8 @@ def dpo_report(result: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path
                                        "val_reward_margin", "val_chosen_logp", "val_rejected_logp"]),
         "final_held_out": Table([{"quantity": k, "start": (result["initial_val"] or {}).get(k), "end": v}
                                  for k, v in (result["final_val"] or {}).items()]),
+        "held_out_reward_accuracy": _rounded((result["final_val"] or {}).get("reward_accuracy")),
+        "held_out_reward_margin": _rounded((result["final_val"] or {}).get("reward_margin")),
     }
 
 
@@ -55,6 +62,8 @@ def rl_report(result: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path)
         "kl_curve": Plot({"KL to reference": [(h["step"], h["kl"]) for h in hist if "kl" in h]},
                          "KL to the reference", "step", "nats/token", out_dir / "kl.png"),
         "held_out_reward": Table([{"step": h["step"], "reward": h["val_reward"]} for h in hist if "val_reward" in h]),
+        "initial_held_out_reward": _rounded(result.get("initial_val_reward")),
+        "final_held_out_reward": _rounded(result.get("final_val_reward")),
     }
 
 

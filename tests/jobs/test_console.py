@@ -28,6 +28,11 @@ def test_asset_of_a_step_and_headline_figures():
     assert asset_of("clean_corpus.clean_shard[s00001_owt]") == "clean_corpus" and asset_of("base_model") == "base_model"
     assert headline("clean_corpus", {"kept_documents": 677, "dropped_documents": 773}) == "kept 677 documents, dropped 773"
     assert headline("base_model", {"final_val_loss": 5.40205, "tokens_per_s": 8461.9}) == "validation loss 5.402, 8,462 tokens/s"
+    # every post-training stage ends on the figure it moves, not on its step count alone
+    assert headline("dpo_model", {"held_out_reward_accuracy": 0.8114, "steps": 40}) == "held-out reward accuracy 0.81, 40 steps"
+    assert headline("rl_model", {"final_held_out_reward": 0.07, "steps": 60}) == "held-out reward 0.070, 60 steps"
+    assert headline("reward_model", {"held_out_accuracy": 0.6, "steps": 30}) == "held-out pair accuracy 0.60, 30 steps"
+    assert headline("ppo_model", {"final_held_out_reward": -0.25, "steps": 20}) == "held-out reward -0.250, 20 steps"
     assert headline("tokenizer", {}) == "" and headline("unknown_asset", {"x": 1}) == ""
 
 
