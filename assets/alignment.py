@@ -23,7 +23,7 @@ from kiln.posttrain.sft import read_pairs
 from kiln.pretrained.source import is_hf_folder
 from kiln.train.checkpoint import checkpoint_identity, resolve_checkpoint
 from kiln.train.job import JobConfig
-from kiln.train.launch import RunSpec, pretrain_report
+from kiln.train.launch import RunSpec, Table, pretrain_report
 from kiln.train.optim import OptimConfig
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
@@ -142,7 +142,7 @@ class SftModelConfig(schema_of(JobConfig, include=("max_steps", "micro_batch", "
     init_from: str = init_from_field()
 
 
-@asset(code_version="1", group_name="posttraining")
+@asset(code_version="2", group_name="posttraining")
 def sft_model(context: AssetExecutionContext, config: SftModelConfig, base_model: dict, instruction_data: dict,
               preference_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
               torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
@@ -153,29 +153,22 @@ def sft_model(context: AssetExecutionContext, config: SftModelConfig, base_model
               "init_from": start["checkpoint"]}
     plan = {**training_plan, "micro_batch": fields.pop("micro_batch"), "grad_accum": 1}  # a plan field, not a job one
     suite = heldout_suite(instruction_data, preference_data)
-    device = training_plan["hardware"]["device"]
-    before = measure_before(start, suite, device)
     spec = RunSpec("sft", fields, plan, {**(start_key or {"base_model": base_model["version"]}),
                                          "instruction_data": instruction_data["version"]}, tokenizer["path"])
-    with torchrun.training_run(context, spec, storage, mlflow) as job:
-        if job.reused is not None:
-            out = job.reused
-        else:
-            out = job.output(report_metadata(pretrain_report(job.launch(), job.out_dir), job.run))
-    after = measure_checkpoint(out.value["checkpoint"], suite, device)
-    rows = log_comparison(before, after, mlflow.resolved_uri(), out.value["mlflow_run_id"], out.value["steps"])
-    context.log.info(comparison_line(rows))
-    value = {**out.value, "before": means(before), "after": means(after), "after_scores": after, "before_after": rows,
-             "suite_key": suite_key(suite), **extra}
-    return Output(value, data_version=out.data_version,
-                  metadata={**out.metadata, "before_after": md_table(comparison_table(rows))})
+    return align(context, spec, start, suite, storage, torchrun, mlflow, sft_report, extra)
+
+
+def sft_report(result: dict[str, Any], rows: list[dict[str, Any]], out_dir) -> dict[str, Any]:
+    """A fine-tuning run's page: the pretraining report of its curves and checkpoints, and the before/after table."""
+    return {**pretrain_report(result, out_dir), "before_after": Table(comparison_table(rows))}
 
 
 def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], storage: KilnStorageResource,
           torchrun: TorchrunResource, mlflow: MlflowResource, report: Callable[..., dict[str, Any]],
           extra: dict[str, Any] | None = None) -> Output[dict]:
-    """Shared by dpo_model and rl_model: measure ``init`` on the held-out suite, run the job (its folder keyed by its
-    inputs, so a rerun resumes), measure the result; ``report`` adds the stage's own plots and tables."""
+    """Shared by sft_model, dpo_model and rl_model: measure ``init`` on the held-out suite, run the job (its folder
+    keyed by its inputs, so a rerun resumes), measure the result; ``report`` adds the stage's own plots and tables. A
+    reused run is returned as recorded, measures included: nothing is measured again."""
     device = spec.plan["hardware"]["device"]
     with torchrun.training_run(context, spec, storage, mlflow) as job:
         if job.reused is not None:
