@@ -359,8 +359,7 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
 
 def card_figures(up: Mapping[str, dict[str, Any]]) -> dict[str, bytes]:
     """{file name: PNG} for the card: the base model's train and validation loss by step; each task's primary score at
-    every checkpoint the per-checkpoint evaluation scored (``<storage>/checkpoint_evals/<run>``), or the validation loss
-    at each checkpoint's evaluation when none was scored."""
+    every checkpoint the per-checkpoint evaluation scored (``<storage>/checkpoint_evals/<run>``), when it scored any."""
     from kiln.evaluation.checkpoints import curves, score_history
 
     base = up["base_model"]
@@ -372,11 +371,8 @@ def card_figures(up: Mapping[str, dict[str, Any]]) -> dict[str, bytes]:
     run = Path(base["out_dir"]) if base.get("out_dir") else None
     scored = run.parents[1] / "checkpoint_evals" / run.name if run is not None else None
     series = curves(score_history(scored)).get("accuracy", {}) if scored is not None and scored.is_dir() else {}
-    if any(series.values()):
+    if any(series.values()):  # none scored: no such plot (the loss plot already shows the validation loss)
         out[CHECKPOINT_PLOT] = _plot(series, "Primary scores by checkpoint", "step", "accuracy")
-    elif len(val) > 1:
-        out[CHECKPOINT_PLOT] = _plot({"validation loss": val}, "Validation loss at each checkpoint's evaluation",
-                                     "step", "nats/token")
     return out
 
 
