@@ -216,7 +216,8 @@ def _changes(sft: dict, dpo: dict, rl: dict) -> str:
 
 
 def _feedback(up: Mapping[str, dict[str, Any]]) -> str:
-    """The AI judge's labels and how far they agree with known ones, when judged_preferences ran; else nothing."""
+    """The AI judge's labels and how far they agree with known ones, when judged_preferences ran; else nothing. Files
+    are named by their names and hashes: the folders they sat in are the training machine's, not the reader's."""
     judged = up.get("judged_preferences")
     if not judged:
         return ""
@@ -224,8 +225,8 @@ def _feedback(up: Mapping[str, dict[str, Any]]) -> str:
     a = s["agreement"]
     return f"""## AI feedback
 Preference labels from an AI judge (judged_preferences version `{judged['version']}`): the {j['family']} {j['kind']}
-`{j['path']}` ({j['params']:,} parameters, sha256 `{j['sha256']}`) scored answers against the principles in
-`{p['path']}` (sha256 `{p['sha256']}`) with the `{judged['rule']}` rule, each pair in both orders.
+`{Path(j['path']).name}` ({j['params']:,} parameters, sha256 `{j['sha256']}`) scored answers against the principles in
+`{Path(p['path']).name}` (sha256 `{p['sha256']}`) with the `{judged['rule']}` rule, each pair in both orders.
 On {a['n']} held-out preference pairs whose right answer is known, the judge agreed with it on
 {a['agreement']:.3f} ± {a['stderr']:.3f} of them (standard error; a tie counts one half; {a['ties']} ties; chance 0.5);
 its verdict changed with the order of the answers on {s['position_bias']['checkable']:.1%} of them.

@@ -93,3 +93,15 @@ def test_post_training_shows_each_stage_change_with_its_paired_error(up):
     first = next(r for r in up["sft_model"]["before_after"] if r["measure"] == "arithmetic_exact_match")
     assert sft == f"{first['change']:+.3f}"  # recorded without item scores: the change alone
     assert "at least\n2 standard errors from zero" in text
+
+
+def test_the_ai_feedback_section_names_the_judge_and_principles_without_machine_paths(up):
+    judged = {"version": "jp1", "rule": "majority", "judge": {"family": "llama", "kind": "release bundle",
+                                                               "path": "/home/someone/.kiln/storage/judge/abc123",
+                                                               "params": 1_000_000, "sha256": "ab" * 8},
+              "principles": {"path": "/home/someone/kiln/conf/judge/principles.md", "sha256": "cd" * 8},
+              "summary": {"agreement": {"n": 40, "agreement": 0.725, "stderr": 0.07, "ties": 3},
+                          "position_bias": {"checkable": 0.1}, "pairs_labelled": 120, "ties": 4}}
+    text = card({**up, "judged_preferences": judged}).split("## AI feedback", 1)[1].split("\n## ", 1)[0]
+    assert "`abc123` (1,000,000 parameters, sha256 `abababababababab`)" in text
+    assert "principles in\n`principles.md` (sha256 `cdcdcdcdcdcdcdcd`)" in text and "/home/someone" not in text
