@@ -516,6 +516,32 @@ def cmd_logbook(args: argparse.Namespace) -> int:
     return logbook_main([args.run] + (["--json"] if args.json else []))
 
 
+def display_name(ref: str, path: Path) -> str:
+    """What the arena calls a model (its folder stays in its record): a registry reference as given, a release by
+    the name in its kiln.json, a checkpoint as run@step, a run folder by its name; never a machine's whole path."""
+    from kiln.release.bundle import is_release
+
+    if ref.startswith("models:/"):
+        return ref
+    path = Path(path)
+    if is_release(path):
+        try:
+            return json.loads((path / "kiln.json").read_text()).get("name") or path.name
+        except (OSError, ValueError):
+            return path.name
+    if path.name.startswith("step_") and path.parent.name == "checkpoints":
+        return f"{path.parents[1].name}@{path.name.removeprefix('step_').lstrip('0') or '0'}"
+    return path.name
+
+
+def unique_name(name: str, taken: list[str]) -> str:
+    """``name``, or ``name (2)``, ``name (3)`` ... when it is taken."""
+    n, out = 2, name
+    while out in taken:
+        out, n = f"{name} ({n})", n + 1
+    return out
+
+
 def cmd_arena(args: argparse.Namespace) -> int:
     from kiln.arena.app import serve
     from kiln.arena.contestants import SamplingConfig, model_contestant
@@ -537,7 +563,8 @@ def cmd_arena(args: argparse.Namespace) -> int:
             model, enc = load_any_model(path)
         except (OSError, ValueError, RuntimeError) as e:  # not a model folder, damaged bundle, corrupt tokenizer
             raise SystemExit(f"kiln arena: cannot load {ref} ({path}): {e}; {what}") from e
-        contestants.append(model_contestant(ref, str(path.resolve()), model, enc, sampling))
+        name = unique_name(display_name(ref, path), [c.name for c in contestants])
+        contestants.append(model_contestant(name, str(path.resolve()), model, enc, sampling))
     try:
         prompts, source = load_prompts(args.prompts, home)
     except ValueError as e:

@@ -47,3 +47,14 @@ def test_bad_references_are_named_with_what_to_give(tmp_path, bundle_and_checkpo
     with pytest.raises(SystemExit, match=r"load the same weights; give models that differ"):
         main(["arena", str(bundle), str(ckpt), *home])  # a release and the checkpoint it came from are one model
     assert not (tmp_path / "home").exists()  # nothing written for an arena that never started
+
+
+def test_models_are_named_for_people_not_by_their_machine_paths(tmp_path, bundle_and_checkpoint):
+    from jobs.cli import display_name, unique_name
+
+    bundle, ckpt = bundle_and_checkpoint
+    assert display_name(str(bundle), bundle) == "arena-cli"  # the name in the release's kiln.json
+    assert display_name(str(ckpt), ckpt) == "run@3"  # a checkpoint: its run folder and step
+    assert display_name(str(ckpt.parents[1]), ckpt.parents[1]) == "run"
+    assert display_name("models:/kiln/2", tmp_path) == "models:/kiln/2"
+    assert unique_name("run", ["run", "run (2)"]) == "run (3)" and unique_name("a", []) == "a"

@@ -150,7 +150,7 @@ def test_a_person_votes_six_rounds_and_the_ratings_follow(arena_server, two_mode
     url, home, uri, proc, log_path = arena_server
     expected = expected_answers(two_models)
     assert all(e["A"] != e["B"] for e in expected.values()), expected  # the two models are told apart by their answers
-    names = {"A": str(two_models["A"]), "B": str(two_models["B"])}
+    names = {"A": "arena-a", "B": "run_B"}  # the release's own name, the run folder's: no machine paths
     browser.get(url)
     wait_for(browser, round_shown, "the page showed no round", tmp_path / "arena_failed.png")
     body = browser.find_element(By.TAG_NAME, "body").text
