@@ -79,7 +79,7 @@ async function load() {
 
 function showRatings(ratings) {
   $("method").textContent = (ratings.method === "bt" ? "Bradley-Terry" : "Elo") + " ratings (1000 = average), " +
-    ratings.votes + " vote(s), 95% bootstrap interval.";
+    ratings.votes + " vote(s), 95% interval (bootstrap; Bradley-Terry's Wald interval where the votes all agree).";
   const body = document.querySelector("#ratings tbody");
   body.innerHTML = "";
   ratings.rows.forEach((row, i) => {

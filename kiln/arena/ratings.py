@@ -16,6 +16,7 @@ import numpy as np
 
 SCALE = 400 / np.log(10)  # natural-log strength -> Elo points
 BASE = 1000.0  # the mean rating
+Z95 = 1.959964  # the normal quantile of a two-sided 95% interval
 Comparison = tuple[str, str, float]  # (a, b, score of a: 1 win, 0 loss, 0.5 tie)
 
 
@@ -48,6 +49,19 @@ def bradley_terry(w: np.ndarray, prior: float = 1.0, iters: int = 10_000, tol: f
             break
         p = new
     return np.log(p)
+
+
+def bt_standard_errors(w: np.ndarray, log_strength: np.ndarray, prior: float = 1.0) -> np.ndarray:
+    """Standard errors (n,) of Bradley-Terry log-strengths from the observed information of the likelihood with the
+    ``prior`` virtual ties (its inverse taken on the centred parametrisation: a pseudo-inverse, since adding a
+    constant to every strength changes nothing)."""
+    n = w.shape[0]
+    games = w + w.T + prior * (1 - np.eye(n))  # (n, n) comparisons per pair, the virtual ties included
+    p = np.exp(log_strength)
+    win = p[:, None] / (p[:, None] + p[None, :])  # (n, n) P(i beats j)
+    v = games * win * win.T  # (n, n) each pair's information
+    info = np.diag(v.sum(axis=1)) - v
+    return np.sqrt(np.clip(np.diag(np.linalg.pinv(info)), 0.0, None))
 
 
 def elo(n: int, a: np.ndarray, b: np.ndarray, score: np.ndarray, k: float = 32.0) -> np.ndarray:
@@ -85,8 +99,9 @@ def bootstrap(method: str, n: int, a: np.ndarray, b: np.ndarray, s: np.ndarray, 
 def ratings_table(names: Sequence[str], comparisons: Sequence[Comparison], method: str = "bt", seed: int = 0,
                   rounds: int = 200, prior: float = 1.0) -> list[dict]:
     """One row per model, best first: model, rating, low and high (the 95% bootstrap interval, widened to hold the
-    rating where the resampled ratings all fall on one side of it; the rating itself without votes), votes, wins,
-    losses, ties. Unknown names in ``comparisons`` are errors."""
+    rating where the resampled ratings all fall on one side of it; the Bradley-Terry Wald interval where the bootstrap
+    has no spread: no votes, or every vote one way), votes, wins, losses, ties. Unknown names in ``comparisons`` are
+    errors."""
     index = {m: i for i, m in enumerate(names)}
     unknown = sorted({m for c in comparisons for m in c[:2]} - set(index))
     if unknown:
@@ -96,7 +111,13 @@ def ratings_table(names: Sequence[str], comparisons: Sequence[Comparison], metho
     b = np.array([index[c[1]] for c in comparisons], dtype=int)
     s = np.array([float(c[2]) for c in comparisons])
     est = _points(method, n, a, b, s, prior)
-    lo, hi = bootstrap(method, n, a, b, s, rounds, seed, prior) if len(a) else (est, est)
+    lo, hi = bootstrap(method, n, a, b, s, rounds, seed, prior) if len(a) else (est.copy(), est.copy())
+    # no votes, or votes whose every resampling is the same (all one way): the bootstrap has no spread to show, so
+    # such a rating gets its 95% Wald interval under Bradley-Terry with the prior, never a zero-width one
+    flat = hi - lo < 1e-6
+    if flat.any():
+        se = SCALE * bt_standard_errors(win_matrix(n, a, b, s), _points("bt", n, a, b, s, prior) / SCALE, prior)
+        lo[flat], hi[flat] = est[flat] - Z95 * se[flat], est[flat] + Z95 * se[flat]
     rows = []
     for m, i in index.items():
         mine = (a == i) | (b == i)  # (V,) the votes this model was in

@@ -92,8 +92,26 @@ def test_intervals_hold_the_rating_narrow_with_votes_and_repeat_with_a_seed():
 
 def test_no_votes_rate_everyone_1000_and_bad_input_is_named():
     rows = ratings_table(["A", "B"], [])
-    assert [(r["rating"], r["low"], r["high"], r["votes"]) for r in rows] == [(1000.0, 1000.0, 1000.0, 0)] * 2
+    # nothing known but the prior's one virtual tie: a wide interval (its Wald interval), not a zero-width one
+    assert [(r["rating"], r["low"], r["high"], r["votes"]) for r in rows] == [(1000.0, 659.5, 1340.5, 0)] * 2
     with pytest.raises(ValueError, match=r"model\(s\) \['Z'\] that are not among \['A', 'B'\]"):
         ratings_table(["A", "B"], [("A", "Z", 1.0)])
     with pytest.raises(ValueError, match="unknown method 'glicko'; choose bt"):
         ratings_table(["A", "B"], THREE_OF_FOUR, method="glicko")
+
+
+def test_votes_all_one_way_still_get_an_interval_that_narrows_with_them():
+    """Every resampling of votes that all went one way is the same, so the bootstrap has no spread: such ratings get
+    their Bradley-Terry Wald interval (with the prior), which holds the rating and narrows as the votes grow."""
+    from kiln.arena.ratings import bt_standard_errors, win_matrix
+
+    one, five = (by_model(ratings_table(["A", "B"], [("A", "B", 1.0)] * k, seed=1)) for k in (1, 5))
+    for rows in (one, five):
+        for r in rows.values():
+            assert r["low"] < r["rating"] < r["high"], r
+    assert one["A"]["rating"] < five["A"]["rating"]
+    assert five["A"]["high"] - five["A"]["low"] < one["A"]["high"] - one["A"]["low"]
+    # two models, one virtual tie and no votes: information 1/4 per direction, so the log-strength's error is 1
+    se = bt_standard_errors(win_matrix(2, np.array([], dtype=int), np.array([], dtype=int), np.array([])),
+                            np.zeros(2), prior=1.0)
+    assert se.tolist() == pytest.approx([1.0, 1.0])
