@@ -73,6 +73,9 @@ class StatusReader:
         exp = self.client.get_experiment_by_name(mlflow.experiment)
         self.experiment_id = exp.experiment_id if exp is not None else None
         self.decided: dict[str, AssetStatus] = {}
+        storage = ((run_config.get("resources") or {}).get("storage") or {}).get("config") or {}
+        root = storage.get("root") or getattr(defs.resources.get("storage"), "root", None)
+        self.storage_root = str(Path(root).resolve()) if root else None  # a copied home's records move here
 
     def status(self, names: list[str], skipped: list[str] = ()) -> list[AssetStatus]:
         """Each asset's status in ``names`` order (every asset after its upstream); ``skipped``: opt-in assets the
@@ -266,7 +269,8 @@ class StatusReader:
         if not key:
             return None, ["its output is never reused (no reuse key)"]
         said: list[str] = []
-        found = self.mlflow.find_reusable(self.client, self.experiment_id, name, key, said.append, set_aside=False)
+        found = self.mlflow.find_reusable(self.client, self.experiment_id, name, key, said.append, set_aside=False,
+                                          root=self.storage_root)
         if found:
             return found[0], []
         return None, [m.split(": ", 1)[-1].split(". Recomputing")[0] for m in said] or ["no finished run recorded its output"]

@@ -73,35 +73,39 @@ class MlflowResource(ConfigurableResource):
                                                      "dagster.job": job_name, "mlflow.runName": f"dagster {dagster_run_id[:8]}"})
         return run.info.run_id
 
-    def reuse_key(self, context, reuse: dict[str, Any]) -> str:
-        """Hash of the asset key, its code version, and what the caller says determines its output."""
+    def reuse_key(self, context, reuse: dict[str, Any], legacy: bool = False) -> str:
+        """Hash of the asset key, its code version, and what the caller says determines its output. Where the home
+        is does not count: a copied or moved home finds its records, whose paths are moved with it (relocated).
+        ``legacy``: the key of records made before that, which held the storage root."""
         asset = context.asset_key.to_user_string()
         try:
             code_version = context.assets_def.specs_by_key[context.asset_key].code_version
         except Exception:
             code_version = None
-        try:  # outputs live under a storage root: never reuse a run that wrote under another one
-            root = str(context.resources.storage.root)
-        except Exception:
-            root = None
-        return stable_hash({"asset": asset, "code_version": code_version, "storage_root": root, **reuse})[:32]
+        if legacy:
+            return stable_hash({"asset": asset, "code_version": code_version, "storage_root": storage_root(context),
+                                **reuse})[:32]
+        return stable_hash({"asset": asset, "code_version": code_version, **reuse})[:32]
 
     def find_reusable(self, client, experiment_id: str, asset: str, key: str,
-                      log=None, set_aside: bool = True) -> tuple[str, dict[str, Any]] | None:
+                      log=None, set_aside: bool = True, root: str | None = None) -> tuple[str, dict[str, Any]] | None:
         """(run id, recorded output) of the newest finished run of ``asset`` with this reuse key whose files are
         intact (output_problem); ``log`` is told which file failed for a run passed over. ``set_aside=False``
-        only looks (``kiln status``): a damaged file is named but left where it is."""
+        only looks (``kiln status``): a damaged file is named but left where it is. ``root``: this home's storage
+        root; an output recorded under another root has its paths moved to this one (a copied or moved home), and
+        is reused only where its files are here."""
         runs = client.search_runs([experiment_id], f"tags.`kiln.reuse_key` = '{key}' and tags.`dagster.asset_key` = '{asset}' "
                                   "and attributes.status = 'FINISHED' and tags.`kiln.output_recorded` = 'true'",
                                   order_by=["attributes.start_time DESC"], max_results=5)
         said: set[str] = set()  # earlier runs often recorded the same files: each problem is told once
         for r in runs:
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    recorded = json.loads(Path(client.download_artifacts(r.info.run_id, OUTPUT_ARTIFACT, tmp)).read_text())
-            except Exception:
+            recorded = self.read_record(client, r)
+            if recorded is None:
                 continue
+            recorded, moved_from = relocated(recorded, root)
             problem = output_problem(recorded, set_aside)
+            if problem is not None and moved_from is not None:
+                problem = f"it was computed in the home whose storage is {moved_from}, and its files are not here"
             if problem is None:
                 return r.info.run_id, recorded
             if log is not None and problem not in said:
@@ -109,6 +113,24 @@ class MlflowResource(ConfigurableResource):
                 log(f"{asset}: not reusing the output of MLflow run {r.info.run_id} (same inputs, config and code): "
                     f"{problem}. Recomputing it (a training run resumes from its newest good checkpoint).")
         return None
+
+    def read_record(self, client, run) -> dict[str, Any] | None:
+        """The output recorded by MLflow run ``run``, or None. A home that was moved keeps its artifacts under its new
+        artifact root, while the run still names the old folder: the record is read from the new one then."""
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                return json.loads(Path(client.download_artifacts(run.info.run_id, OUTPUT_ARTIFACT, tmp)).read_text())
+        except Exception:
+            pass
+        uri = run.info.artifact_uri or ""
+        if self.is_server() or not uri.startswith("file://"):
+            return None
+        old = Path(uri.removeprefix("file://"))  # <old artifact root>/<run id>/artifacts (experiment_id's layout)
+        here = Path(self.artifact_root).expanduser().resolve() / Path(*old.parts[-2:]) / OUTPUT_ARTIFACT
+        try:
+            return json.loads(here.read_text())
+        except (OSError, ValueError):
+            return None
 
     @contextlib.contextmanager
     def asset_run(self, context, params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None,
@@ -124,7 +146,12 @@ class MlflowResource(ConfigurableResource):
         parent = self.parent_run(client, exp, dagster_run_id, job_name)
         asset = context.asset_key.to_user_string()
         key = self.reuse_key(context, reuse) if reuse is not None else ""
-        found = self.find_reusable(client, exp, asset, key, context.log.warning) if (key and self.reuse_runs) else None
+        root = storage_root(context)
+        found = None
+        if key and self.reuse_runs:
+            found = (self.find_reusable(client, exp, asset, key, context.log.warning, root=root)
+                     or self.find_reusable(client, exp, asset, self.reuse_key(context, reuse, legacy=True),
+                                           context.log.warning, root=root))
         run_tags = {"mlflow.parentRunId": parent, "dagster.run_id": dagster_run_id, "dagster.asset_key": asset,
                     "kiln.kind": "asset", "mlflow.runName": asset, **{k: str(v) for k, v in (tags or {}).items()}}
         if key:
@@ -132,7 +159,7 @@ class MlflowResource(ConfigurableResource):
         if found:
             run_tags["kiln.reused_from"] = found[0]
         run = client.create_run(exp, tags=run_tags)
-        handle = AssetRun(self, client, exp, run.info.run_id, parent)
+        handle = AssetRun(self, client, exp, run.info.run_id, parent, root)
         if found:
             context.log.info(f"{asset}: inputs, config and code unchanged since MLflow run {found[0]}; reusing its output")
             handle.reused = reused_output(found[1], self.run_url(exp, found[0]), found[0])
@@ -233,6 +260,34 @@ def _checkpoint_problem(paths: list[str]) -> str | None:
     return None
 
 
+def storage_root(context) -> str | None:
+    """The storage root of the run's KilnStorageResource (outputs are paths under it), or None."""
+    try:
+        return str(Path(context.resources.storage.root).resolve())
+    except Exception:
+        return None
+
+
+def relocated(recorded: dict[str, Any], root: str | None) -> tuple[dict[str, Any], str | None]:
+    """(``recorded`` with every path under the storage root it was recorded under moved under ``root``, that old
+    root, or None when nothing moved): the record of a home that was copied or moved, read in its new place."""
+    old = recorded.get("storage_root")
+    if not old or not root or old == root:
+        return recorded, None
+    old, root = old.rstrip("/"), root.rstrip("/")
+
+    def move(v: Any) -> Any:
+        if isinstance(v, str):
+            return root + v[len(old):] if v == old or v.startswith(old + "/") else v.replace(old + "/", root + "/")
+        if isinstance(v, dict):
+            return {move(k): move(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [move(x) for x in v]
+        return v
+
+    return {**move({k: v for k, v in recorded.items() if k != "storage_root"}), "storage_root": root}, old
+
+
 def reused_output(recorded: dict[str, Any], url: str, run_id: str):
     """The Output of a recorded earlier run: its value, data version and the metadata it showed (tables, plots,
     links; outputs recorded before that kept only their numbers and strings), with where it was reused from."""
@@ -263,8 +318,10 @@ def storable_metadata(metadata: dict[str, Any]) -> str:
 class AssetRun:
     """A child MLflow run: its id, URL, a batched metric logger, artifact upload, and output recording."""
 
-    def __init__(self, resource: MlflowResource, client, experiment_id: str, run_id: str, parent_id: str):
+    def __init__(self, resource: MlflowResource, client, experiment_id: str, run_id: str, parent_id: str,
+                 storage_root: str | None = None):
         self.client, self.experiment_id, self.run_id, self.parent_id = client, experiment_id, run_id, parent_id
+        self.storage_root = storage_root  # recorded with each output, whose paths are under it
         self.tracking_uri = resource.resolved_uri()
         self.url = resource.run_url(experiment_id, run_id)
         self.logger = MetricLogger(self.tracking_uri, run_id)
@@ -277,7 +334,8 @@ class AssetRun:
 
         plain = {k: v for k, v in metadata.items() if isinstance(v, (int, float, str, bool))}
         record = {"value": value, "data_version": data_version, "metadata": plain,
-                  "metadata_serdes": storable_metadata(metadata), "witnesses": output_witnesses(value)}
+                  "metadata_serdes": storable_metadata(metadata), "witnesses": output_witnesses(value),
+                  "storage_root": self.storage_root}
         self.client.log_text(self.run_id, json.dumps(record, default=str), OUTPUT_ARTIFACT)
         self.logger.set_tags({"kiln.output_recorded": "true", "kiln.data_version": data_version})
         return Output(value, data_version=DataVersion(data_version), metadata=metadata)

@@ -271,3 +271,51 @@ def test_a_reused_materialization_shows_the_metadata_of_the_computed_one(tmp_pat
     mlflow = resources["mlflow"]
     exp = mlflow.client().get_experiment_by_name(mlflow.experiment)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_a_copied_or_moved_home_reuses_its_outputs_with_their_paths_moved(tmp_path) -> None:
+    """The reuse key does not hold where the home is: a copy (`cp -a`) and a move (`mv`) of a home find its records,
+    whose paths (value, witnesses, metadata) are moved under the new storage root, and reuse them where the files are
+    there; the moved home reads its records from its own artifact folder, the old one being gone."""
+    import shutil
+
+    from dagster import AssetKey, MetadataValue
+
+    calls = []
+
+    @asset(code_version="1")
+    def notes(context: AssetExecutionContext, mlflow: MlflowResource, storage: KilnStorageResource) -> Output[dict]:
+        with mlflow.asset_run(context, params={"n": 1}, reuse={"n": 1}) as run:
+            if run.reused is not None:
+                return run.reused
+            calls.append(1)
+            out = Path(storage.root) / "notes" / "notes.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("kept\n")
+            return run.output({"path": str(out)}, "n1", {"file": MetadataValue.path(str(out))})
+
+    def home(root: Path) -> dict:
+        return {"storage": KilnStorageResource(root=str(root / "storage")),
+                "mlflow": MlflowResource(tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
+                                         artifact_root=str(root / "art"), experiment="moves")}
+
+    def run_in(root: Path) -> tuple[dict, dict]:
+        instance = DagsterInstance.ephemeral()
+        result = materialize([notes], resources=home(root), instance=instance)
+        assert result.success
+        meta = instance.get_latest_materialization_event(AssetKey("notes")).asset_materialization.metadata
+        return result.output_for_node("notes"), meta
+
+    first, _ = run_in(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copied, meta = run_in(tmp_path / "b")
+    assert calls == [1] and copied["path"] == str((tmp_path / "b" / "storage" / "notes" / "notes.txt").resolve())
+    assert meta["file"].value == copied["path"] and "reused_from_mlflow_run" in meta
+    shutil.copy(tmp_path / "a" / "mlflow.db", tmp_path / "db-only.db")
+    shutil.move(str(tmp_path / "a"), str(tmp_path / "c"))  # the original home moved: its old folders are gone
+    moved, _ = run_in(tmp_path / "c")
+    assert calls == [1] and moved["path"].startswith(str((tmp_path / "c").resolve()))
+    (tmp_path / "d").mkdir()
+    shutil.copy(tmp_path / "db-only.db", tmp_path / "d" / "mlflow.db")  # the records, but not the files
+    fresh, _ = run_in(tmp_path / "d")
+    assert calls == [1, 1] and fresh["path"].startswith(str((tmp_path / "d").resolve()))
