@@ -51,6 +51,7 @@ class MlflowResource(ConfigurableResource):
         if exp is not None:
             if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # made before the tag: tagged now
                 client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
+            self.relocate(exp.artifact_location)
             return exp.experiment_id
         location = None
         if not self.is_server():  # a tracking server keeps artifacts in its own store, reachable by every machine
@@ -61,6 +62,34 @@ class MlflowResource(ConfigurableResource):
             return client.create_experiment(self.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
         except Exception:  # created concurrently by another process
             return client.get_experiment_by_name(self.experiment).experiment_id
+
+    def relocate(self, location: str) -> None:
+        """A home that was copied or moved keeps an mlflow.db whose artifact folders are the old home's: new runs
+        would write there, and the registry would point there. When this home's own sqlite store names another
+        artifact root, every such location in it (experiments, runs, model versions) is moved under this home's.
+        MLflow has no call to change an experiment's artifact location, so this updates its tables directly; only a
+        store that sits in the home beside its artifact root is touched (a shared store is never rewritten)."""
+        import sqlite3
+
+        uri = self.resolved_uri()
+        if self.is_server() or not uri.startswith("sqlite:///") or not location.startswith("file://"):
+            return
+        from urllib.parse import unquote, urlparse
+
+        db = Path(uri.removeprefix("sqlite:///"))
+        root = Path(self.artifact_root).expanduser().resolve()
+        old_uri, new_uri = location.rstrip("/"), root.as_uri()
+        old = unquote(urlparse(old_uri).path)
+        if old == str(root) or db.parent != root.parent:
+            return
+        pairs = [(old_uri + "/", new_uri + "/"), (old + "/", str(root) + "/")]  # URIs, and plain paths
+        with contextlib.closing(sqlite3.connect(db)) as con, con:
+            con.execute("UPDATE experiments SET artifact_location = ? WHERE artifact_location IN (?, ?)",
+                        (new_uri, old_uri, old_uri + "/"))
+            for a, b in pairs:
+                con.execute("UPDATE runs SET artifact_uri = replace(artifact_uri, ?, ?)", (a, b))
+                con.execute("UPDATE model_versions SET source = replace(source, ?, ?), "
+                            "storage_location = replace(storage_location, ?, ?)", (a, b, a, b))
 
     def run_url(self, experiment_id: str, run_id: str) -> str:
         return f"{self.ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"

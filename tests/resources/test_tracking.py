@@ -276,7 +276,7 @@ def test_a_reused_materialization_shows_the_metadata_of_the_computed_one(tmp_pat
 def test_a_copied_or_moved_home_reuses_its_outputs_with_their_paths_moved(tmp_path) -> None:
     """The reuse key does not hold where the home is: a copy (`cp -a`) and a move (`mv`) of a home find its records,
     whose paths (value, witnesses, metadata) are moved under the new storage root, and reuse them where the files are
-    there; the moved home reads its records from its own artifact folder, the old one being gone."""
+    there; the home's MLflow store is pointed at its own artifact folder, so nothing is written into the old home."""
     import shutil
 
     from dagster import AssetKey, MetadataValue
@@ -306,15 +306,24 @@ def test_a_copied_or_moved_home_reuses_its_outputs_with_their_paths_moved(tmp_pa
         meta = instance.get_latest_materialization_event(AssetKey("notes")).asset_materialization.metadata
         return result.output_for_node("notes"), meta
 
+    def files(root: Path) -> set[str]:
+        return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
     first, _ = run_in(tmp_path / "a")
     shutil.copytree(tmp_path / "a", tmp_path / "b")
+    before = files(tmp_path / "a")
     copied, meta = run_in(tmp_path / "b")
     assert calls == [1] and copied["path"] == str((tmp_path / "b" / "storage" / "notes" / "notes.txt").resolve())
     assert meta["file"].value == copied["path"] and "reused_from_mlflow_run" in meta
+    assert files(tmp_path / "a") == before  # the copy wrote nothing into the original home
+    mlflow = home(tmp_path / "b")["mlflow"]
+    exp = mlflow.client().get_experiment_by_name("moves")
+    assert exp.artifact_location == (tmp_path / "b" / "art").resolve().as_uri()  # its store points into itself
     shutil.copy(tmp_path / "a" / "mlflow.db", tmp_path / "db-only.db")
     shutil.move(str(tmp_path / "a"), str(tmp_path / "c"))  # the original home moved: its old folders are gone
     moved, _ = run_in(tmp_path / "c")
     assert calls == [1] and moved["path"].startswith(str((tmp_path / "c").resolve()))
+    assert not (tmp_path / "a").exists()  # nothing written back where the home was
     (tmp_path / "d").mkdir()
     shutil.copy(tmp_path / "db-only.db", tmp_path / "d" / "mlflow.db")  # the records, but not the files
     fresh, _ = run_in(tmp_path / "d")
