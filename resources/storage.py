@@ -49,10 +49,13 @@ class KilnStorageResource(ConfigurableResource):
         """True when ``root`` is a URL, so finished outputs are also published there."""
         return store.is_url(self.root)
 
+    def local_base(self) -> Path:
+        """The local folder outputs are written under: ``root`` when it is local, else ``cache``."""
+        return Path(self.cache if self.durable else self.root).expanduser().resolve()
+
     def path(self, *parts: str) -> Path:
         """The local folder for ``parts`` (created): under ``root`` when it is local, else under ``cache``."""
-        base = self.cache if self.durable else self.root
-        p = Path(base).expanduser().resolve().joinpath(*parts)
+        p = self.local_base().joinpath(*parts)
         p.mkdir(parents=True, exist_ok=True)
         return p
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -447,8 +448,12 @@ class TorchrunResource(ConfigurableResource):
         where = context.asset_key.to_user_string()
         with _as_failure():  # the one config check: a worker never fails on config the resource let through
             spec.validate(where)
-        out_dir = storage.path(where, spec.key)
-        with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(), reuse={"key": spec.key, **spec.reuse}) as run:
+        base = storage.local_base()
+        spec = dataclasses.replace(spec, root=str(base))
+        legacy = base / where / spec.legacy_key  # a run folder made before the key left the home's place out
+        out_dir = legacy if legacy.is_dir() and not (base / where / spec.key).exists() else storage.path(where, spec.key)
+        with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(), reuse={"key": spec.key, **spec.reuse},
+                              fallback={"key": spec.legacy_key, **spec.reuse}) as run:
             yield TrainingLaunch(self, context, spec, out_dir, run)
 
     def _cancel(self, sbatch_lines: list[str]) -> None:

@@ -163,11 +163,12 @@ class MlflowResource(ConfigurableResource):
 
     @contextlib.contextmanager
     def asset_run(self, context, params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None,
-                  reuse: dict[str, Any] | None = None) -> Iterator["AssetRun"]:
+                  reuse: dict[str, Any] | None = None, fallback: dict[str, Any] | None = None) -> Iterator["AssetRun"]:
         """Open a child run for the asset being materialized; it ends FINISHED or FAILED with the step.
 
         With ``reuse`` (the config and input data versions that determine the output), a finished run with
         the same reuse key is looked up first: if found, ``handle.reused`` holds its Output to return.
+        ``fallback``: what ``reuse`` was for records made before (looked up after it).
         """
         client = self.client()
         exp = self.experiment_id(client)
@@ -177,10 +178,10 @@ class MlflowResource(ConfigurableResource):
         key = self.reuse_key(context, reuse) if reuse is not None else ""
         root = storage_root(context)
         found = None
-        if key and self.reuse_runs:
-            found = (self.find_reusable(client, exp, asset, key, context.log.warning, root=root)
-                     or self.find_reusable(client, exp, asset, self.reuse_key(context, reuse, legacy=True),
-                                           context.log.warning, root=root))
+        if key and self.reuse_runs:  # then records made before the key left the home's place out (``fallback``:
+            for keyed in [reuse, *([fallback] if fallback else [])]:  # the reuse of such a record, if it differs)
+                for k in (self.reuse_key(context, keyed), self.reuse_key(context, keyed, legacy=True)):
+                    found = found or self.find_reusable(client, exp, asset, k, context.log.warning, root=root)
         run_tags = {"mlflow.parentRunId": parent, "dagster.run_id": dagster_run_id, "dagster.asset_key": asset,
                     "kiln.kind": "asset", "mlflow.runName": asset, **{k: str(v) for k, v in (tags or {}).items()}}
         if key:

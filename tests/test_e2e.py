@@ -248,6 +248,32 @@ def test_rerun_with_nothing_changed_is_predicted_and_recomputes_nothing(smoke_ru
     assert computed_assets(smoke_run, result.run_id) == set()
 
 
+def test_a_copied_home_reuses_everything_and_writes_only_inside_itself(smoke_run, source_cache, tmp_path):
+    """`cp -a` of a finished home: kiln status predicts nothing to run there, the rerun recomputes nothing, the
+    outputs it hands on are the copy's own files, and the original home is left as it was."""
+    import shutil
+
+    from dagster import DagsterInstance
+
+    from jobs.definitions import make_definitions
+
+    home = smoke_run[0]
+    copy = tmp_path / "copied-home"
+    shutil.copytree(home, copy, symlinks=True)
+    before = sorted(str(p) for p in home.rglob("*"))
+    defs = make_definitions(copy, str(source_cache))
+    with DagsterInstance.from_config(str(copy / "dagster")) as instance:
+        moved = (copy, defs, instance, None)
+        assert running(status(moved, smoke_ops())) == set()
+        result = rerun(moved, NAMES, smoke_ops())
+        assert result.success, failure_message(result)
+        assert computed_assets(moved, result.run_id) == set()
+        bundle = result.output_for_node("release_bundle")["dir"]
+        assert bundle.startswith(str(copy.resolve())) and (Path(bundle) / "model.safetensors").is_file()
+        assert result.output_for_node("base_model")["checkpoint"].startswith(str(copy.resolve()))
+    assert sorted(str(p) for p in home.rglob("*")) == before  # nothing written into the original
+
+
 def test_recomputing_without_reuse_gives_the_same_data_versions(smoke_run):
     """With run reuse off, the selected assets really run again and come out with the data versions they had. The
     first run matching the frozen record shows that for the assets whose versions it freezes; these are the ones it

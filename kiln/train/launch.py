@@ -48,6 +48,7 @@ class RunSpec:
     tokenizer: str  # tokenizer.json copied into every checkpoint
     init: str = ""  # the checkpoint a DPO or RL job starts from
     reuse: dict[str, Any] = field(default_factory=dict)  # what an identical earlier run must also share
+    root: str = ""  # the storage root its files are under (set by the launcher; only its place, not part of the key)
 
     @property
     def posttrain(self) -> bool:
@@ -55,6 +56,14 @@ class RunSpec:
 
     @property
     def key(self) -> str:
+        """The run folder's name: a hash of everything that decides the result, the paths under ``root`` (the
+        home's storage) taken relative to it, so a copied or moved home finds its run folders."""
+        return stable_hash(under_root({"task": self.task, **self.inputs, **self.fields, "plan": self.plan},
+                                      self.root))[:16]
+
+    @property
+    def legacy_key(self) -> str:
+        """The key of run folders made before ``key`` left the home's place out (absolute paths and all)."""
         return stable_hash({"task": self.task, **self.inputs, **self.fields, "plan": self.plan})[:16]
 
     def validate(self, where: str) -> TrainJob:
@@ -93,6 +102,21 @@ class RunSpec:
             if plan.get("pipeline"):
                 job["pipeline"] = dict(plan["pipeline"])
         return job
+
+
+def under_root(value: Any, root: str) -> Any:
+    """``value`` with every path under ``root`` written relative to it ("<storage>/..."): what is the same in a
+    copied or moved home."""
+    if not root:
+        return value
+    prefix = root.rstrip("/") + "/"
+    if isinstance(value, str):
+        return "<storage>/" + value[len(prefix):] if value.startswith(prefix) else value
+    if isinstance(value, dict):
+        return {k: under_root(v, root) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [under_root(v, root) for v in value]
+    return value
 
 
 def describe_sizes(layout: dict[str, int]) -> str:
