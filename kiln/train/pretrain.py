@@ -66,6 +66,11 @@ def evaluate(model: torch.nn.Module, batches: Batches, info: DistInfo, autocast,
         total += loss.item()
         count += int((y != -100).sum())
     model.train()
+    return global_mean(total, count, info)
+
+
+def global_mean(total: float, count: int, info: DistInfo) -> float:
+    """``total / count`` over every rank's sums (a pipeline's stages hold the same sums: the ratio is unchanged)."""
     if info.world_size > 1:
         t = torch.tensor([total, count], dtype=torch.float64)
         dist.all_reduce(t)
@@ -95,11 +100,7 @@ def evaluate_pipeline(trainer: Trainer, batches: Batches, eot: int | None = None
         t, c = run()
         total, count = total + t, count + c
     pipe.train(True)
-    if info.world_size > 1:  # every stage of a model copy holds the same sums: the ratio is the copies' mean
-        t = torch.tensor([total, count], dtype=torch.float64)
-        dist.all_reduce(t)
-        total, count = t.tolist()
-    return total / max(count, 1)
+    return global_mean(total, count, info)
 
 
 class NextTokenStage(Stage):

@@ -406,13 +406,12 @@ class Trainer:
             x, y, kwargs = self.stage.pipeline_batch(self, index)
             with self.autocast():
                 loss, stats = float(self.pipe.step(x, y, **kwargs)), {}
-            self.run.data_batches += 1
             norm = self.pipe.clip_grad_norm(self.opt_cfg.grad_clip)
         else:
             loss, stats = accumulate_gradients(self.model, self.stage.batches(index),
                                                lambda b: self.stage.loss(self, b), self.job.grad_accum, self.info.device)
-            self.run.data_batches += 1
             norm = clip_grad_norm(self.model, self.opt_cfg.grad_clip)
+        self.run.data_batches += 1
         values = {"train_loss": loss}
         if self.info.world_size > 1:  # a stop signal on any rank rides on the loss all-reduce: all stop together
             values["stop_signal"] = float(self.preempt.requested)
