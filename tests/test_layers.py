@@ -3,7 +3,7 @@
 Run: python -m pytest tests/test_layers.py -q
 """
 
-import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,28 +11,57 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = {"kiln": 0, "resources": 1, "assets": 2, "jobs": 3}
 
-
-def imported_modules(path: Path) -> set[str]:
-    mods = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+# The import statements of each file, read by a fresh interpreter: CPython 3.11 keeps the AST builder's recursion
+# counter per interpreter, so an ast.parse racing one on another thread of this test process (Ray, Dagster and
+# MLflow leave threads behind) fails with "AST constructor recursion depth mismatch" (cpython gh-106905).
+_READ_IMPORTS = """
+import ast, json, sys
+out = {}
+for path in json.load(sys.stdin):
+    rows = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), filename=path)):
         if isinstance(node, ast.Import):
-            mods.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            mods.add(node.module.split(".")[0])
-    return mods
+            rows.append([None, 0, [a.name for a in node.names]])
+        elif isinstance(node, ast.ImportFrom):
+            rows.append([node.module, node.level, [a.name for a in node.names]])
+    out[path] = rows
+json.dump(out, sys.stdout)
+"""
+
+
+def import_statements(paths: list[Path]) -> dict[Path, list[tuple[str | None, int, list[str]]]]:
+    """{file: [(module of a ``from`` import or None for ``import``, relative level, names)]}."""
+    proc = subprocess.run([sys.executable, "-c", _READ_IMPORTS], input=json.dumps([str(p) for p in paths]),
+                          capture_output=True, text=True, check=True)
+    return {Path(p): [tuple(r) for r in rows] for p, rows in json.loads(proc.stdout).items()}
+
+
+def imported_modules(paths: list[Path]) -> dict[Path, set[str]]:
+    """{file: top-level packages it imports absolutely}."""
+    out = {}
+    for path, rows in import_statements(paths).items():
+        mods = set()
+        for module, level, names in rows:
+            if module is None:
+                mods.update(n.split(".")[0] for n in names)
+            elif level == 0:
+                mods.add(module.split(".")[0])
+        out[path] = mods
+    return out
 
 
 def test_core_never_imports_dagster():
-    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "kiln").rglob("*.py")
-                 if any(m == "dagster" or m.startswith("dagster_") for m in imported_modules(p))]
+    mods = imported_modules(sorted((ROOT / "kiln").rglob("*.py")))
+    offenders = [str(p.relative_to(ROOT)) for p, ms in mods.items()
+                 if any(m == "dagster" or m.startswith("dagster_") for m in ms)]
     assert offenders == [], f"kiln/ must stay Dagster-free: {offenders}"
 
 
 def test_imports_flow_one_way():
     bad = []
     for layer, rank in ORDER.items():
-        for p in (ROOT / layer).rglob("*.py"):
-            for m in imported_modules(p):
+        for p, ms in imported_modules(sorted((ROOT / layer).rglob("*.py"))).items():
+            for m in ms:
                 if m in ORDER and ORDER[m] > rank:
                     bad.append(f"{p.relative_to(ROOT)} imports {m}")
     assert bad == []
@@ -59,19 +88,18 @@ def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     """{module: kiln modules it imports}, module-level and function-level imports alike; relative imports are
     resolved, ``from pkg import name`` counts pkg and, where it is a module, pkg.name."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
+    statements = import_statements(list(mods.values()))
     for m, p in mods.items():
         package = m if p.name == "__init__.py" else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([base] if base else []))
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for module, level, imported in statements[p]:
+            if module is None and not level:
+                names = imported
             else:
-                continue
+                base = module or ""
+                if level:
+                    up = package.split(".")[: len(package.split(".")) - level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                names = [base] + [f"{base}.{a}" for a in imported]
             for name in names:
                 while name and name not in mods:  # kiln.x.y.func -> kiln.x.y; outside kiln/ -> ""
                     name = name.rpartition(".")[0]

@@ -105,11 +105,23 @@ def class_docstring(klass: type) -> str | None:
     return ast.get_docstring(parsed[0]) if parsed else None
 
 
+def _parse(src: str) -> ast.Module:
+    """ast.parse, tried again when CPython 3.11's per-interpreter AST recursion counter was upset by a parse on
+    another thread (cpython gh-106905: a spurious "AST constructor recursion depth mismatch" SystemError)."""
+    for attempt in range(3):
+        try:
+            return ast.parse(src)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _parse_class(klass: type) -> tuple[ast.ClassDef, dict[int, tuple[str, bool]]] | None:
     """(class AST, {line: (comment text, alone on its line)}) of a class's source; None without source."""
     try:
         src = textwrap.dedent(inspect.getsource(klass))
-        node = ast.parse(src).body[0]
+        node = _parse(src).body[0]
         comments = {tok.start[0]: (tok.string[1:].strip(), not tok.line[: tok.start[1]].strip())
                     for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
     except (OSError, TypeError, SyntaxError, IndexError, tokenize.TokenError):
