@@ -11,12 +11,11 @@ from dagster import AssetCheckResult, AssetExecutionContext, Config, Failure, Me
 from pydantic import Field
 
 from assets._common import asset_output, md_table
-from assets.rlhf import rlhf_card_section
 from kiln.posttrain.measures import stage_rows
 from kiln.release.bundle import write_release
 from kiln.release.card import CONFIG_FILE, card_figures, model_card, settings_rows
 from kiln.release.lineage import lineage_versions, release_sections
-from kiln.release.registry import flat_scores, register_unless_regressed
+from kiln.release.registry import flat_scores, register_unless_regressed, released_scores, stage_regressions
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
@@ -27,6 +26,7 @@ class ReleaseBundleConfig(Config):
     alias: str = Field(default="candidate", description="MLflow registry alias moved to this release unless evaluation regressed.")
     regression_tolerance: float = Field(default=0.02, description="How much worse (absolute) any eval score may be than the previous release's.")
     stage: str = Field(default="rl_model", description="Whose weights are released: rl_model (SFT -> DPO -> RL) or ppo_model (SFT -> reward model -> PPO; materialize it first, e.g. kiln run --preset rlhf).")
+    stage_gate: bool = Field(default=True, description="Keep the alias where it is when the released stage made any held-out measure worse than the weights it started from (RL: the DPO model, PPO: the SFT model) beyond noise (2 paired standard errors).")
 
 
 RELEASABLE = ("rl_model", "ppo_model")  # release_bundle.stage choices
@@ -61,53 +61,64 @@ def _run_settings(context) -> tuple[list[dict] | None, dict]:
     return settings_rows(ops(given), ops(defaults)), ops(given)
 
 
-def _released(config: ReleaseBundleConfig, rl_model: dict, ppo_model: Optional[dict]) -> tuple[dict, dict]:
-    """(the released stage's output, extra lineage {asset: version}) for release_bundle.stage."""
+def _released(config: ReleaseBundleConfig, rl_model: dict, ppo_model: Optional[dict],
+              reward_model: Optional[dict] = None) -> tuple[dict, dict]:
+    """(the released stage's output, the upstream outputs its chain adds to the card and lineage) for
+    release_bundle.stage."""
     if config.stage not in RELEASABLE:
         raise Failure(description=f"release_bundle.stage is {config.stage!r}: choose one of {', '.join(RELEASABLE)}",
                       allow_retries=False)
     if config.stage == "rl_model":
         return rl_model, {}
-    if ppo_model is None:
+    if ppo_model is None or reward_model is None:
         raise Failure(description="release_bundle.stage is ppo_model, which was never materialized in this home: run "
                       "kiln run --preset rlhf (or --select reward_model,ppo_model,release_bundle)", allow_retries=False)
-    return ppo_model, {"reward_model": ppo_model["reward_model"], "ppo_model": ppo_model["version"]}
+    if ppo_model["reward_model"] != reward_model["version"]:
+        raise Failure(description=f"ppo_model was trained against reward_model version {ppo_model['reward_model']}, but "
+                      f"this home's reward_model is version {reward_model['version']}: materialize ppo_model again "
+                      "(kiln run --select ppo_model,release_bundle)", allow_retries=False)
+    return ppo_model, {"reward_model": reward_model, "ppo_model": ppo_model}
 
 
-@asset(code_version="2", group_name="release")  # 2: plots and run_config.yaml in the bundle
+@asset(code_version="3", group_name="release")  # 3: the released stage's chain, own scores and gate
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
                    raw_documents: dict, instruction_data: dict, storage: KilnStorageResource, mlflow: MlflowResource,
-                   ppo_model: Optional[dict] = None, judged_preferences: Optional[dict] = None) -> Output[dict]:
+                   ppo_model: Optional[dict] = None, reward_model: Optional[dict] = None,
+                   judged_preferences: Optional[dict] = None) -> Output[dict]:
     """The released model, the post-training stage named by stage: rl_model (SFT -> DPO -> RL, the default) or ppo_model (SFT -> reward model -> PPO): safetensors weights in the Hugging Face layout of the model's family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM), config, tokenizer, a model card written from lineage (with the AI judge's measured agreement when judged_preferences ran), and SHA256SUMS."""
-    released, rlhf = _released(config, rl_model, ppo_model)
+    released, rlhf = _released(config, rl_model, ppo_model, reward_model)
     up = {"raw_documents": raw_documents, "clean_corpus": clean_corpus, "tokenizer": tokenizer, "token_shards": token_shards,
           "training_plan": training_plan, "base_model": base_model, "eval_scores": eval_scores,
           "instruction_data": instruction_data, "preference_data": preference_data, "sft_model": sft_model,
-          "dpo_model": dpo_model, "rl_model": rl_model,
+          "dpo_model": dpo_model, "rl_model": rl_model, **rlhf,
           **({"judged_preferences": judged_preferences} if judged_preferences else {})}  # None: never materialized
     settings, full_config = _run_settings(context)
     figures = card_figures(up)
-    card = model_card(config.name, config.license, up, stage_rows(sft_model, dpo_model, rl_model), settings, figures)
-    if rlhf:
-        card += rlhf_card_section(sft_model, ppo_model)
-    lineage = {**lineage_versions(up), **rlhf}
+    card = model_card(config.name, config.license, up, stage_rows(sft_model, dpo_model, rl_model, rlhf.get("ppo_model")),
+                      settings, figures, config.stage)
+    lineage = lineage_versions(up)
     with asset_output(context, mlflow, parent=storage.path("release_bundle"), config=config, params={"name": config.name},
                       tags={f"input.{k}": v for k, v in lineage.items()}, reuse={"lineage": lineage}) as out:
         if out.reused:
             return out.reused
-        scores = flat_scores(eval_scores)
-        extra = release_sections(config.name, config.license, up, scores, {"release_bundle": config.model_dump()})
+        scores = {**flat_scores(eval_scores), **released_scores(released)}
+        start = "sft_model" if config.stage == "ppo_model" else "dpo_model"
+        refusals = stage_regressions(config.stage, start, released.get("before_after", [])) if config.stage_gate else []
+        extra = release_sections(config.name, config.license, up, scores, {"release_bundle": config.model_dump()},
+                                 config.stage)
         files = {**figures, CONFIG_FILE: yaml.safe_dump({"ops": full_config}, sort_keys=True).encode()} if full_config else figures
         manifest = write_release(released["checkpoint"], out.stage, card, extra, files)
         final = out.commit()
         out.log_artifact(final / "README.md")
         reg, prev, regressions = register_unless_regressed(mlflow.resolved_uri(), config.name, final, scores, lineage,
-                                                           out.run_id, config.alias, config.regression_tolerance)
+                                                           out.run_id, config.alias, config.regression_tolerance,
+                                                           refusals)
         if regressions:
-            context.log.warning(f"evaluation regressed against {config.name} version {prev.version}: {regressions}; "
-                                f"registered version {reg.version} without moving alias '{config.alias}'")
+            against = f" against {config.name} version {prev.version}" if prev else ""
+            context.log.warning(f"evaluation regressed{against}: {regressions}; registered version {reg.version} "
+                                f"without moving alias '{config.alias}'")
         registry = {"name": config.name, "version": reg.version, "alias": config.alias if not regressions else None,
                     "previous": prev.version if prev else None}
         value = {"dir": str(final), "version": out.version, "lineage": lineage, "files": manifest["files"],
@@ -116,8 +127,9 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
 
 
 @asset_check(asset=release_bundle, blocking=True, description=(
-    "Fails when any evaluation score is worse than the previous release's (beyond release_bundle.regression_tolerance); "
-    "the registry alias then stays on the previous release."))
+    "Fails when any evaluation score, or any held-out measure of the released weights, is worse than the previous "
+    "release's (beyond release_bundle.regression_tolerance), or when the released stage made a held-out measure worse "
+    "than its starting weights beyond noise (release_bundle.stage_gate); the registry alias then stays where it was."))
 def release_no_regression(release_bundle: dict) -> AssetCheckResult:
     regressions = release_bundle.get("regressions", [])
     return AssetCheckResult(passed=not regressions, description="; ".join(regressions) or None, metadata={

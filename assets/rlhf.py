@@ -11,7 +11,7 @@ from pydantic import Field
 from assets._common import report_metadata
 from assets._config import schema_of
 from assets.alignment import Lora, align, init_from_field, start_weights
-from kiln.posttrain.measures import change_cell, heldout_suite, suite_key
+from kiln.posttrain.measures import heldout_suite, suite_key
 from kiln.posttrain.ppo import PpoJob
 from kiln.posttrain.report import ppo_report, reward_report
 from kiln.posttrain.reward import RewardJob, write_hf_reward
@@ -53,22 +53,6 @@ def reward_model(context: AssetExecutionContext, config: RewardModelConfig, sft_
                          f"{final.get('margin', float('nan')):.3f} on {result['pairs']['val']} pairs")
         report = {**reward_report(result, job.out_dir), "hf_folder": str(hf_dir)}
         return job.output(report_metadata(report, job.run), hf_dir=str(hf_dir))
-
-
-def rlhf_card_section(sft_model: dict, ppo_model: dict) -> str:
-    """The model card's section on a released PPO model: its reward model and each held-out measure after SFT and PPO."""
-    from kiln.release.card import table
-
-    changes = {r["measure"]: change_cell(r) for r in ppo_model.get("before_after", [])}
-    rows = [{"measure": m, "after SFT": sft_model["after"][m], "after PPO": v, "change ± paired SE": changes.get(m, "-")}
-            for m, v in ppo_model["after"].items() if m in sft_model["after"]]
-    return (f"""## RLHF (the released weights)
-These weights are the SFT model trained by PPO against a reward model (version `{ppo_model['reward_model']}`, trained on
-the preference pairs), not the DPO -> RL chain above: {ppo_model['steps']} PPO steps, held-out reward-model score
-{ppo_model['initial_val_reward']:.3f} -> {ppo_model['final_val_reward']:.3f}, KL to the SFT model
-{ppo_model['final_val_kl']:.4f} nats/token at the end.
-
-""" + table(rows) + "\n")
 
 
 PPO_FIELDS = ("prompt_kinds", "max_steps", "max_new_tokens", "temperature", "kl_coef", "gamma", "lam", "clip_range", "value_clip",

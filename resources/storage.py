@@ -105,12 +105,14 @@ class HandleIOManager(FilesystemIOManager):
 
     Optional means listed in ``optional``: ``pretrained_model``, which tokenizer and training_plan read (a home made
     before that asset existed, or a run whose selection leaves it out, then trains from scratch: the asset's own
-    meaning of "no path set"); ``ppo_model``, which release_bundle reads only when told to release it; and
+    meaning of "no path set"); ``ppo_model`` and ``reward_model``, which release_bundle reads only when told to
+    release the PPO model; and
     ``judged_preferences``, which release_bundle reads only to report the judge in the card and lineage. Every other
     missing handle is an error as before.
     """
 
-    optional: list[str] = Field(default_factory=lambda: ["pretrained_model", "ppo_model", "judged_preferences"],
+    optional: list[str] = Field(default_factory=lambda: ["pretrained_model", "ppo_model", "reward_model",
+                                                          "judged_preferences"],
                                 description="Assets whose missing handle loads as None (never materialized here).")
 
     def create_io_manager(self, context) -> IOManager:

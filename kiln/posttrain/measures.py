@@ -183,9 +183,19 @@ def log_comparison(before: Scores, after: Scores, tracking_uri: str, run_id: str
     return rows
 
 
-def stage_rows(sft: dict, dpo: dict, rl: dict) -> list[dict[str, Any]]:
-    """One row per measure with a column per model: base (before SFT), then after SFT, DPO and RL."""
-    cols = {"base": sft["before"], "sft": sft["after"], "dpo": dpo["after"], "rl": rl["after"]}
+LOWER_IS_BETTER = ("response_loss",)  # the measures where a fall is an improvement
+
+
+def worse_beyond_noise(row: dict[str, Any]) -> bool:
+    """Whether a comparison row's change is beyond noise in the worse direction (a rise for LOWER_IS_BETTER)."""
+    worse = row["change"] > 0 if row["measure"] in LOWER_IS_BETTER else row["change"] < 0
+    return bool(row.get("beyond_noise")) and worse
+
+
+def stage_rows(sft: dict, dpo: dict, rl: dict, ppo: dict | None = None) -> list[dict[str, Any]]:
+    """One row per measure with a column per model: base (before SFT), then after SFT, DPO and RL (and PPO)."""
+    cols = {"base": sft["before"], "sft": sft["after"], "dpo": dpo["after"], "rl": rl["after"],
+            **({"ppo": ppo["after"]} if ppo is not None else {})}
     return [{"measure": m, **{c: v[m] for c, v in cols.items()}} for m in MEASURES if all(m in v for v in cols.values())]
 
 

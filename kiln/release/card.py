@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from kiln.common.plots import line_plot_png
 from kiln.model.config import ModelConfig
 from kiln.model.families import family
-from kiln.posttrain.measures import MEASURES, NOISE_Z, change_rows
+from kiln.posttrain.measures import MEASURES, NOISE_Z, change_cell, change_rows, worse_beyond_noise
 
 CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
 LOSS_PLOT, CHECKPOINT_PLOT = "loss_curve.png", "scores_by_checkpoint.png"
@@ -45,7 +45,13 @@ def table(rows: list[dict]) -> str:
                      + ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]) + "\n"
 
 
-def _model(name: str, license: str, plan: dict, tok: dict) -> str:
+# What each releasable stage's weights are, in words (release_bundle.stage).
+RELEASED_WORDS = {"rl_model": "the RL stage's: the base model after SFT, then DPO, then RL",
+                  "ppo_model": "the PPO stage's: the base model after SFT, then PPO against a reward model (not the DPO "
+                               "-> RL chain, which the card shows for comparison)"}
+
+
+def _model(name: str, license: str, plan: dict, tok: dict, released: str = "rl_model") -> str:
     m = plan["model"]
     desc = family(m.get("family", "gpt2"))  # GPT-2 plans omit the family (kiln.model.config.model_dict)
     style = f"A {desc.style}"
@@ -58,7 +64,8 @@ def _model(name: str, license: str, plan: dict, tok: dict) -> str:
 ## Model
 {plan['params']:,} parameters; {m['n_layer']} layers, {heads}, width {m['n_embd']},
 context {m['block_size']} tokens, vocabulary {m['vocab_size']} ({tok['kind']} tokenizer, {tok['n_vocab']} tokens,
-{tok['bytes_per_token']:.2f} bytes/token on held-out text). Weights: `model.safetensors` in the Hugging Face {layout} layout.
+{tok['bytes_per_token']:.2f} bytes/token on held-out text). Weights: `model.safetensors` in the Hugging Face {layout} layout;
+they are {RELEASED_WORDS[released]}.
 
 """
 
@@ -162,6 +169,8 @@ def _evaluation(scores: dict, figures: Mapping[str, bytes]) -> str:
                      "contaminated": _contaminated(row)})
     plot = f"\n![Scores at each checkpoint]({CHECKPOINT_PLOT})\n" if CHECKPOINT_PLOT in figures else ""
     return f"""## Evaluation
+These scores are the base model's, before post-training (eval_scores evaluates base_model's final checkpoint), not the
+released weights'; the released weights' own held-out measures are under Post-training.
 Bits per byte on the validation shards (the token windows the base model was validated on):
 {scores['val_bits_per_byte']:.4f}; the kiln_heldout_ppl row below is the same measure through lm-eval on whole held-out
 documents, hence a different figure. The tasks are built from held-out documents (MMLU from its
@@ -173,11 +182,16 @@ beside what guessing scores:
 """
 
 
-def _post_training(instr: dict, prefs: dict, sft: dict, dpo: dict, rl: dict, stages: list[dict]) -> str:
+def _post_training(instr: dict, prefs: dict, sft: dict, dpo: dict, rl: dict, stages: list[dict],
+                   ppo: dict | None = None) -> str:
     decon = instr["decontamination"]
     lora = " Adapters (LoRA) were trained and merged into these weights." if (dpo["lora"]["enabled"] or rl["lora"]["enabled"]) else ""
+    whose = ("these weights are the last stage's" if ppo is None else "the released weights are not these but the PPO "
+             "model's (RLHF, below), trained from the same SFT model; DPO and RL are shown for comparison")
+    if ppo is not None:
+        lora = ""
     return f"""## Post-training
-Three stages, each a torchrun job starting from the previous stage's weights; these weights are the last stage's.
+Three stages, each a torchrun job starting from the previous stage's weights; {whose}.
 
 1. Supervised fine-tuning ({sft['steps']} steps) on instruction data version `{instr['version']}`
    ({_counts(instr['counts'])}), loss on response tokens only. Pairs sharing a {decon['ngram_words']}-word run
@@ -189,10 +203,10 @@ Three stages, each a torchrun job starting from the previous stage's weights; th
    closeness); greedy exact-answer rate on {_rl_heldout(rl)} {rl['initial_val_reward']:.3f} -> {rl['final_val_reward']:.3f}
    (the table below scores every held-out arithmetic item, so its rates differ).
 {lora}
-Held-out measures after each stage, on the same items throughout:
+Held-out measures after each stage, on the same items throughout{"" if ppo is None else " (ppo: the released weights)"}:
 
 {table(stages)}
-{_changes(sft, dpo, rl)}{chr(10).join(f"- `{m}`: {what}" for m, what in MEASURES.items())}
+{_changes(sft, dpo, rl, ppo)}{chr(10).join(f"- `{m}`: {what}" for m, what in MEASURES.items())}
 
 """
 
@@ -203,15 +217,46 @@ def _rl_heldout(rl: dict) -> str:
     return f"its {n} held-out prompts" if n else "its held-out prompts"
 
 
-def _changes(sft: dict, dpo: dict, rl: dict) -> str:
-    """Each stage's change with its paired standard error, when the stages recorded their before/after rows."""
-    rows = change_rows({"sft": sft, "dpo": dpo, "rl": rl})
+def _changes(sft: dict, dpo: dict, rl: dict, ppo: dict | None = None) -> str:
+    """Each stage's change from its own start (PPO's from SFT) with its paired standard error, when the stages
+    recorded their before/after rows."""
+    rows = change_rows({"sft": sft, "dpo": dpo, "rl": rl, **({"ppo": ppo} if ppo is not None else {})})
     if not rows:
         return ""
-    return f"""Each stage's change, with its paired standard error over the same held-out items (* marks a change at least
+    return f"""Each stage's change from the weights it started from, with its paired standard error over the same held-out items (* marks a change at least
 {NOISE_Z:g} standard errors from zero; anything else is within noise):
 
 {table(rows)}
+"""
+
+
+def _rlhf(sft: dict, reward: dict, ppo: dict) -> str:
+    """The released PPO model: its reward model (held-out pair accuracy with its binomial standard error) and each
+    held-out measure after SFT and after PPO."""
+    changes = {r["measure"]: change_cell(r) for r in ppo.get("before_after", [])}
+    rows = [{"measure": m, "after SFT": sft["after"][m], "after PPO": v, "change ± paired SE": changes.get(m, "-")}
+            for m, v in ppo["after"].items() if m in sft["after"]]
+    final, n = reward.get("final_val") or {}, (reward.get("pairs") or {}).get("val")
+    acc = final.get("accuracy")
+    if acc is not None and n:
+        score = (f"held-out pair accuracy {acc:.3f} ± {math.sqrt(acc * (1 - acc) / n):.3f} on {n} pairs (chance 0.5), "
+                 f"mean margin {final.get('margin', float('nan')):.3f}")
+    else:
+        score = "no held-out pairs scored"
+    regressed = [r["measure"] for r in ppo.get("before_after", []) if worse_beyond_noise(r)]
+    warning = (f"\nPPO made {', '.join(regressed)} worse than the SFT model it started from, beyond noise (* above).\n"
+               if regressed else "")
+    return f"""## RLHF (the released weights)
+These weights are the SFT model trained by PPO against a reward model, not the DPO -> RL chain above.
+
+- Reward model (reward_model version `{reward['version']}`): the SFT model with a scalar head, {reward['steps']} steps of the
+  Bradley-Terry loss on the preference pairs; {score}.
+- PPO (ppo_model version `{ppo['version']}`): {ppo['steps']} steps; held-out reward-model score
+  {ppo['initial_val_reward']:.3f} -> {ppo['final_val_reward']:.3f}; KL to the SFT model {ppo['final_val_kl']:.4f} nats/token at the end.
+
+Held-out measures after SFT and after PPO (the change with its paired standard error; * beyond noise):
+
+{table(rows)}{warning}
 """
 
 
@@ -287,7 +332,8 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-TRAINING_STAGES = (("base", "base_model"), ("sft", "sft_model"), ("dpo", "dpo_model"), ("rl", "rl_model"))
+TRAINING_STAGES = (("base", "base_model"), ("sft", "sft_model"), ("dpo", "dpo_model"), ("rl", "rl_model"),
+                   ("reward", "reward_model"), ("ppo", "ppo_model"))
 
 
 def logbook_summary(up: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -334,23 +380,28 @@ Whole chain: {total['device-hours']:.4g} device-hours, {total['energy kWh']:.4g}
 
 
 def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages: list[dict],
-               settings: list[dict[str, Any]] | None = None, figures: Mapping[str, bytes] | None = None) -> str:
+               settings: list[dict[str, Any]] | None = None, figures: Mapping[str, bytes] | None = None,
+               released: str = "rl_model") -> str:
     """README.md of a release: model, training data lineage, training, evaluation, post-training, settings, limits.
 
     up: the outputs of raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_scores,
     instruction_data, preference_data, sft_model, dpo_model and rl_model (and judged_preferences when it ran: an
-    "AI feedback" section); stages: one row per held-out measure with
-    a column per model (base, sft, dpo, rl); settings: {asset, field, value, default} of each setting that differs
-    from its default (None: no Settings section); figures: {file name: PNG} the bundle holds (card_figures).
+    "AI feedback" section; reward_model and ppo_model when the PPO model is released: an "RLHF" section);
+    stages: one row per held-out measure with a column per model (base, sft, dpo, rl, and ppo for a PPO release);
+    settings: {asset, field, value, default} of each setting that differs from its default (None: no Settings
+    section); figures: {file name: PNG} the bundle holds (card_figures); released: the asset whose weights these are.
     """
     figures = figures or {}
+    ppo = up.get("ppo_model") if released == "ppo_model" else None
     return "".join([
-        _model(name, license, up["training_plan"], up["tokenizer"]),
+        _model(name, license, up["training_plan"], up["tokenizer"], released),
         _pretrained(up),
         _data(up["raw_documents"], up["clean_corpus"], up["tokenizer"], up["token_shards"]),
         _training(up["training_plan"], up["base_model"], up["tokenizer"], figures),
         _evaluation(up["eval_scores"], figures),
-        _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages),
+        _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages,
+                       ppo),
+        _rlhf(up["sft_model"], up["reward_model"], ppo) if ppo is not None else "",
         _feedback(up),
         _operations(up),
         _settings(settings) if settings is not None else "",

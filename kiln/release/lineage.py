@@ -14,6 +14,7 @@ from kiln.train.checkpoint import resolve_checkpoint
 
 # kiln.json sections a release can carry (all optional, passed in ``extra``), in the order ``lineage_tree`` shows them.
 LINEAGE_SECTIONS: dict[str, str] = {
+    "released": "whose weights these are ({asset, stage, chain: the training assets they descend from, in order})",
     "lineage": "data versions of every upstream asset ({asset: version})",
     "pretrained": "released weights the run started from ({stage: {source, sha256, license, model_type, version, ...}})",
     "sources": "the source manifest ([{name, kind, package, version, sha256, license, documents}])",
@@ -23,7 +24,8 @@ LINEAGE_SECTIONS: dict[str, str] = {
     "plan": "the training plan (parameters, parallelism, batch, hardware)",
     "training": "training summaries per stage ({stage: {steps, tokens, initial_val_loss, final_val_loss, ...}})",
     "eval": "evaluation scores ({metric: value}) and their chance baselines",
-    "post_training": "post-training stages ([{stage, version, ...}])",
+    "post_training": "post-training stages the release's run trained ([{stage, version, ...}]; the released chain "
+                     "is in released)",
     "feedback": "AI-judge labels (judged_preferences): the judge {path, kind, sha256, family, params}, the principles "
                 "file {path, sha256}, the scoring rule, agreement with the known labels, ties and position bias",
     "configs": "run config of each asset ({asset: config})",
@@ -136,19 +138,31 @@ def lineage_tree(info: dict[str, Any], full: bool = False) -> str:
 # Upstream assets whose data versions a release records, in order (the training plan is recorded as "plan").
 LINEAGE_ASSETS = ("raw_documents", "clean_corpus", "tokenizer", "token_shards", "base_model", "eval_scores",
                   "instruction_data", "preference_data", "sft_model", "dpo_model", "rl_model")
-TRAINED = ("base_model", "sft_model", "dpo_model", "rl_model")  # assets with an MLflow training run
 POST_TRAINING = (("sft", "sft_model"), ("dpo", "dpo_model"), ("rl", "rl_model"))  # (stage, asset), in order
+RLHF = (("reward", "reward_model"), ("ppo", "ppo_model"))  # the chain a PPO release adds (release_bundle.stage)
+TRAINED = ("base_model", *(a for _, a in POST_TRAINING), *(a for _, a in RLHF))  # assets with a training run
+# The training assets each releasable stage's weights descend from, in order (the reward model scored PPO's samples).
+RELEASED_CHAINS = {"rl_model": ("base_model", "sft_model", "dpo_model", "rl_model"),
+                   "ppo_model": ("base_model", "sft_model", "reward_model", "ppo_model")}
 STAGE_KEYS = ("version", "steps", "tokens", "initial_val_loss", "final_val_loss", "wall_s", "checkpoint", "pretrained")
 PLAN_KEYS = ("params", "parallelism", "world_size", "micro_batch", "grad_accum", "tokens_per_step", "model", "hardware")
 
 
-OPTIONAL_LINEAGE = ("judged_preferences",)  # recorded when the run materialized them (release_bundle gets None otherwise)
+# Recorded when the run materialized them (release_bundle gets None otherwise; it is given the RLHF chain only
+# when it releases it).
+OPTIONAL_LINEAGE = ("judged_preferences", "reward_model", "ppo_model")
 FEEDBACK_KEYS = ("version", "judge", "principles", "rule")
 
 
 def lineage_versions(up: dict[str, dict[str, Any]]) -> dict[str, str]:
     """{asset: data version} of every asset in LINEAGE_ASSETS, and of those in OPTIONAL_LINEAGE that ``up`` holds."""
     return {k: up[k]["version"] for k in (*LINEAGE_ASSETS, *(k for k in OPTIONAL_LINEAGE if up.get(k)))}
+
+
+def released_section(up: dict[str, dict[str, Any]], released: str) -> dict[str, Any]:
+    """{asset, stage, chain} of the released weights; the chain names only training assets ``up`` holds."""
+    stage = dict((a, s) for s, a in (*POST_TRAINING, *RLHF))[released]
+    return {"asset": released, "stage": stage, "chain": [a for a in RELEASED_CHAINS[released] if up.get(a)]}
 
 
 def feedback_section(judged: dict[str, Any]) -> dict[str, Any]:
@@ -165,20 +179,22 @@ def _stage(out: dict[str, Any]) -> dict[str, Any]:
 
 def pretrained_stages(up: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """{asset: the released weights it started from} for the TRAINED assets that started from imported weights."""
-    return {k: up[k]["pretrained"] for k in TRAINED if k in up and up[k].get("pretrained")}
+    return {k: up[k]["pretrained"] for k in TRAINED if up.get(k) and up[k].get("pretrained")}
 
 
 def release_sections(name: str, license: str, up: dict[str, dict[str, Any]], scores: dict[str, float],
-                     configs: dict[str, Any]) -> dict[str, Any]:
+                     configs: dict[str, Any], released: str = "rl_model") -> dict[str, Any]:
     """The LINEAGE_SECTIONS of a release's kiln.json, from the upstream outputs ``up`` (as ``lineage_versions``)
-    and the flat evaluation ``scores``; configs: {asset: its run config}. A run that started from released weights
-    also gets a ``pretrained`` section, and one whose judged_preferences ran a ``feedback`` section."""
+    and the flat evaluation ``scores``; configs: {asset: its run config}; released: the asset whose weights these
+    are (a RELEASED_CHAINS key). A run that started from released weights also gets a ``pretrained`` section, and
+    one whose judged_preferences ran a ``feedback`` section."""
     raw, rep, plan = up["raw_documents"], up["clean_corpus"]["report"], up["training_plan"]
     pretrained = pretrained_stages(up)
     return {
         **({"pretrained": pretrained} if pretrained else {}),
         **({"feedback": feedback_section(up["judged_preferences"])} if up.get("judged_preferences") else {}),
-        "name": name, "lineage": lineage_versions(up), "mlflow_runs": {k: up[k]["mlflow_run_id"] for k in TRAINED},
+        "name": name, "released": released_section(up, released), "lineage": lineage_versions(up),
+        "mlflow_runs": {k: up[k]["mlflow_run_id"] for k in TRAINED if up.get(k)},
         "license": license,
         "sources": [{**s, "documents": raw["stats"]["sources"].get(s["name"], {}).get("documents")} for s in raw["sources"]],
         "filters": rep["config"],
@@ -188,6 +204,6 @@ def release_sections(name: str, license: str, up: dict[str, dict[str, Any]], sco
         "plan": {k: plan[k] for k in PLAN_KEYS if k in plan},
         "training": {"base_model": _stage(up["base_model"])},
         "eval": {**scores, "uniform_loss": up["eval_scores"]["uniform_loss"]},
-        "post_training": [{"stage": stage, **_stage(up[asset])} for stage, asset in POST_TRAINING],
+        "post_training": [{"stage": stage, **_stage(up[asset])} for stage, asset in (*POST_TRAINING, *RLHF) if up.get(asset)],
         "configs": configs,
     }

@@ -199,13 +199,31 @@ def compare_scores(current: dict[str, float], previous: dict[str, float], tolera
     return out
 
 
+def released_scores(released: dict[str, Any]) -> dict[str, float]:
+    """The released stage's own held-out measures (its ``after`` means) as ``released.<measure>`` scores, so a
+    release is compared with the previous one on the weights it ships, not only on the base model's evaluation."""
+    return {f"released.{m}": float(v) for m, v in (released.get("after") or {}).items()}
+
+
+def stage_regressions(asset: str, start: str, rows: list[dict[str, Any]]) -> list[str]:
+    """One line per held-out measure the released stage made worse than the weights it started from, beyond noise
+    (kiln.posttrain.measures.NOISE_Z paired standard errors), from its before_after rows."""
+    from kiln.posttrain.measures import NOISE_Z, change_cell, worse_beyond_noise
+
+    return [f"{asset} made {r['measure']} worse than {start}, beyond noise ({NOISE_Z:g} paired SE): "
+            f"{r['before']:.4f} -> {r['after']:.4f} ({change_cell(r)})" for r in rows if worse_beyond_noise(r)]
+
+
 def register_unless_regressed(tracking_uri: str, name: str, bundle: str | Path, scores: dict[str, float],
                               lineage: dict[str, str], run_id: str | None, alias: str = "candidate",
-                              tolerance: float = 0.0) -> tuple[ReleaseVersion, ReleaseVersion | None, list[str]]:
+                              tolerance: float = 0.0, refusals: list[str] | None = None,
+                              ) -> tuple[ReleaseVersion, ReleaseVersion | None, list[str]]:
     """Compare ``scores`` with the release ``alias`` points to, then register the bundle, moving the alias to it
-    only when nothing regressed by more than ``tolerance``. Returns (registered, previous or None, regressions)."""
+    only when nothing regressed by more than ``tolerance`` and there are no ``refusals`` (reasons found before, e.g.
+    ``stage_regressions``). Returns (registered, previous or None, regressions: the refusals, then the scores that
+    regressed)."""
     prev = previous_release(tracking_uri, name, alias)
-    regressions = [str(r) for r in compare_scores(scores, prev.scores, tolerance)] if prev else []
+    regressions = list(refusals or []) + ([str(r) for r in compare_scores(scores, prev.scores, tolerance)] if prev else [])
     reg = register_release(tracking_uri, name, bundle, scores=scores, lineage=lineage, run_id=run_id,
                            alias=alias, set_alias=not regressions)
     return reg, prev, regressions

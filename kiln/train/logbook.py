@@ -159,7 +159,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_folders(path: str | Path) -> list[tuple[str, Path]]:
     """(stage, run folder) of each training run behind ``path``: a run folder, a checkpoint in one, or a release
-    bundle (its kiln.json names the checkpoint of every stage: base model, then SFT, DPO and RL)."""
+    bundle (its kiln.json names the checkpoint of every stage: base model, then SFT, DPO and RL, and for a PPO
+    release the reward model and PPO)."""
     path = Path(path)
     if (path / "kiln.json").is_file():
         info = json.loads((path / "kiln.json").read_text())

@@ -117,12 +117,64 @@ def test_release_bundle_ships_the_stage_its_config_names() -> None:
     from assets.publish import ReleaseBundleConfig, _released
 
     rl, ppo = {"checkpoint": "rl", "version": "r1"}, {"checkpoint": "ppo", "version": "p1", "reward_model": "rm1"}
+    rm = {"checkpoint": "rm", "version": "rm1"}
     assert _released(ReleaseBundleConfig(), rl, None) == (rl, {})
-    assert _released(ReleaseBundleConfig(stage="ppo_model"), rl, ppo) == (ppo, {"reward_model": "rm1", "ppo_model": "p1"})
+    assert _released(ReleaseBundleConfig(stage="ppo_model"), rl, ppo, rm) == (ppo, {"reward_model": rm, "ppo_model": ppo})
     with pytest.raises(Failure, match="never materialized"):
         _released(ReleaseBundleConfig(stage="ppo_model"), rl, None)
+    with pytest.raises(Failure, match="trained against reward_model version rm1, but this home's reward_model is "
+                                      "version rm2: materialize ppo_model again"):
+        _released(ReleaseBundleConfig(stage="ppo_model"), rl, ppo, {**rm, "version": "rm2"})
     with pytest.raises(Failure, match="choose one of rl_model, ppo_model"):
         _released(ReleaseBundleConfig(stage="dpo_model"), rl, ppo)
+
+
+def test_a_ppo_release_describes_the_ppo_chain_in_its_card_lineage_logbook_and_cost(materialized) -> None:
+    """The card, kiln.json sections and cost table of a PPO release, from the reward and PPO runs above and a smoke
+    run's other upstream outputs: the weights are said to be PPO's, the reward model's held-out accuracy is given,
+    the Evaluation section says it scores the base model, and the reward and PPO runs are in lineage and logbook."""
+    import json
+    import math
+    from pathlib import Path
+
+    from kiln.posttrain.measures import stage_rows
+    from kiln.release.card import logbook_summary, model_card
+    from kiln.release.lineage import release_sections
+
+    _, result = materialized
+    ppo, rm = result.output_for_node("ppo_model"), result.output_for_node("reward_model")
+    up = json.loads((Path(__file__).resolve().parents[1] / "data" / "card_upstream.json").read_text())
+    sft = {**up["sft_model"], "after": {**up["sft_model"]["after"], **ppo["before"]}}  # PPO started from this SFT model
+    raw = {**up["raw_documents"], "sources": [{"name": n} for n in up["raw_documents"]["stats"]["sources"]]}
+    up = {**up, "raw_documents": raw, "sft_model": sft, "reward_model": rm, "ppo_model": ppo}
+    card = model_card("kiln-ppo", "Apache-2.0", up, stage_rows(sft, up["dpo_model"], up["rl_model"], ppo), None, None,
+                      "ppo_model")
+    assert "they are the PPO stage's: the base model after SFT, then PPO against a reward model" in card
+    assert "the released weights are not these but the PPO model's (RLHF, below)" in card
+    assert "these weights are the last stage's" not in card
+    assert "These scores are the base model's, before post-training" in card
+    rlhf = card.split("## RLHF (the released weights)", 1)[1].split("\n## ", 1)[0]
+    acc, n = rm["final_val"]["accuracy"], rm["pairs"]["val"]
+    assert f"held-out pair accuracy {acc:.3f} ± {math.sqrt(acc * (1 - acc) / n):.3f} on {n} pairs (chance 0.5)" in rlhf
+    assert f"reward_model version `{rm['version']}`" in rlhf and f"ppo_model version `{ppo['version']}`" in rlhf
+    assert "| measure | base | sft | dpo | rl | ppo |" in card
+    info = release_sections("kiln-ppo", "Apache-2.0", up, {}, {}, "ppo_model")
+    assert info["released"] == {"asset": "ppo_model", "stage": "ppo",
+                                "chain": ["base_model", "sft_model", "reward_model", "ppo_model"]}
+    assert info["lineage"]["reward_model"] == rm["version"] and info["lineage"]["ppo_model"] == ppo["version"]
+    assert info["mlflow_runs"]["ppo_model"] == ppo["mlflow_run_id"] and info["mlflow_runs"]["reward_model"] == rm["mlflow_run_id"]
+    stages = {s["stage"]: s for s in info["post_training"]}
+    assert list(stages) == ["sft", "dpo", "rl", "reward", "ppo"] and stages["ppo"]["checkpoint"] == ppo["checkpoint"]
+    assert [r["stage"] for r in logbook_summary(up)][-2:] == ["reward", "ppo"]
+    from kiln.train.logbook import run_folders
+
+    bundle = Path(result.output_for_node("ppo_model")["out_dir"]).parent / "bundle-info"
+    bundle.mkdir(exist_ok=True)
+    (bundle / "kiln.json").write_text(json.dumps(info))
+    folders = dict(run_folders(bundle))
+    assert folders["ppo"] == Path(ppo["checkpoint"]).parents[1] and folders["reward"] == Path(rm["checkpoint"]).parents[1]
+    assert release_sections("kiln-rl", "Apache-2.0", {k: v for k, v in up.items() if k not in ("reward_model", "ppo_model")},
+                            {}, {})["released"]["chain"] == ["base_model", "sft_model", "dpo_model", "rl_model"]
 
 
 def test_the_rlhf_preset_opts_in_to_the_rlhf_chain_and_the_demo_does_not(tmp_path) -> None:

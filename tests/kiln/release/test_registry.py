@@ -146,6 +146,41 @@ def test_register_unless_regressed_moves_the_alias_only_when_nothing_got_worse(t
     assert (close.version, prev.version, regressions, close.aliases) == ("3", "1", [], ["candidate"])
 
 
+def test_a_stage_that_made_a_measure_worse_beyond_noise_keeps_the_alias_where_it_was(tmp_path, tracking,
+                                                                                     tiny_tokenizer) -> None:
+    from kiln.release.registry import released_scores, stage_regressions
+
+    rows = [{"measure": "preference_accuracy", "before": 0.75, "after": 0.653, "change": -0.097, "stderr": 0.034,
+             "beyond_noise": True},
+            {"measure": "response_loss", "before": 2.5, "after": 2.592, "change": 0.092, "stderr": 0.01, "beyond_noise": True},
+            {"measure": "response_token_accuracy", "before": 0.5, "after": 0.49, "change": -0.01, "stderr": 0.01,
+             "beyond_noise": False},  # worse, within noise
+            {"measure": "arithmetic_answer_logprob", "before": -4.0, "after": -3.0, "change": 1.0, "stderr": 0.1,
+             "beyond_noise": True}]  # better beyond noise
+    refusals = stage_regressions("ppo_model", "sft_model", rows)
+    assert refusals == [
+        "ppo_model made preference_accuracy worse than sft_model, beyond noise (2 paired SE): 0.7500 -> 0.6530 "
+        "(-0.097 ± 0.034 *)",
+        "ppo_model made response_loss worse than sft_model, beyond noise (2 paired SE): 2.5000 -> 2.5920 (+0.092 ± 0.010 *)"]
+    assert released_scores({"after": {"response_loss": 2.592}}) == {"released.response_loss": 2.592}
+    uri, _ = tracking
+    _, tok = tiny_tokenizer
+    first, _, _ = register_unless_regressed(uri, "kiln-s", make_bundle(tmp_path, tok, 5), {"val_loss": 2.0}, LINEAGE, None)
+    held, prev, regressions = register_unless_regressed(uri, "kiln-s", make_bundle(tmp_path, tok, 6),
+                                                        {"val_loss": 2.0, "released.response_loss": 2.592}, LINEAGE,
+                                                        None, refusals=refusals)
+    assert regressions == refusals and held.aliases == [] and prev.version == first.version
+    assert get_release(uri, "kiln-s", "candidate").version == first.version
+    # The next release is compared with the alias holder on the released weights' own measures as well.
+    worse, _, regressions = register_unless_regressed(uri, "kiln-s", make_bundle(tmp_path, tok, 7),
+                                                      {"val_loss": 2.0, "released.response_loss": 2.7}, LINEAGE, None)
+    assert regressions == [] and worse.aliases == ["candidate"]  # the holder (version 1) has no released.* score
+    _, _, regressions = register_unless_regressed(uri, "kiln-s", make_bundle(tmp_path, tok, 8),
+                                                  {"val_loss": 2.0, "released.response_loss": 2.9}, LINEAGE, None,
+                                                  tolerance=0.1)
+    assert regressions == ["released.response_loss: 2.7 -> 2.9 (lower is better)"]
+
+
 def test_a_damaged_bundle_is_not_registered(tmp_path, tracking, tiny_tokenizer) -> None:
     uri, _ = tracking
     _, tok = tiny_tokenizer
