@@ -97,6 +97,7 @@ def run_in_home(args: argparse.Namespace, home: Path) -> int:
     from dagster import AssetKey, DagsterInstance, DagsterInvalidConfigError
 
     from jobs.definitions import ALL_ASSETS, OPT_IN, complete_resource_config, make_definitions, make_resources
+    from jobs.home import record_preset
 
     defs = make_definitions(home)
     names = [a.key.to_user_string() for a in ALL_ASSETS]
@@ -132,6 +133,7 @@ def run_in_home(args: argparse.Namespace, home: Path) -> int:
         print(f"kiln: preset {args.preset}: {config_error_line(e, job)}", file=sys.stderr)
         return 2
     took = time.time() - start
+    record_preset(home, args.preset, preset)  # the UI's launchpad opens with it
     if not result.success:
         report_failure(result, home, args.verbose)
         print(f"kiln: run {result.run_id} FAILED after {took:.0f}s", file=sys.stderr)

@@ -212,7 +212,8 @@ class RunConsole:
         elif kind == "ASSET_CHECK_EVALUATION":
             check = event.event_specific_data
             if not check.passed:
-                self.say(f"  ! check {check.check_name} on {check.asset_key.to_user_string()} failed")
+                why = "".join(f"\n      {line}" for line in (check.description or "").split("; ") if line)
+                self.say(f"  ! check {check.check_name} on {check.asset_key.to_user_string()} failed{':' if why else ''}{why}")
 
     def _finished(self, asset: str, metadata: dict[str, Any]) -> None:
         self._end_bar(asset)

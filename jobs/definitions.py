@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from dagster import (
@@ -30,7 +32,7 @@ from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
 PROJECT = Path(__file__).resolve().parent.parent
-KILN_HOME = PROJECT / ".kiln"
+KILN_HOME = Path(os.environ.get("KILN_HOME") or PROJECT / ".kiln")  # make ui sets it to the home it serves
 
 ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_suite,
               contamination_report, eval_scores, instruction_data, preference_data, sft_model, dpo_model, rl_model,
@@ -40,10 +42,35 @@ ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_sh
 OPT_IN = ("judged_preferences", "reward_model", "ppo_model")
 PARTITIONED_ASSETS = [checkpoint_evals]  # one partition per training checkpoint; outside the pipeline job
 
-kiln_pipeline_job = define_asset_job(
-    "kiln_pipeline_job", selection=AssetSelection.assets(*ALL_ASSETS),
-    description="Raw text to released model: every Kiln asset in order."
-)
+PIPELINE_DESCRIPTION = "Raw text to released model: every Kiln asset in order."
+kiln_pipeline_job = define_asset_job("kiln_pipeline_job", selection=AssetSelection.assets(*ALL_ASSETS),
+                                     description=PIPELINE_DESCRIPTION)
+
+
+def launchpad_job(home: Path):
+    """kiln_pipeline_job with the op settings of the home's latest ``kiln run`` preset (HOME/preset.json) as its
+    default run config, so that the UI's launchpad (the whole job, or assets picked in its graph) opens with the
+    preset the home was built with; the plain job when none was recorded or the record no longer fits the config
+    schema (a field renamed since), saying so."""
+    from dagster import DagsterInvalidConfigError, DagsterInvalidDefinitionError
+
+    from jobs.home import recorded_preset
+
+    record = recorded_preset(home)
+    if not record:
+        return kiln_pipeline_job
+    job = define_asset_job("kiln_pipeline_job", selection=AssetSelection.assets(*ALL_ASSETS), config={"ops": record["ops"]},
+                           description=f"{PIPELINE_DESCRIPTION} The launchpad opens with preset {record['preset']}, "
+                                       "the one this home's latest kiln run used.")
+    try:  # the default config is checked against the schema when the job's config schema is built
+        Definitions(assets=ALL_ASSETS, jobs=[job], resources=make_resources(home)).resolve_job_def("kiln_pipeline_job").run_config_schema
+    except (DagsterInvalidConfigError, DagsterInvalidDefinitionError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = next((line for line in lines if line.startswith("Error 1")), lines[0] if lines else type(e).__name__)
+        print(f"kiln: preset {record['preset']} recorded in {home} does not fit the current config ({why.split('. Expected')[0]}); "
+              "the launchpad starts from the defaults", file=sys.stderr)
+        return kiln_pipeline_job
+    return job
 
 
 def make_resources(home: Path = KILN_HOME, source_cache: str = "") -> dict:
@@ -75,13 +102,14 @@ def complete_resource_config(run_config: dict, resources: dict) -> dict:
     return {**run_config, "resources": out}
 
 
-def make_definitions(home: Path = KILN_HOME, source_cache: str = "", **resources) -> Definitions:
+def make_definitions(home: Path = KILN_HOME, source_cache: str = "", launchpad: bool = False, **resources) -> Definitions:
     """Kiln's Definitions over ``home``; keyword arguments bind other resources by name (an MLflow resource whose
-    links point at another UI, say)."""
+    links point at another UI, say). launchpad: kiln_pipeline_job's default run config is the home's recorded preset
+    (``launchpad_job``; for the UI: ``kiln run`` passes every setting itself and must not inherit another preset's)."""
     return Definitions(
         assets=ALL_ASSETS + PARTITIONED_ASSETS,
         asset_checks=[contamination_below_threshold, release_no_regression],
-        jobs=[kiln_pipeline_job, checkpoint_eval_job],
+        jobs=[launchpad_job(home) if launchpad else kiln_pipeline_job, checkpoint_eval_job],
         schedules=[nightly_eval_schedule],
         sensors=[new_checkpoint_sensor],
         resources={**make_resources(home, source_cache), **resources},
@@ -89,4 +117,10 @@ def make_definitions(home: Path = KILN_HOME, source_cache: str = "", **resources
     )
 
 
-defs = make_definitions()
+def __getattr__(name: str):
+    """``defs`` (what workspace.yaml loads), built on first use: its launchpad reads KILN_HOME's recorded preset,
+    which the commands that import this module for its parts (kiln run, kiln status) never need."""
+    if name == "defs":
+        globals()["defs"] = make_definitions(launchpad=True)
+        return globals()["defs"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

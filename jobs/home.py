@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 LOCK_NAME = "kiln.lock"
+PRESET_RECORD = "preset.json"  # the preset of the home's latest kiln run: the UI's launchpad starts from it
 
 
 def writable_home(home: Path) -> Path:
@@ -38,6 +39,32 @@ def writable_home(home: Path) -> Path:
             raise SystemExit(f"kiln: {path} is not writable: kiln run and kiln status write Dagster's and MLflow's "
                              f"databases and the outputs in the Kiln home {home}; {fix}")
     return home
+
+
+def record_preset(home: Path, name: str, preset: dict) -> None:
+    """Write ``HOME/preset.json`` (atomically): the name and op settings of the preset a ``kiln run`` used in this
+    home, so that the Dagster UI's kiln_pipeline_job launchpad opens with them rather than the class defaults."""
+    from kiln.common.files import atomic_write_json
+
+    atomic_write_json(home / PRESET_RECORD, {"preset": name, "ops": preset.get("ops") or {}})
+
+
+def recorded_preset(home: Path) -> dict | None:
+    """{preset, ops} of the home's latest ``kiln run``; None when none was recorded or the record is unreadable
+    (the launchpad then starts from the class defaults, and the reason is printed)."""
+    import json
+
+    path = home / PRESET_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(record, dict) or not isinstance(record.get("ops"), dict):
+            raise ValueError("no ops mapping")
+    except (OSError, ValueError) as e:
+        _stderr(f"kiln: {path} is unreadable ({e}); the launchpad starts from the defaults (the next kiln run rewrites it)")
+        return None
+    return record
 
 
 def lock_holder(home: Path) -> str | None:

@@ -7,6 +7,7 @@
 set -euo pipefail
 set -m  # each server in a process group of its own, so that stopping one group stops all of its children
 BIN=$1; HOME_DIR=$2
+export KILN_HOME=$HOME_DIR  # the home jobs.definitions binds (its resources, the launchpad's recorded preset)
 DAGSTER_PORT=${DAGSTER_PORT:-3000}; MLFLOW_PORT=${MLFLOW_PORT:-5000}
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}
 mkdir -p "$DAGSTER_HOME" "$HOME_DIR/mlartifacts"

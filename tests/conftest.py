@@ -98,6 +98,7 @@ def smoke_run(tmp_path_factory, source_cache, mlflow_ui_port):
 
     from jobs.cli import load_preset
     from jobs.definitions import make_definitions, make_resources
+    from jobs.home import record_preset
 
     home = tmp_path_factory.mktemp("kiln-home")
     (home / "dagster").mkdir()
@@ -108,6 +109,7 @@ def smoke_run(tmp_path_factory, source_cache, mlflow_ui_port):
     instance = DagsterInstance.from_config(str(home / "dagster"))
     result = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
         run_config=load_preset("smoke"), instance=instance, raise_on_error=True)
+    record_preset(home, "smoke", load_preset("smoke"))  # as kiln run does: the UI's launchpad opens with it
     yield home, defs, instance, result
     instance.dispose()
 

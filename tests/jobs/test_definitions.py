@@ -86,3 +86,41 @@ def test_a_partial_resource_block_keeps_the_bound_values_it_leaves_out(tmp_path)
     assert seen["tracking_uri"] == f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}"  # not the class default
     assert seen["artifact_root"] == str(tmp_path / "home" / "mlartifacts")
     assert complete_resource_config({"ops": {}}, bound) == {"ops": {}}
+
+
+def launchpad_defaults(home) -> dict:
+    """The run config kiln_pipeline_job's launchpad opens with, as the Dagster UI computes it (rootDefaultYaml)."""
+    import yaml
+    from dagster._core.snap import JobSnap
+    from dagster_graphql.schema.run_config import default_values_yaml_from_type_snap
+
+    from jobs.definitions import make_definitions
+
+    snap = JobSnap.from_job_def(make_definitions(home, launchpad=True).resolve_job_def("kiln_pipeline_job"))
+    root = snap.config_schema_snapshot.get_config_snap(snap.mode_def_snaps[0].root_config_key)
+    return yaml.safe_load(default_values_yaml_from_type_snap(snap.config_schema_snapshot, root))
+
+
+def test_the_launchpad_opens_with_the_preset_of_the_homes_latest_kiln_run(tmp_path, capsys):
+    from jobs.cli import load_preset
+    from jobs.home import PRESET_RECORD, record_preset
+
+    plain = launchpad_defaults(tmp_path)  # nothing recorded: the class defaults (no model preset: GPT-2)
+    assert plain["ops"]["training_plan"]["config"]["model_preset"] == "" and "model" not in plain["ops"]["training_plan"]["config"]
+    preset = load_preset("llama-tiny")
+    record_preset(tmp_path, "llama-tiny", preset)
+    ops = launchpad_defaults(tmp_path)["ops"]
+    for op, block in preset["ops"].items():
+        for field, value in block["config"].items():
+            if isinstance(value, dict):  # nested blocks: the preset's fields, the rest at their defaults
+                assert {k: ops[op]["config"][field][k] for k in value} == value, (op, field)
+            else:
+                assert ops[op]["config"][field] == value, (op, field)
+    assert ops["training_plan"]["config"]["model"]["family"] == "llama" and ops["training_plan"]["config"]["model_preset"] == "tiny"
+    # A record the schema no longer takes (a field renamed since) or cannot read: the defaults, and why.
+    (tmp_path / PRESET_RECORD).write_text('{"preset": "old", "ops": {"training_plan": {"config": {"no_such_field": 1}}}}')
+    assert launchpad_defaults(tmp_path) == plain
+    assert "preset old recorded in" in capsys.readouterr().err
+    (tmp_path / PRESET_RECORD).write_text("{not json")
+    assert launchpad_defaults(tmp_path) == plain
+    assert "is unreadable" in capsys.readouterr().err

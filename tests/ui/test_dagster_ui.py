@@ -102,7 +102,8 @@ def webserver(kiln_home):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = home / "webserver.log"
-    env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "DAGSTER_HOME": str(home), "KILN_HOME": str(kiln_home[0]), "PYTHONPATH": str(ROOT),
+           "PYTHONUNBUFFERED": "1"}  # KILN_HOME as make ui sets it: the resources and launchpad of this home
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-w", str(ROOT / "workspace.yaml"),
                                  "-h", "127.0.0.1", "-p", str(port)], cwd=ROOT, env=env, stdout=log,
@@ -262,6 +263,30 @@ def test_launchpad_shows_training_plan_config_as_typed_fields(webserver, browser
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
     body = text(browser)
     assert "n_layr" in body and ("unexpected" in body.lower() or "not defined" in body.lower() or "error" in body.lower())
+
+
+def test_the_launchpad_opens_with_the_preset_the_home_was_built_with(webserver, browser, tmp_path) -> None:
+    """The home was made by the smoke preset (recorded in HOME/preset.json as kiln run records it): the job's
+    launchpad opens with its settings, not the class defaults (a 8192-token tokenizer, a 12-layer GPT-2)."""
+    import yaml
+    from selenium.webdriver.common.by import By
+
+    from jobs.cli import load_preset
+
+    url, _ = webserver
+    data = graphql(url, """{ runConfigSchemaOrError(selector: {repositoryLocationName: "kiln", repositoryName:
+        "__repository__", pipelineName: "kiln_pipeline_job"}) { ... on RunConfigSchema { rootDefaultYaml } } }""")
+    ops = yaml.safe_load(data["runConfigSchemaOrError"]["rootDefaultYaml"])["ops"]
+    smoke = load_preset("smoke")["ops"]
+    assert ops["tokenizer"]["config"]["vocab_size"] == smoke["tokenizer"]["config"]["vocab_size"] == 512
+    assert {k: ops["training_plan"]["config"]["model"][k] for k in smoke["training_plan"]["config"]["model"]} \
+        == smoke["training_plan"]["config"]["model"]
+    assert ops["base_model"]["config"]["eval_interval"] == smoke["base_model"]["config"]["eval_interval"]
+    browser.get(f"{url}/locations/__repository__@kiln/jobs/kiln_pipeline_job/playground")
+    text = lambda d: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
+    wait_for(browser, lambda d: "ckpt_interval: 20" in text(d) and "eval_batches: 4" in text(d),  # base_model's, on top
+             lambda: f"the launchpad does not open with the smoke preset: {text(browser)[:800]}",
+             tmp_path / "launchpad_preset_failed.png")
 
 
 def test_base_model_links_to_its_mlflow_run_which_shows_the_training_metrics(webserver, mlflow_ui, kiln_home, browser,
