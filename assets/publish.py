@@ -116,9 +116,9 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
                                                            out.run_id, config.alias, config.regression_tolerance,
                                                            refusals)
         if regressions:
-            against = f" against {config.name} version {prev.version}" if prev else ""
-            context.log.warning(f"evaluation regressed{against}: {regressions}; registered version {reg.version} "
-                                f"without moving alias '{config.alias}'")
+            stays = f"it stays on version {prev.version}" if prev else "no version holds it"
+            context.log.warning(f"registered version {reg.version} without moving alias '{config.alias}' ({stays}): "
+                                + "; ".join(regressions))
         registry = {"name": config.name, "version": reg.version, "alias": config.alias if not regressions else None,
                     "previous": prev.version if prev else None}
         value = {"dir": str(final), "version": out.version, "lineage": lineage, "files": manifest["files"],

@@ -37,6 +37,7 @@ from pydantic import Field
 
 from kiln.common.config import ConfigError
 from kiln.common.files import atomic_write_json, atomic_write_text
+from kiln.common.metrics import operations_metrics
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.train.cluster import WORKER_MODULE, TorchrunSpec  # WORKER_MODULE: tests swap in tests.faults here
 from kiln.train.diskfull import describe, no_space, record
@@ -508,7 +509,8 @@ class TrainingLaunch:
 
     def operations(self, device: str) -> dict[str, Any]:
         """The run's logbook rows, ledger, Slurm job id and system-metric peaks; the logbook table and ledger go
-        to the MLflow run (an artifact and ``cost.*`` metrics), the outcome to its ``kiln.outcome`` tag."""
+        to the MLflow run (an artifact and ``system/kiln.cost.*`` metrics: kiln.common.metrics.OPERATIONS_PREFIX),
+        the outcome to its ``kiln.outcome`` tag."""
         from kiln.plan import load_cost
         from kiln.train.energy import run_ledger
         from kiln.train.logbook import attempts, format_table
@@ -520,8 +522,7 @@ class TrainingLaunch:
                "slurm_job_id": job_file.read_text().strip() if job_file.exists() else None}
         try:
             self.run.log_text(format_table(rows), "logbook.md")
-            self.run.log_metrics({f"cost.{k}": v for k, v in ledger.items() if isinstance(v, (int, float))
-                                  and not isinstance(v, bool)})
+            self.run.log_metrics(operations_metrics(ledger, "cost."))
             self.run.set_tags({"kiln.outcome": rows[-1]["outcome"] if rows else "not started",
                                **({"slurm.job_id": ops["slurm_job_id"]} if ops["slurm_job_id"] else {})})
         except Exception as e:  # tracking trouble must not hide how the launch itself ended

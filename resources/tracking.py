@@ -384,7 +384,10 @@ class AssetRun:
 
     def system_peaks(self) -> dict[str, float]:
         """{metric: highest value} of the run's MLflow system metrics (``system/*``: CPU, memory, GPU utilisation,
-        memory, temperature, power), {} when none were logged."""
-        keys = [k for k in self.client.get_run(self.run_id).data.metrics if k.startswith("system/")]
+        memory, temperature, power), {} when none were logged; Kiln's own operations figures there are not peaks."""
+        from kiln.common.metrics import OPERATIONS_PREFIX
+
+        keys = [k for k in self.client.get_run(self.run_id).data.metrics
+                if k.startswith("system/") and not k.startswith(OPERATIONS_PREFIX)]
         return {k.removeprefix("system/"): max(m.value for m in self.client.get_metric_history(self.run_id, k))
                 for k in keys}

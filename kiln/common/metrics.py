@@ -10,6 +10,16 @@ import time
 from typing import Any
 
 MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch call
+# A run's one-off operations figures (cost, energy, goodput) go under MLflow's "system/" namespace: the run page
+# then opens its Model metrics tab on the training curves (it sorts a tab's charts by name, so "cost.*" bars came
+# first), and these bars sit on the System metrics tab beside CPU, memory and disk.
+OPERATIONS_PREFIX = "system/kiln."
+
+
+def operations_metrics(figures: dict[str, Any], group: str = "") -> dict[str, float]:
+    """``{system/kiln.<group><name>: value}`` of the numbers in ``figures`` (booleans and text left out)."""
+    return {f"{OPERATIONS_PREFIX}{group}{k}": float(v) for k, v in figures.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class MetricLogger:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from kiln.common.files import atomic_write_json
+from kiln.common.metrics import operations_metrics
 from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token, of
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
@@ -603,8 +604,8 @@ class Trainer:
         self.clock.beat(self.run.step)
         goodput = summarize(self.out) if self.info.is_main else {}
         if self.info.is_main:
-            self.logger.log({f"goodput_{k}" if k != "goodput" else k: v for k, v in goodput.items()
-                             if isinstance(v, (int, float))}, self.run.step)
+            self.logger.log(operations_metrics({f"goodput_{k}" if k != "goodput" else k: v for k, v in goodput.items()}),
+                            self.run.step)
             self.logger.flush()
         self.end_attempt(outcome, self.run.step, **(end or {}))
         summary = {**self.summary(t_start, digests, goodput), "outcome": outcome, "preemption": end or None}

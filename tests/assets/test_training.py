@@ -76,8 +76,13 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
 
     client = MlflowClient(mlflow.resolved_uri())
     run = client.get_run(value["mlflow_run_id"])
-    for name in ("train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_gb", "goodput"):
+    for name in ("train_loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_gb", "system/kiln.goodput",
+                 "system/kiln.cost.device_hours", "system/kiln.cost.cost"):
         assert name in run.data.metrics, name
+    # The run page's Model metrics tab (every key outside "system/", charts sorted by name) holds the curves only:
+    # no one-off cost or goodput bar sorts before train_loss.
+    assert sorted(k for k in run.data.metrics if not k.startswith("system/")) == [
+        "grad_norm", "lr", "memory_gb", "mfu", "step_time_s", "tokens_per_s", "train_loss", "val_loss"]
     assert "loss.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
     job = json.loads((Path(value["out_dir"]) / "job.json").read_text())
     assert job["keep_every"] == 8 and job["async_save"] and job["parallelism"] == "none"

@@ -248,7 +248,7 @@ def test_loss_spike_rolls_back_skips_the_batches_and_recovers(tmp_path, pretrain
     assert any("loss spike at step 19" in w and "Rolled back to step 10" in w for w in rep.warnings)
     spikes = client.get_metric_history(run_id, "spike")
     assert [(m.step, m.value) for m in spikes] == [(19, 1.0)]
-    assert client.get_metric_history(run_id, "goodput")[0].value == pytest.approx(res["goodput"]["goodput"])
+    assert client.get_metric_history(run_id, "system/kiln.goodput")[0].value == pytest.approx(res["goodput"]["goodput"])
     assert res["goodput"]["redone_steps_s"] > 0  # steps 11..18 were trained twice
 
 
