@@ -139,9 +139,16 @@ def _training(plan: dict, base: dict, tok: dict, figures: Mapping[str, bytes]) -
 Trained on {_hardware(plan)}: {base['steps']} steps of {plan['tokens_per_step']:,} tokens ({base['tokens']:,} tokens,
 {plan['tokens_per_param']:.2f} tokens per parameter); micro-batch {plan['micro_batch']} x gradient accumulation {plan['grad_accum']}.
 Validation loss fell from {base['initial_val_loss']:.4f} to {base['final_val_loss']:.4f} nats/token (guessing uniformly over
-the vocabulary scores {math.log(tok['n_vocab']):.4f}). Base checkpoint `{base['version']}`, MLflow run `{base['mlflow_run_id']}`.
+the vocabulary scores {math.log(tok['n_vocab']):.4f}). Base model version `{base['version']}`: checkpoint
+`{checkpoint_name(base['checkpoint'])}` in the Kiln home's storage, MLflow run `{base['mlflow_run_id']}`.
 {curve}
 """
+
+
+def checkpoint_name(path: str | Path) -> str:
+    """``base_model/<run>/checkpoints/step_N``: where a checkpoint sits under the Kiln home's storage, the folders a
+    reader can find (an asset's data version is not a folder name; the machine's own path is not the reader's)."""
+    return "/".join(Path(path).parts[-4:])
 
 
 def _cell(s: dict[str, Any] | None, row: dict[str, Any] | None) -> str:
@@ -249,9 +256,9 @@ def _rlhf(sft: dict, reward: dict, ppo: dict) -> str:
     return f"""## RLHF (the released weights)
 These weights are the SFT model trained by PPO against a reward model, not the DPO -> RL chain above.
 
-- Reward model (reward_model version `{reward['version']}`): the SFT model with a scalar head, {reward['steps']} steps of the
-  Bradley-Terry loss on the preference pairs; {score}.
-- PPO (ppo_model version `{ppo['version']}`): {ppo['steps']} steps; held-out reward-model score
+- Reward model (reward_model version `{reward['version']}`, checkpoint `{checkpoint_name(reward['checkpoint'])}`): the SFT
+  model with a scalar head, {reward['steps']} steps of the Bradley-Terry loss on the preference pairs; {score}.
+- PPO (ppo_model version `{ppo['version']}`, checkpoint `{checkpoint_name(ppo['checkpoint'])}`): {ppo['steps']} steps; held-out reward-model score
   {ppo['initial_val_reward']:.3f} -> {ppo['final_val_reward']:.3f}; KL to the SFT model {ppo['final_val_kl']:.4f} nats/token at the end.
 
 Held-out measures after SFT and after PPO (the change with its paired standard error; * beyond noise):
@@ -270,7 +277,7 @@ def _feedback(up: Mapping[str, dict[str, Any]]) -> str:
     a = s["agreement"]
     return f"""## AI feedback
 Preference labels from an AI judge (judged_preferences version `{judged['version']}`): the {j['family']} {j['kind']}
-`{Path(j['path']).name}` ({j['params']:,} parameters, sha256 `{j['sha256']}`) scored answers against the principles in
+`{Path(j['path']).name}` ({j['params']:,} parameters, {'weights digest' if j['kind'] == 'checkpoint' else 'sha256'} `{j['sha256']}`) scored answers against the principles in
 `{Path(p['path']).name}` (sha256 `{p['sha256']}`) with the `{judged['rule']}` rule, each pair in both orders.
 On {a['n']} held-out preference pairs whose right answer is known, the judge agreed with it on
 {a['agreement']:.3f} ± {a['stderr']:.3f} of them (standard error; a tie counts one half; {a['ties']} ties; chance 0.5);

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.release.card import CHECKPOINT_PLOT, CONFIG_FILE, LOSS_PLOT, card_figures, model_card, settings_rows, task_score
+from kiln.release.card import CHECKPOINT_PLOT, CONFIG_FILE, LOSS_PLOT, _feedback, card_figures, model_card, settings_rows, task_score
 from kiln.posttrain.measures import stage_rows
 
 UPSTREAM = Path(__file__).resolve().parents[2] / "data" / "card_upstream.json"
@@ -105,3 +105,14 @@ def test_the_ai_feedback_section_names_the_judge_and_principles_without_machine_
     text = card({**up, "judged_preferences": judged}).split("## AI feedback", 1)[1].split("\n## ", 1)[0]
     assert "`abc123` (1,000,000 parameters, sha256 `abababababababab`)" in text
     assert "principles in\n`principles.md` (sha256 `cdcdcdcdcdcdcdcd`)" in text and "/home/someone" not in text
+    checkpoint_judge = {**judged, "judge": {**judged["judge"], "kind": "checkpoint"}}  # its digest is no sha256
+    assert "(1,000,000 parameters, weights digest `abababababababab`)" in _feedback({"judged_preferences": checkpoint_judge})
+
+
+def test_the_base_checkpoint_is_named_by_its_folders_under_the_storage_not_by_its_data_version(up):
+    text = card(up)
+    base = up["base_model"]
+    parts = base["checkpoint"].split("/")
+    assert f"Base model version `{base['version']}`: checkpoint\n`{'/'.join(parts[-4:])}` in the Kiln home's storage" in text
+    assert parts[-4] == "base_model" and parts[-2] == "checkpoints" and parts[-1].startswith("step_")
+    assert "Base checkpoint `" not in text and base["checkpoint"] not in text  # no machine path
