@@ -186,6 +186,10 @@ def report_failure(result, home: Path, verbose: bool) -> Path:
     failed = [(ev.step_key, ev.event_specific_data.error) for ev in result.all_events if ev.is_step_failure]
     for step, error in failed:
         cls, message = innermost_error(error)
+        if cls == "DagsterAssetCheckFailedError":  # the check's own lines above say why
+            print(f"kiln: {step} failed: {message.split(': ', 1)[-1]} (why: the check's lines above); the asset it "
+                  "checks is materialized, what depends on it did not run", file=sys.stderr)
+            continue
         print(f"kiln: {step} failed: {cls}: {message}", file=sys.stderr)
     log = home / "logs" / f"{result.run_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

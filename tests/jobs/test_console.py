@@ -157,3 +157,20 @@ def test_eval_progress_shows_requests_done_of_total_with_rate_and_time_left(tmp_
     assert out.getvalue().splitlines() == ["▶ eval_scores",
                                            "  eval_scores eval 40/400  loglikelihood  20.0 requests/s  18s left",
                                            "  eval_scores eval 400/400  loglikelihood  44.4 requests/s  0s left"]
+
+
+def test_a_failed_check_says_why_one_reason_a_line(tmp_path):
+    out = io.StringIO()
+    console = RunConsole(tmp_path / "run-events.log", ["release_bundle"], stream=out, plain=True)
+    key = SimpleNamespace(to_user_string=lambda: "release_bundle")
+    with console:
+        console._logger().handle(record(step="release_bundle_release_no_regression", event=event(
+            "ASSET_CHECK_EVALUATION", passed=False, check_name="release_no_regression", asset_key=key,
+            description="ppo_model made response_loss worse than sft_model; released.response_loss: 2.5 -> 2.7")))
+        console._logger().handle(record(step="release_bundle_release_no_regression", event=event(
+            "ASSET_CHECK_EVALUATION", passed=False, check_name="other", asset_key=key, description=None)))
+    assert out.getvalue().splitlines() == [
+        "  ! check release_no_regression on release_bundle failed:",
+        "      ppo_model made response_loss worse than sft_model",
+        "      released.response_loss: 2.5 -> 2.7",
+        "  ! check other on release_bundle failed"]
