@@ -345,6 +345,12 @@ def storable_metadata(metadata: dict[str, Any]) -> str:
     return serialize_value(keep)
 
 
+def rounded(metadata: dict[str, Any], digits: int = 4) -> dict[str, Any]:
+    """The metadata with each plain float to ``digits`` significant digits, as people read it (a loss 4.814, not
+    4.814364790916443); the asset's value keeps full precision, so do MLflow's metrics."""
+    return {k: float(f"{v:.{digits}g}") if isinstance(v, float) else v for k, v in metadata.items()}
+
+
 class AssetRun:
     """A child MLflow run: its id, URL, a batched metric logger, artifact upload, and output recording."""
 
@@ -362,6 +368,7 @@ class AssetRun:
         and a witness of each file or folder it points to (output_witnesses) to check that run's files against."""
         from dagster import DataVersion, Output
 
+        metadata = rounded(metadata)
         plain = {k: v for k, v in metadata.items() if isinstance(v, (int, float, str, bool))}
         record = {"value": value, "data_version": data_version, "metadata": plain,
                   "metadata_serdes": storable_metadata(metadata), "witnesses": output_witnesses(value),

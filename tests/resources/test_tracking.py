@@ -250,7 +250,7 @@ def test_a_reused_materialization_shows_the_metadata_of_the_computed_one(tmp_pat
                 return run.reused
             calls.append(1)
             return run.output({"n": 2}, "v2", {
-                "rows": 2, "loss": 0.25, "why": "because",
+                "rows": 2, "loss": 4.814364790916443, "why": "because",
                 "table": MetadataValue.md("| a | b |\n|---|---|\n| 1 | 2 |"),
                 "plot": MetadataValue.md("![loss](data:image/png;base64,iVBORw0KGgo=)"),
                 "model": MetadataValue.json({"n_layer": 2, "family": "gpt2"}),
@@ -267,6 +267,7 @@ def test_a_reused_materialization_shows_the_metadata_of_the_computed_one(tmp_pat
     reused = {k: v for k, v in pages[1].items() if not k.startswith("reused_")}
     assert reused == pages[0] and {"reused_from_mlflow_run", "reused_mlflow_run_id"} <= set(pages[1])
     assert pages[1]["table"].value.startswith("| a | b |") and pages[1]["model"].value == {"n_layer": 2, "family": "gpt2"}
+    assert pages[0]["loss"].value == pages[1]["loss"].value == 4.814 and pages[0]["rows"].value == 2  # rounded for people
     # the experiment opens in MLflow's model-training layout, not its GenAI one
     mlflow = resources["mlflow"]
     exp = mlflow.client().get_experiment_by_name(mlflow.experiment)
