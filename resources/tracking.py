@@ -327,7 +327,7 @@ def reused_output(recorded: dict[str, Any], url: str, run_id: str):
     if recorded.get("metadata_serdes"):
         meta.update(deserialize_value(recorded["metadata_serdes"]))
     meta.update({"reused_from_mlflow_run": MetadataValue.url(url), "reused_mlflow_run_id": run_id})
-    return Output(recorded["value"], data_version=DataVersion(recorded["data_version"]), metadata=meta)
+    return Output(recorded["value"], data_version=DataVersion(recorded["data_version"]), metadata=rounded(meta))
 
 
 def storable_metadata(metadata: dict[str, Any]) -> str:
@@ -348,7 +348,14 @@ def storable_metadata(metadata: dict[str, Any]) -> str:
 def rounded(metadata: dict[str, Any], digits: int = 4) -> dict[str, Any]:
     """The metadata with each plain float to ``digits`` significant digits, as people read it (a loss 4.814, not
     4.814364790916443); the asset's value keeps full precision, so do MLflow's metrics."""
-    return {k: float(f"{v:.{digits}g}") if isinstance(v, float) else v for k, v in metadata.items()}
+    from dagster import FloatMetadataValue
+
+    def one(v: Any) -> Any:
+        if isinstance(v, FloatMetadataValue) and v.value is not None:
+            return float(f"{v.value:.{digits}g}")
+        return float(f"{v:.{digits}g}") if isinstance(v, float) else v
+
+    return {k: one(v) for k, v in metadata.items()}
 
 
 class AssetRun:
