@@ -80,7 +80,7 @@ def _released(config: ReleaseBundleConfig, rl_model: dict, ppo_model: Optional[d
     return ppo_model, {"reward_model": reward_model, "ppo_model": ppo_model}
 
 
-@asset(code_version="3", group_name="release")  # 3: the released stage's chain, own scores and gate
+@asset(code_version="4", group_name="release")  # 4: the released stage's chain, own scores and gate; checkpoints named by folder
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
