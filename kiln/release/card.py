@@ -365,7 +365,8 @@ def logbook_summary(up: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _operations(up: Mapping[str, dict[str, Any]]) -> str:
-    """The card's record of how training went (every attempt) and what it cost, for the whole chain."""
+    """The card's record of how training went (every attempt) and what it cost, for every training run behind the
+    release (a PPO release's card lists the DPO -> RL chain it is compared with too)."""
     rows = logbook_summary(up)
     if not rows:
         return ""
@@ -381,7 +382,7 @@ loss spikes and the batches skipped after them. Device-hours count each attempt'
 (work redone after a failure included); money is at {led.get('price_per_device_hour', 0):g} {led.get('currency', '')} per device-hour.
 
 {table(rows)}
-Whole chain: {total['device-hours']:.4g} device-hours, {total['energy kWh']:.4g} kWh{' (partly or wholly estimated)' if estimated else ' (measured)'}, {total[cost_key]:.4g} {led.get('currency', '')}.{planned}
+All the training runs above: {total['device-hours']:.4g} device-hours, {total['energy kWh']:.4g} kWh{' (partly or wholly estimated)' if estimated else ' (measured)'}, {total[cost_key]:.4g} {led.get('currency', '')}.{planned}
 
 """
 

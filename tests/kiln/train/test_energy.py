@@ -118,7 +118,7 @@ def test_the_model_card_totals_the_chain_and_kiln_logbook_reads_a_release(tmp_pa
     assert summary[0]["attempts"] == 2 and summary[0]["ended"] == "1 completed, 1 preempted"
     section = _operations(up)
     assert section.startswith("## Training operations, cost and energy")
-    assert "Whole chain: 1.25 device-hours, 0.125 kWh (partly or wholly estimated), 5 USD." in section
+    assert "All the training runs above: 1.25 device-hours, 0.125 kWh (partly or wholly estimated), 5 USD." in section
     assert "The plan estimated 0.5 device-hours (0.05 kWh, 2 USD) for the base model." in section
     bundle = tmp_path / "bundle"
     bundle.mkdir()
