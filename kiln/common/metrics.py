@@ -12,7 +12,8 @@ from typing import Any
 MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch call
 # A run's one-off operations figures (cost, energy, goodput) go under MLflow's "system/" namespace: the run page
 # then opens its Model metrics tab on the training curves (it sorts a tab's charts by name, so "cost.*" bars came
-# first), and these bars sit on the System metrics tab beside CPU, memory and disk.
+# first), and these bars sit on the System metrics tab beside CPU, memory and disk. They are logged at step 0:
+# MLflow's system-metrics monitor resumes its sample count after the highest step of the run's system/* metrics.
 OPERATIONS_PREFIX = "system/kiln."
 
 

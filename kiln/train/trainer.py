@@ -604,8 +604,9 @@ class Trainer:
         self.clock.beat(self.run.step)
         goodput = summarize(self.out) if self.info.is_main else {}
         if self.info.is_main:
-            self.logger.log(operations_metrics({f"goodput_{k}" if k != "goodput" else k: v for k, v in goodput.items()}),
-                            self.run.step)
+            # at step 0, as every operations figure: MLflow's system-metrics monitor resumes its sample count after
+            # the highest step of the run's system/* metrics
+            self.logger.log(operations_metrics({f"goodput_{k}" if k != "goodput" else k: v for k, v in goodput.items()}), 0)
             self.logger.flush()
         self.end_attempt(outcome, self.run.step, **(end or {}))
         summary = {**self.summary(t_start, digests, goodput), "outcome": outcome, "preemption": end or None}
