@@ -26,7 +26,7 @@ class ReleaseBundleConfig(Config):
     alias: str = Field(default="candidate", description="MLflow registry alias moved to this release unless evaluation regressed.")
     regression_tolerance: float = Field(default=0.02, description="How much worse (absolute) any eval score may be than the previous release's.")
     stage: str = Field(default="rl_model", description="Whose weights are released: rl_model (SFT -> DPO -> RL) or ppo_model (SFT -> reward model -> PPO; materialize it first, e.g. kiln run --preset rlhf).")
-    stage_gate: bool = Field(default=True, description="Keep the alias where it is when the released stage made any held-out measure worse than the weights it started from (RL: the DPO model, PPO: the SFT model) beyond noise (2 paired standard errors).")
+    stage_gate: bool = Field(default=True, description="Keep the alias where it is when the released stage made any held-out measure worse than the weights it started from (RL: the DPO model, PPO: the SFT model) beyond noise (2 paired standard errors) and by more than regression_tolerance.")
 
 
 RELEASABLE = ("rl_model", "ppo_model")  # release_bundle.stage choices
@@ -105,7 +105,8 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
             return out.reused
         scores = {**flat_scores(eval_scores), **released_scores(released)}
         start = "sft_model" if config.stage == "ppo_model" else "dpo_model"
-        refusals = stage_regressions(config.stage, start, released.get("before_after", [])) if config.stage_gate else []
+        refusals = (stage_regressions(config.stage, start, released.get("before_after", []), config.regression_tolerance)
+                    if config.stage_gate else [])
         extra = release_sections(config.name, config.license, up, scores, {"release_bundle": config.model_dump()},
                                  config.stage)
         files = {**figures, CONFIG_FILE: yaml.safe_dump({"ops": full_config}, sort_keys=True).encode()} if full_config else figures

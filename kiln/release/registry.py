@@ -205,13 +205,16 @@ def released_scores(released: dict[str, Any]) -> dict[str, float]:
     return {f"released.{m}": float(v) for m, v in (released.get("after") or {}).items()}
 
 
-def stage_regressions(asset: str, start: str, rows: list[dict[str, Any]]) -> list[str]:
+def stage_regressions(asset: str, start: str, rows: list[dict[str, Any]], tolerance: float = 0.0) -> list[str]:
     """One line per held-out measure the released stage made worse than the weights it started from, beyond noise
-    (kiln.posttrain.measures.NOISE_Z paired standard errors), from its before_after rows."""
+    (kiln.posttrain.measures.NOISE_Z paired standard errors) and by more than ``tolerance`` (absolute, as the
+    comparison with the previous release: a 0.001-nat change is no regression however small its error), from its
+    before_after rows."""
     from kiln.posttrain.measures import NOISE_Z, change_cell, worse_beyond_noise
 
     return [f"{asset} made {r['measure']} worse than {start}, beyond noise ({NOISE_Z:g} paired SE): "
-            f"{r['before']:.4f} -> {r['after']:.4f} ({change_cell(r)})" for r in rows if worse_beyond_noise(r)]
+            f"{r['before']:.4f} -> {r['after']:.4f} ({change_cell(r)})"
+            for r in rows if worse_beyond_noise(r) and abs(r["change"]) > tolerance]
 
 
 def register_unless_regressed(tracking_uri: str, name: str, bundle: str | Path, scores: dict[str, float],

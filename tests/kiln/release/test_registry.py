@@ -163,6 +163,10 @@ def test_a_stage_that_made_a_measure_worse_beyond_noise_keeps_the_alias_where_it
         "(-0.097 ± 0.034 *)",
         "ppo_model made response_loss worse than sft_model, beyond noise (2 paired SE): 2.5000 -> 2.5920 (+0.092 ± 0.010 *)"]
     assert released_scores({"after": {"response_loss": 2.592}}) == {"released.response_loss": 2.592}
+    tiny = {"measure": "arithmetic_answer_logprob", "before": -4.0, "after": -4.001, "change": -0.001, "stderr": 0.0002,
+            "beyond_noise": True}  # beyond noise, yet smaller than the tolerance: no regression
+    assert stage_regressions("rl_model", "dpo_model", [tiny], tolerance=0.02) == []
+    assert stage_regressions("ppo_model", "sft_model", rows, tolerance=0.02) == refusals
     uri, _ = tracking
     _, tok = tiny_tokenizer
     first, _, _ = register_unless_regressed(uri, "kiln-s", make_bundle(tmp_path, tok, 5), {"val_loss": 2.0}, LINEAGE, None)
