@@ -283,6 +283,8 @@ def test_the_launchpad_opens_with_the_preset_the_home_was_built_with(webserver, 
         == smoke["training_plan"]["config"]["model"]
     assert ops["base_model"]["config"]["eval_interval"] == smoke["base_model"]["config"]["eval_interval"]
     browser.get(f"{url}/locations/__repository__@kiln/jobs/kiln_pipeline_job/playground")
+    browser.execute_script("window.localStorage.clear()")  # the launchpad keeps an earlier test's tab: a new user's
+    browser.get(f"{url}/locations/__repository__@kiln/jobs/kiln_pipeline_job/playground")
     text = lambda d: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
     wait_for(browser, lambda d: "ckpt_interval: 20" in text(d) and "eval_batches: 4" in text(d),  # base_model's, on top
              lambda: f"the launchpad does not open with the smoke preset: {text(browser)[:800]}",
