@@ -50,8 +50,8 @@ class Family:
     hf_prefix: str = ""  # a prefix some Hugging Face files leave off the weight names (GPT2Model's "transformer.")
     tp_plan: Callable[[ModelConfig], dict[str, Any]] | None = None  # module path -> ParallelStyle for tensor and
     # sequence parallelism (kiln.model.tensor_parallel.apply_tp); None: the family cannot be split that way
-    tp_strided: bool = False  # whether some tensor-parallel shards are strided (GPT-2's fused q|k|v): FSDP2 cannot
-    # shard those again and torch.distributed.checkpoint cannot save them as shards (full checkpoints only)
+    tp_interleaved: bool = False  # whether tensor parallelism holds some rows rank-interleaved (GPT-2's fused q|k|v,
+    # kiln.model.tensor_parallel.FusedColwiseParallel): its checkpoints gather one full state in the model's order
     first_stage: tuple[str, ...] = ()  # modules only the first pipeline stage holds (the tables before the blocks)
     last_stage: tuple[str, ...] = ()  # modules only the last pipeline stage holds (the final norm and the head)
     buffers: tuple[str, ...] = field(default=(".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))

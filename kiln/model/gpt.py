@@ -234,9 +234,8 @@ FAMILY = Family(
     hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
     hf_prefix="transformer.", tp_plan=tp_plan,
     first_stage=("transformer.wte", "transformer.wpe"), last_stage=("transformer.ln_f", "lm_head"),
-    # c_attn's shards are strided (q_r | k_r | v_r). In torch 2.13 FSDP2 over them trains right but gathers the
-    # whole matrix in the wrong row order, and torch.distributed.checkpoint refuses them as overlapping chunks
-    tp_strided=True,
+    # c_attn's rows are held rank-interleaved under TP (q_r | k_r | v_r per rank): checkpoints save them in order
+    tp_interleaved=True,
 )
 
 

@@ -53,7 +53,6 @@ class MeshLayout:
                               f"x tp {self.tp} must multiply to the world size {world_size}; each size must divide it "
                               f"({', '.join(map(str, legal))})")
         if cfg is not None:
-            from kiln.model.families import of
             from kiln.model.tensor_parallel import check_tp
 
             check_tp(cfg, self.tp, f"{where}.tp")
@@ -61,10 +60,6 @@ class MeshLayout:
                 legal = [d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]
                 raise ConfigError(f"{where}.pp: {self.pp} pipeline stages must divide the {cfg.n_layer} layers "
                                   f"(model.n_layer); pp may be {', '.join(map(str, legal))}")
-            if self.tp > 1 and shard > 1 and of(cfg).tp_strided:
-                raise ConfigError(f"{where}: tp {self.tp} with dp_shard {shard}: the {cfg.family} family's "
-                                  "tensor-parallel shards cannot be sharded again by FSDP2; set tp to the world "
-                                  f"size ({world_size}: tensor parallelism alone), or tp: 1 (FSDP2 alone)")
         return MeshLayout(self.dp_replicate, shard, self.tp, self.pp)
 
     @property

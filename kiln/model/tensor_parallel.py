@@ -24,9 +24,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def check_tp(cfg: Any, tp: int, field: str = "parallel.tp") -> None:
@@ -99,28 +98,105 @@ def held_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, Par
     return out
 
 
+INTERLEAVED = "_kiln_interleaved"  # on a module whose parameters FusedColwiseParallel holds rank-interleaved: (parts, tp)
+
+
+def interleave(t: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """Rows of ``parts`` blocks side by side (q | k | v), each split ``tp`` ways, reordered rank by rank:
+    q_0 k_0 v_0 | q_1 k_1 v_1 | ... (rank r's rows are the r-th of tp equal runs)."""
+    return t.reshape(parts, tp, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def deinterleave(t: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """The inverse of ``interleave``: rows back in the model's own order (q | k | v)."""
+    return t.reshape(tp, parts, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
 class FusedColwiseParallel(ParallelStyle):
     """Column parallelism for a Linear whose output is ``parts`` blocks side by side (GPT-2's c_attn: q | k | v):
-    each rank holds its 1/tp of every block (torch's _StridedShard placement, the one FSDP2 + TP uses for the same
-    layout; torch has no public name for it), so its output is q_r | k_r | v_r and splits into ``parts`` equal
-    chunks as the whole output does."""
+    each rank holds its 1/tp of every block, so its output is q_r | k_r | v_r and splits into ``parts`` equal chunks
+    as the whole output does.
+
+    The parameter is held with its rows rank-interleaved (``interleave``) under a plain Shard(0): rank r's shard
+    is one contiguous run, so FSDP2 shards it again as any column-parallel weight, and Muon orthogonalises the
+    gathered matrix, a row permutation of the model's own (the same update, permuted). What leaves or enters the
+    model in its own order goes through ``canonical_state`` / ``interleaved_state`` (the full checkpoints do).
+    torch's _StridedShard describes the same shards in the model's order, but FSDP2 over it gathers the matrix in
+    the wrong row order (torch 2.13) and torch.distributed.checkpoint refuses it."""
 
     def __init__(self, parts: int):
         super().__init__()
         self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+
         def partition(name, mod, mesh):
             for pname, p in list(mod.named_parameters(recurse=False)):
                 mod.register_parameter(pname, nn.Parameter(
-                    distribute_tensor(p, mesh, [_StridedShard(0, split_factor=self.parts)]),
+                    distribute_tensor(interleave(p.detach(), self.parts, tp), mesh, [Shard(0)]),
                     requires_grad=p.requires_grad))
 
+        setattr(module, INTERLEAVED, (self.parts, tp))
         return distribute_module(module, device_mesh, partition, _replicated_inputs,
                                  lambda mod, out, mesh: out.to_local())
 
     def __repr__(self) -> str:
         return f"FusedColwiseParallel(parts={self.parts})"
+
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def interleaved_params(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{parameter name as state dicts give it: (parts, tp)} of the parameters FusedColwiseParallel holds
+    rank-interleaved; {} for a model not split that way."""
+    out = {}
+    for name, mod in model.named_modules():
+        spec = getattr(mod, INTERLEAVED, None)
+        if spec is None:
+            continue
+        for wrapper in _WRAPPERS:
+            name = name.replace(wrapper, "")
+        out.update({f"{name}.{p}" if name else p: spec for p, _ in mod.named_parameters(recurse=False)})
+    return out
+
+
+def _reorder(state: dict[str, Any], params: dict[str, tuple[int, int]], fn) -> dict[str, Any]:
+    """A copy of a model state dict ({name: tensor}) or an optimizer state dict (nested {"state": {name: {key:
+    tensor}}} or flattened {"state.<name>.<key>": tensor}) with each tensor of an interleaved parameter's shape
+    passed through ``fn``."""
+    def one(t: Any, spec: tuple[int, int], rows: int | None = None) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and (rows is None or t.shape[0] == rows):
+            return fn(t, *spec)
+        return t
+
+    out = dict(state)
+    if "state" in out and isinstance(out["state"], dict):  # a nested optimizer state dict
+        inner = dict(out["state"])
+        for name, spec in params.items():
+            if name in inner:
+                entry = inner[name]
+                rows = next((v.shape[0] for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
+                inner[name] = {k: one(v, spec, rows) for k, v in entry.items()}
+        out["state"] = inner
+        return out
+    for name, spec in params.items():
+        if name in out:  # a model state dict
+            out[name] = one(out[name], spec)
+        for key in [k for k in out if k.startswith(f"state.{name}.")]:  # a flattened optimizer state dict
+            out[key] = one(out[key], spec, out[name].shape[0] if name in out else None)
+    return out
+
+
+def canonical_state(state: dict[str, Any], params: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """Full (gathered) state of a model with interleaved parameters (``interleaved_params``), in the model's own order."""
+    return _reorder(state, params, deinterleave) if params else state
+
+
+def interleaved_state(state: dict[str, Any], params: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """Full state in the model's own order, ready to load into a model holding ``params`` interleaved."""
+    return _reorder(state, params, interleave) if params else state
 
 
 class Replicated(ParallelStyle):

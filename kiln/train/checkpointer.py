@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from kiln.model.tensor_parallel import canonical_state, interleaved_params, interleaved_state
 from kiln.train.checkpoint import (SINGLE_PROCESS_WARNING, CheckpointError, clean_staging, commit_checkpoint,
                                    copy_extra_files, digest_tree, latest_good_checkpoint, load_sharded,
                                    load_state_file, prune_checkpoints, quiet_single_process, staging_dir, step_dir,
@@ -149,6 +150,8 @@ class Checkpointer:
             msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
             state = None
             if self.rank == 0:
+                params = interleaved_params(model)  # GPT-2's q|k|v under tensor parallelism: saved in the model's order
+                msd, osd = canonical_state(msd, params), canonical_state(osd, params)
                 state = _snapshot({"model": weights() if weights else msd, "optimizer": osd, **extras}, pool=self._pool)
             work = lambda: self._write_full(state, tmp, final, meta) if self.rank == 0 else None  # noqa: E731
         self._pending = final
@@ -287,7 +290,31 @@ class Checkpointer:
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text())
         state = load_state_file(path / "state.pt")
-        if meta.get("format") == "sharded":
+        params = interleaved_params(model)  # rows this model holds in an order of its own (GPT-2's q|k|v under TP)
+        if meta.get("format") == "sharded" and params:
+            # DCP places shards by their offsets in the model's order: read whole tensors, then reorder them
+            flat = meta.get("optim_state") == "flat"
+            full = StateDictOptions(full_state_dict=True)
+            msd, osd = (get_state_dict(model, optimizer, options=StateDictOptions(
+                full_state_dict=True, flatten_optimizer_state_dict=flat)) if optimizer is not None
+                else (get_model_state_dict(model, options=full), None))
+            target = {"model": msd} if osd is None else {"model": msd, "optim": osd}
+            load_sharded(target, path / "model", self.group)
+            if osd is None:
+                set_model_state_dict(model, interleaved_state(target["model"], params), options=full)
+            else:
+                if flat:  # torch loads a full optimizer state nested only: fill this optimizer's own from the file's
+                    _, nested = get_state_dict(model, optimizer, options=full)
+                    for name, entry in nested["state"].items():
+                        entry.update({k: osd[f"state.{name}.{k}"] for k in entry if f"state.{name}.{k}" in osd})
+                    for group in nested["param_groups"]:  # the learning rate and the rest, as saved
+                        first = group["params"][0]
+                        group.update({k: osd[f"param_groups.{first}.{k}"] for k in group
+                                      if k != "params" and f"param_groups.{first}.{k}" in osd})
+                    osd = nested
+                set_state_dict(model, optimizer, model_state_dict=interleaved_state(target["model"], params),
+                               optim_state_dict=interleaved_state(osd, params), options=full)
+        elif meta.get("format") == "sharded":
             # older sharded checkpoints hold the optimizer's parameter groups as a list
             opts = StateDictOptions(flatten_optimizer_state_dict=meta.get("optim_state") == "flat")
             msd, osd = (get_state_dict(model, optimizer, options=opts) if optimizer is not None
@@ -301,10 +328,11 @@ class Checkpointer:
                                options=opts)
         else:
             opts = StateDictOptions(full_state_dict=True, strict=part == "model")
+            weights = interleaved_state(state[part], params)
             if optimizer is None or "optimizer" not in state:
-                set_model_state_dict(model, state[part], options=opts)
+                set_model_state_dict(model, weights, options=opts)
             else:
-                set_state_dict(model, optimizer, model_state_dict=state[part], optim_state_dict=state["optimizer"],
-                               options=opts)
+                set_state_dict(model, optimizer, model_state_dict=weights,
+                               optim_state_dict=interleaved_state(state["optimizer"], params), options=opts)
         extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
         return extras, meta

@@ -139,11 +139,11 @@ class TrainJob:
                               "or tp to 1")
         from kiln.model.families import of
 
-        if lay.tp > 1 and of(self.model).tp_strided:
+        if lay.tp > 1 and of(self.model).tp_interleaved:
             raise ConfigError(f"{where}.layout: pp {lay.pp} with tp {lay.tp} for the {self.model.family} family: its "
-                              "tensor-parallel shards are strided, which torch.distributed.checkpoint cannot save, "
-                              "and with pipeline stages no rank holds the whole model to save it instead; set tp or "
-                              "pp to 1")
+                              "tensor-parallel q|k|v rows are held rank-interleaved and saved in the model's order "
+                              "by gathering one full state, and with pipeline stages no rank holds the whole model "
+                              "to gather it; set tp or pp to 1")
         if self.parallelism == "ddp":
             raise ConfigError(f"{where}.parallelism: 'ddp' with layout.pp {lay.pp}: the data-parallel ranks of a "
                               "pipeline shard its stages with FSDP2; set parallelism to 'fsdp' (or 'auto')")

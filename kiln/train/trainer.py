@@ -230,10 +230,10 @@ class Trainer:
         return self.job.layout.resolve(self.info.world_size, self.cfg, "job.layout")
 
     def sharded_checkpoints(self) -> bool:
-        """FSDP2 and tensor-parallel runs save each rank's shards (DCP), except a family whose tensor-parallel
-        shards are strided (GPT-2's fused q|k|v, which DCP cannot save): those gather one full state on rank 0."""
+        """FSDP2 and tensor-parallel runs save each rank's shards (DCP), except a family whose tensor-parallel rows
+        are held rank-interleaved (GPT-2's fused q|k|v): those gather one full state on rank 0, in the model's order."""
         if self.layout is not None:  # pipeline stages: each rank holds other parameters
-            return self.layout.pp > 1 or not of(self.cfg).tp_strided
+            return self.layout.pp > 1 or not of(self.cfg).tp_interleaved
         return self.strategy == "fsdp"
 
     def build(self) -> None:

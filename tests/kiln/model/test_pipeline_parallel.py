@@ -87,7 +87,10 @@ def _train_both(fields: dict, pipe_cfg: PipelineConfig, group, dp_mesh=None, sav
     mine = pipe.state_dict()
     # GPT-2's key bias has no true gradient (softmax ignores a constant added per query), so AdamW turns rounding
     # noise into lr-sized steps there: it is compared on its own, more loosely
-    diffs = {name: float((full_value(t) - whole_state[name]).abs().max()) for name, t in mine.items()}
+    from kiln.model.tensor_parallel import canonical_state, interleaved_params
+
+    full = canonical_state({name: full_value(t) for name, t in mine.items()}, interleaved_params(pipe.local))
+    diffs = {name: float((t - whole_state[name]).abs().max()) for name, t in full.items()}  # GPT-2's q|k|v in order
     if save_to is not None:  # this rank's stages' weights as torch.distributed.checkpoint shards, by name
         import torch.distributed.checkpoint as dcp
 

@@ -97,12 +97,15 @@ def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_me
 
         from kiln.train.checkpointer import Checkpointer
 
-        sharded = not of(tp.config).tp_strided  # GPT-2's strided q|k|v shards: a full checkpoint, gathered
+        sharded = not of(tp.config).tp_interleaved  # GPT-2's rank-interleaved q|k|v: a full checkpoint, gathered
         ckpt = Checkpointer(Path(save_to), dist.get_rank(), dist.get_world_size(), sharded=sharded, async_save=False,
                             keep_last=1)
         ckpt.save(steps, tp, opts[1], {}, {"model": asdict(tp.config)})
-    weights = max((full_value(p.detach()) - q.detach()).abs().max().item()
-                  for p, q in zip(tp.parameters(), one.parameters(), strict=True))
+    from kiln.model.tensor_parallel import canonical_state, interleaved_params
+
+    full = canonical_state({n: full_value(p.detach()) for n, p in tp.named_parameters()}, interleaved_params(tp))
+    weights = max((full[n] - q.detach()).abs().max().item()  # in the model's own order (GPT-2's q|k|v)
+                  for (n, _), q in zip(tp.named_parameters(), one.parameters(), strict=True))
     head, emb = tp.lm_head.weight, tp.get_submodule(of(tp.config).embedding_module).weight
     return {"loss": loss_diff, "grad_norm": norm_diff, "logits": logits, "weights": weights, "last": losses[0],
             "first_block": {n: str(tuple(p.placements)) for n, p in tp.named_parameters() if ".0." in n},
@@ -225,7 +228,7 @@ def test_tied_heads_stay_tied_and_each_weight_is_sharded_as_megatron_does(two_ra
     assert llama["model.layers.0.mlp.down_proj.weight"] == "(Shard(dim=1),)"
     assert llama["model.layers.0.input_layernorm.weight"] == "(Replicate(),)"
     gpt = got["gpt2"]["first_block"]
-    assert gpt["transformer.h.0.attn.c_attn.weight"] == "(_StridedShard(dim=0, sf=3),)"  # q | k | v, each split
+    assert gpt["transformer.h.0.attn.c_attn.weight"] == "(Shard(dim=0),)"  # q_r | k_r | v_r, rows rank-interleaved
     assert gpt["transformer.h.0.attn.c_proj.bias"] == "(Replicate(),)"
 
 

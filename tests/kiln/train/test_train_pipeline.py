@@ -239,7 +239,7 @@ def test_rollback_preemption_and_sigkill_under_a_pipeline_end_where_one_process_
 
 @pytest.mark.parametrize("fields, world, message", [
     ({"layout": {"pp": 2, "tp": 2}}, 4, "job.layout: pp 2 with tp 2 for the gpt2 family: its tensor-parallel "
-                                        "shards are strided"),
+                                        "q|k|v rows are held rank-interleaved"),
     ({"layout": {"pp": 2, "tp": 2}, "model_fields": {"family": "llama", "n_kv_head": 2, "tie_embeddings": False}}, 8,
      "job.layout: pp 2 x dp_shard 2 x tp 2 on 8 ranks; pipeline stages are split by tensor parallelism or sharded"),
     ({"layout": {"pp": 2}, "parallelism": "ddp"}, 4, "job.parallelism: 'ddp' with layout.pp 2"),

@@ -1,7 +1,8 @@
 """Tests for the training job under tensor parallelism (job.layout.tp, kiln.model.tensor_parallel) on two gloo
 processes: both families follow the one-process loss curve over 30 steps, resume from a mid-run checkpoint bit for
 bit as a restart after SIGKILL does, and reshard: a tensor-parallel checkpoint resumes on one process, an FSDP2 one
-under tensor parallelism. Layouts the job cannot run are config errors before anything trains.
+under tensor parallelism. GPT-2 also trains under FSDP2 x TP on four processes. Layouts the job cannot run are config
+errors before anything trains.
 
 Run: python -m pytest tests/kiln/train/test_train_tensor_parallel.py -q   (five torchrun launches of two processes)
 """
@@ -100,7 +101,7 @@ def test_tensor_parallel_training_follows_one_process_and_resumes_bit_for_bit(tm
     assert_same_curve(res, ref)
     assert "tensor parallel 2 (tp 2)" in proc.stdout
     meta = verify_checkpoint(Path(res["checkpoint"]))
-    # GPT-2's fused q|k|v shards are strided, which DCP cannot save: one full state, gathered on rank 0
+    # GPT-2's fused q|k|v rows are held rank-interleaved: one full state in the model's order, gathered on rank 0
     assert meta["format"] == ("full" if family == "gpt2" else "sharded")
     assert meta["job"]["layout"] == {"dp_replicate": 1, "dp_shard": -1, "tp": 2}
 
@@ -132,7 +133,7 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process(tmp_path, tp_run, p
 def test_an_fsdp2_checkpoint_resumes_under_tensor_parallelism(tmp_path, pretrain_job, train_runner,
                                                              reference) -> None:
     """Resharding through torch.distributed.checkpoint: saved as FSDP2's dim-0 shards on two ranks, loaded as
-    tensor-parallel shards (llama: its shards are not strided, so both layouts save DCP checkpoints)."""
+    tensor-parallel shards (llama: both layouts save DCP checkpoints; GPT-2's case is in the four-rank test below)."""
     ref = reference("llama")
     # two data-parallel ranks of 2 sequences (the same 4 a step); validation reads the same 16 windows on each
     fsdp = job_for(pretrain_job, tmp_path / "fsdp", "llama", parallelism="fsdp", micro_batch=2, eval_batches=8)
@@ -148,12 +149,48 @@ def test_an_fsdp2_checkpoint_resumes_under_tensor_parallelism(tmp_path, pretrain
     assert_same_curve(res, ref)
 
 
+@pytest.mark.slow
+def test_gpt2_under_fsdp2_and_tensor_parallelism_follows_one_process_resumes_and_reshards(tmp_path, pretrain_job,
+                                                                                         train_runner, reference) -> None:
+    """dp_shard 2 x tp 2 on four ranks for GPT-2, whose fused q|k|v rows tensor parallelism holds rank-interleaved
+    (FusedColwiseParallel) and FSDP2 shards again: the curve follows one process; a restart from the step-20
+    checkpoint (one full state in the model's own order) is bit for bit; that checkpoint resumes on one process; and
+    an FSDP2 checkpoint (DCP shards in the model's order) resumes under tp 2."""
+    ref = reference("gpt2")
+    split = {"layout": {"tp": 2, "dp_shard": 2}, "micro_batch": 2, "eval_batches": 8}  # two data ranks of 2 rows
+    job = job_for(pretrain_job, tmp_path / "2x2", "gpt2", **split)
+    proc = train_runner(job, nproc=4, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = result_of(job)
+    assert res["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2} and res["parallelism"] == "fsdp"
+    assert res["tokens"] == ref["tokens"] and len(set(res["rank_param_digests"])) == 1
+    assert_same_curve(res, ref)
+    assert verify_checkpoint(Path(res["checkpoint"]))["format"] == "full"
+    run = Path(res["checkpoint"]).parents[1]
+    assert_restart_is_bit_identical(resume_copy(run, tmp_path / "again", pretrain_job, "gpt2", **split), res,
+                                    train_runner, nproc=4)
+    one = in_process(resume_copy(run, tmp_path / "one", pretrain_job, "gpt2"))  # the whole model, one rank
+    assert one["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
+    assert_same_curve(one, ref)
+    # FSDP2 alone saves DCP shards in the model's order; under tp 2 they are read whole and interleaved
+    fsdp = job_for(pretrain_job, tmp_path / "fsdp", "gpt2", parallelism="fsdp", micro_batch=2, eval_batches=8)
+    proc = train_runner(fsdp, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saved = result_of(fsdp)
+    assert verify_checkpoint(Path(saved["checkpoint"]))["format"] == "sharded"
+    resumed = resume_copy(Path(saved["checkpoint"]).parents[1], tmp_path / "tp", pretrain_job, "gpt2", **TP2)
+    proc = train_runner(resumed, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = result_of(resumed)
+    assert got["resumed_from"].endswith(f"step_{RESUME_AT:07d}") and got["layout"]["tp"] == 2
+    assert_same_curve(got, ref)
+
+
 @pytest.mark.parametrize("fields, world, message", [
     ({"layout": {"tp": 3}}, 6, "job.layout.tp: 3 does not divide model.n_head (2)"),
     ({"layout": {"tp": 2}}, 3, "must multiply to the world size 3"),
     ({"layout": {"tp": 2}, "parallelism": "ddp"}, 4, "job.parallelism: 'ddp' with layout.tp 2"),
     ({"layout": {"tp": 2, "dp_replicate": 2}}, 4, "job.layout.dp_replicate: 2"),
-    ({"layout": {"tp": 2, "dp_shard": 2}}, 4, "gpt2 family's tensor-parallel shards cannot be sharded again"),
     ({"layout": {"tp": 2}, "task": "sft", "lora": {"enabled": True}}, 2, "job.layout.tp: 2 with lora.enabled"),
 ])
 def test_a_layout_the_job_cannot_train_is_a_config_error_naming_the_field(tmp_path, pretrain_job, fields, world,
