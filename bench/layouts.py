@@ -38,6 +38,7 @@ LAYOUTS = {
     "tp 2": ("gpt2", 2, {"layout": {"tp": 2}}),
     "pp 2 (1f1b)": ("gpt2", 2, {"layout": {"pp": 2}}),
     "pp 2 x dp_shard 2": ("gpt2", 4, {"layout": {"pp": 2}, **FSDP_ROWS}),
+    "dp_shard 2 x tp 2": ("gpt2", 4, {"layout": {"tp": 2, "dp_shard": 2}, **FSDP_ROWS}),
     "llama tp 2": ("llama", 2, {"layout": {"tp": 2}}),
     "llama fsdp 2": ("llama", 2, {"parallelism": "fsdp", **FSDP_ROWS}),
     "llama pp 2 (interleaved, 2 stages per rank)": ("llama", 2, {"layout": {"pp": 2}, "pipeline": {
@@ -47,7 +48,8 @@ LAYOUTS = {
     "llama dp_shard 2 x tp 2": ("llama", 4, {"layout": {"tp": 2, "dp_shard": 2}, **FSDP_ROWS}),
 }
 # saved under -> resumed under (None: one process)
-RESHARDS = [("tp 2", None), ("pp 2 (1f1b)", None), ("llama fsdp 2", "llama tp 2"),
+RESHARDS = [("tp 2", None), ("pp 2 (1f1b)", None), ("dp_shard 2 x tp 2", None), ("fsdp 2", "tp 2"),
+            ("llama fsdp 2", "llama tp 2"),
             ("llama pp 2 (interleaved, 2 stages per rank)", "llama fsdp 2"),
             ("llama pp 2 x tp 2", None), ("llama fsdp 2", "llama pp 2 (interleaved, 2 stages per rank)")]
 
