@@ -130,18 +130,20 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process(tmp_path, tp_run, p
 
 
 @pytest.mark.slow
-def test_an_fsdp2_checkpoint_resumes_under_tensor_parallelism(tmp_path, pretrain_job, train_runner,
-                                                             reference) -> None:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_an_fsdp2_checkpoint_resumes_under_tensor_parallelism(tmp_path, pretrain_job, train_runner, reference,
+                                                             family) -> None:
     """Resharding through torch.distributed.checkpoint: saved as FSDP2's dim-0 shards on two ranks, loaded as
-    tensor-parallel shards (llama: both layouts save DCP checkpoints; GPT-2's case is in the four-rank test below)."""
-    ref = reference("llama")
+    tensor-parallel shards (llama: by their offsets; GPT-2: whole, then its q|k|v rows interleaved by rank)."""
+    ref = reference(family)
     # two data-parallel ranks of 2 sequences (the same 4 a step); validation reads the same 16 windows on each
-    fsdp = job_for(pretrain_job, tmp_path / "fsdp", "llama", parallelism="fsdp", micro_batch=2, eval_batches=8)
+    fsdp = job_for(pretrain_job, tmp_path / "fsdp", family, parallelism="fsdp", micro_batch=2, eval_batches=8)
     proc = train_runner(fsdp, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = result_of(fsdp)
     assert saved["parallelism"] == "fsdp" and "layout" not in saved
-    resumed = resume_copy(Path(saved["checkpoint"]).parents[1], tmp_path / "tp", pretrain_job, "llama", **TP2)
+    assert verify_checkpoint(Path(saved["checkpoint"]))["format"] == "sharded"
+    resumed = resume_copy(Path(saved["checkpoint"]).parents[1], tmp_path / "tp", pretrain_job, family, **TP2)
     proc = train_runner(resumed, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = result_of(resumed)
@@ -150,12 +152,11 @@ def test_an_fsdp2_checkpoint_resumes_under_tensor_parallelism(tmp_path, pretrain
 
 
 @pytest.mark.slow
-def test_gpt2_under_fsdp2_and_tensor_parallelism_follows_one_process_resumes_and_reshards(tmp_path, pretrain_job,
+def test_gpt2_under_fsdp2_and_tensor_parallelism_follows_one_process_and_resumes(tmp_path, pretrain_job,
                                                                                          train_runner, reference) -> None:
     """dp_shard 2 x tp 2 on four ranks for GPT-2, whose fused q|k|v rows tensor parallelism holds rank-interleaved
     (FusedColwiseParallel) and FSDP2 shards again: the curve follows one process; a restart from the step-20
-    checkpoint (one full state in the model's own order) is bit for bit; that checkpoint resumes on one process; and
-    an FSDP2 checkpoint (DCP shards in the model's order) resumes under tp 2."""
+    checkpoint (one full state in the model's own order) is bit for bit; that checkpoint resumes on one process."""
     ref = reference("gpt2")
     split = {"layout": {"tp": 2, "dp_shard": 2}, "micro_batch": 2, "eval_batches": 8}  # two data ranks of 2 rows
     job = job_for(pretrain_job, tmp_path / "2x2", "gpt2", **split)
@@ -172,18 +173,6 @@ def test_gpt2_under_fsdp2_and_tensor_parallelism_follows_one_process_resumes_and
     one = in_process(resume_copy(run, tmp_path / "one", pretrain_job, "gpt2"))  # the whole model, one rank
     assert one["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
     assert_same_curve(one, ref)
-    # FSDP2 alone saves DCP shards in the model's order; under tp 2 they are read whole and interleaved
-    fsdp = job_for(pretrain_job, tmp_path / "fsdp", "gpt2", parallelism="fsdp", micro_batch=2, eval_batches=8)
-    proc = train_runner(fsdp, nproc=2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    saved = result_of(fsdp)
-    assert verify_checkpoint(Path(saved["checkpoint"]))["format"] == "sharded"
-    resumed = resume_copy(Path(saved["checkpoint"]).parents[1], tmp_path / "tp", pretrain_job, "gpt2", **TP2)
-    proc = train_runner(resumed, nproc=2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = result_of(resumed)
-    assert got["resumed_from"].endswith(f"step_{RESUME_AT:07d}") and got["layout"]["tp"] == 2
-    assert_same_curve(got, ref)
 
 
 @pytest.mark.parametrize("fields, world, message", [
