@@ -80,6 +80,17 @@ def _released(config: ReleaseBundleConfig, rl_model: dict, ppo_model: Optional[d
     return ppo_model, {"reward_model": reward_model, "ppo_model": ppo_model}
 
 
+def _gate(config: ReleaseBundleConfig, eval_scores: dict, released: dict) -> tuple[dict[str, float], list[str]]:
+    """(the scores a release is registered with and compared on: the base model's evaluation and the released
+    weights' own held-out measures, the reasons found before any comparison: the released stage made a measure worse
+    than its start, when release_bundle.stage_gate is on)."""
+    scores = {**flat_scores(eval_scores), **released_scores(released)}
+    start = "sft_model" if config.stage == "ppo_model" else "dpo_model"  # where the released stage started
+    refusals = (stage_regressions(config.stage, start, released.get("before_after", []), config.regression_tolerance)
+                if config.stage_gate else [])
+    return scores, refusals
+
+
 @asset(code_version="4", group_name="release")  # 4: the released stage's chain, own scores and gate; checkpoints named by folder
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
@@ -103,10 +114,7 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
                       tags={f"input.{k}": v for k, v in lineage.items()}, reuse={"lineage": lineage}) as out:
         if out.reused:
             return out.reused
-        scores = {**flat_scores(eval_scores), **released_scores(released)}
-        start = "sft_model" if config.stage == "ppo_model" else "dpo_model"
-        refusals = (stage_regressions(config.stage, start, released.get("before_after", []), config.regression_tolerance)
-                    if config.stage_gate else [])
+        scores, refusals = _gate(config, eval_scores, released)
         extra = release_sections(config.name, config.license, up, scores, {"release_bundle": config.model_dump()},
                                  config.stage)
         files = {**figures, CONFIG_FILE: yaml.safe_dump({"ops": full_config}, sort_keys=True).encode()} if full_config else figures
