@@ -163,16 +163,16 @@ def interleaved_params(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def _reorder(state: dict[str, Any], params: dict[str, tuple[int, int]], fn) -> dict[str, Any]:
-    """A copy of a model state dict ({name: tensor}) or an optimizer state dict (nested {"state": {name: {key:
-    tensor}}} or flattened {"state.<name>.<key>": tensor}) with each tensor of an interleaved parameter's shape
-    passed through ``fn``."""
+    """A copy of a full model state dict ({name: tensor}) or a full optimizer state dict ({"state": {name: {key:
+    tensor}}, ...}, as torch.distributed.checkpoint.state_dict gives it unflattened) with each tensor of an
+    interleaved parameter's shape passed through ``fn``."""
     def one(t: Any, spec: tuple[int, int], rows: int | None = None) -> Any:
         if isinstance(t, torch.Tensor) and t.dim() >= 1 and (rows is None or t.shape[0] == rows):
             return fn(t, *spec)
         return t
 
     out = dict(state)
-    if "state" in out and isinstance(out["state"], dict):  # a nested optimizer state dict
+    if isinstance(out.get("state"), dict):  # an optimizer state dict
         inner = dict(out["state"])
         for name, spec in params.items():
             if name in inner:
@@ -181,12 +181,7 @@ def _reorder(state: dict[str, Any], params: dict[str, tuple[int, int]], fn) -> d
                 inner[name] = {k: one(v, spec, rows) for k, v in entry.items()}
         out["state"] = inner
         return out
-    for name, spec in params.items():
-        if name in out:  # a model state dict
-            out[name] = one(out[name], spec)
-        for key in [k for k in out if k.startswith(f"state.{name}.")]:  # a flattened optimizer state dict
-            out[key] = one(out[key], spec, out[name].shape[0] if name in out else None)
-    return out
+    return {**out, **{name: one(out[name], spec) for name, spec in params.items() if name in out}}
 
 
 def canonical_state(state: dict[str, Any], params: dict[str, tuple[int, int]]) -> dict[str, Any]:
