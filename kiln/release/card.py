@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from kiln.common.plots import line_plot_png
 from kiln.model.config import ModelConfig
 from kiln.model.families import family
-from kiln.posttrain.measures import MEASURES, NOISE_Z, change_cell, change_rows, worse_beyond_noise
+from kiln.posttrain.measures import MEASURES, NOISE_Z, change_rows, worse_beyond_noise
 
 CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
 LOSS_PLOT, CHECKPOINT_PLOT = "loss_curve.png", "scores_by_checkpoint.png"
@@ -237,12 +237,10 @@ def _changes(sft: dict, dpo: dict, rl: dict, ppo: dict | None = None) -> str:
 """
 
 
-def _rlhf(sft: dict, reward: dict, ppo: dict) -> str:
-    """The released PPO model: its reward model (held-out pair accuracy with its binomial standard error) and each
-    held-out measure after SFT and after PPO."""
-    changes = {r["measure"]: change_cell(r) for r in ppo.get("before_after", [])}
-    rows = [{"measure": m, "after SFT": sft["after"][m], "after PPO": v, "change ± paired SE": changes.get(m, "-")}
-            for m, v in ppo["after"].items() if m in sft["after"]]
+def _rlhf(reward: dict, ppo: dict) -> str:
+    """The released PPO model: its reward model (held-out pair accuracy with its binomial standard error), PPO's own
+    figures, and the measures it made worse; its held-out measures and their changes are the Post-training tables'
+    ppo columns."""
     final, n = reward.get("final_val") or {}, (reward.get("pairs") or {}).get("val")
     acc = final.get("accuracy")
     if acc is not None and n:
@@ -251,7 +249,7 @@ def _rlhf(sft: dict, reward: dict, ppo: dict) -> str:
     else:
         score = "no held-out pairs scored"
     regressed = [r["measure"] for r in ppo.get("before_after", []) if worse_beyond_noise(r)]
-    warning = (f"\nPPO made {', '.join(regressed)} worse than the SFT model it started from, beyond noise (* above).\n"
+    warning = (f"PPO made {', '.join(regressed)} worse than the SFT model it started from, beyond noise.\n"
                if regressed else "")
     return f"""## RLHF (the released weights)
 These weights are the SFT model trained by PPO against a reward model, not the DPO -> RL chain above.
@@ -261,9 +259,8 @@ These weights are the SFT model trained by PPO against a reward model, not the D
 - PPO (ppo_model version `{ppo['version']}`, checkpoint `{checkpoint_name(ppo['checkpoint'])}`): {ppo['steps']} steps; held-out reward-model score
   {ppo['initial_val_reward']:.3f} -> {ppo['final_val_reward']:.3f}; KL to the SFT model {ppo['final_val_kl']:.4f} nats/token at the end.
 
-Held-out measures after SFT and after PPO (the change with its paired standard error; * beyond noise):
-
-{table(rows)}{warning}
+Its held-out measures and each one's change from the SFT model are the ppo columns of the Post-training tables above.
+{warning}
 """
 
 
@@ -409,7 +406,7 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
         _evaluation(up["eval_scores"], figures),
         _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages,
                        ppo),
-        _rlhf(up["sft_model"], up["reward_model"], ppo) if ppo is not None else "",
+        _rlhf(up["reward_model"], ppo) if ppo is not None else "",
         _feedback(up),
         _operations(up),
         _settings(settings) if settings is not None else "",

@@ -157,7 +157,8 @@ def test_a_ppo_release_describes_the_ppo_chain_in_its_card_lineage_logbook_and_c
     acc, n = rm["final_val"]["accuracy"], rm["pairs"]["val"]
     assert f"held-out pair accuracy {acc:.3f} ± {math.sqrt(acc * (1 - acc) / n):.3f} on {n} pairs (chance 0.5)" in rlhf
     assert f"reward_model version `{rm['version']}`" in rlhf and f"ppo_model version `{ppo['version']}`" in rlhf
-    assert "| measure | base | sft | dpo | rl | ppo |" in card
+    assert "| measure | base | sft | dpo | rl | ppo |" in card and "| measure | sft | dpo | rl | ppo |" in card
+    assert "are the ppo columns of the Post-training tables above" in rlhf  # not a second copy of them
     info = release_sections("kiln-ppo", "Apache-2.0", up, {}, {}, "ppo_model")
     assert info["released"] == {"asset": "ppo_model", "stage": "ppo",
                                 "chain": ["base_model", "sft_model", "reward_model", "ppo_model"]}
