@@ -1,6 +1,6 @@
 """Tiny random Hugging Face models and tokenizers, built with transformers and tokenizers into a folder (no hub).
 
-``save_tiny(folder, "gpt2" | "llama" | "qwen3", style="gpt2" | "llama3" | "qwen2" | "smollm")`` writes config.json,
+``save_tiny(folder, "gpt2" | "llama" | "qwen3" | "qwen3_moe", style="gpt2" | "llama3" | "qwen2" | "smollm")`` writes config.json,
 model.safetensors (or shards) and tokenizer.json; ``hf_logits(folder, ids)`` runs transformers on it.
 """
 
@@ -74,10 +74,15 @@ def save_tiny(folder: Path, arch: str = "gpt2", style: str = "", shards: bool = 
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
         if arch == "qwen3":
             model = tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=8, **kw))
+        elif arch == "qwen3_moe":  # 4 experts of width 16, 2 per token
+            model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=16, norm_topk_prob=True, **kw))
         else:
             model = tf.LlamaForCausalLM(tf.LlamaConfig(**kw))
     with torch.no_grad():  # random norms and biases too, so a mapping mistake cannot hide behind ones and zeros
         for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # a router transformers starts at zero: random, so routing matters
+                p.copy_(0.5 * torch.randn_like(p))
             if p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name or "ln" in name else 0.1 * torch.randn_like(p))
     model.save_pretrained(str(folder), max_shard_size="40KB" if shards else "5GB")

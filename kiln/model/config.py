@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass
 class ModelConfig:
-    family: str = "gpt2"  # architecture: gpt2 (LayerNorm, learned positions, GELU MLP) or llama (RMSNorm, RoPE, SwiGLU, GQA)
+    family: str = "gpt2"  # architecture: gpt2 (LayerNorm, learned positions, GELU MLP), llama (RMSNorm, RoPE, SwiGLU,
+    # GQA) or moe (llama's attention with QK-norm and a mixture of SwiGLU experts per block, Qwen3-MoE's layout)
     vocab_size: int = 8192  # tokens the embedding covers (padded up to a multiple of 64 for speed)
     block_size: int = 256  # longest context: the position table (gpt2) or the rotary cache (llama)
     n_layer: int = 4  # transformer blocks
@@ -25,6 +26,19 @@ class ModelConfig:
     norm_eps: float = 1e-5  # llama: RMSNorm epsilon
     qk_norm: bool = False  # llama: RMSNorm on each query and key head before the rotation (as Qwen 3, OLMo 2)
     tie_embeddings: bool = True  # llama: the output head shares the token embedding (gpt2 always ties)
+    n_experts: int = 8  # moe: routed experts in each block's mixture of experts
+    n_experts_per_token: int = 2  # moe: experts each token is sent to (top-k token choice)
+    moe_intermediate_size: int = 0  # moe: each expert's SwiGLU width; 0 means intermediate_size / n_experts_per_token
+    # (the active MLP parameters of the dense llama of the same shape)
+    n_shared_experts: int = 0  # moe: experts every token also passes through (one SwiGLU this many experts wide)
+    norm_topk_prob: bool = True  # moe: renormalise the chosen experts' router probabilities to sum to 1 (Qwen3-MoE)
+    router_balance: str = "aux_loss"  # moe: load balancing: aux_loss (switch/GShard loss), aux_free (DeepSeek-V3's
+    # per-expert routing bias moved toward balance after each step, no loss) or none
+    router_aux_loss_coef: float = 0.001  # moe: weight of the balance loss E * sum_i f_i P_i (aux_loss)
+    router_bias_rate: float = 0.001  # moe: how far aux_free moves each expert's bias per step (DeepSeek-V3's gamma)
+    router_z_loss_coef: float = 0.0  # moe: weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 is off
+    capacity_factor: float = 0.0  # moe: an expert takes at most this x its even share of a batch's token slots, the
+    # rest are dropped (counted as moe/dropped); 0 means dropless: every token reaches its experts
 
     def __post_init__(self) -> None:
         from kiln.model.families import family, names
@@ -34,7 +48,7 @@ class ModelConfig:
             raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         for f in fields(self):
             if f.name not in desc.fields and f.name not in ("family", "bias"):
-                if getattr(self, f.name) != f.default:
+                if getattr(self, f.name) not in (f.default, desc.fixed.get(f.name, f.default)):
                     users = [n for n in names() if f.name in family(n).fields]
                     raise ValueError(f"model.{f.name} applies to the {' and '.join(users)} family only; set "
                                      f"model.family: {users[0]} or remove model.{f.name}")

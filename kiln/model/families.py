@@ -21,7 +21,7 @@ import torch.nn as nn
 # module does not import it back.
 
 # family name -> the module whose FAMILY describes it
-FAMILY_MODULES = {"gpt2": "kiln.model.gpt", "llama": "kiln.model.llama"}
+FAMILY_MODULES = {"gpt2": "kiln.model.gpt", "llama": "kiln.model.llama", "moe": "kiln.model.moe"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,13 @@ class Family:
     last_stage: tuple[str, ...] = ()  # modules only the last pipeline stage holds (the final norm and the head)
     buffers: tuple[str, ...] = field(default=(".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))
     # names of non-weights that older Hugging Face files carry (skipped on import)
+    fixed: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the family always sets this way
+    # (the mixture of experts' QK-norm), filled by ``complete``; not among ``fields``, not settable
+    active_layer_params: Callable[[ModelConfig], int] | None = None  # parameters of one block a token passes
+    # through, where that is fewer than layer_params (a mixture of experts' k chosen experts of E); None: all
+    hf_out: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None  # renames after to_hf (the
+    # per-expert names of a mixture of experts), refusing what the Hugging Face layout cannot hold
+    hf_in: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None  # the inverse, before from_hf
 
     @property
     def embedding_module(self) -> str:
@@ -70,13 +77,15 @@ class Family:
                 continue
             t = t.detach().float()
             out[name] = (t.t() if name.endswith(self.hf_transposed) else t).contiguous()  # endswith(()) is False
-        return out
+        return self.hf_out(out, cfg) if self.hf_out is not None else out
 
     def from_hf(self, tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
         """The inverse of to_hf, for a release bundle or an imported folder: old buffers skipped, a missing prefix
         added, transposed weights turned back, a tied head pointing at the token table."""
         tied = self.tied(cfg)
         out: dict[str, Any] = {}
+        if self.hf_in is not None:
+            tensors = self.hf_in(tensors, cfg)
         for name, t in tensors.items():
             if name.endswith(self.buffers) or (tied and name == self.head):
                 continue

@@ -77,11 +77,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int = 0):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+        width = width or cfg.intermediate_size  # kiln.model.moe's shared experts pass their own
+        self.gate_proj = nn.Linear(cfg.n_embd, width, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.n_embd, bias=False)
         self.down_proj.RESIDUAL_SCALE = True  # type: ignore[attr-defined]
         self.dropout = cfg.dropout
 
@@ -91,12 +92,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)  # a sparse family passes its mixture of experts
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 doc_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,7 +112,7 @@ class Llama(nn.Module):
         self.model = nn.ModuleDict(
             dict(
                 embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                layers=nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)]),
+                layers=nn.ModuleList([self.make_block(cfg, i) for i in range(cfg.n_layer)]),
                 norm=nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps),
             )
         )
@@ -123,6 +124,10 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)  # (block_size, hs)
         self.checkpoint_blocks = False  # recompute block activations in backward (kiln.model.parallel)
         self.apply(self._init_weights)
+
+    def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Block ``layer`` (a subclass changes what a block holds: kiln.model.moe's experts)."""
+        return Block(cfg, layer)
 
     @property
     def blocks(self) -> nn.ModuleList:
