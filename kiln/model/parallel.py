@@ -36,6 +36,8 @@ class MeshLayout:
     dp_shard: int = -1  # ranks that shard parameters, gradients and optimizer state (FSDP2); -1: what the others leave
     tp: int = 1  # ranks that split each layer (tensor + sequence parallelism, kiln.model.tensor_parallel)
     pp: int = 1  # ranks that each run consecutive blocks (pipeline parallelism, kiln.model.pipeline_parallel)
+    ep: int = 1  # ranks that each hold 1/ep of every mixture-of-experts block's experts (expert parallelism,
+    # kiln.model.moe.apply_ep); not a mesh dim of its own: the experts are split over the dp_shard ranks (ep = dp_shard)
 
     def resolve(self, world_size: int, cfg: Any = None, where: str = "parallel") -> "MeshLayout":
         """These sizes with dp_shard filled in for ``world_size`` ranks, checked against the model ``cfg`` (when
@@ -52,6 +54,8 @@ class MeshLayout:
             raise ConfigError(f"{where}: pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
                               f"x tp {self.tp} must multiply to the world size {world_size}; each size must divide it "
                               f"({', '.join(map(str, legal))})")
+        if self.ep != 1:
+            self.check_ep(shard, cfg, where)
         if cfg is not None:
             from kiln.model.tensor_parallel import check_tp
 
@@ -60,7 +64,26 @@ class MeshLayout:
                 legal = [d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]
                 raise ConfigError(f"{where}.pp: {self.pp} pipeline stages must divide the {cfg.n_layer} layers "
                                   f"(model.n_layer); pp may be {', '.join(map(str, legal))}")
-        return MeshLayout(self.dp_replicate, shard, self.tp, self.pp)
+        return MeshLayout(self.dp_replicate, shard, self.tp, self.pp, self.ep)
+
+    def check_ep(self, shard: int, cfg: Any, where: str) -> None:
+        """Expert parallelism that cannot run: a ConfigError naming ``where.ep`` and the legal values."""
+        if self.ep < 1:
+            raise ConfigError(f"{where}.ep: {self.ep} must be at least 1")
+        if cfg is not None and cfg.family != "moe":
+            raise ConfigError(f"{where}.ep: {self.ep}; expert parallelism splits a mixture of experts, and the "
+                              f"{cfg.family} family has none: set ep to 1 (or model.family: moe)")
+        if self.tp > 1 or self.pp > 1 or self.dp_replicate > 1:
+            raise ConfigError(f"{where}.ep: {self.ep} with tp {self.tp}, pp {self.pp}, dp_replicate "
+                              f"{self.dp_replicate}; expert parallelism composes with FSDP2 (dp_shard) only so far: "
+                              "set tp, pp and dp_replicate to 1")
+        if self.ep != shard:
+            raise ConfigError(f"{where}.ep: {self.ep}; the experts are split over the dp_shard ranks, so ep must equal "
+                              f"dp_shard ({shard}): set ep to {shard} or 1")
+        if cfg is not None and cfg.n_experts % self.ep:
+            legal = [d for d in range(1, cfg.n_experts + 1) if cfg.n_experts % d == 0]
+            raise ConfigError(f"{where}.ep: {self.ep} must divide model.n_experts ({cfg.n_experts}); ep may be "
+                              f"{', '.join(map(str, legal))}")
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -68,10 +91,11 @@ class MeshLayout:
 
     def record(self) -> dict[str, int]:
         """The sizes by name, as runs record them (pp only when there are pipeline stages, as runs before it did)."""
-        return {name: getattr(self, name) for name in MESH_DIMS if name != "pp" or self.pp > 1}
+        out = {name: getattr(self, name) for name in MESH_DIMS if name != "pp" or self.pp > 1}
+        return {**out, "ep": self.ep} if self.ep > 1 else out
 
     def describe(self) -> str:
-        parts = [f"{name} {getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
+        parts = [f"{name} {getattr(self, name)}" for name in (*MESH_DIMS, "ep") if getattr(self, name) > 1]
         return " x ".join(parts) or "one rank"
 
 
@@ -96,9 +120,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     model.checkpoint_blocks = True
 
 
-def apply_fsdp(model: nn.Module, device: torch.device, bf16: bool, mesh=None) -> None:
+def apply_fsdp(model: nn.Module, device: torch.device, bf16: bool, mesh=None, ignored: set | None = None) -> None:
     """FSDP2: shard every block, then the root (embeddings, head, final norm), over all ranks (or over ``mesh``,
     the data-parallel dims of the job's mesh; after apply_tp, each tensor-parallel shard is sharded further).
+    ``ignored``: parameters FSDP2 leaves as they are (experts already split by expert parallelism).
 
     Each block is its own all-gather/reduce-scatter unit, so only a block or two is unsharded at a time. With
     ``bf16`` the unsharded parameters are bf16 and gradients are reduced in fp32 (no autocast needed).
@@ -111,8 +136,8 @@ def apply_fsdp(model: nn.Module, device: torch.device, bf16: bool, mesh=None) ->
     blocks = [b for b in model.blocks if any(True for _ in b.parameters())]  # a pipeline stage's own blocks
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by backward: keep them gathered
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
@@ -125,7 +150,8 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def parallelize(model: nn.Module, strategy: str, activation_checkpointing: bool, compile: bool, device: torch.device,
-                bf16: bool = False, compile_backend: str = "inductor", fsdp_mesh=None) -> nn.Module:
+                bf16: bool = False, compile_backend: str = "inductor", fsdp_mesh=None, ignored: set | None = None
+                ) -> nn.Module:
     """Apply the steps in their fixed order and return the module to call in the training loop.
 
     1. compile: per block, in place, before anything wraps the blocks (names and hooks stay as they are);
@@ -144,7 +170,7 @@ def parallelize(model: nn.Module, strategy: str, activation_checkpointing: bool,
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if strategy == "fsdp":
-        apply_fsdp(model, device, bf16, fsdp_mesh)
+        apply_fsdp(model, device, bf16, fsdp_mesh, ignored)
         return model
     if strategy == "ddp":
         return apply_ddp(model, device)

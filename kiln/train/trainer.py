@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from kiln.common.files import atomic_write_json
 from kiln.common.metrics import operations_metrics
 from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token, of
+from kiln.model.moe import apply_ep, apply_moe, end_step, load_measures
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import MeshLayout, build_mesh, clip_grad_norm, describe, gradient_sync, parallelize
 from kiln.model.pipeline_parallel import Pipeline
@@ -175,6 +177,8 @@ class Trainer:
         self.cfg, self.opt_cfg, self.spike_cfg = job.model, job.optim, job.spikes  # built and checked by load_job
         self.layout = self.split_layout()  # None unless the model is split over the ranks (layout.tp or pp > 1)
         self.pipe: Pipeline | None = None  # this rank's pipeline stages (layout.pp > 1)
+        self.moe: dict[str, Any] | None = None  # a mixture of experts' last step: load, dropped slots, aux losses
+        self.expert_load: torch.Tensor | None = None  # (layers, experts) token slots routed this session
         if self.layout is not None:  # the data-parallel ranks left over shard the split model with FSDP2
             self.strategy = "fsdp" if self.layout.dp_shard > 1 else "none"
         else:
@@ -224,7 +228,7 @@ class Trainer:
     def split_layout(self) -> MeshLayout | None:
         """The job's layout resolved for this world (a ConfigError when it cannot run here), or None when the
         model is not split (tp 1 and pp 1: the data-parallel strategies alone)."""
-        if self.job.layout.tp == 1 and self.job.layout.pp == 1:
+        if self.job.layout.tp == 1 and self.job.layout.pp == 1 and self.job.layout.ep == 1:
             return None
         self.job.check_layout("job", self.info.world_size)
         return self.job.layout.resolve(self.info.world_size, self.cfg, "job.layout")
@@ -256,12 +260,18 @@ class Trainer:
         fsdp_mesh = None
         if self.layout is not None and self.layout.pp > 1:
             return self.build_pipeline(build_mesh(self.layout, self.info.device.type))
+        ignored, dp_group = None, (dist.group.WORLD if self.info.world_size > 1 else None)
         if self.layout is not None:  # split each layer over the tensor-parallel ranks before anything wraps it
             mesh = build_mesh(self.layout, self.info.device.type)
-            apply_tp(self.raw, mesh["tp"])
+            if self.layout.tp > 1:
+                apply_tp(self.raw, mesh["tp"])
             fsdp_mesh = mesh["dp_shard"]
+            dp_group = fsdp_mesh.get_group() if self.layout.dp_shard > 1 else None
+            if self.layout.ep > 1:  # the experts split over the data-shard ranks; FSDP2 shards the rest
+                ignored = apply_ep(self.raw, fsdp_mesh, self.layout.dp_shard)
+        apply_moe(self.raw, dp_group, job.grad_accum)  # a mixture of experts counts its balance over dp_group
         self.model = parallelize(self.raw, self.strategy, job.activation_checkpointing, job.compile, self.info.device,
-                                 self.bf16, fsdp_mesh=fsdp_mesh)  # the model to call
+                                 self.bf16, fsdp_mesh=fsdp_mesh, ignored=ignored)  # the model to call
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
 
@@ -424,6 +434,7 @@ class Trainer:
         for cb in self.callbacks:
             cb.before_optimizer_step(self, batch)
         self.optimizer.step()
+        self.moe = end_step(self.raw)  # a mixture of experts: the step's expert load, aux_free's bias moved
         for cb in self.callbacks:
             cb.after_optimizer_step(self, batch)
         self.scheduler.step()
@@ -466,6 +477,11 @@ class Trainer:
             metrics["mfu"] = flops_per_token(self.cfg, self.job.seq_len) * metrics["tokens_per_s"] / (
                 self.peak_flops * self.info.world_size)
             self.mfus.append(metrics["mfu"])
+        if self.moe is not None:  # expert load of the step, every rank's tokens
+            load = self.moe["load"]
+            self.expert_load = load if self.expert_load is None else self.expert_load + load
+            metrics.update(load_measures(load), **self.moe["losses"])
+            metrics["moe/dropped_fraction"] = self.moe["dropped"] / max(float(load.sum()), 1.0)
         return {**metrics, **{k: v for k, v in train.items() if k != "train_loss"}}
 
     def validate(self, step: int) -> dict[str, float]:
@@ -633,4 +649,14 @@ class Trainer:
             "peak_memory_gb": peak_memory_gb(self.info.device, self.base_gb), "data_batches": run.data_batches,
             "events": self.events, "grad_norm_spikes": self.grad_spikes, "goodput": goodput,
             "rank_param_digests": digests, **self.layout_record(), **self.stage.summary(self),
+            **({"expert_load": self.expert_summary()} if self.expert_load is not None else {}),
         }
+
+    def expert_summary(self) -> dict[str, Any]:
+        """This session's token slots per expert per layer (every rank's), its balance measures, and the routed
+        and active parameter counts."""
+        from kiln.model.moe import tensor_count
+
+        load = self.expert_load
+        return {"by_layer": load.round().long().tolist(), "balance": load_measures(load),
+                "params": tensor_count(self.cfg), "router_balance": self.cfg.router_balance}

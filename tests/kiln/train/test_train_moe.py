@@ -1,0 +1,102 @@
+"""Tests for training the moe family (kiln.model.moe) with expert parallelism (job.layout.ep) on two gloo processes:
+EP2 x FSDP2 follows the one-process loss curve over 30 steps with the same expert load, its expert-sharded
+checkpoint resumes bit for bit as a restart after SIGKILL does and reshards to one process; aux-free balancing
+moves its biases the same way on both; layouts that cannot run are config errors before anything trains.
+
+Run: python -m pytest tests/kiln/train/test_train_moe.py -q   (two torchrun launches of two processes)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.common.config import ConfigError
+from kiln.model.config import ModelConfig
+from kiln.model.parallel import MeshLayout
+from kiln.train.checkpoint import load_state, verify_checkpoint
+from tests.kiln.train.test_train_tensor_parallel import RESUME_AT, STEPS, in_process, resume_copy, result_of
+
+MOE = {"family": "moe", "n_experts": 4, "n_experts_per_token": 2, "moe_intermediate_size": 32, "dropout": 0.0,
+       "router_balance": "aux_free", "router_bias_rate": 0.01, "router_z_loss_coef": 0.001}
+EP2 = {"layout": {"ep": 2}, "parallelism": "fsdp", "micro_batch": 2, "eval_batches": 8}  # 4 sequences a step
+# two ranks sum the experts' and the sharded gradients in another order: 1e-7 apart per step, under this after 30
+CURVE_ABS = 2e-4
+
+
+def moe_job(pretrain_job, path: Path, **kw) -> Path:
+    """30 steps of 4 sequences of a 2-layer mixture of 4 experts (2 per token), checkpoints every 10 steps."""
+    model = {**json.loads(pretrain_job(path).read_text())["model"], **MOE}
+    return pretrain_job(path, **{"model": model, "eval_batches": 4, "eval_interval": 10, "ckpt_interval": 10,
+                                 "log_interval": 5, "keep_last": 3, **kw})
+
+
+# resume_copy builds its job with job_for(family): the moe family's fields ride in through the overrides
+def moe_resume_copy(run: Path, dest: Path, pretrain_job, **kw) -> Path:
+    resume_copy(run, dest, pretrain_job, "gpt2")
+    return moe_job(pretrain_job, dest, **kw)
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, pretrain_job) -> dict:
+    return in_process(moe_job(pretrain_job, tmp_path_factory.mktemp("moe-one")))
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_follows_one_process_resumes_and_reshards(tmp_path, one, pretrain_job,
+                                                                          train_runner) -> None:
+    job = moe_job(pretrain_job, tmp_path / "ep", **EP2)
+    proc = train_runner(job, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = result_of(job)
+    assert res["world_size"] == 2 and res["steps"] == STEPS and res["parallelism"] == "fsdp"
+    assert res["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 2}
+    assert [c[1] for c in res["curve"]] == pytest.approx([c[1] for c in one["curve"]], abs=CURVE_ABS)
+    assert [h["val_loss"] for h in res["history"]] == pytest.approx([h["val_loss"] for h in one["history"]],
+                                                                    abs=CURVE_ABS)
+    assert one["final_val_loss"] < one["initial_val_loss"] - 0.5  # and the mixture learns
+    # the same tokens reach the same experts: the load, counted over both ranks, is one process's
+    ep_load, one_load = torch.tensor(res["expert_load"]["by_layer"]), torch.tensor(one["expert_load"]["by_layer"])
+    assert ep_load.sum() == one_load.sum() == STEPS * 4 * 32 * 2 * 2  # 30 steps x 128 tokens x 2 experts x 2 layers
+    assert (ep_load - one_load).abs().max() <= 0.01 * one_load.max()
+    assert len(set(res["rank_param_digests"])) == 1
+    meta = verify_checkpoint(Path(res["checkpoint"]))
+    assert meta["format"] == "sharded" and meta["job"]["layout"]["ep"] == 2
+    state, _ = load_state(Path(res["checkpoint"]))  # the shards read back as one model: every expert, the biases
+    assert state["model"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 48)
+    assert state["model"]["model.layers.1.mlp.expert_bias"].abs().sum() > 0
+
+    # a restart after a crash resumes from the newest good checkpoint: the same run, bit for bit
+    again = moe_resume_copy(Path(res["checkpoint"]).parents[1], tmp_path / "again", pretrain_job, **EP2)
+    proc = train_runner(again, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res2 = result_of(again)
+    assert res2["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
+    assert res2["rank_param_digests"] == res["rank_param_digests"]
+    assert res2["curve"] == res["curve"] and res2["history"] == res["history"]
+
+    # the expert-sharded checkpoint resumes on one process, on the one-process curve
+    solo = moe_resume_copy(Path(res["checkpoint"]).parents[1], tmp_path / "solo", pretrain_job)
+    res3 = in_process(solo)
+    assert res3["resumed_from"].endswith(f"step_{RESUME_AT:07d}") and res3["world_size"] == 1
+    assert [c[1] for c in res3["curve"]] == pytest.approx([c[1] for c in one["curve"]], abs=CURVE_ABS)
+
+
+def test_layouts_expert_parallelism_cannot_run_are_config_errors_naming_the_field() -> None:
+    moe = ModelConfig(family="moe", n_experts=6, n_layer=2, n_head=2, n_embd=32)
+    with pytest.raises(ConfigError, match=r"job.layout.ep: 4 must divide model.n_experts \(6\); ep may be 1, 2, 3, 6"):
+        MeshLayout(ep=4).resolve(4, moe, "job.layout")
+    with pytest.raises(ConfigError, match=r"job.layout.ep: 2; the experts are split over the dp_shard ranks, so ep "
+                                          r"must equal dp_shard \(4\): set ep to 4 or 1"):
+        MeshLayout(ep=2).resolve(4, moe, "job.layout")
+    with pytest.raises(ConfigError, match=r"job.layout.ep: 2; expert parallelism splits a mixture of experts, and "
+                                          r"the llama family has none"):
+        MeshLayout(ep=2).resolve(2, ModelConfig(family="llama"), "job.layout")
+    with pytest.raises(ConfigError, match=r"job.layout.ep: 2 with tp 2, pp 1, dp_replicate 1; expert parallelism "
+                                          r"composes with FSDP2 \(dp_shard\) only so far"):
+        MeshLayout(ep=2, tp=2).resolve(4, moe, "job.layout")
+    assert MeshLayout(ep=3).resolve(3, moe, "job.layout").record() == {"dp_replicate": 1, "dp_shard": 3, "tp": 1,
+                                                                        "ep": 3}
