@@ -20,6 +20,9 @@ from kiln.model.generate import generate, next_token
 FAMILIES = {
     "gpt2": dict(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32),
     "llama": dict(family="llama", vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32),
+    # the router runs at every generated token: the cache must give the tokens the whole window gives
+    "moe": dict(family="moe", vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                n_experts=4, n_experts_per_token=2),
 }
 
 
@@ -91,7 +94,7 @@ def test_sampling_with_top_k_1_equals_greedy() -> None:
 
 
 # ---- cached == uncached -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "moe"])
 @pytest.mark.parametrize("batch", [1, 6])
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 20)])
 def test_cached_generation_gives_the_uncached_tokens(family: str, batch: int, temperature: float, top_k) -> None:
