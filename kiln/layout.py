@@ -147,6 +147,7 @@ class Layout:
     micro_batch: int = 1  # sequences per forward pass of a data-parallel replica
     checkpoint_every: int = 0  # activation checkpointing: every n-th block keeps only its input and recomputes in backward (1: every block; 0: none)
     reshard_after_forward: bool = True  # FSDP: gather the weights for each micro-batch's forward and backward (True) or once per step, keeping them and the gradients whole until its end (False)
+    ep: int = 1  # expert parallelism: each block's routed experts split over this many of the dp_shard ranks (a mixture of experts only), tokens sent to them by all-to-all
 
     @property
     def dp(self) -> int:
@@ -162,7 +163,7 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{k} {v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("dp_shard", self.dp_shard),
-                                          ("dp_replicate", self.dp_replicate)) if v > 1]
+                                          ("dp_replicate", self.dp_replicate), ("ep", self.ep)) if v > 1]
         text = " x ".join(parts) or "one GPU"
         if self.pp > 1:
             text += (f", interleaved 1F1B v {self.virtual_stages}" if self.schedule == "interleaved_1f1b" else ", 1F1B")
@@ -200,6 +201,10 @@ class Shape:
     layer_flops: float  # training FLOPs per token per block (6 x matmul weights + attention)
     head_flops: float  # training FLOPs per token of the output head (6 x vocab x n_embd)
     model_flops: float  # training FLOPs per token of the model (kiln.model.families.flops_per_token): MFU's numerator
+    expert_params: int = 0  # one block's routed experts (a mixture of experts; 0 for a dense model)
+    n_experts: int = 0  # routed experts per block
+    top_k: int = 0  # experts each token is sent to
+    active_params: int = 0  # parameters one token passes through (params for a dense model)
 
     @staticmethod
     def of(cfg: ModelConfig, seq_len: int) -> "Shape":
@@ -209,9 +214,12 @@ class Shape:
         tied_table = v * c if fam.tied(cfg) else 0
         model_flops = flops_per_token(cfg, seq_len)
         head_flops = 6.0 * v * c
+        experts, n_experts, top_k = fam.routed(cfg) if fam.routed is not None else (0, 0, 0)
+        active = total - cfg.n_layer * (fam.layer_params(cfg) - fam.active_layer_params(cfg)) if experts else total
         return Shape(
             n_layer=cfg.n_layer, n_embd=c, n_head=cfg.n_head, n_kv_head=fam.kv_heads(cfg), head_dim=cfg.head_dim,
-            ffn=getattr(cfg, "intermediate_size", 0) or 4 * c, vocab=v, params=total,
+            ffn=(cfg.moe_intermediate_size if experts else getattr(cfg, "intermediate_size", 0)) or 4 * c, vocab=v,
+            params=total, expert_params=experts, n_experts=n_experts, top_k=top_k, active_params=active,
             layer_params=fam.layer_params(cfg),
             first_extra=fam.embedding_params(cfg) - (0 if tied_table else v * c),
             last_extra=v * c + fam.final_norm_params(cfg),
@@ -258,9 +266,16 @@ def refusal(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clust
     replicated on tp / n_kv_head ranks, its projections counted on every rank that holds it (Kiln's own
     tensor-parallel plan, kiln.model.tensor_parallel, needs tp to divide them today)."""
     lay = layout
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "virtual_stages", "micro_batch"):
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "virtual_stages", "micro_batch", "ep"):
         if getattr(lay, name) < 1:
             return f"layout.{name}: {getattr(lay, name)} must be at least 1"
+    if lay.ep > 1:
+        if not shape.n_experts:
+            return f"layout.ep: {lay.ep}; expert parallelism splits a mixture of experts, and this model is dense"
+        if lay.dp_shard % lay.ep or shape.n_experts % lay.ep:
+            legal = [e for e in _divisors(lay.dp_shard) if shape.n_experts % e == 0]
+            return (f"layout.ep: {lay.ep} must divide dp_shard ({lay.dp_shard}; the experts are split over the "
+                    f"data-shard ranks) and the {shape.n_experts} experts; legal ep: {_join(legal)}")
     if lay.world != cluster.gpus:
         return (f"layout: dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp} x pp {lay.pp} = "
                 f"{lay.world} ranks, not the cluster's {cluster.gpus} GPUs; the sizes must multiply to {cluster.gpus}")
@@ -417,7 +432,11 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
 
     # parameters per rank: a block's weights split tp ways; replicated key/value heads counted on each rank
     kv_local = max(s.n_kv_head / tp, 1)
-    layer_local = s.layer_params / tp + 2 * s.n_embd * s.head_dim * (kv_local - s.n_kv_head / tp)
+    ep = lay.ep
+    # a mixture of experts' routed experts are split tp x ep ways (experts split by ep, each expert's width by tp)
+    expert_local = s.expert_params / (tp * ep)
+    layer_local = ((s.layer_params - s.expert_params) / tp + expert_local
+                   + 2 * s.n_embd * s.head_dim * (kv_local - s.n_kv_head / tp))
     # the ranks whose memory can peak: the first (most micro-batches in flight), the second (as many, a block more
     # under the n_layer + 2 split) and the last (the head and the loss)
     ranks = ({"only": 0} if pp == 1 else {"first": 0, "last": 1} if pp == 2 else
@@ -441,10 +460,12 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
     def memory(rank: int) -> dict[str, float]:
         p = params(rank)
         shard = lay.dp_shard
-        out = {"weights": WEIGHT_BYTES * p, "gradients": GRAD_BYTES * p, "optimizer": OPTIMIZER_BYTES * p / shard}
+        experts = blocks(rank) * expert_local  # sharded by FSDP over the dp_shard / ep ranks holding the same experts
+        sharded = (p - experts) / shard + experts / (shard // ep)  # what a rank keeps between uses
+        out = {"weights": WEIGHT_BYTES * p, "gradients": GRAD_BYTES * p, "optimizer": OPTIMIZER_BYTES * sharded}
         if shard > 1 and lay.reshard_after_forward:
-            out["weights"] /= shard
-            out["gradients"] /= shard
+            out["weights"] = WEIGHT_BYTES * sharded
+            out["gradients"] = GRAD_BYTES * sharded
             tables = max(s.first_extra if rank == 0 else 0, s.last_extra if rank == pp - 1 else 0) / tp
             biggest = max(layer_local, tables)
             out["gathered"] = (WEIGHT_BYTES + GRAD_BYTES) * (FSDP_GATHERED_BLOCKS * layer_local + biggest)
@@ -466,10 +487,20 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
            * (s.n_embd / tp) / (s.n_embd / tp + HALF_EFFICIENCY_WIDTH))
     flop_s = cluster.peak_tflops * 1e12 * eff
 
+    # a routed expert multiplies only the tokens sent to it: tokens x k / E of each of the ep ranks' micro-batches,
+    # so its matmuls run at the efficiency of that many tokens (counted here as extra dense-equivalent FLOPs)
+    expert_flops = 6.0 * s.top_k * s.expert_params / s.n_experts if s.n_experts else 0.0  # per token per block
+    if expert_flops:
+        per_expert = tokens * ep * s.top_k / s.n_experts
+        slow = (tokens + HALF_EFFICIENCY_TOKENS) / tokens * per_expert / (per_expert + HALF_EFFICIENCY_TOKENS)
+        layer_flops = s.layer_flops + expert_flops * (1 / slow - 1)
+    else:
+        layer_flops = s.layer_flops
+
     def stage_flops(rank: int) -> tuple[float, float]:  # (forward + backward, recompute) per micro-batch per rank
         head = s.head_flops if rank == pp - 1 else 0.0
-        work = tokens * (blocks(rank) * s.layer_flops + head) / tp
-        return work, tokens * blocks(rank) * s.layer_flops * recompute * RECOMPUTE_SHARE / tp
+        work = tokens * (blocks(rank) * layer_flops + head) / tp
+        return work, tokens * blocks(rank) * layer_flops * recompute * RECOMPUTE_SHARE / tp
 
     slowest = max(ranks.values(), key=lambda r: sum(stage_flops(r)))
     work, redo = stage_flops(slowest)
@@ -492,6 +523,15 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
         calls = round(stage_blocks * (8 + 4 * recompute))
         comm.append(Collective("tp all-gather + reduce-scatter", tp, name, bw, calls * m,
                                per_call * calls * m / GIB, sec * calls * m, sec * calls * m))
+    # expert parallelism: per MoE block and micro-batch, the k copies of each token go to their experts' ranks and
+    # come back (dispatch + combine) in forward, again in backward and in a recomputed forward; the step waits for
+    # each (the experts need their tokens), so it is all exposed. An all-to-all is ep - 1 point-to-point sends.
+    if ep > 1:
+        name, bw = _link(cluster, tp, ep)
+        nbytes = tokens / tp * s.top_k * s.n_embd * ACT_BYTES * (ep - 1) / ep
+        calls = round(stage_blocks * (4 + 2 * recompute)) * m
+        sec = calls * (nbytes / (bw * 1e9) + (ep - 1) * lat * 1e-6)
+        comm.append(Collective("ep all-to-all dispatch + combine", ep, name, bw, calls, calls * nbytes / GIB, sec, sec))
     # pipeline: each chunk sends its output forward and its input gradient back, per micro-batch; the slowest
     # boundary sets the pace (one that crosses servers goes through each tp rank's own NIC)
     if pp > 1:
@@ -509,7 +549,11 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
     if lay.dp_shard > 1:
         name, bw = _link(cluster, tp, lay.dp_shard)
         units = stage_blocks + (1 if slowest in (0, pp - 1) else 0)  # FSDP units: each block, the tables or head
-        moved, sec = _ring("all_gather", WEIGHT_BYTES * p_local, lay.dp_shard, bw, 0)
+        experts_local = stage_blocks * expert_local  # gathered over the dp_shard / ep ranks holding them
+        moved, sec = _ring("all_gather", WEIGHT_BYTES * (p_local - experts_local), lay.dp_shard, bw, 0)
+        if lay.dp_shard // ep > 1 and experts_local:
+            more = _ring("all_gather", WEIGHT_BYTES * experts_local, lay.dp_shard // ep, bw, 0)
+            moved, sec = moved + more[0], sec + more[1]
         sec += math.ceil(math.log2(lay.dp_shard)) * lat * 1e-6 * units  # one collective per unit
         if lay.reshard_after_forward:  # per micro-batch: gather for forward, again for backward, reduce-scatter
             per_mb = 3 * sec
@@ -528,7 +572,7 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
         comm.append(Collective("dp all-reduce per step", lay.dp_replicate, name, bw, 1, moved / GIB, sec,
                                _hidden(sec, window)))
 
-    per_mb_comm = sum(c.seconds for c in comm if c.name.startswith(("tp ", "pp "))) / m
+    per_mb_comm = sum(c.seconds for c in comm if c.name.startswith(("tp ", "pp ", "ep "))) / m
     t_slot = t_mb + per_mb_comm + exposed_per_mb  # one micro-batch through the slowest stage, as the pipeline sees it
     bubble = (pp - 1) / (v * m)
     bubble_s = (pp - 1) / v * t_slot
@@ -552,7 +596,8 @@ def candidates(shape: Shape, global_batch: int, cluster: ClusterConfig,
                checkpoint_choices: tuple[int, ...] = CHECKPOINT_CHOICES) -> Iterator[Layout]:
     """Every layout the search considers: tp dividing a server, pp and virtual stages splitting the world and the
     blocks, each split of the data-parallel ranks into replicas x shards, each micro-batch dividing a replica's
-    sequences, each checkpointing choice, and FSDP's two ways of holding weights."""
+    sequences, each checkpointing choice, FSDP's two ways of holding weights, and for a mixture of experts each ep
+    dividing the shards and the experts."""
     world = cluster.gpus
     for tp in _divisors(cluster.gpus_per_node):
         if world % tp:
@@ -566,10 +611,12 @@ def candidates(shape: Shape, global_batch: int, cluster: ClusterConfig,
             for schedule, v in schedules:
                 for rep in _divisors(dp):
                     shard = dp // rep
+                    eps = [e for e in _divisors(shard) if shape.n_experts % e == 0] if shape.n_experts else [1]
                     for mb in _divisors(max(global_batch // dp, 1)):
                         for ckpt in checkpoint_choices:
                             for reshard in ((True, False) if shard > 1 else (True,)):
-                                yield Layout(rep, shard, tp, pp, v, schedule, mb, ckpt, reshard)
+                                for ep in eps:
+                                    yield Layout(rep, shard, tp, pp, v, schedule, mb, ckpt, reshard, ep)
 
 
 @dataclass
@@ -647,7 +694,7 @@ def _rank(e: Estimate) -> tuple:
     """Fastest first (ranked_step); on a tie the smaller memory, then fewer model-parallel splits."""
     lay = e.layout
     return (ranked_step(e.step_s), round(e.memory_gb["total"], 6), lay.tp * lay.pp, lay.virtual_stages,
-            -lay.micro_batch, lay.dp_replicate, lay.checkpoint_every, not lay.reshard_after_forward)
+            -lay.micro_batch, lay.dp_replicate, lay.checkpoint_every, not lay.reshard_after_forward, lay.ep)
 
 
 def plan_layout(cfg: ModelConfig, seq_len: int, global_batch: int, cluster: ClusterConfig,
@@ -678,7 +725,8 @@ def plan_layout(cfg: ModelConfig, seq_len: int, global_batch: int, cluster: Clus
 def _model_summary(cfg: ModelConfig, shape: Shape) -> dict:
     return {"family": cfg.family, "params": shape.params, "n_layer": shape.n_layer, "n_embd": shape.n_embd,
             "n_head": shape.n_head, "n_kv_head": shape.n_kv_head, "ffn": shape.ffn, "vocab_size": shape.vocab,
-            "flops_per_token": shape.model_flops}
+            "flops_per_token": shape.model_flops, "active_params": shape.active_params,
+            "n_experts": shape.n_experts, "top_k": shape.top_k}
 
 
 def _no_fit(cfg: ModelConfig, seq_len: int, global_batch: int, cluster: ClusterConfig, too_big: list[Estimate],
@@ -759,20 +807,22 @@ def _reference(cfg: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
 
 # ---------------------------------------------------------------------------------------------------- explanations
 
-PARTS = ("compute", "recompute", "bubble", "tp", "pp", "dp")
+PARTS = ("compute", "recompute", "bubble", "tp", "pp", "ep", "dp")
 
 
 def parts(e: Estimate) -> dict[str, float]:
     """The step's seconds by cause: compute, recompute, bubble, and exposed communication of tp, pp and dp."""
-    by = {"compute": e.compute_s, "recompute": e.recompute_s, "bubble": e.bubble_s, "tp": 0.0, "pp": 0.0, "dp": 0.0}
+    by = {"compute": e.compute_s, "recompute": e.recompute_s, "bubble": e.bubble_s, "tp": 0.0, "pp": 0.0, "ep": 0.0,
+          "dp": 0.0}
     for c in e.comm:
-        key = "tp" if c.name.startswith("tp ") else "pp" if c.name.startswith("pp ") else "dp"
+        key = c.name.split(" ", 1)[0] if c.name.startswith(("tp ", "pp ", "ep ")) else "dp"
         by[key] += c.exposed_s
     return by
 
 
 WORDS = {"compute": "slower matmuls", "recompute": "recomputation", "bubble": "pipeline bubble",
-         "tp": "tensor-parallel communication", "pp": "pipeline sends", "dp": "exposed FSDP/DP communication"}
+         "tp": "tensor-parallel communication", "pp": "pipeline sends", "ep": "expert all-to-all",
+         "dp": "exposed FSDP/DP communication"}
 
 
 def compare(other: Estimate, best: Estimate) -> str:
@@ -792,7 +842,7 @@ def compare(other: Estimate, best: Estimate) -> str:
     return f"{abs(d):.3g} s/step {sign} ({100 * abs(d) / best.step_s:.2g}%): {causes}"
 
 
-FIELDS_EXPLAINED = ("tp", "pp", "dp_shard", "dp_replicate", "schedule", "virtual_stages", "micro_batch",
+FIELDS_EXPLAINED = ("tp", "pp", "dp_shard", "dp_replicate", "ep", "schedule", "virtual_stages", "micro_batch",
                     "checkpoint_every", "reshard_after_forward")
 
 
@@ -801,12 +851,15 @@ def explain(best: Estimate, fitting: list[Estimate], too_big: list[Estimate],
     """One sentence per layout field: the fastest layout with another value of it, and what makes it slower; or
     that no other value fits, and how much memory the smallest would need; or why no other value is legal."""
     lay = best.layout
+    sparse = any(e.layout.ep > 1 for e in [*fitting, *too_big])  # a mixture of experts: ep is one of the choices
     out = []
     for name in FIELDS_EXPLAINED:
         value = getattr(lay, name)
         if name == "reshard_after_forward" and lay.dp_shard == 1:
             continue
         if name in ("schedule", "virtual_stages") and lay.pp == 1:
+            continue
+        if name == "ep" and not sparse:
             continue
         alt = next((e for e in fitting if getattr(e.layout, name) != value), None)
         big = [e for e in too_big if getattr(e.layout, name) != value]
@@ -877,9 +930,16 @@ def describe_layout_plan(plan: LayoutPlan) -> str:
     and any reference."""
     md, best = plan.model, plan.chosen
     tokens = plan.global_batch * plan.seq_len
+    sparse = (f" ({md['active_params'] / 1e9:,.2f}B active per token)" if md.get("n_experts") else "")
+    mlp = (f"{md['n_experts']} experts of {md['ffn']}, {md['top_k']} per token" if md.get("n_experts")
+           else f"MLP {md['ffn']}")
     lines = [
+        f"model        {md['params'] / 1e9:,.2f}B parameters{sparse} ({md['family']}): {md['n_layer']} blocks x "
+        f"{md['n_embd']} wide, {md['n_head']} heads ({md['n_kv_head']} key/value), {mlp}, vocabulary "
+        f"{md['vocab_size']:,}; {md['flops_per_token']:.3g} training FLOPs per token (from the active parameters)"
+        if md.get("n_experts") else
         f"model        {md['params'] / 1e9:,.2f}B parameters ({md['family']}): {md['n_layer']} blocks x "
-        f"{md['n_embd']} wide, {md['n_head']} heads ({md['n_kv_head']} key/value), MLP {md['ffn']}, vocabulary "
+        f"{md['n_embd']} wide, {md['n_head']} heads ({md['n_kv_head']} key/value), {mlp}, vocabulary "
         f"{md['vocab_size']:,}; {md['flops_per_token']:.3g} training FLOPs per token",
         f"cluster      {describe_cluster(plan.cluster)}",
         f"batch        {plan.global_batch:,} x {plan.seq_len:,} tokens = {tokens:,} per step",
@@ -962,7 +1022,7 @@ def training_plan_of(plan: LayoutPlan, cfg: ModelConfig, hardware: dict[str, Any
     from kiln.train.job import JobConfig
 
     best, lay = plan.chosen, plan.chosen.layout
-    split = lay.tp > 1 or lay.pp > 1
+    split = lay.tp > 1 or lay.pp > 1 or lay.ep > 1
     if lay.dp_replicate > 1 and (split or lay.dp_shard > 1):
         raise ConfigError(f"{where}.layout: the plan chose {lay.describe()}, replicating sharded or split copies "
                           f"(HSDP), which the training job does not run; pin {where}.parallel.strategy: fsdp "
@@ -971,7 +1031,8 @@ def training_plan_of(plan: LayoutPlan, cfg: ModelConfig, hardware: dict[str, Any
     fields = {"micro_batch": lay.micro_batch, "grad_accum": best.micro_batches, "parallelism": parallelism,
               "activation_checkpointing": lay.checkpoint_every > 0, "compile": compile}
     if split:
-        fields["layout"] = {"dp_replicate": 1, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp}
+        fields["layout"] = {"dp_replicate": 1, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
+                            **({"ep": lay.ep} if lay.ep > 1 else {})}
     if lay.pp > 1:
         fields["pipeline"] = {"schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "microbatches": 0}
     job = JobConfig(model=cfg, seq_len=plan.seq_len, micro_batch=lay.micro_batch, grad_accum=best.micro_batches,

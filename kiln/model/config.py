@@ -50,7 +50,8 @@ class ModelConfig:
             if f.name not in desc.fields and f.name not in ("family", "bias"):
                 if getattr(self, f.name) not in (f.default, desc.fixed.get(f.name, f.default)):
                     users = [n for n in names() if f.name in family(n).fields]
-                    raise ValueError(f"model.{f.name} applies to the {' and '.join(users)} family only; set "
+                    raise ValueError(f"model.{f.name} applies to the {' and '.join(users)} "
+                                     f"{'family' if len(users) == 1 else 'families'} only; set "
                                      f"model.family: {users[0]} or remove model.{f.name}")
         desc.complete(self)
 

@@ -60,6 +60,8 @@ class Family:
     # (the mixture of experts' QK-norm), filled by ``complete``; not among ``fields``, not settable
     active_layer_params: Callable[[ModelConfig], int] | None = None  # parameters of one block a token passes
     # through, where that is fewer than layer_params (a mixture of experts' k chosen experts of E); None: all
+    routed: Callable[[ModelConfig], tuple[int, int, int]] | None = None  # a mixture of experts: (one block's
+    # routed expert parameters, experts per block, experts per token), which the layout planner splits by ep
     hf_out: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None  # renames after to_hf (the
     # per-expert names of a mixture of experts), refusing what the Hugging Face layout cannot hold
     hf_in: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None  # the inverse, before from_hf

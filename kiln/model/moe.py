@@ -94,8 +94,8 @@ class Experts(nn.Module):
         super().__init__()
         e, c, i = cfg.n_experts, cfg.n_embd, cfg.moe_intermediate_size
         self.n_experts = e
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, c))
-        self.down_proj = nn.Parameter(torch.empty(e, c, i))
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, c).normal_(0.0, 0.02))  # re-drawn by the model's init
+        self.down_proj = nn.Parameter(torch.empty(e, c, i).normal_(0.0, 0.02))
         self.ep_group: Any = None  # the expert-parallel process group (apply_ep); None: every expert is here
         self.grad_scale = 1.0  # 1 / data-parallel ranks under expert parallelism (see _ScaleGrad)
 
@@ -500,6 +500,7 @@ FAMILY = Family(
     lora_targets=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
     tied=lambda cfg: cfg.tie_embeddings, kv_heads=lambda cfg: cfg.n_kv_head, complete=complete,
     layer_params=layer_params, active_layer_params=active_layer_params,
+    routed=lambda cfg: (expert_params(cfg), cfg.n_experts, cfg.n_experts_per_token),
     embedding_params=lambda cfg: cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2),
     final_norm_params=lambda cfg: cfg.n_embd,
     saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config,

@@ -82,7 +82,7 @@ def test_llama_family_picks_its_named_size_and_wrong_fields_fail_as_config_error
     assert {k: plan["model"][k] for k in ("family", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size")} == {
         "family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "intermediate_size": 192}
     assert "bias" not in plan["model"] and plan["params"] == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 128) + 64 + 4160 * 64
-    with pytest.raises(Failure, match="ConfigError: training_plan: model.n_kv_head applies to the llama family only") as err:
+    with pytest.raises(Failure, match="ConfigError: training_plan: model.n_kv_head applies to the llama and moe families only") as err:
         run(tmp_path, model_preset="tiny", model={"n_kv_head": 2})
     assert isinstance(err.value.__cause__, ConfigError) and err.value.allow_retries is False
     with pytest.raises(Failure, match="unknown model preset 'gpt2-large' for family llama"):

@@ -420,6 +420,17 @@ def test_plan_of_the_layout_presets_shows_the_choice_the_runner_up_and_metas_lay
         TrainingPlanConfig(**conf).plan(128256)  # the data-parallel planner does not plan a cluster's layout
 
 
+def test_plan_of_the_mixture_of_experts_presets_counts_active_parameters_and_weighs_expert_parallelism(capsys):
+    """The Qwen3-30B-A3B-sized presets on 8 and 64 H100s: total and active parameters, FLOPs from the active ones,
+    and a line saying what expert parallelism would cost or save."""
+    for preset, gpus in (("qwen3-30b-a3b-8gpu", 8), ("qwen3-30b-a3b-64gpu", 64)):
+        assert main(["plan", "--preset", preset]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("model        30.08B parameters (2.90B active per token) (moe): 48 blocks x 2048 wide")
+        assert "128 experts of 768, 8 per token" in out and f"cluster      {gpus} x H100" in out
+        assert "\n  ep " in out and "memory/rank " in out and "considered " in out
+
+
 def test_the_training_plan_of_a_layout_preset_is_the_job_base_model_launches() -> None:
     """The training_plan asset trains the chosen layout: Llama 3 8B's tp 2 x dp_shard 4 becomes the job's layout,
     FSDP2 and 32 micro-batches of one sequence, and the job built from it passes the launcher's checks on 8 ranks;

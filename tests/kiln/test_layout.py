@@ -280,3 +280,61 @@ def test_layout_from_config_pins_what_the_config_fixes() -> None:
 def test_layout_config_errors_name_the_key(change, message) -> None:
     with pytest.raises(ConfigError, match=message):
         layout_from_config(50259, **{**GPT2_CONF, "layout": {}, **change})
+
+
+# ---------------------------------------------------------------------------------------------------- mixture of experts
+
+# SMALL's attention with 8 SwiGLU experts of 32 per block, 2 per token
+SMALL_MOE = ModelConfig(family="moe", vocab_size=256, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=64,
+                        n_experts=8, n_experts_per_token=2, moe_intermediate_size=32, tie_embeddings=False)
+
+
+def test_expert_parallelism_memory_and_all_to_all_by_hand() -> None:
+    """FSDP over 4 with the experts split 4 ways, micro_batch 1 of 16 tokens: each rank holds 2 of the 8 experts;
+    per block and micro-batch, 4 all-to-alls (dispatch and combine, forward and backward) of the 2 copies of each
+    token, 3/4 of which leave the rank."""
+    shape = Shape.of(SMALL_MOE, 16)
+    attn = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 64 + 2 * 16  # q, o; k, v; 2 RMSNorms; QK-norm
+    experts = 8 * 3 * 64 * 32
+    assert (shape.expert_params, shape.n_experts, shape.top_k) == (experts, 8, 2)
+    assert shape.layer_params == attn + 64 * 8 + experts  # + the router
+    assert shape.params - shape.active_params == 4 * 6 * 3 * 64 * 32  # 4 blocks x the 6 experts a token skips
+    e = estimate(Layout(dp_shard=4, ep=4, micro_batch=1), shape, 16, 4, cluster(4, per_node=4))
+    dense = 4 * (attn + 64 * 8) + 2 * 256 * 64 + 64
+    local_experts = 4 * experts / 4
+    mem = {k: v * GIB for k, v in e.memory_gb.items()}
+    sharded = dense / 4 + local_experts / 1  # experts sharded over dp_shard / ep = 1 rank: kept whole
+    assert mem["weights"] == pytest.approx(2 * sharded) and mem["optimizer"] == pytest.approx(12 * sharded)
+    a2a = next(c for c in e.comm if c.name.startswith("ep "))
+    assert a2a.group == 4 and a2a.calls == 4 * 4  # 4 blocks x 4 per micro-batch, 1 micro-batch
+    per_call = 16 * 2 * 64 * 2 * 3 / 4  # 16 tokens x 2 copies x 64 wide, bf16, 3/4 leave
+    assert a2a.gib * GIB == pytest.approx(16 * per_call)
+    assert a2a.seconds == pytest.approx(16 * (per_call / (450e9 * LINK_EFFICIENCY) + 3 * 10e-6))
+    assert a2a.exposed_s == a2a.seconds and parts(e)["ep"] == pytest.approx(a2a.seconds)
+    no_ep = estimate(Layout(dp_shard=4, micro_batch=1), shape, 16, 4, cluster(4, per_node=4))
+    assert no_ep.memory_gb["optimizer"] == pytest.approx(e.memory_gb["optimizer"])  # FSDP shards both 4 ways
+    assert not any(c.name.startswith("ep ") for c in no_ep.comm)
+    assert "ep 4" in e.layout.describe()
+
+
+def test_expert_parallelism_refusals_name_the_field() -> None:
+    shape = Shape.of(SMALL_MOE, 16)
+    why = refusal(Layout(dp_shard=4, ep=3, micro_batch=1), shape, 16, 4, cluster(4, per_node=4))
+    assert why == ("layout.ep: 3 must divide dp_shard (4; the experts are split over the data-shard ranks) and the 8 "
+                   "experts; legal ep: 1, 2, 4")
+    dense = refusal(Layout(dp_shard=4, ep=2, micro_batch=1), Shape.of(SMALL, 16), 16, 4, cluster(4, per_node=4))
+    assert dense == "layout.ep: 2; expert parallelism splits a mixture of experts, and this model is dense"
+
+
+def test_a_qwen3_30b_a3b_sized_plan_counts_active_flops_and_weighs_expert_parallelism() -> None:
+    cfg = ModelConfig(family="moe", vocab_size=151936, block_size=4096, n_layer=48, n_head=32, n_kv_head=4,
+                      n_embd=2048, intermediate_size=6144, n_experts=128, n_experts_per_token=8,
+                      moe_intermediate_size=768, tie_embeddings=False)
+    plan = plan_layout(cfg, 4096, 256, cluster(8))
+    md = plan.model
+    assert md["params"] == pytest.approx(30.08e9, rel=1e-3) and md["active_params"] == pytest.approx(2.90e9, rel=1e-2)
+    # the FLOPs per token come from the active parameters: about 6 x 2.9B, far from 6 x 30B
+    assert 6 * md["active_params"] < md["flops_per_token"] < 1.2 * 6 * md["active_params"]
+    assert "ep" in dict(plan.why)
+    text = describe_layout_plan(plan)
+    assert "(2.90B active per token) (moe)" in text and "128 experts of 768, 8 per token" in text

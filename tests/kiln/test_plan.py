@@ -339,7 +339,7 @@ def test_plan_from_config_picks_the_named_size_of_the_family() -> None:
     assert (cfg.family, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.vocab_size) == ("llama", 2, 4, 2, 64, 320)
     _, cfg, _, _ = plan_from_config(300, "tiny", {}, batch, {"memory_gb": 16})
     assert (cfg.family, cfg.n_head) == ("gpt2", 2)
-    with pytest.raises(ConfigError, match="training_plan: model.n_kv_head applies to the llama family only"):
+    with pytest.raises(ConfigError, match="training_plan: model.n_kv_head applies to the llama and moe families only"):
         plan_from_config(300, "tiny", {"n_kv_head": 2}, batch)
     with pytest.raises(ConfigError, match="unknown model preset 'gpt2-xl' for family llama; choose one of tiny, demo"):
         plan_from_config(300, "gpt2-xl", {"family": "llama"}, batch)
