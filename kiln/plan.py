@@ -430,8 +430,16 @@ def _family_note(model: dict) -> str:
     parts = [f"{model['n_kv_head']} key/value heads"] if "n_kv_head" in model else []
     if "intermediate_size" in model:
         parts.append(f"SwiGLU {model['intermediate_size']} wide")
+    if "n_experts" in model:  # a mixture of experts: the routed experts, and the parameters a token passes through
+        from kiln.model.config import ModelConfig
+        from kiln.model.moe import tensor_count
+
+        cfg = ModelConfig(**model)
+        parts[-1] = (f"{cfg.n_experts} SwiGLU experts of {cfg.moe_intermediate_size}, {cfg.n_experts_per_token} per "
+                     f"token ({tensor_count(cfg)['active'] / 1e6:,.1f}M parameters active per token)")
     if "tie_embeddings" in model:
-        parts.append(f"{'tied' if model['tie_embeddings'] else 'untied'} head{', QK-norm' if model.get('qk_norm') else ''}")
+        qk = ", QK-norm" if model.get("qk_norm") or model.get("family") == "moe" else ""
+        parts.append(f"{'tied' if model['tie_embeddings'] else 'untied'} head{qk}")
     return f"; {model['family']}: " + ", ".join(parts)
 
 

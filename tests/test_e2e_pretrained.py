@@ -1,7 +1,8 @@
-"""End to end from released weights: a tiny random transformers llama, saved to a folder, goes through continued
-pretraining, SFT, DPO, RL and release; transformers reloads the release with Kiln's logits. (GPT-2 imports are
-checked at the unit level: tests/kiln/pretrained/test_source.py gives transformers' logits on import for both
-families, tests/kiln/release/test_release.py reloads a released GPT-2 in transformers.)"""
+"""End to end from released weights: a tiny random transformers Qwen3-MoE (a mixture of experts whose router runs in
+every stage, generation included), saved to a folder, goes through continued pretraining, SFT, DPO, RL and release;
+transformers reloads the release with Kiln's logits. (GPT-2 and llama imports are checked at the unit level:
+tests/kiln/pretrained/test_source.py gives transformers' logits on import for both families,
+tests/kiln/release/test_release.py and test_hf_llama.py reload their releases in transformers.)"""
 
 import copy
 from pathlib import Path
@@ -59,7 +60,7 @@ def run_from(tmp_path_factory, source_cache: Path, arch: str):
 
 @pytest.fixture(scope="module")
 def imported_run(tmp_path_factory, source_cache):
-    return run_from(tmp_path_factory, source_cache, "llama")
+    return run_from(tmp_path_factory, source_cache, "qwen3_moe")
 
 
 def test_every_asset_materialized_from_the_imported_model(imported_run):
@@ -68,7 +69,7 @@ def test_every_asset_materialized_from_the_imported_model(imported_run):
     assert {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()} >= {
         a.key.to_user_string() for a in ALL_ASSETS} - UNJUDGED
     pm = result.output_for_node("pretrained_model")
-    assert pm["sha256"] == folder_hash(folder) and pm["license"] == "mit" and pm["model_type"] == "llama"
+    assert pm["sha256"] == folder_hash(folder) and pm["license"] == "mit" and pm["model_type"] == "qwen3_moe"
     assert ModelConfig(**result.output_for_node("training_plan")["model"]) == ModelConfig(**pm["model"])
 
 
@@ -113,5 +114,6 @@ def test_release_reloads_in_transformers_with_kilns_logits_and_names_its_start(i
     assert "## Starting weights" in card and pm["sha256"] in card and "licence mit" in card
     info = read_release_info(bundle)
     assert info["pretrained"]["base_model"]["sha256"] == pm["sha256"]
-    assert info["pretrained"]["base_model"]["model_type"] == "llama"
-    assert result.output_for_node("training_plan")["model"]["family"] == "llama"
+    assert info["pretrained"]["base_model"]["model_type"] == "qwen3_moe"
+    assert result.output_for_node("training_plan")["model"]["family"] == "moe"
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM" and hf.config.num_experts == 4
