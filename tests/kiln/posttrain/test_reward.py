@@ -24,6 +24,7 @@ from kiln.train.checkpoint import save_checkpoint
 
 TINY = {"vocab_size": 320, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32, "dropout": 0.0}
 LLAMA = {**TINY, "family": "llama", "n_kv_head": 1, "intermediate_size": 64}
+MOE = {**TINY, "family": "moe", "n_kv_head": 1, "n_experts": 4, "n_experts_per_token": 2, "moe_intermediate_size": 16}
 
 
 
@@ -38,7 +39,7 @@ def test_bradley_terry_loss_matches_a_hand_computation() -> None:
     assert stats["chosen_reward"] == pytest.approx(0.5 / 3)
 
 
-@pytest.mark.parametrize("model", [TINY, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("model", [TINY, LLAMA, MOE], ids=["gpt2", "llama", "moe"])
 def test_reward_is_read_at_the_last_real_token_whatever_the_padding(model) -> None:
     torch.manual_seed(0)
     rm = RewardModel(build_model(ModelConfig(**model))).eval()
@@ -109,7 +110,8 @@ def reward_checkpoint(root: Path, tok_path: Path, model: dict, eot: int, seed: i
     return ckpt, rm
 
 
-@pytest.mark.parametrize("model", [{**TINY, "bias": True}, {**LLAMA, "tie_embeddings": False}], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("model", [{**TINY, "bias": True}, {**LLAMA, "tie_embeddings": False},
+                                   {**MOE, "tie_embeddings": False}], ids=["gpt2", "llama", "moe"])
 def test_a_saved_reward_model_loads_back_in_kiln_and_transformers_with_equal_scores(tmp_path, tiny_tokenizer, model) -> None:
     import transformers
 
@@ -124,7 +126,8 @@ def test_a_saved_reward_model_loads_back_in_kiln_and_transformers_with_equal_sco
 
     hf_dir = write_hf_reward(ckpt, tmp_path / "hf")
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir).eval()
-    cls = "GPT2ForSequenceClassification" if model.get("family") != "llama" else "LlamaForSequenceClassification"
+    cls = {None: "GPT2ForSequenceClassification", "llama": "LlamaForSequenceClassification",
+           "moe": "Qwen3MoeForSequenceClassification"}[model.get("family")]
     assert type(hf).__name__ == cls and json.loads((hf_dir / "config.json").read_text())["pad_token_id"] == enc.eot_token
     x, n = pad_ids([reward_ids(enc, p, r, 31) for p, r in zip(prompts, responses)], enc.eot_token)  # right-padded
     with torch.no_grad():
