@@ -94,6 +94,16 @@ def test_continued_pretraining_started_from_the_imported_weights(imported_run):
     assert info["init_from"]["checkpoint"] == pm["checkpoint"] and info["init_from"]["pretrained"]["license"] == "mit"
     assert "fine-tuned from:" in lineage_tree(info)
     assert base["final_val_loss"] < base["initial_val_loss"]
+    # the mixture's routing: token slots per expert per layer, its balance, shown on the asset page
+    load = base["expert_load"]
+    assert len(load["by_layer"]) == 2 and all(len(row) == 4 for row in load["by_layer"])
+    assert sum(map(sum, load["by_layer"])) == 12 * 16 * 64 * 2 * 2  # 12 steps x 16 x 64 tokens x 2 experts x 2 layers
+    assert load["params"]["active"] < load["params"]["total"]
+    meta = next(e.materialization.metadata for e in result.get_asset_materialization_events()
+                if e.asset_key.to_user_string() == "base_model")
+    assert meta["expert_load"].value.startswith("![expert load (aux_loss balancing)](data:image/png;base64,")
+    assert "| layer | token_slots | max_over_mean | entropy | busiest | idlest |" in meta["expert_balance"].value
+    assert meta["load_max_over_mean"].value == pytest.approx(load["balance"]["moe/load_max_over_mean"], rel=1e-3)
 
 
 def test_release_reloads_in_transformers_with_kilns_logits_and_names_its_start(imported_run):

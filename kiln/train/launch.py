@@ -98,7 +98,7 @@ class RunSpec:
             job["peak_flops"] = peak * 1e12
         if plan.get("layout"):  # a plan that splits the model: its mesh, and how its pipeline stages run
             job["layout"] = {k: int(v) for k, v in plan["layout"].items()
-                             if k in ("dp_replicate", "dp_shard", "tp") or k == "pp" and v > 1}
+                             if k in ("dp_replicate", "dp_shard", "tp") or k in ("pp", "ep") and v > 1}
             if plan.get("pipeline"):
                 job["pipeline"] = dict(plan["pipeline"])
         return job
@@ -123,7 +123,7 @@ def describe_sizes(layout: dict[str, int]) -> str:
     """A recorded layout as "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1", outermost mesh dim first."""
     from kiln.model.parallel import MESH_DIMS
 
-    return " x ".join(f"{k} {layout[k]}" for k in MESH_DIMS if k in layout)
+    return " x ".join(f"{k} {layout[k]}" for k in (*MESH_DIMS, "ep") if k in layout)
 
 
 def pretrain_report(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -149,4 +149,27 @@ def pretrain_report(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                                     if k.endswith("_s")]),
         "spike_events": Table(result.get("events", [])),
         **({"layout": describe_sizes(result["layout"])} if result.get("layout") else {}),
+        **(expert_report(result["expert_load"], out_dir) if result.get("expert_load") else {}),
     }
+
+
+def expert_report(load: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """A mixture of experts' routing over the run as metadata: each layer's share of token slots per expert (a plot;
+    flat at 1 / E is perfect balance), the balance per layer, and the total and active parameter counts."""
+    import math
+
+    rows, series = [], {}
+    for i, counts in enumerate(load["by_layer"]):
+        total = max(sum(counts), 1)
+        share = [c / total for c in counts]
+        series[f"layer {i}"] = [(e, s) for e, s in enumerate(share)]
+        mean = total / len(counts)
+        entropy = -sum(s * math.log(s) for s in share if s > 0) / math.log(len(counts))
+        rows.append({"layer": i, "token_slots": total, "max_over_mean": round(max(counts) / mean, 4),
+                     "entropy": round(entropy, 4), "busiest": f"expert {counts.index(max(counts))}",
+                     "idlest": f"expert {counts.index(min(counts))}"})
+    params = load.get("params", {})
+    return {"expert_load": Plot(series, f"expert load ({load.get('router_balance', '')} balancing)", "expert",
+                                "share of token slots", Path(out_dir) / "expert_load.png"),
+            "expert_balance": Table(rows), "load_max_over_mean": load["balance"]["moe/load_max_over_mean"],
+            **({"params_total": params["total"], "params_active": params["active"]} if params else {})}

@@ -35,7 +35,11 @@ def test_the_blocks_are_built_once_as_their_dataclasses():
     assert job.lora == LoRAConfig(enabled=True, rank=4)
     # the record a run keeps: every field, the model as checkpoints store it, the data files left out
     params = job.params()
-    assert params["model"] == {k: v for k, v in asdict(ModelConfig(**LLAMA)).items() if k not in ("bias",)}
+    llama_fields = {k: v for k, v in asdict(ModelConfig(**LLAMA)).items() if k not in ("bias",)
+                    and not k.startswith(("n_expert", "moe_", "router_")) and k not in ("n_shared_experts",
+                                                                                          "norm_topk_prob",
+                                                                                          "capacity_factor")}
+    assert params["model"] == llama_fields  # the mixture-of-experts fields are not a llama's
     assert params["optim"]["lr"] == 0.01 and params["lora"]["rank"] == 4 and "train_files" not in params
 
 
@@ -87,6 +91,21 @@ def test_a_spec_is_validated_as_the_job_file_it_writes(tmp_path):
     bad = RunSpec("pretrain", {"optim": {"warmup_stpes": 3}}, plan, {}, "tok.json")
     with pytest.raises(ConfigError, match="base_model.optim: unknown key 'warmup_stpes'. Did you mean 'warmup_steps'"):
         bad.validate("base_model")
+
+
+def test_a_plan_that_splits_the_experts_writes_its_ep_into_the_job(tmp_path):
+    model = {"family": "moe", "vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32,
+             "n_experts": 4}
+    plan = {"model": model, "seq_len": 16, "micro_batch": 2, "grad_accum": 1, "hardware": {"device": "cpu"},
+            "parallelism": "fsdp", "layout": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "ep": 2}}
+    spec = RunSpec("pretrain", {}, plan, {}, "tok.json")
+    assert spec.job(tmp_path, "uri", "run")["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 2}
+    job = spec.validate("base_model")
+    assert job.layout.ep == 2
+    job.check_layout("job", 2)
+    with pytest.raises(ConfigError, match=r"job.layout.ep: 2 must divide model.n_experts \(3\)"):
+        RunSpec("pretrain", {}, {**plan, "model": {**model, "n_experts": 3}}, {}, "t").validate("job").check_layout(
+            "job", 2)
 
 
 def _rank(rank: int, port: int, path: str, out: str) -> None:
