@@ -1,0 +1,144 @@
+"""Benchmark, side by side in one run: a dense llama and mixtures of experts with the same active parameters per token,
+trained on the same token shards for the same tokens; and the mixture's load balance with and without balancing.
+
+python bench/bench_moe.py --shards DIR [--steps 300] [--experts 8] [--top-k 2] [--threads 1] [--json out.json]
+DIR is a token_shards folder (train_*.bin, val_*.bin, manifest.json): a demo home's `.kiln/storage/token_shards/<v>`.
+
+Every model has the same attention (llama's with QK-norm in the mixtures, as Qwen3-MoE; the dense model runs it too,
+so the comparison is the MLP alone) and sees the same batches in the same order (same seed, optimizer, schedule).
+The dense SwiGLU is ``I`` wide; each mixture has ``--experts`` experts of I / k, k per token: equal active MLP
+parameters per token, E / k times the MLP parameters in all. Mixtures: ``aux_loss`` (switch balance loss, weight
+0.01), ``aux_free`` (DeepSeek-V3's bias, rate 0.001) and ``none`` (no balancing). Reported per model: total and
+active parameters, training tokens/s (validation excluded), validation loss at the end (equal tokens), and for the
+mixtures the load balance of the last 50 steps (max/mean token slots per expert, averaged over layers and the worst
+layer; 1.0 is perfect) and the routing entropy (1.0 is uniform).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kiln.loader import TokenLoader, iter_eval_batches  # noqa: E402
+from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
+from kiln.model.families import build_model  # noqa: E402
+from kiln.model.moe import end_step, load_measures, tensor_count  # noqa: E402
+from kiln.model.parallel import clip_grad_norm  # noqa: E402
+from kiln.plan import count_params  # noqa: E402
+from kiln.shards import shard_paths  # noqa: E402
+from kiln.train.optim import OptimConfig, make_optimizer, make_scheduler  # noqa: E402
+
+BALANCES = {"aux_loss": {"router_aux_loss_coef": 0.01}, "aux_free": {"router_bias_rate": 0.001}, "none": {}}
+
+
+def configs(a: argparse.Namespace, vocab: int) -> dict[str, ModelConfig]:
+    shape = dict(vocab_size=vocab, block_size=a.seq_len, n_layer=a.n_layer, n_head=a.n_head, n_kv_head=a.n_kv_head,
+                 n_embd=a.n_embd)
+    out = {"dense": ModelConfig(family="llama", intermediate_size=a.ffn, qk_norm=True, **shape)}
+    for name, extra in BALANCES.items():
+        out[f"moe {name}"] = ModelConfig(family="moe", intermediate_size=a.ffn, n_experts=a.experts,
+                                         n_experts_per_token=a.top_k, moe_intermediate_size=a.ffn // a.top_k,
+                                         router_balance=name, **extra, **shape)
+    return out
+
+
+@torch.no_grad()
+def val_loss(model: torch.nn.Module, files: list, batch: int, seq_len: int, batches: int) -> float:
+    model.eval()
+    losses = [model(x, y).item() for x, y in iter_eval_batches(files, batch, seq_len, batches)]
+    model.train()
+    return float(np.mean(losses))
+
+
+def train(name: str, cfg: ModelConfig, shards: Path, a: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    opt_cfg = OptimConfig(lr=a.lr, warmup_steps=a.warmup)
+    optimizer = make_optimizer(model, opt_cfg, torch.device("cpu"))
+    scheduler = make_scheduler(optimizer, opt_cfg, a.steps)
+    loader = TokenLoader(shard_paths(shards, "train"), a.batch, a.seq_len, seed=0)
+    val = shard_paths(shards, "val")
+    train_s, late = 0.0, None
+    for step in range(1, a.steps + 1):
+        t0 = time.perf_counter()
+        x, y = loader.next_batch()  # (B, T) each
+        model(x, y).backward()
+        clip_grad_norm(model, opt_cfg.grad_clip)
+        optimizer.step()
+        moe = end_step(model)  # the step's expert load; aux_free's biases moved
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        train_s += time.perf_counter() - t0
+        if moe is not None and step > a.steps - 50:
+            late = moe["load"] if late is None else late + moe["load"]
+    tokens = a.steps * a.batch * a.seq_len
+    counts = tensor_count(cfg) if cfg.family == "moe" else {"total": count_params(cfg)[0],
+                                                            "active": count_params(cfg)[0]}
+    out = {"name": name, "params": counts["total"], "active_params": counts["active"], "train_s": train_s,
+           "tokens_per_s": tokens / train_s, "final_val_loss": val_loss(model, val, a.batch, a.seq_len, a.eval_batches)}
+    if late is not None:
+        out.update({k.removeprefix("moe/"): v for k, v in load_measures(late).items()},
+                   load_by_layer=late.long().tolist())
+    print(f"  {name}: val {out['final_val_loss']:.4f}, {out['tokens_per_s']:,.0f} tok/s", flush=True)
+    return out
+
+
+def table(runs: list[dict], tokens: int) -> str:
+    rows = [f"{'model':<13} {'params':>10} {'active':>10} {'tok/s':>8} {'val@' + format(tokens, ',') + ' tok':>16} "
+            f"{'max/mean':>9} {'worst':>6} {'entropy':>8}"]
+    for r in runs:
+        bal = (f"{r['load_max_over_mean']:>9.3f} {r['load_max_over_mean_worst']:>6.3f} {r['load_entropy']:>8.4f}"
+               if "load_entropy" in r else f"{'':>9} {'':>6} {'':>8}")
+        rows.append(f"{r['name']:<13} {r['params']:>10,} {r['active_params']:>10,} {r['tokens_per_s']:>8,.0f} "
+                    f"{r['final_val_loss']:>16.4f} {bal}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", required=True, help="a token_shards folder (train_*.bin, val_*.bin, manifest.json)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-kv-head", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=384, help="the dense SwiGLU width; each expert is ffn / top-k wide")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=300, help="the token budget is steps x batch x seq_len")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--only", default="", help="comma-separated model names to run (dense, 'moe aux_loss', ...)")
+    p.add_argument("--threads", type=int, default=1, help="1 on a shared machine: two threads on busy cores run slower")
+    p.add_argument("--json", default="", help="also write the results to this file")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    shards = Path(a.shards)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    cfgs = configs(a, padded_vocab(manifest["vocab_size"]))
+    wanted = {s.strip() for s in a.only.split(",") if s.strip()} or set(cfgs)
+    tokens = a.steps * a.batch * a.seq_len
+    print(f"{shards} ({manifest.get('encoding')}): {tokens:,} tokens each, {a.steps} steps of {a.batch} x {a.seq_len}, "
+          f"{a.threads} threads; dense SwiGLU {a.ffn} vs {a.experts} experts of {a.ffn // a.top_k}, {a.top_k} per token",
+          flush=True)
+    runs = [train(name, cfg, shards, a) for name, cfg in cfgs.items() if name in wanted]
+    print(table(runs, tokens))
+    result = {"shards": str(shards), "token_budget": tokens, "runs": runs,
+              "settings": {k: v for k, v in vars(a).items() if k not in ("json", "shards")}}
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
