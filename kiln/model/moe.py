@@ -137,8 +137,9 @@ class Experts(nn.Module):
 class SparseMLP(nn.Module):
     """The router, the routed experts and the shared experts of one block (HF: Qwen3MoeSparseMoeBlock)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer  # the block it belongs to (a pipeline stage holds some of them)
         self.n_experts, self.top_k, self.norm_topk_prob = cfg.n_experts, cfg.n_experts_per_token, cfg.norm_topk_prob
         self.balance, self.capacity_factor = cfg.router_balance, cfg.capacity_factor
         self.aux_coef, self.z_coef, self.bias_rate = cfg.router_aux_loss_coef, cfg.router_z_loss_coef, cfg.router_bias_rate
@@ -152,6 +153,8 @@ class SparseMLP(nn.Module):
         self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.dp_group: Any = None  # ranks whose tokens share one balance count (set by apply_moe); None: this rank
+        self.pp_group: Any = None  # pipeline ranks holding the other blocks (their load is gathered for reports)
+        self.counting = True  # off while a pipeline infers shapes on stand-in tensors
         self.aux_scale = 1.0  # the auxiliary losses' gradient scale (1 / gradient-accumulation micro-batches)
         self.last_losses: dict[str, float] = {}
 
@@ -193,12 +196,13 @@ class SparseMLP(nn.Module):
         out = torch.zeros_like(h).index_add_(0, token, y)  # (N, C)
         if self.shared_experts is not None:
             out = out + self.shared_experts(h)
-        if self.training:
-            with torch.no_grad():
-                self.load += counts_all
-                self.dropped += flat.numel() - counts.sum()
-            if torch.is_grad_enabled():
-                out = self._with_aux(out, logits, counts_all)
+        if self.training and torch.is_grad_enabled():  # a training forward (validation runs without gradients)
+            # not activation checkpointing's recomputation in backward, nor a pipeline's shape inference
+            if self.counting and torch._C._current_graph_task_id() == -1:
+                with torch.no_grad():
+                    self.load += counts_all
+                    self.dropped += flat.numel() - counts.sum()
+            out = self._with_aux(out, logits, counts_all)
         return out.view(B, T, C)
 
     def _with_aux(self, out: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -228,7 +232,7 @@ class MoETransformer(Llama):
     """Llama with QK-norm whose blocks each hold a SparseMLP (HF: Qwen3MoeForCausalLM)."""
 
     def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return Block(cfg, layer, mlp=SparseMLP(cfg))
+        return Block(cfg, layer, mlp=SparseMLP(cfg, layer))
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -250,11 +254,12 @@ def sparse_layers(model: nn.Module) -> list[SparseMLP]:
     return [m for m in model.modules() if isinstance(m, SparseMLP)]
 
 
-def apply_moe(model: nn.Module, dp_group: Any, grad_accum: int) -> None:
+def apply_moe(model: nn.Module, dp_group: Any, grad_accum: int, pp_group: Any = None) -> None:
     """Count the balance over ``dp_group``'s tokens and scale the auxiliary gradients for ``grad_accum``
-    micro-batches (the loss of each is divided by it before backward)."""
+    micro-batches (the loss of each is divided by it before backward; a pipeline schedule scales the summed
+    gradients instead: 1). ``pp_group``: the pipeline ranks, whose blocks' loads end_step gathers."""
     for layer in sparse_layers(model):
-        layer.dp_group = dp_group
+        layer.dp_group, layer.pp_group = dp_group, pp_group
         layer.aux_scale = 1.0 / grad_accum
 
 
@@ -272,6 +277,15 @@ def apply_ep(model: nn.Module, mesh, dp_ranks: int) -> set[nn.Parameter]:
             out.add(p)
         ex.ep_group, ex.grad_scale = mesh.get_group(), 1.0 / dp_ranks
     return out
+
+
+@torch.no_grad()
+def begin_step(model: nn.Module) -> None:
+    """Before a step's micro-batches: forget what was counted outside training steps (a pipeline schedule's
+    shape-inference and evaluation forwards run in training mode)."""
+    for m in sparse_layers(model):
+        m.load.zero_()
+        m.dropped.zero_()
 
 
 @torch.no_grad()
@@ -297,7 +311,17 @@ def end_step(model: nn.Module) -> dict[str, Any] | None:
         m.dropped.zero_()
         for k, v in m.last_losses.items():
             losses[k] = losses.get(k, 0.0) + v / len(layers)
-    return {"load": load.cpu(), "dropped": float(dropped), "losses": losses}
+    load, dropped = load.cpu(), float(dropped)
+    if layers[0].pp_group is not None:  # pipeline stages: every block's load, in block order, on every rank
+        parts: list[Any] = [None] * dist.get_world_size(layers[0].pp_group)
+        dist.all_gather_object(parts, ([m.layer for m in layers], load.tolist(), dropped, losses),
+                               group=layers[0].pp_group)
+        rows = sorted((i, row) for idx, rows_, _, _ in parts for i, row in zip(idx, rows_))
+        load = torch.tensor([row for _, row in rows], dtype=torch.float32)
+        dropped = sum(p[2] for p in parts)
+        keys = {k for p in parts for k in p[3]}
+        losses = {k: sum(p[3].get(k, 0.0) for p in parts) / len(parts) for k in keys}
+    return {"load": load, "dropped": dropped, "losses": losses}
 
 
 def load_measures(load: torch.Tensor) -> dict[str, float]:

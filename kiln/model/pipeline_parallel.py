@@ -157,6 +157,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def _stage_class():
+    """torch's PipelineStage whose shape inference (a forward on stand-in tensors before the first step of a
+    schedule) leaves a mixture of experts' load counts alone: they feed its aux_free balancing and its reports, and
+    must count real tokens only."""
+    from torch.distributed import pipelining
+
+    from kiln.model.moe import sparse_layers
+
+    class Stage(pipelining.PipelineStage):
+        def _forward_metadata_inference(self, *args, **kwargs):
+            layers = sparse_layers(self.submod)
+            for m in layers:
+                m.counting = False
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for m in layers:
+                    m.counting = True
+
+    return Stage
+
+
 class Pipeline:
     """This rank's stages of ``model`` and the schedule that runs them with the other ranks of ``group``; with
     ``dp_mesh`` each stage is also sharded by FSDP2 over the data-parallel ranks (which each bring their own rows of
@@ -189,8 +211,7 @@ class Pipeline:
         if dp_mesh is not None:
             for m in self.modules:
                 apply_fsdp(m, device, bf16, dp_mesh)
-        self.stages = [pipelining.PipelineStage(m, s, n_stages, device, group=group)
-                       for m, s in zip(self.modules, self.stage_ids)]
+        self.stages = [_stage_class()(m, s, n_stages, device, group=group) for m, s in zip(self.modules, self.stage_ids)]
         self.first, self.last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.last_rank = (n_stages - 1) % pp  # the group rank that computes the loss
         fam = of(self.cfg)

@@ -25,7 +25,7 @@ from kiln.common.files import atomic_write_json
 from kiln.common.metrics import operations_metrics
 from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token, of
-from kiln.model.moe import apply_ep, apply_moe, end_step, load_measures
+from kiln.model.moe import apply_ep, apply_moe, begin_step, end_step, load_measures
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import MeshLayout, build_mesh, clip_grad_norm, describe, gradient_sync, parallelize
 from kiln.model.pipeline_parallel import Pipeline
@@ -287,6 +287,9 @@ class Trainer:
                              activation_checkpointing=job.activation_checkpointing, compile=job.compile,
                              tp_mesh=tp_mesh)
         self.raw = self.model = self.pipe.local  # trained through self.pipe: its forward runs one stage only
+        # a mixture of experts counts its balance over the stage's data-parallel ranks; the schedule scales the
+        # micro-batches' summed gradients (so the auxiliary losses' too); the stages' loads are gathered
+        apply_moe(self.raw, dp_mesh.get_group() if dp_mesh is not None else None, 1, mesh["pp"].get_group())
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
 
@@ -413,6 +416,7 @@ class Trainer:
     def train_step(self, index: int) -> tuple[dict[str, float], float]:
         """Forward and backward every micro-batch of data batch ``index``; return the step's training measures
         (averaged over ranks) and the gradient norm before clipping."""
+        begin_step(self.raw)  # a mixture of experts counts this step's routing only
         if self.pipe is not None:  # the schedule runs the micro-batches; the last stage's loss reaches every rank
             x, y, kwargs = self.stage.pipeline_batch(self, index)
             with self.autocast():

@@ -226,3 +226,20 @@ def test_the_shared_experts_see_every_token() -> None:
         layer.shared_experts.down_proj.weight.zero_()
     torch.testing.assert_close(layer(x), routed)
     assert layer.shared_experts.gate_proj.weight.shape == (32, 32)  # 2 experts of width 16
+
+
+def test_activation_checkpointing_recomputes_without_counting_twice_and_with_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(**TINY, router_z_loss_coef=0.01)
+    x = torch.randint(0, 128, (2, 16))
+    grads, loads = [], []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        model = build_model(cfg).train()
+        model.checkpoint_blocks = recompute
+        model(x, x).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        loads.append(torch.stack([m.load for m in sparse_layers(model)]))
+    assert torch.equal(loads[0], loads[1]) and float(loads[0].sum()) == 2 * 2 * 16 * 2
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)

@@ -1,9 +1,10 @@
 """Tests for training the moe family (kiln.model.moe) with expert parallelism (job.layout.ep) on two gloo processes:
 EP2 x FSDP2 follows the one-process loss curve over 30 steps with the same expert load, its expert-sharded
 checkpoint resumes bit for bit as a restart after SIGKILL does and reshards to one process; aux-free balancing
-moves its biases the same way on both; layouts that cannot run are config errors before anything trains.
+moves its biases the same way on both; under pipeline stages it follows one process and reports every block's load;
+layouts that cannot run are config errors before anything trains.
 
-Run: python -m pytest tests/kiln/train/test_train_moe.py -q   (two torchrun launches of two processes)
+Run: python -m pytest tests/kiln/train/test_train_moe.py -q   (three torchrun launches of two processes)
 """
 
 from __future__ import annotations
@@ -100,3 +101,24 @@ def test_layouts_expert_parallelism_cannot_run_are_config_errors_naming_the_fiel
         MeshLayout(ep=2, tp=2).resolve(4, moe, "job.layout")
     assert MeshLayout(ep=3).resolve(3, moe, "job.layout").record() == {"dp_replicate": 1, "dp_shard": 3, "tp": 1,
                                                                         "ep": 3}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", ["aux_loss", "aux_free"])
+def test_a_mixture_under_pipeline_stages_follows_one_process_and_reports_every_blocks_load(tmp_path, pretrain_job,
+                                                                                           train_runner, balance) -> None:
+    """pp 2 (a block per stage) with the z-loss and the balance loss or aux-free biases, against one process cutting
+    each step into the same two micro-batches: the balance loss is computed per micro-batch (its f and P are a
+    micro-batch's), so the same micro-batches give the same curve; the biases move on real tokens only (not on the
+    schedule's shape-inference forwards); the report holds both stages' blocks."""
+    model = {**json.loads(pretrain_job(tmp_path / "x").read_text())["model"], **MOE, "router_balance": balance,
+             "router_aux_loss_coef": 0.01}
+    same = {"model": model, "grad_accum": 2, "micro_batch": 2}
+    job = moe_job(pretrain_job, tmp_path / "pp", layout={"pp": 2}, **same)
+    proc = train_runner(job, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res, one = result_of(job), in_process(moe_job(pretrain_job, tmp_path / "one", **same))
+    assert res["layout"]["pp"] == 2 and res["steps"] == STEPS
+    assert [c[1] for c in res["curve"]] == pytest.approx([c[1] for c in one["curve"]], abs=1e-4)
+    assert res["expert_load"]["by_layer"] == one["expert_load"]["by_layer"]  # both blocks, in order
+    assert sum(map(sum, res["expert_load"]["by_layer"])) == STEPS * 4 * 32 * 2 * 2
