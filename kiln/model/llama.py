@@ -19,6 +19,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.families import Family
 from kiln.model.loss import linear_cross_entropy
 from kiln.model.masks import check_attn_mask
+from kiln.model.parallel import local_param
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +61,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, -1, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # functional, with the local copy of the weights under tensor parallelism (kiln.model.parallel)
+            q = F.rms_norm(q, (self.hs,), local_param(self.q_norm.weight), self.q_norm.eps)
+            k = F.rms_norm(k, (self.hs,), local_param(self.k_norm.weight), self.k_norm.eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         mask, causal = doc_mask, doc_mask is None  # (B, 1, T, T) bool: causal within documents (kiln.model.masks)
         if cache is not None:
@@ -270,6 +273,8 @@ def tp_plan(cfg: ModelConfig) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+    from kiln.model.tensor_parallel import LocalReplicated
+
     seq, whole = Shard(1), Replicate()
     layer = "model.layers.*."
     return {
@@ -287,6 +292,8 @@ def tp_plan(cfg: ModelConfig) -> dict:
         layer + "mlp.down_proj": RowwiseParallel(output_layouts=seq),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole),  # logits; the loss reads the weight
+        # QK-norm: one weight per head dimension, shared by the heads every rank holds a share of
+        **({layer + f"self_attn.{n}_norm": LocalReplicated() for n in "qk"} if cfg.qk_norm else {}),
     }
 
 

@@ -44,6 +44,8 @@ from kiln.model.families import Family
 from kiln.model.llama import MLP, Block, Llama
 from kiln.model.llama import complete as complete_llama
 from kiln.model.llama import flops_per_token as dense_flops
+from kiln.model.llama import tp_plan as llama_tp_plan
+from kiln.model.parallel import local_param
 
 BALANCES = ("aux_loss", "aux_free", "none")
 
@@ -100,9 +102,12 @@ class Experts(nn.Module):
         self.grad_scale = 1.0  # 1 / data-parallel ranks under expert parallelism (see _ScaleGrad)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        gu, down = self.gate_up_proj, self.down_proj
-        if hasattr(gu, "to_local"):  # sharded over the expert-parallel ranks
-            gu, down = gu.to_local(), down.to_local()
+        gu, down = local_param(self.gate_up_proj), local_param(self.down_proj)  # whole on every tensor-parallel rank
+        if hasattr(gu, "to_local"):  # sharded over the expert-parallel ranks (and held whole by tensor-parallel ones,
+            from torch.distributed.tensor import Partial, Shard  # each running its own tokens: partial gradients)
+
+            grads = [Shard(0)] + [Partial()] * (gu.device_mesh.ndim - 1)
+            gu, down = gu.to_local(grad_placements=grads), down.to_local(grad_placements=grads)
             if self.grad_scale != 1.0:
                 gu, down = _ScaleGrad.apply(gu, self.grad_scale), _ScaleGrad.apply(down, self.grad_scale)
         return gu, down
@@ -160,7 +165,7 @@ class SparseMLP(nn.Module):
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (N, C) -> (router logits (N, E), chosen experts (N, k), their gate weights (N, k) in h's dtype)."""
-        logits = self.gate(h)  # (N, E)
+        logits = F.linear(h, local_param(self.gate.weight))  # (N, E)
         probs = logits.float().softmax(dim=-1)  # (N, E)
         choose = probs + self.expert_bias if self.balance == "aux_free" else probs
         idx = choose.topk(self.top_k, dim=-1).indices  # (N, k)
@@ -195,7 +200,9 @@ class SparseMLP(nn.Module):
         y = self.experts(h[token], counts) * w.reshape(-1)[order, None]  # (n, C)
         out = torch.zeros_like(h).index_add_(0, token, y)  # (N, C)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(h)
+            s = self.shared_experts
+            g, u, d = (local_param(m.weight) for m in (s.gate_proj, s.up_proj, s.down_proj))
+            out = out + F.dropout(F.linear(F.silu(F.linear(h, g)) * F.linear(h, u), d), s.dropout, self.training)
         if self.training and torch.is_grad_enabled():  # a training forward (validation runs without gradients)
             # not activation checkpointing's recomputation in backward, nor a pipeline's shape inference
             if self.counting and torch._C._current_graph_task_id() == -1:
@@ -254,28 +261,33 @@ def sparse_layers(model: nn.Module) -> list[SparseMLP]:
     return [m for m in model.modules() if isinstance(m, SparseMLP)]
 
 
-def apply_moe(model: nn.Module, dp_group: Any, grad_accum: int, pp_group: Any = None) -> None:
-    """Count the balance over ``dp_group``'s tokens and scale the auxiliary gradients for ``grad_accum``
+def apply_moe(model: nn.Module, dp_group: Any, grad_accum: int, pp_group: Any = None, tp: int = 1) -> None:
+    """Count the balance over ``dp_group``'s tokens (every rank holding other tokens: the data-parallel ranks and,
+    under sequence parallelism, the tensor-parallel ones) and scale the auxiliary gradients for ``grad_accum``
     micro-batches (the loss of each is divided by it before backward; a pipeline schedule scales the summed
-    gradients instead: 1). ``pp_group``: the pipeline ranks, whose blocks' loads end_step gathers."""
+    gradients instead: 1) and for ``tp`` sequence shards, whose router gradients are summed. ``pp_group``: the
+    pipeline ranks, whose blocks' loads end_step gathers."""
     for layer in sparse_layers(model):
         layer.dp_group, layer.pp_group = dp_group, pp_group
-        layer.aux_scale = 1.0 / grad_accum
+        layer.aux_scale = 1.0 / (grad_accum * tp)
 
 
 def apply_ep(model: nn.Module, mesh, dp_ranks: int) -> set[nn.Parameter]:
-    """Shard every block's experts over ``mesh`` (1-D, the expert-parallel ranks) on the expert dim; return the
-    sharded parameters (which FSDP2 must leave alone). ``dp_ranks``: the ranks the loss is averaged over."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """Shard every block's experts on the expert dim over ``mesh``'s first dim (the expert-parallel ranks; a second
+    dim, the tensor-parallel ranks, holds them whole: after apply_tp); return the sharded parameters (which FSDP2
+    must leave alone). ``dp_ranks``: the ranks the loss is averaged over."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     out = set()
     for layer in sparse_layers(model):
         ex = layer.experts
         for name in ("gate_up_proj", "down_proj"):
-            p = nn.Parameter(distribute_tensor(getattr(ex, name).data, mesh, [Shard(0)]))
+            t = getattr(ex, name).data
+            t = t.to_local() if hasattr(t, "to_local") else t  # replicated over the tensor-parallel ranks
+            p = nn.Parameter(distribute_tensor(t, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)))
             setattr(ex, name, p)
             out.add(p)
-        ex.ep_group, ex.grad_scale = mesh.get_group(), 1.0 / dp_ranks
+        ex.ep_group, ex.grad_scale = mesh.get_group(0), 1.0 / dp_ranks
     return out
 
 
@@ -336,6 +348,17 @@ def load_measures(load: torch.Tensor) -> dict[str, float]:
 
 
 # -- the family descriptor
+
+
+def tp_plan(cfg: ModelConfig) -> dict:
+    """Llama's plan for the attention, the tables and the head (QK-norm included); each block's mixture of experts
+    is held whole by every tensor-parallel rank and routes that rank's sequence shard (sequence parallelism through
+    the experts: no collective inside the mixture, the weights' gradients summed across ranks after backward)."""
+    from kiln.model.tensor_parallel import LocalReplicated
+
+    layer = "model.layers.*."
+    plan = {k: v for k, v in llama_tp_plan(cfg).items() if not k.startswith(layer + "mlp")}
+    return {**plan, layer + "mlp": LocalReplicated()}
 
 
 def complete(cfg: ModelConfig) -> None:
@@ -527,7 +550,7 @@ FAMILY = Family(
     routed=lambda cfg: (expert_params(cfg), cfg.n_experts, cfg.n_experts_per_token),
     embedding_params=lambda cfg: cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2),
     final_norm_params=lambda cfg: cfg.n_embd,
-    saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config,
+    saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config, tp_plan=tp_plan,
     first_stage=("model.embed_tokens",), last_stage=("model.norm", "lm_head"),
     hf_readers={"qwen3_moe": read_hf_config},
     hf_out=to_hf_experts, hf_in=from_hf_experts, fixed={"qk_norm": True},

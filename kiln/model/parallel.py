@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -73,10 +73,10 @@ class MeshLayout:
         if cfg is not None and cfg.family != "moe":
             raise ConfigError(f"{where}.ep: {self.ep}; expert parallelism splits a mixture of experts, and the "
                               f"{cfg.family} family has none: set ep to 1 (or model.family: moe)")
-        if self.tp > 1 or self.pp > 1 or self.dp_replicate > 1:
-            raise ConfigError(f"{where}.ep: {self.ep} with tp {self.tp}, pp {self.pp}, dp_replicate "
-                              f"{self.dp_replicate}; expert parallelism composes with FSDP2 (dp_shard) only so far: "
-                              "set tp, pp and dp_replicate to 1")
+        if self.dp_replicate > 1:
+            raise ConfigError(f"{where}.ep: {self.ep} with dp_replicate {self.dp_replicate}; expert parallelism splits "
+                              "the experts over the dp_shard ranks, and the replicas would each need all of them: set "
+                              "dp_replicate to 1 (or ep to 1)")
         if self.ep != shard:
             raise ConfigError(f"{where}.ep: {self.ep}; the experts are split over the dp_shard ranks, so ep must equal "
                               f"dp_shard ({shard}): set ep to {shard} or 1")
@@ -202,6 +202,25 @@ def is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def local_param(p: torch.Tensor) -> torch.Tensor:
+    """What a module computes with: a parameter every tensor-parallel rank holds whole but applies to its own tokens
+    or heads (a replicated DTensor, kiln.model.tensor_parallel.LocalReplicated) as its local copy, whose gradient is
+    marked partial (each rank's share; ``align_grads`` or FSDP2 sums them); any other parameter as it is."""
+    if is_dtensor(p) and all(pl.is_replicate() for pl in p.placements):
+        from torch.distributed.tensor import Partial
+
+        return p.to_local(grad_placements=[Partial()] * len(p.placements))
+    return p
+
+
+def align_grads(params: Iterable[torch.Tensor]) -> None:
+    """Each DTensor gradient in its parameter's placement (partial sums summed, a replicated table's gradient
+    sharded as the table is): what the optimizer and the gradient norm expect. FSDP2 does this for what it shards."""
+    for p in params:
+        if p.grad is not None and is_dtensor(p.grad) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

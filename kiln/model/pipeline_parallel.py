@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from kiln.common.config import ConfigError
 from kiln.model.families import of
-from kiln.model.parallel import apply_fsdp, full_value, is_dtensor
+from kiln.model.parallel import align_grads, apply_fsdp, full_value, is_dtensor
 
 # schedule name -> torch.distributed.pipelining class; the looped ones run several stages per rank (rank r holds
 # stages r, r + pp, r + 2 pp, ...), which shrinks the bubble from (pp - 1) / m to (pp - 1) / (v m)
@@ -182,11 +182,12 @@ def _stage_class():
 class Pipeline:
     """This rank's stages of ``model`` and the schedule that runs them with the other ranks of ``group``; with
     ``dp_mesh`` each stage is also sharded by FSDP2 over the data-parallel ranks (which each bring their own rows of
-    the batch)."""
+    the batch); with ``ep`` > 1 (a mixture of experts, ep = the dp_mesh size) the experts are split over them
+    instead (kiln.model.moe.apply_ep)."""
 
     def __init__(self, model: nn.Module, config: PipelineConfig, group: dist.ProcessGroup, device: torch.device,
                  batch: int | None = None, dp_mesh=None, bf16: bool = False, activation_checkpointing: bool = False,
-                 compile: bool = False, tp_mesh=None):
+                 compile: bool = False, tp_mesh=None, ep: int = 1):
         from torch.distributed import pipelining
 
         self.config, self.group, self.cfg, self.dp_mesh, self.tp_mesh = config, group, model.config, dp_mesh, tp_mesh
@@ -208,9 +209,14 @@ class Pipeline:
         self.local.checkpoint_blocks = activation_checkpointing
         self.modules = ([self.local] if len(self.stage_ids) == 1
                         else [stage_view(self.local, s, n_stages) for s in self.stage_ids])
+        ignored = None
+        if ep > 1:
+            from kiln.model.moe import apply_ep
+
+            ignored = apply_ep(self.local, dp_mesh, dp_mesh.size())
         if dp_mesh is not None:
             for m in self.modules:
-                apply_fsdp(m, device, bf16, dp_mesh)
+                apply_fsdp(m, device, bf16, dp_mesh, ignored)
         self.stages = [_stage_class()(m, s, n_stages, device, group=group) for m, s in zip(self.modules, self.stage_ids)]
         self.first, self.last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.last_rank = (n_stages - 1) % pp  # the group rank that computes the loss
@@ -255,9 +261,7 @@ class Pipeline:
         """Each tensor-parallel gradient in its parameter's placement: a stage's token table, row-parallel over the
         vocabulary, gets its gradient replicated (the whole table's) without the head's sharded one added to it as
         in the whole model; the optimizer and the tied sum need this rank's rows."""
-        for p in self.parameters():
-            if p.grad is not None and is_dtensor(p.grad) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        align_grads(self.parameters())
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, **kwargs: torch.Tensor) -> tuple[float, int]:

@@ -50,9 +50,6 @@ def check_tp(cfg: Any, tp: int, field: str = "parallel.tp") -> None:
                      and cfg.vocab_size % d == 0]
             raise ConfigError(f"{field}: {tp} does not divide {what} ({n}); legal values for this model: "
                               f"{', '.join(map(str, legal))}")
-    if getattr(cfg, "qk_norm", False):
-        raise ConfigError(f"{field}: {tp} with model.qk_norm: the per-head q/k norms are not sharded by the "
-                          f"tensor-parallel plan; use {field}: 1 for QK-norm models")
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
@@ -192,6 +189,30 @@ def canonical_state(state: dict[str, Any], params: dict[str, tuple[int, int]]) -
 def interleaved_state(state: dict[str, Any], params: dict[str, tuple[int, int]]) -> dict[str, Any]:
     """Full state in the model's own order, ready to load into a model holding ``params`` interleaved."""
     return _reorder(state, params, interleave) if params else state
+
+
+class LocalReplicated(ParallelStyle):
+    """A module every tensor-parallel rank holds whole but applies to its own part of the work: the per-head q/k
+    norms to its heads, a mixture of experts (router, experts, shared experts) to its sequence shard. Its
+    parameters become replicated DTensors that the module uses through ``kiln.model.parallel.local_param`` (the
+    local copy, its gradient this rank's partial sum, summed across ranks after backward); DTensor inputs arrive as
+    their local shards and the output stays local (a mixture's output is the sequence shard the residual holds)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # parameters only (distribute_module would make DTensors of the buffers too: a mixture's load counts)
+        for mod in module.modules():
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Replicate()]),
+                                                           requires_grad=p.requires_grad))
+        module.register_forward_pre_hook(lambda mod, args: _local_inputs(mod, args, device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return "LocalReplicated()"
+
+
+def _local_inputs(mod: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
 
 
 class Replicated(ParallelStyle):

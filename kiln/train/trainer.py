@@ -27,7 +27,8 @@ from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token, of
 from kiln.model.moe import apply_ep, apply_moe, begin_step, end_step, load_measures
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
-from kiln.model.parallel import MeshLayout, build_mesh, clip_grad_norm, describe, gradient_sync, parallelize
+from kiln.model.parallel import (MeshLayout, align_grads, build_mesh, clip_grad_norm, describe, gradient_sync,
+                                 parallelize)
 from kiln.model.pipeline_parallel import Pipeline
 from kiln.model.tensor_parallel import apply_tp
 from kiln.train.checkpoint import CheckpointError, list_checkpoints, load_state, resolve_checkpoint, step_of
@@ -266,10 +267,12 @@ class Trainer:
             if self.layout.tp > 1:
                 apply_tp(self.raw, mesh["tp"])
             fsdp_mesh = mesh["dp_shard"]
-            dp_group = fsdp_mesh.get_group() if self.layout.dp_shard > 1 else None
             if self.layout.ep > 1:  # the experts split over the data-shard ranks; FSDP2 shards the rest
-                ignored = apply_ep(self.raw, fsdp_mesh, self.layout.dp_shard)
-        apply_moe(self.raw, dp_group, job.grad_accum)  # a mixture of experts counts its balance over dp_group
+                ep_mesh = mesh["dp_shard", "tp"] if self.layout.tp > 1 else fsdp_mesh
+                ignored = apply_ep(self.raw, ep_mesh, self.layout.dp_shard)
+        # a mixture of experts counts its balance over every rank's tokens (each rank holds others: its data-parallel
+        # batch, under sequence parallelism its shard of it)
+        apply_moe(self.raw, dp_group, job.grad_accum, tp=self.layout.tp if self.layout is not None else 1)
         self.model = parallelize(self.raw, self.strategy, job.activation_checkpointing, job.compile, self.info.device,
                                  self.bf16, fsdp_mesh=fsdp_mesh, ignored=ignored)  # the model to call
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
@@ -285,11 +288,13 @@ class Trainer:
         self.pipe = Pipeline(self.raw, job.pipeline_config(), mesh["pp"].get_group(), self.info.device,
                              batch=job.micro_batch * job.grad_accum, dp_mesh=dp_mesh, bf16=self.bf16,
                              activation_checkpointing=job.activation_checkpointing, compile=job.compile,
-                             tp_mesh=tp_mesh)
+                             tp_mesh=tp_mesh, ep=self.layout.ep)
         self.raw = self.model = self.pipe.local  # trained through self.pipe: its forward runs one stage only
         # a mixture of experts counts its balance over the stage's data-parallel ranks; the schedule scales the
         # micro-batches' summed gradients (so the auxiliary losses' too); the stages' loads are gathered
-        apply_moe(self.raw, dp_mesh.get_group() if dp_mesh is not None else None, 1, mesh["pp"].get_group())
+        tokens = tp_mesh if tp_mesh is not None else dp_mesh  # a stage's ranks holding other tokens
+        apply_moe(self.raw, tokens.get_group() if tokens is not None else None, 1, mesh["pp"].get_group(),
+                  tp=self.layout.tp)
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
 
@@ -425,6 +430,8 @@ class Trainer:
         else:
             loss, stats = accumulate_gradients(self.model, self.stage.batches(index),
                                                lambda b: self.stage.loss(self, b), self.job.grad_accum, self.info.device)
+            if self.layout is not None:  # tensor-parallel ranks' partial sums (a replicated weight applied to a
+                align_grads(self.raw.parameters())  # shard of the tokens) summed, as FSDP2 does for what it shards
             norm = clip_grad_norm(self.model, self.opt_cfg.grad_clip)
         self.run.data_batches += 1
         values = {"train_loss": loss}

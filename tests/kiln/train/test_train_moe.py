@@ -2,9 +2,10 @@
 EP2 x FSDP2 follows the one-process loss curve over 30 steps with the same expert load, its expert-sharded
 checkpoint resumes bit for bit as a restart after SIGKILL does and reshards to one process; aux-free balancing
 moves its biases the same way on both; under pipeline stages it follows one process and reports every block's load;
-layouts that cannot run are config errors before anything trains.
+tensor parallelism (with sequence parallelism through the experts) composes with FSDP2, EP and PP, on two and four
+processes; layouts that cannot run are config errors before anything trains.
 
-Run: python -m pytest tests/kiln/train/test_train_moe.py -q   (three torchrun launches of two processes)
+Run: python -m pytest tests/kiln/train/test_train_moe.py -q   (torchrun launches of two and four processes)
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ def test_layouts_expert_parallelism_cannot_run_are_config_errors_naming_the_fiel
     with pytest.raises(ConfigError, match=r"job.layout.ep: 2; expert parallelism splits a mixture of experts, and "
                                           r"the llama family has none"):
         MeshLayout(ep=2).resolve(2, ModelConfig(family="llama"), "job.layout")
-    with pytest.raises(ConfigError, match=r"job.layout.ep: 2 with tp 2, pp 1, dp_replicate 1; expert parallelism "
-                                          r"composes with FSDP2 \(dp_shard\) only so far"):
-        MeshLayout(ep=2, tp=2).resolve(4, moe, "job.layout")
+    with pytest.raises(ConfigError, match=r"job.layout.ep: 2 with dp_replicate 2; expert parallelism splits the "
+                                          r"experts over the dp_shard ranks"):
+        MeshLayout(ep=2, dp_replicate=2).resolve(4, moe, "job.layout")
+    assert MeshLayout(ep=2, tp=2).resolve(4, moe, "job.layout").describe() == "dp_shard 2 x tp 2 x ep 2"
     assert MeshLayout(ep=3).resolve(3, moe, "job.layout").record() == {"dp_replicate": 1, "dp_shard": 3, "tp": 1,
                                                                         "ep": 3}
 
@@ -122,3 +124,43 @@ def test_a_mixture_under_pipeline_stages_follows_one_process_and_reports_every_b
     assert [c[1] for c in res["curve"]] == pytest.approx([c[1] for c in one["curve"]], abs=1e-4)
     assert res["expert_load"]["by_layer"] == one["expert_load"]["by_layer"]  # both blocks, in order
     assert sum(map(sum, res["expert_load"]["by_layer"])) == STEPS * 4 * 32 * 2 * 2
+
+
+@pytest.fixture(scope="module")
+def one_in_two(tmp_path_factory, pretrain_job) -> dict:
+    """The one-process run with each step cut into the two micro-batches of 2 a pipeline runs."""
+    return in_process(moe_job(pretrain_job, tmp_path_factory.mktemp("moe-one-2"), grad_accum=2, micro_batch=2))
+
+
+COMPOSED = {  # layout, processes, job fields, which one-process run it follows
+    "tp 2": ({"tp": 2}, 2, {}, "one"),
+    "dp_shard 2 x tp 2 x ep 2": ({"tp": 2, "ep": 2}, 4, {"parallelism": "fsdp", "micro_batch": 2, "eval_batches": 8},
+                                 "one"),
+    "pp 2 x tp 2": ({"tp": 2, "pp": 2}, 4, {"grad_accum": 2, "micro_batch": 2}, "one_in_two"),
+    "pp 2 x dp_shard 2 x ep 2": ({"pp": 2, "ep": 2}, 4, {"parallelism": "fsdp", "grad_accum": 2, "micro_batch": 1,
+                                                         "eval_batches": 8}, "one_in_two"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_the_mixture_composes_with_tensor_pipeline_and_expert_parallelism(tmp_path, request, pretrain_job,
+                                                                          train_runner, name) -> None:
+    """Each rank of a tensor-parallel group routes its sequence shard through experts it holds whole (gradients
+    summed across the group); with ep the experts are split over the data-shard ranks of each tensor-parallel rank.
+    Every layout follows one process (aux-free biases and z-loss on) with the same expert load, and its checkpoint
+    reads back as one model."""
+    layout, nproc, fields, ref_name = COMPOSED[name]
+    ref = request.getfixturevalue(ref_name)
+    job = moe_job(pretrain_job, tmp_path / "run", layout=layout, **fields)
+    proc = train_runner(job, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = result_of(job)
+    assert res["world_size"] == nproc and all(res["layout"][k] == v for k, v in layout.items())
+    assert res["expert_load"]["by_layer"] == ref["expert_load"]["by_layer"]
+    assert [c[1] for c in res["curve"]] == pytest.approx([c[1] for c in ref["curve"]], abs=CURVE_ABS)
+    assert [h["val_loss"] for h in res["history"]] == pytest.approx([h["val_loss"] for h in ref["history"]],
+                                                                    abs=CURVE_ABS)
+    state, _ = load_state(Path(res["checkpoint"]))
+    assert state["model"]["model.layers.1.mlp.experts.down_proj"].shape == (4, 48, 32)
+    assert state["model"]["model.layers.0.self_attn.q_norm.weight"].shape == (24,)
