@@ -91,6 +91,14 @@ MODEL_PRESETS: dict[str, dict[str, dict]] = {
         "llama3.2-1b": dict(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192,
                             block_size=8192, rope_theta=500000.0),
     },
+    "moe": {  # llama's shapes with experts: each expert the dense width / k, the dense model's active parameters
+        "tiny": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64, n_experts=4, n_experts_per_token=2),
+        "demo": dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=256, block_size=256, n_experts=8, n_experts_per_token=2),
+        # Qwen3-30B-A3B's depth, width, heads and experts (its heads are 128 wide; here n_embd / n_head = 64)
+        "qwen3-30b-a3b": dict(n_layer=48, n_head=32, n_kv_head=4, n_embd=2048, intermediate_size=6144,
+                              n_experts=128, n_experts_per_token=8, moe_intermediate_size=768, block_size=4096,
+                              rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False),
+    },
 }
 
 
