@@ -1,6 +1,6 @@
 """Tests for training the moe family (kiln.model.moe) with expert parallelism (job.layout.ep) on two gloo processes:
-EP2 x FSDP2 follows the one-process loss curve over 30 steps with the same expert load, its expert-sharded
-checkpoint resumes bit for bit as a restart after SIGKILL does and reshards to one process; aux-free balancing
+EP2 x FSDP2 follows the one-process loss curve over 30 steps with the same expert load, resumes bit for bit from
+its expert-sharded checkpoint after a SIGKILL, and the checkpoint reshards to one process; aux-free balancing
 moves its biases the same way on both; under pipeline stages it follows one process and reports every block's load;
 tensor parallelism (with sequence parallelism through the experts) composes with FSDP2, EP and PP, on two and four
 processes; layouts that cannot run are config errors before anything trains.
@@ -42,6 +42,24 @@ def moe_resume_copy(run: Path, dest: Path, pretrain_job, **kw) -> Path:
     return moe_job(pretrain_job, dest, **kw)
 
 
+def run_dir_of(job: Path) -> Path:
+    return Path(json.loads(job.read_text())["out_dir"])
+
+
+def faulted(job: Path, faults_file: Path, **faults):
+    """The job on two ranks through tests.faults (test-only fault injection)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+    from tests.faults import Faults
+
+    f = Faults(**faults).write(faults_file)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "tests.faults", "--faults", str(f), "--config", str(job), "--device", "cpu", "--timeout-s",
+                           "120"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+
+
 @pytest.fixture(scope="module")
 def one(tmp_path_factory, pretrain_job) -> dict:
     return in_process(moe_job(pretrain_job, tmp_path_factory.mktemp("moe-one")))
@@ -71,12 +89,15 @@ def test_expert_parallel_training_follows_one_process_resumes_and_reshards(tmp_p
     assert state["model"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 48)
     assert state["model"]["model.layers.1.mlp.expert_bias"].abs().sum() > 0
 
-    # a restart after a crash resumes from the newest good checkpoint: the same run, bit for bit
-    again = moe_resume_copy(Path(res["checkpoint"]).parents[1], tmp_path / "again", pretrain_job, **EP2)
+    # SIGKILL at step 23 (rank 0 kills itself; torchrun takes the other down), then the same command again: it
+    # resumes from the step-20 expert-sharded checkpoint and ends as the uninterrupted run did, bit for bit
+    again = moe_job(pretrain_job, tmp_path / "again", **EP2)
+    proc = faulted(again, tmp_path / "faults.json", kill_at_steps=[23], kill_after_save=True)
+    assert proc.returncode != 0 and not (run_dir_of(again) / "result.json").exists(), proc.stderr[-3000:]
     proc = train_runner(again, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res2 = result_of(again)
-    assert res2["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
+    assert res2["resumed_from"].endswith(f"step_{RESUME_AT:07d}") and res2["goodput"]["sessions"] == 2
     assert res2["rank_param_digests"] == res["rank_param_digests"]
     assert res2["curve"] == res["curve"] and res2["history"] == res["history"]
 
