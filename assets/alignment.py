@@ -183,7 +183,8 @@ def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], stor
                           **(extra or {}))
 
 
-DPO_FIELDS = ("beta", "label_smoothing", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
+DPO_FIELDS = ("loss", "beta", "label_smoothing", "simpo_gamma_ratio", "kto_desirable_weight", "kto_undesirable_weight",
+              "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
 
 
 class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps": 40, "micro_batch": 16, "eval_interval": 20},
@@ -197,7 +198,7 @@ class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps"
 def dpo_model(context: AssetExecutionContext, config: DpoModelConfig, sft_model: dict, preference_data: dict,
               instruction_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
               torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
-    """The SFT model trained by Direct Preference Optimization against itself frozen as the reference (a torchrun job), reporting reward margins and chosen/rejected log-probabilities; held-out measures before and after."""
+    """The SFT model trained on preference pairs (a torchrun job) by Direct Preference Optimization against itself frozen as the reference, or by another registered loss (IPO, SimPO without a reference, KTO), reporting reward margins and chosen/rejected log-probabilities; held-out measures before and after."""
     start, start_key, extra = start_weights("dpo_model", config.init_from, sft_model, training_plan, tokenizer, storage)
     plan = {**training_plan, "micro_batch": config.micro_batch}
     fields = {**config.job_fields(), "train_files": [preference_data["path"]], "ckpt_interval": config.max_steps,

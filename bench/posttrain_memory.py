@@ -92,7 +92,9 @@ def dpo_child(variant: str) -> dict:
     t0 = time.perf_counter()
     with torch.no_grad():
         r = ref_logps()  # (2B,)
-    stats = pair_stats(policy_logps(), r, 0.1, 0.0)  # DpoStage.loss
+    from kiln.posttrain.preference_losses import LossSettings
+
+    stats = pair_stats(policy_logps(), r, LossSettings(beta=0.1))  # DpoStage.loss
     stats["loss_tensor"].backward()
     norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), float("inf")))
     opt.step()

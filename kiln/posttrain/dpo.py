@@ -1,4 +1,5 @@
-"""Direct Preference Optimization (Rafailov et al., 2023) against a frozen reference model, as a training stage.
+"""Preference optimisation as a training stage: Direct Preference Optimization (Rafailov et al., 2023) against a frozen
+reference model, or another loss of kiln.posttrain.preference_losses (``loss``: dpo, ipo, simpo, kto).
 
 One process:  python -m kiln.posttrain.dpo --config job.json          (DpoJob fields; init_from = the SFT checkpoint)
 Several:      python -m torch.distributed.run --nproc_per_node=2 -m kiln.posttrain.dpo --config job.json
@@ -14,7 +15,6 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.logprobs import model_sequence_logps
@@ -28,23 +28,48 @@ from kiln.train.trainer import StepReport, Trainer
 @dataclass
 class DpoJob(PosttrainJob):
     task: str = "dpo"
-    beta: float = 0.1  # strength of the implicit KL constraint: larger stays closer to the reference
-    label_smoothing: float = 0.0  # assumed share of flipped labels (conservative DPO); 0 is plain DPO
+    loss: str = "dpo"  # the preference loss (kiln.posttrain.preference_losses): dpo, ipo, simpo (no reference), kto
+    beta: float = 0.0  # the loss's beta (dpo: the implicit KL strength; ipo: tau); 0: its paper's default (dpo, ipo,
+    # kto 0.1; simpo 2.0)
+    label_smoothing: float = 0.0  # dpo: assumed share of flipped labels (conservative DPO); 0 is plain DPO
+    simpo_gamma_ratio: float = 0.5  # simpo: the target reward margin gamma as a share of beta (the paper's 0.5)
+    kto_desirable_weight: float = 1.0  # kto: lambda_D, the weight of the chosen (desirable) responses
+    kto_undesirable_weight: float = 1.0  # kto: lambda_U, the weight of the rejected (undesirable) responses
     eval_pairs: int = 256  # held-out (split=val) pairs scored at each evaluation
+
+    def check(self, where: str = "job") -> None:
+        super().check(where)
+        from kiln.common.config import ConfigError
+        from kiln.posttrain.preference_losses import preference_loss
+
+        preference_loss(self.loss, where)  # an unknown name lists the known ones
+        if self.beta < 0:
+            raise ConfigError(f"{where}.beta: {self.beta} must not be negative (0: the loss's default)")
+        if self.label_smoothing and self.loss != "dpo":
+            raise ConfigError(f"{where}.label_smoothing applies to loss dpo, not {self.loss!r}: set it to 0")
+
+    def settings(self):
+        """The loss's settings with beta resolved (0: the paper's default)."""
+        from kiln.posttrain.preference_losses import LossSettings, preference_loss
+
+        return LossSettings(self.beta or preference_loss(self.loss).beta, self.label_smoothing, self.simpo_gamma_ratio,
+                            self.kto_desirable_weight, self.kto_undesirable_weight)
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0):
-    """Summed response log-probs, each (B,) -> (loss scalar, chosen rewards (B,), rejected rewards (B,)).
+    """Summed response log-probs, each (B,) -> (loss scalar, chosen rewards (B,), rejected rewards (B,)): DPO's loss
+    (kiln.posttrain.preference_losses.dpo), averaged over pairs.
 
-    reward = beta * (log pi(y|x) - log pi_ref(y|x));  loss = -log sigmoid(reward_chosen - reward_rejected),
-    averaged over pairs (with label smoothing eps: (1-eps) of that plus eps of the flipped pair's loss).
+    reward = beta * (log pi(y|x) - log pi_ref(y|x));  loss = -log sigmoid(reward_chosen - reward_rejected)
+    (with label smoothing eps: (1-eps) of that plus eps of the flipped pair's loss).
     """
-    chosen_rewards = beta * (policy_chosen - ref_chosen)  # (B,)
-    rejected_rewards = beta * (policy_rejected - ref_rejected)  # (B,)
-    margin = chosen_rewards - rejected_rewards  # (B,)
-    losses = -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
-    return losses.mean(), chosen_rewards.detach(), rejected_rewards.detach()
+    from kiln.posttrain.preference_losses import LossSettings, PairLogps, dpo
+
+    ones = torch.ones_like(policy_chosen)
+    losses, chosen, rejected = dpo(PairLogps(policy_chosen, policy_rejected, ref_chosen, ref_rejected, ones, ones),
+                                   LossSettings(beta, label_smoothing))
+    return losses.mean(), chosen.detach(), rejected.detach()
 
 
 def encode_preferences(enc, rows: list[dict], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,10 +96,19 @@ class PairLoader(PackedLoader):
         return pair_batch(self.tokens[idx], self.mask[idx])
 
 
-def pair_stats(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float, label_smoothing: float) -> dict[str, Any]:
-    """Loss and the reported quantities for (2B,) policy and reference log-probs (chosen rows first)."""
+def pair_stats(policy_logps: torch.Tensor, ref_logps: torch.Tensor | None, settings, loss_name: str = "dpo",
+               tokens: torch.Tensor | None = None) -> dict[str, Any]:
+    """Loss and the reported quantities for (2B,) policy and reference log-probs (chosen rows first; the reference
+    None for a loss without one) and the responses' token counts (2B,), under the preference loss ``loss_name``
+    (kiln.posttrain.preference_losses) with ``settings`` (LossSettings)."""
+    from kiln.posttrain.preference_losses import PairLogps, preference_loss
+
     b = policy_logps.size(0) // 2
-    loss, cr, rr = dpo_loss(policy_logps[:b], policy_logps[b:], ref_logps[:b], ref_logps[b:], beta, label_smoothing)
+    tokens = (tokens if tokens is not None else torch.ones_like(policy_logps)).to(policy_logps.dtype)
+    rc, rr = (ref_logps[:b], ref_logps[b:]) if ref_logps is not None else (None, None)
+    pairs = PairLogps(policy_logps[:b], policy_logps[b:], rc, rr, tokens[:b], tokens[b:])
+    losses, cr, rr = preference_loss(loss_name).fn(pairs, settings)
+    loss, cr, rr = losses.mean(), cr.detach(), rr.detach()
     stats = {
         "reward_accuracy": float((cr > rr).float().mean()),  # the policy moved towards the chosen response more
         "reward_margin": float((cr - rr).mean()),
@@ -102,10 +136,20 @@ class DpoStage(PosttrainStage):
             raise ValueError(f"{job.train_files[0]}: {len(self.train_rows)} training pairs cannot fill one batch of "
                              f"{job.micro_batch} x {info.world_size} ranks; lower micro_batch or add preference data")
         super().__init__(job, info)
+        self.settings = job.settings()
         self.loader = PairLoader(tt, tm, job.micro_batch, info.rank, info.world_size, job.seed)
 
+    def setup(self, trainer: Trainer) -> None:
+        from kiln.posttrain.preference_losses import preference_loss
+
+        if preference_loss(self.job.loss).reference:
+            return super().setup(trainer)
+        self.trainer, self.ref_path = trainer, None  # a reference-free loss: no second model is loaded
+        self.init_note = f"; no reference model (loss {self.job.loss})"
+
     def describe(self, trainer: Trainer) -> str:
-        return (f"DPO on {len(self.train_rows)} pairs (beta {self.job.beta}), {len(self.val_rows)} held out; "
+        return (f"{self.job.loss.upper()} on {len(self.train_rows)} pairs (beta {self.settings.beta:g}), "
+                f"{len(self.val_rows)} held out; "
                 f"{self.info.world_size} x {self.info.device.type}, steps {trainer.run.step}->{self.job.max_steps}")
 
     def batches(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -114,9 +158,10 @@ class DpoStage(PosttrainStage):
 
     def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = (t.to(trainer.info.device) for t in batch)  # (2B, T): chosen rows, then rejected rows
-        ref = self.reference_logps(x, y).sum(-1)  # (2B,)
+        ref = self.reference_logps(x, y).sum(-1) if self.ref_path is not None else None  # (2B,)
         with trainer.autocast():
-            stats = pair_stats(model_sequence_logps(trainer.model, x, y), ref, self.job.beta, self.job.label_smoothing)
+            stats = pair_stats(model_sequence_logps(trainer.model, x, y), ref, self.settings, self.job.loss,
+                               (y != -100).sum(-1))
         return stats.pop("loss_tensor"), stats
 
     @torch.no_grad()
@@ -133,7 +178,8 @@ class DpoStage(PosttrainStage):
             x, y = x.to(self.info.device), y.to(self.info.device)
             with trainer.autocast():
                 logps = model_sequence_logps(raw, x, y)  # (2B,)
-            stats = pair_stats(logps, self.reference_logps(x, y).sum(-1), job.beta, job.label_smoothing)
+            ref = self.reference_logps(x, y).sum(-1) if self.ref_path is not None else None
+            stats = pair_stats(logps, ref, self.settings, job.loss, (y != -100).sum(-1))
             for k, v in stats.items():
                 if k != "loss_tensor":
                     totals[k] = totals.get(k, 0.0) + v * len(idx)
@@ -157,7 +203,8 @@ class DpoStage(PosttrainStage):
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         vals = [h for h in trainer.run.history if "val_loss" in h]
         return {**super().summary(trainer), "pairs": {"train": len(self.train_rows), "val": len(self.val_rows)},
-                "beta": self.job.beta, "initial_val": _strip(vals[0]) if vals else None,
+                "loss": self.job.loss, "beta": self.settings.beta,
+                "initial_val": _strip(vals[0]) if vals else None,
                 "final_val": _strip(vals[-1]) if vals else None, "final_train": trainer.last_stats or None,
                 "final_val_loss": vals[-1]["val_loss"] if vals else None}
 
