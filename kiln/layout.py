@@ -421,6 +421,31 @@ def _inflight(lay: Layout, rank: int, m: int) -> float:
     return min(m, lay.pp - rank)
 
 
+def _layer_flops(s: Shape, tokens: int, ep: int) -> float:
+    """A block's training FLOPs per token as the dense-efficiency model should count them: a routed expert multiplies
+    only the tokens sent to it (tokens x ep x k / E of a micro-batch), so its matmuls run at the efficiency of that
+    many tokens, counted as extra dense-equivalent FLOPs."""
+    if not s.n_experts:
+        return s.layer_flops
+    expert_flops = 6.0 * s.top_k * s.expert_params / s.n_experts  # per token per block
+    per_expert = tokens * ep * s.top_k / s.n_experts
+    slow = (tokens + HALF_EFFICIENCY_TOKENS) / tokens * per_expert / (per_expert + HALF_EFFICIENCY_TOKENS)
+    return s.layer_flops + expert_flops * (1 / slow - 1)
+
+
+def _all_to_all(cluster: ClusterConfig, s: Shape, lay: Layout, tokens: int, blocks: int, recompute: float,
+                m: int) -> Collective:
+    """Expert parallelism's traffic: per MoE block and micro-batch, the k copies of each token go to their experts'
+    ranks and come back (dispatch + combine) in forward, again in backward and in a recomputed forward. The step
+    waits for each (the experts need their tokens), so it is all exposed; an all-to-all is ep - 1 sends."""
+    ep, tp = lay.ep, lay.tp
+    name, bw = _link(cluster, tp, ep)
+    nbytes = tokens / tp * s.top_k * s.n_embd * ACT_BYTES * (ep - 1) / ep
+    calls = round(blocks * (4 + 2 * recompute)) * m
+    sec = calls * (nbytes / (bw * 1e9) + (ep - 1) * cluster.latency_us * 1e-6)
+    return Collective("ep all-to-all dispatch + combine", ep, name, bw, calls, calls * nbytes / GIB, sec, sec)
+
+
 def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, cluster: ClusterConfig) -> Estimate:
     """Memory per rank, communication, bubble, step time and MFU of a legal ``layout`` (see refusal)."""
     lay, s = layout, shape
@@ -487,15 +512,7 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
            * (s.n_embd / tp) / (s.n_embd / tp + HALF_EFFICIENCY_WIDTH))
     flop_s = cluster.peak_tflops * 1e12 * eff
 
-    # a routed expert multiplies only the tokens sent to it: tokens x k / E of each of the ep ranks' micro-batches,
-    # so its matmuls run at the efficiency of that many tokens (counted here as extra dense-equivalent FLOPs)
-    expert_flops = 6.0 * s.top_k * s.expert_params / s.n_experts if s.n_experts else 0.0  # per token per block
-    if expert_flops:
-        per_expert = tokens * ep * s.top_k / s.n_experts
-        slow = (tokens + HALF_EFFICIENCY_TOKENS) / tokens * per_expert / (per_expert + HALF_EFFICIENCY_TOKENS)
-        layer_flops = s.layer_flops + expert_flops * (1 / slow - 1)
-    else:
-        layer_flops = s.layer_flops
+    layer_flops = _layer_flops(s, tokens, ep)
 
     def stage_flops(rank: int) -> tuple[float, float]:  # (forward + backward, recompute) per micro-batch per rank
         head = s.head_flops if rank == pp - 1 else 0.0
@@ -523,15 +540,8 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
         calls = round(stage_blocks * (8 + 4 * recompute))
         comm.append(Collective("tp all-gather + reduce-scatter", tp, name, bw, calls * m,
                                per_call * calls * m / GIB, sec * calls * m, sec * calls * m))
-    # expert parallelism: per MoE block and micro-batch, the k copies of each token go to their experts' ranks and
-    # come back (dispatch + combine) in forward, again in backward and in a recomputed forward; the step waits for
-    # each (the experts need their tokens), so it is all exposed. An all-to-all is ep - 1 point-to-point sends.
     if ep > 1:
-        name, bw = _link(cluster, tp, ep)
-        nbytes = tokens / tp * s.top_k * s.n_embd * ACT_BYTES * (ep - 1) / ep
-        calls = round(stage_blocks * (4 + 2 * recompute)) * m
-        sec = calls * (nbytes / (bw * 1e9) + (ep - 1) * lat * 1e-6)
-        comm.append(Collective("ep all-to-all dispatch + combine", ep, name, bw, calls, calls * nbytes / GIB, sec, sec))
+        comm.append(_all_to_all(cluster, s, lay, tokens, stage_blocks, recompute, m))
     # pipeline: each chunk sends its output forward and its input gradient back, per micro-batch; the slowest
     # boundary sets the pace (one that crosses servers goes through each tp rank's own NIC)
     if pp > 1:

@@ -183,11 +183,12 @@ class Llama(nn.Module):
         return self.lm_head(x).float()  # (B, T, V)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6N over the matmul weights + 12 L H Q T for attention."""
+def flops_per_token(cfg: ModelConfig, seq_len: int, mlp: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward): 6N over the matmul weights + 12 L H Q T for attention. ``mlp``:
+    the matmul weights one token meets in a block's MLP, where they are not SwiGLU's three (a mixture of experts)."""
     hs = cfg.head_dim
     attn = cfg.n_embd * hs * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # q, o and k, v projections
-    mlp = 3 * cfg.n_embd * cfg.intermediate_size
+    mlp = 3 * cfg.n_embd * cfg.intermediate_size if mlp is None else mlp
     n = cfg.n_layer * (attn + mlp) + cfg.vocab_size * cfg.n_embd  # the head is a matmul, tied or not
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
 

@@ -397,16 +397,11 @@ def active_layer_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token from the active parameters: llama's count with the MLP replaced by the k chosen
-    experts and the shared ones, plus the router."""
-    from dataclasses import replace
-
+    """Training FLOPs per token from the active parameters: llama's count (kiln.model.llama.flops_per_token) with the
+    MLP as the k chosen experts and the shared ones, plus the router."""
     width = (cfg.n_experts_per_token + cfg.n_shared_experts) * cfg.moe_intermediate_size
-    dense = replace(cfg, family="llama", intermediate_size=width, n_shared_experts=0, n_experts=8,
-                    n_experts_per_token=2, moe_intermediate_size=0, norm_topk_prob=True, router_balance="aux_loss",
-                    router_aux_loss_coef=0.001, router_bias_rate=0.001, router_z_loss_coef=0.0, capacity_factor=0.0,
-                    qk_norm=True)
-    return dense_flops(dense, seq_len) + 6 * cfg.n_layer * cfg.n_embd * cfg.n_experts
+    mlp_and_router = 3 * cfg.n_embd * width + cfg.n_embd * cfg.n_experts
+    return dense_flops(cfg, seq_len, mlp=mlp_and_router)
 
 
 def saved_per_token(cfg: ModelConfig) -> tuple[int, int]:
