@@ -30,7 +30,7 @@ from bench_families import val_loss  # noqa: E402  (the same held-out loss as th
 from kiln.loader import TokenLoader  # noqa: E402
 from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
-from kiln.model.moe import end_step, load_measures, tensor_count  # noqa: E402
+from kiln.model.moe import end_step, load_measures, sparse_layers, tensor_count  # noqa: E402
 from kiln.model.parallel import clip_grad_norm  # noqa: E402
 from kiln.plan import count_params  # noqa: E402
 from kiln.shards import shard_paths  # noqa: E402
@@ -58,14 +58,14 @@ def train(name: str, cfg: ModelConfig, shards: Path, a: argparse.Namespace) -> d
     scheduler = make_scheduler(optimizer, opt_cfg, a.steps)
     loader = TokenLoader(shard_paths(shards, "train"), a.batch, a.seq_len, seed=0)
     val = shard_paths(shards, "val")
-    train_s, late = 0.0, None
+    train_s, late, experts = 0.0, None, sparse_layers(model)
     for step in range(1, a.steps + 1):
         t0 = time.perf_counter()
         x, y = loader.next_batch()  # (B, T) each
         model(x, y).backward()
         clip_grad_norm(model, opt_cfg.grad_clip)
         optimizer.step()
-        moe = end_step(model)  # the step's expert load; aux_free's biases moved
+        moe = end_step(experts)  # the step's expert load; aux_free's biases moved
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         train_s += time.perf_counter() - t0

@@ -292,20 +292,20 @@ def apply_ep(model: nn.Module, mesh, dp_ranks: int) -> set[nn.Parameter]:
 
 
 @torch.no_grad()
-def begin_step(model: nn.Module) -> None:
-    """Before a step's micro-batches: forget what was counted outside training steps (a pipeline schedule's
-    shape-inference and evaluation forwards run in training mode)."""
-    for m in sparse_layers(model):
+def begin_step(layers: list[SparseMLP]) -> None:
+    """Before a step's micro-batches: forget what the model's mixtures (``sparse_layers``) counted outside training
+    steps (a pipeline schedule's shape-inference and evaluation forwards run in training mode)."""
+    for m in layers:
         m.load.zero_()
         m.dropped.zero_()
 
 
 @torch.no_grad()
-def end_step(model: nn.Module) -> dict[str, Any] | None:
-    """After an optimizer step: the step's global expert load per layer (all-reduced over the data-parallel ranks),
-    aux_free's bias moved toward balance, the counts reset. Returns {"load": (L, E) tensor, "dropped": slots,
-    "losses": the last micro-batch's auxiliary losses}, or None for a dense model."""
-    layers = sparse_layers(model)
+def end_step(layers: list[SparseMLP]) -> dict[str, Any] | None:
+    """After an optimizer step, for the model's mixtures (``sparse_layers``): the step's global expert load per layer
+    (all-reduced over the data-parallel ranks), aux_free's bias moved toward balance, the counts reset. Returns
+    {"load": (L, E) tensor, "dropped": slots, "losses": the last micro-batch's auxiliary losses}, or None for a dense
+    model."""
     if not layers:
         return None
     load = torch.stack([m.load for m in layers])  # (L, E)

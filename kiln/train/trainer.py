@@ -25,7 +25,7 @@ from kiln.common.files import atomic_write_json
 from kiln.common.metrics import operations_metrics
 from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token, of
-from kiln.model.moe import apply_ep, apply_moe, begin_step, end_step, load_measures
+from kiln.model.moe import apply_ep, apply_moe, begin_step, end_step, load_measures, sparse_layers
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import (MeshLayout, align_grads, build_mesh, clip_grad_norm, describe, gradient_sync,
                                  parallelize)
@@ -277,6 +277,7 @@ class Trainer:
                                  self.bf16, fsdp_mesh=fsdp_mesh, ignored=ignored)  # the model to call
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
+        self.sparse = sparse_layers(self.raw)  # a mixture of experts' blocks (none for a dense model)
 
     def build_pipeline(self, mesh) -> None:
         """This rank's pipeline stages of the model (split over tp or sharded by FSDP2 over dp_shard), their
@@ -297,6 +298,7 @@ class Trainer:
                   tp=self.layout.tp)
         self.optimizer = make_optimizer(self.raw, self.opt_cfg, self.info.device)
         self.scheduler = make_scheduler(self.optimizer, self.opt_cfg, job.max_steps)
+        self.sparse = sparse_layers(self.raw)  # this rank's stages' mixture-of-experts blocks
 
     def job_params(self) -> dict[str, Any]:
         return self.job.params()
@@ -421,7 +423,7 @@ class Trainer:
     def train_step(self, index: int) -> tuple[dict[str, float], float]:
         """Forward and backward every micro-batch of data batch ``index``; return the step's training measures
         (averaged over ranks) and the gradient norm before clipping."""
-        begin_step(self.raw)  # a mixture of experts counts this step's routing only
+        begin_step(self.sparse)  # a mixture of experts counts this step's routing only
         if self.pipe is not None:  # the schedule runs the micro-batches; the last stage's loss reaches every rank
             x, y, kwargs = self.stage.pipeline_batch(self, index)
             with self.autocast():
@@ -445,7 +447,7 @@ class Trainer:
         for cb in self.callbacks:
             cb.before_optimizer_step(self, batch)
         self.optimizer.step()
-        self.moe = end_step(self.raw)  # a mixture of experts: the step's expert load, aux_free's bias moved
+        self.moe = end_step(self.sparse)  # a mixture of experts: the step's expert load, aux_free's bias moved
         for cb in self.callbacks:
             cb.after_optimizer_step(self, batch)
         self.scheduler.step()

@@ -181,7 +181,7 @@ def test_aux_free_biases_move_toward_balance_and_steer_the_choice_only() -> None
         layer.gate.weight[1] += 0.5  # expert 1 favoured
     model(torch.randint(0, 128, (2, 16)))
     load = layer.load.clone()
-    out = end_step(model)
+    out = end_step(sparse_layers(model))
     assert torch.equal(out["load"][0], load) and float(layer.load.sum()) == 0  # counts handed over, then reset
     assert torch.equal(layer.expert_bias, 0.1 * torch.sign(load.mean() - load))  # busy experts down, idle up
     assert "model.layers.0.mlp.expert_bias" in model.state_dict()  # checkpointed with the model
