@@ -29,6 +29,14 @@ EP2 = {"layout": {"ep": 2}, "parallelism": "fsdp", "micro_batch": 2, "eval_batch
 CURVE_ABS = 2e-4
 
 
+def assert_same_load(res: dict, ref: dict) -> None:
+    """The same tokens reach the same experts: equal totals, and per expert within 1% of the busiest (a decision
+    whose top-k margin is below float rounding may go the other way on another machine)."""
+    got, want = torch.tensor(res["expert_load"]["by_layer"]), torch.tensor(ref["expert_load"]["by_layer"])
+    assert got.shape == want.shape and got.sum() == want.sum(), (got, want)
+    assert (got - want).abs().max() <= 0.01 * want.max(), (got, want)
+
+
 def moe_job(pretrain_job, path: Path, **kw) -> Path:
     """30 steps of 4 sequences of a 2-layer mixture of 4 experts (2 per token), checkpoints every 10 steps."""
     model = {**json.loads(pretrain_job(path).read_text())["model"], **MOE}
@@ -79,9 +87,8 @@ def test_expert_parallel_training_follows_one_process_resumes_and_reshards(tmp_p
                                                                     abs=CURVE_ABS)
     assert one["final_val_loss"] < one["initial_val_loss"] - 0.5  # and the mixture learns
     # the same tokens reach the same experts: the load, counted over both ranks, is one process's
-    ep_load, one_load = torch.tensor(res["expert_load"]["by_layer"]), torch.tensor(one["expert_load"]["by_layer"])
-    assert ep_load.sum() == one_load.sum() == STEPS * 4 * 32 * 2 * 2  # 30 steps x 128 tokens x 2 experts x 2 layers
-    assert (ep_load - one_load).abs().max() <= 0.01 * one_load.max()
+    assert_same_load(res, one)
+    assert sum(map(sum, one["expert_load"]["by_layer"])) == STEPS * 4 * 32 * 2 * 2  # steps x tokens x k x layers
     assert len(set(res["rank_param_digests"])) == 1
     meta = verify_checkpoint(Path(res["checkpoint"]))
     assert meta["format"] == "sharded" and meta["job"]["layout"]["ep"] == 2
@@ -143,7 +150,7 @@ def test_a_mixture_under_pipeline_stages_follows_one_process_and_reports_every_b
     res, one = result_of(job), in_process(moe_job(pretrain_job, tmp_path / "one", **same))
     assert res["layout"]["pp"] == 2 and res["steps"] == STEPS
     assert [c[1] for c in res["curve"]] == pytest.approx([c[1] for c in one["curve"]], abs=1e-4)
-    assert res["expert_load"]["by_layer"] == one["expert_load"]["by_layer"]  # both blocks, in order
+    assert_same_load(res, one)  # both blocks, in order
     assert sum(map(sum, res["expert_load"]["by_layer"])) == STEPS * 4 * 32 * 2 * 2
 
 
@@ -178,7 +185,7 @@ def test_the_mixture_composes_with_tensor_pipeline_and_expert_parallelism(tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = result_of(job)
     assert res["world_size"] == nproc and all(res["layout"][k] == v for k, v in layout.items())
-    assert res["expert_load"]["by_layer"] == ref["expert_load"]["by_layer"]
+    assert_same_load(res, ref)
     assert [c[1] for c in res["curve"]] == pytest.approx([c[1] for c in ref["curve"]], abs=CURVE_ABS)
     assert [h["val_loss"] for h in res["history"]] == pytest.approx([h["val_loss"] for h in ref["history"]],
                                                                     abs=CURVE_ABS)
