@@ -176,7 +176,7 @@ class Trainer:
         self.job, self.stage, self.info, self.reporter = job, stage, info, reporter
         self.callbacks = list(callbacks)
         self.cfg, self.opt_cfg, self.spike_cfg = job.model, job.optim, job.spikes  # built and checked by load_job
-        self.layout = self.split_layout()  # None unless the model is split over the ranks (layout.tp or pp > 1)
+        self.layout = self.split_layout()  # None unless the model is split over the ranks (layout.tp, pp or ep > 1)
         self.pipe: Pipeline | None = None  # this rank's pipeline stages (layout.pp > 1)
         self.moe: dict[str, Any] | None = None  # a mixture of experts' last step: load, dropped slots, aux losses
         self.expert_load: torch.Tensor | None = None  # (layers, experts) token slots routed this session
@@ -228,7 +228,7 @@ class Trainer:
 
     def split_layout(self) -> MeshLayout | None:
         """The job's layout resolved for this world (a ConfigError when it cannot run here), or None when the
-        model is not split (tp 1 and pp 1: the data-parallel strategies alone)."""
+        model is not split (tp, pp and ep 1: the data-parallel strategies alone)."""
         if self.job.layout.tp == 1 and self.job.layout.pp == 1 and self.job.layout.ep == 1:
             return None
         self.job.check_layout("job", self.info.world_size)
