@@ -15,9 +15,9 @@ from assets._config import schema_of
 from assets.pretrained import recorded_start, start_of
 from kiln.common.config import ConfigError
 from kiln.layout import LayoutPlan, LayoutRequest, layout_from_config, training_plan_of
-from kiln.model.config import ModelConfig
-from kiln.plan import (BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, model_from_config, plan_from_config,
-                       plan_version)
+from kiln.model.config import ModelConfig, preset_fields
+from kiln.plan import (PREDICTIONS, BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, model_from_config,
+                       plan_from_config, plan_version)
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, describe_sizes, pretrain_report
 from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
@@ -49,6 +49,9 @@ class TrainingPlanConfig(Config):
     hardware: Hardware = Field(default_factory=Hardware, description="Where it trains: device, processes, nodes, memory.")
     parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile.")
     layout: Optional[LayoutBlock] = Field(default=None, description="Plan tensor, pipeline and data parallelism for the hardware block's GPUs over these links (kiln.layout): base_model trains the fastest layout that fits, `kiln plan` explains the choice. Unset: data parallelism alone.")
+    from_sweep: bool = Field(default=False, description="Train the best point of sweep_results: its model, batch and optim fields replace these (and base_model's optim).")
+    sizing: str = Field(default="preset", description="preset: the configured model and steps; law: the width and steps the scaling_ladder's fitted law finds compute-optimal for compute_budget (the model keeps the configured shape: family, depth, heads).")
+    compute_budget: float = Field(default=0.0, description="sizing: law: the training FLOPs to spend; 0 is what the configured model and steps would spend.")
 
     def plan(self, n_vocab: int, pretrained: dict | None = None) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
         """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it); with an imported
@@ -90,16 +93,83 @@ class TrainingPlanConfig(Config):
                                 bool(self.parallel.to_dict().get("compile")))
 
 
+def decided(config: TrainingPlanConfig, n_vocab: int, pretrained: dict | None, sweep_results: dict | None,
+            scaling_ladder: dict | None) -> tuple[TrainingPlanConfig, dict]:
+    """The config training_plan plans (the best sweep point's fields with from_sweep, the law's width and steps
+    with sizing: law) and what the plan records about where they came from."""
+    from kiln.scaling.ladder import law_of, size_for
+    from kiln.scaling.sweep import overrides
+
+    notes: dict = {}
+    if config.sizing not in ("preset", "law"):
+        raise ConfigError(f"training_plan.sizing: {config.sizing!r}; choose preset or law")
+    if (config.from_sweep or config.sizing == "law") and (config.layout is not None or (pretrained or {}).get("path")):
+        raise ConfigError("training_plan.from_sweep / training_plan.sizing: law size a model trained from scratch on "
+                          "the data-parallel planner; unset them with a layout block or an imported pretrained model")
+    model, batch = config.model.to_dict(), config.batch.to_dict()
+    if config.from_sweep:
+        if not sweep_results:
+            raise ConfigError("training_plan.from_sweep: no sweep_results in this home; run the sweep first "
+                              "(kiln sweep --preset P) or set from_sweep: false")
+        ov = overrides(sweep_results["best"])
+        model, batch = {**model, **ov["model"]}, {**batch, **ov["batch"]}
+        notes["sweep"] = {"point": sweep_results["best"]["key"], "final_val_loss": sweep_results["best"]["final_val_loss"],
+                          "sweep_results": sweep_results["version"]}
+        notes["optim_overrides"] = ov["optim"]
+    config = config.model_copy(update={"model": ModelOverrides(**model), "batch": Batch(**batch)})
+    if config.sizing == "law":
+        law = law_of(scaling_ladder)  # a ConfigError when there is no ladder or its law did not fit
+        made, cfg, bc, _ = config.plan(n_vocab)
+        budget = config.compute_budget or made.total_flops
+        shape = {**({} if not config.model_preset else preset_fields(config.model_preset, model.get("family", "gpt2"))),
+                 **model}
+        sized = size_for(law.optimal, budget, shape, n_vocab, bc.seq_len, made.tokens_per_step)
+        model = {**model, "n_embd": sized["width"]}
+        model.pop("intermediate_size", None)  # follows the width
+        config = config.model_copy(update={"model": ModelOverrides(**model),
+                                           "batch": Batch(**{**batch, "max_steps": sized["steps"]})})
+        notes["sized_by_law"] = sized
+    return config, notes
+
+
+def prediction(plan: dict, scaling_ladder: dict | None, sizing: str) -> dict | None:
+    """What the ladder's law says this plan's run will reach (final validation loss, with its bootstrap interval),
+    and the ladder it came from; None without a fitted ladder."""
+    from kiln.scaling.ladder import law_of
+
+    if not scaling_ladder or "error" in scaling_ladder.get("law", {"error": ""}):
+        return None
+    law = law_of(scaling_ladder)
+    n, d = plan["params"], plan["total_tokens"]
+    low, high = law.interval(n, d)
+    return {"ladder": scaling_ladder["version"], "sizing": sizing, "params": n, "tokens": d,
+            "predicted_val_loss": law.predict(n, d), "interval": [low, high],
+            "law": {k: scaling_ladder["law"][k] for k in ("E", "A", "B", "alpha", "beta")},
+            "intervals": scaling_ladder["law"].get("intervals"),
+            "rungs": [{k: r[k] for k in ("rung", "budget", "params", "tokens", "loss")} for r in scaling_ladder["rows"]]}
+
+
 @asset(code_version="3", group_name="training")
 def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, tokenizer: dict, token_shards: dict,
-                  mlflow: MlflowResource, pretrained_model: Optional[dict] = None) -> Output[dict]:
-    """Model size, memory per rank, parallelism (DDP or FSDP2; with a layout block, tensor and pipeline parallelism too), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; with an imported pretrained model, its architecture and the checkpoint base_model starts from."""
+                  mlflow: MlflowResource, pretrained_model: Optional[dict] = None, sweep_results: Optional[dict] = None,
+                  scaling_ladder: Optional[dict] = None) -> Output[dict]:
+    """Model size, memory per rank, parallelism (DDP or FSDP2; with a layout block, tensor and pipeline parallelism too), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; with an imported pretrained model, its architecture and the checkpoint base_model starts from; the best sweep point (from_sweep) or the scaling ladder's compute-optimal size (sizing: law) when asked, and the ladder's prediction of the run's loss when a ladder was fitted."""
     with failing_on_config_errors():
+        config, notes = decided(config, tokenizer["n_vocab"], pretrained_model, sweep_results, scaling_ladder)
         if config.layout is not None:  # a cluster's layout: tensor, pipeline and data parallelism
             plan = config.layout_training_plan(tokenizer["n_vocab"], pretrained_model)
         else:
             made, _, batch, hw = config.plan(tokenizer["n_vocab"], pretrained_model)
             plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
+        plan.update(notes)
+        if config.sizing == "law":  # (a preset-sized plan keeps the keys it always had: its version is unchanged)
+            sized = notes["sized_by_law"]
+            plan["sizing"] = (f"law: the scaling ladder's compute-optimal size for {sized['budget_flops']:.3g} FLOPs "
+                              f"(N_opt {sized['optimal_params']:,.0f}, D_opt {sized['optimal_tokens']:,.0f}): width "
+                              f"{sized['width']}, {sized['params']:,} parameters, {sized['steps']} steps")
+        predicted = prediction(plan, scaling_ladder, config.sizing)
+        if predicted:
+            plan["scaling"] = predicted
     if pretrained_model and pretrained_model["path"]:  # base_model continues from these weights
         plan["pretrained"] = start_of(pretrained_model)
     plan["epochs"] = plan["total_tokens"] / max(token_shards["totals"]["train"]["tokens"], 1)
@@ -124,6 +194,13 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
             "peak_tflops_per_device": plan["peak_tflops"],
             "estimated_hours": float(f"{plan['est_hours']:.4g}"), "model": MetadataValue.json(plan["model"]),
             **plan_cost_metadata(plan),
+            "sizing": plan.get("sizing", "preset: the configured model and steps (compute_optimal_* beside it use Chinchilla's "
+                                         "~20 tokens per parameter)"),
+            **({"sweep_point": plan["sweep"]["point"], "sweep_point_val_loss": plan["sweep"]["final_val_loss"]}
+               if plan.get("sweep") else {}),
+            **({"predicted_val_loss": round(plan["scaling"]["predicted_val_loss"], 4),
+                "predicted_val_loss_interval": f"{plan['scaling']['interval'][0]:.4f} .. {plan['scaling']['interval'][1]:.4f}",
+                "predicted_by": f"scaling_ladder {plan['scaling']['ladder']}"} if plan.get("scaling") else {}),
         }, version=plan_version(plan))
 
 
@@ -155,6 +232,10 @@ def base_model(context: AssetExecutionContext, config: BaseModelConfig, training
     with failing_on_config_errors():
         fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
                   "max_steps": training_plan["max_steps"]}
+        if training_plan.get("optim_overrides"):  # the best sweep point's optimizer fields (from_sweep)
+            fields["optim"] = {**fields.get("optim", {}), **training_plan["optim_overrides"]}
+        predicted = training_plan.get("scaling")
+        training_plan = {k: v for k, v in training_plan.items() if k not in PREDICTIONS}
         inputs = {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}
         start = training_plan.get("pretrained")  # continued pretraining: the imported weights (in the plan's key)
         extra = {"pretrained": recorded_start(start)} if start else {}
@@ -165,4 +246,10 @@ def base_model(context: AssetExecutionContext, config: BaseModelConfig, training
             if job.reused is not None:
                 return job.reused
             result = job.launch()
-            return job.output(report_metadata(pretrain_report(result, job.out_dir), job.run), **extra)
+            meta = report_metadata(pretrain_report(result, job.out_dir), job.run)
+            if predicted:  # the scaling ladder's prediction beside what the run reached
+                err = result["final_val_loss"] / predicted["predicted_val_loss"] - 1
+                meta.update({"predicted_val_loss": round(predicted["predicted_val_loss"], 4),
+                             "prediction_error": f"{err:+.2%} (measured {result['final_val_loss']:.4f}; interval "
+                                                 f"{predicted['interval'][0]:.4f} .. {predicted['interval'][1]:.4f})"})
+            return job.output(meta, **extra)

@@ -33,6 +33,7 @@ what the next run would redo and why. Examples:
   kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
   kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
   kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
+  kiln sweep --preset sweep-demo      a hyper-parameter sweep: every point a short training run, then the ranking
   kiln logbook RUN_OR_RELEASE                 every attempt of a training run (or each stage of a release), how it ended
   kiln arena RELEASE_A models:/kiln-demo/2    a blind side-by-side vote between models in the browser, with ratings
 """
@@ -80,6 +81,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
     with home_lock(writable_home(home), f"preset {args.preset}"):
         return run_in_home(args, home)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """``kiln sweep``: jobs.sweeps.run_sweep in the home, then the ranked points."""
+    from dagster import DagsterInstance
+
+    from jobs.definitions import make_definitions
+    from jobs.home import home_lock, writable_home
+    from jobs.sweeps import SweepFailed, run_sweep
+
+    home = Path(args.home).resolve()
+    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
+    preset = load_preset(args.preset)
+    if not (preset.get("ops") or {}).get("sweep_grid"):
+        print(f"kiln: preset {args.preset} has no sweep_grid block: say which fields to sweep (see conf/presets/sweep-demo.yaml)",
+              file=sys.stderr)
+        return 2
+    start = time.time()
+    with home_lock(writable_home(home), f"sweep {args.preset}"), DagsterInstance.get() as instance:
+        try:
+            results = run_sweep(make_definitions(home), instance, preset.get("ops") or {}, tags={"kiln/preset": args.preset})
+        except SweepFailed as e:
+            print(f"kiln sweep: {e}", file=sys.stderr)
+            return 1
+    print(f"kiln sweep: {len(results['rows'])} points in {format_seconds(time.time() - start)}; best {results['best']['key']} "
+          f"(final val loss {results['best']['final_val_loss']:.4f})")
+    for r in results["rows"]:
+        print(f"  {r['rank'] or '-':>3}  {r['key']:<40} {r['final_val_loss']:.4f}")
+    print("Train the best point with training_plan.from_sweep: true (sweep-demo sets it): kiln run --preset sweep-demo")
+    return 0
 
 
 def run_selection(names: list[str], opt_in: list[str], select: str | None = None) -> list[str]:
@@ -628,6 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
                      "terminal (not only in the run's log file), and every failed step's full trace")
     run.set_defaults(fn=cmd_run)
+    sw = sub.add_parser("sweep", help="run a preset's hyper-parameter sweep: the grid, every point (reused when it ran), the ranking")
+    sw.add_argument("--preset", default="sweep-demo", help="name under conf/presets or a YAML path (its sweep_grid block)")
+    sw.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
+    sw.set_defaults(fn=cmd_sweep)
     gen = sub.add_parser("generate", help="sample text from a release bundle, checkpoint or registered model")
     gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default 'The')")

@@ -24,6 +24,7 @@ from assets.alignment import dpo_model, instruction_data, preference_data, rl_mo
 from assets.pretrained import pretrained_model
 from assets.publish import release_bundle, release_no_regression
 from assets.rlhf import ppo_model, reward_model
+from assets.scaling import scaling_ladder, sweep, sweep_grid, sweep_partitions, sweep_results
 from assets.training import base_model, training_plan
 from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
 from resources.ray import RayResource
@@ -34,17 +35,26 @@ from resources.tracking import MlflowResource
 PROJECT = Path(__file__).resolve().parent.parent
 KILN_HOME = Path(os.environ.get("KILN_HOME") or PROJECT / ".kiln")  # make ui sets it to the home it serves
 
-ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_suite,
-              contamination_report, eval_scores, instruction_data, preference_data, sft_model, dpo_model, rl_model,
-              judged_preferences, reward_model, ppo_model, release_bundle]
+ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_shards, scaling_ladder, training_plan,
+              base_model, eval_suite, contamination_report, eval_scores, instruction_data, preference_data, sft_model,
+              dpo_model, rl_model, judged_preferences, reward_model, ppo_model, release_bundle]
 # assets `kiln run` leaves out unless --select names them or the preset opts in (its top-level opt_in list);
 # the pipeline job itself (and the smoke end-to-end test) holds them
-OPT_IN = ("judged_preferences", "reward_model", "ppo_model")
-PARTITIONED_ASSETS = [checkpoint_evals]  # one partition per training checkpoint; outside the pipeline job
+OPT_IN = ("scaling_ladder", "judged_preferences", "reward_model", "ppo_model")
+# outside the pipeline job: checkpoint_evals (one partition per training checkpoint) and the sweep (sweep_grid
+# makes sweep's partitions, one per point, which must all run before sweep_results): ``kiln sweep`` runs them
+PARTITIONED_ASSETS = [checkpoint_evals, sweep]
+SWEEP_ASSETS = [sweep_grid, sweep_results]
 
 PIPELINE_DESCRIPTION = "Raw text to released model: every Kiln asset in order."
 kiln_pipeline_job = define_asset_job("kiln_pipeline_job", selection=AssetSelection.assets(*ALL_ASSETS),
                                      description=PIPELINE_DESCRIPTION)
+sweep_grid_job = define_asset_job("sweep_grid_job", selection=AssetSelection.assets(sweep_grid),
+                                  description="Expand a sweep's grid into partitions of sweep (then run sweep_job on each).")
+sweep_job = define_asset_job("sweep_job", selection=AssetSelection.assets(sweep), partitions_def=sweep_partitions,
+                             description="One point of the sweep (a partition of sweep); backfill every partition.")
+sweep_results_job = define_asset_job("sweep_results_job", selection=AssetSelection.assets(sweep_results),
+                                     description="Rank the sweep's points once every partition of sweep has run.")
 
 
 def launchpad_job(home: Path):
@@ -63,7 +73,7 @@ def launchpad_job(home: Path):
                            description=f"{PIPELINE_DESCRIPTION} The launchpad opens with preset {record['preset']}, "
                                        "the one this home's latest kiln run used.")
     try:  # the default config is checked against the schema when the job's config schema is built
-        Definitions(assets=ALL_ASSETS, jobs=[job], resources=make_resources(home)).resolve_job_def("kiln_pipeline_job").run_config_schema
+        Definitions(assets=ALL_ASSETS + PARTITIONED_ASSETS + SWEEP_ASSETS, jobs=[job], resources=make_resources(home)).resolve_job_def("kiln_pipeline_job").run_config_schema
     except (DagsterInvalidConfigError, DagsterInvalidDefinitionError) as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         why = next((line for line in lines if line.startswith("Error 1")), lines[0] if lines else type(e).__name__)
@@ -107,9 +117,10 @@ def make_definitions(home: Path = KILN_HOME, source_cache: str = "", launchpad: 
     links point at another UI, say). launchpad: kiln_pipeline_job's default run config is the home's recorded preset
     (``launchpad_job``; for the UI: ``kiln run`` passes every setting itself and must not inherit another preset's)."""
     return Definitions(
-        assets=ALL_ASSETS + PARTITIONED_ASSETS,
+        assets=ALL_ASSETS + PARTITIONED_ASSETS + SWEEP_ASSETS,
         asset_checks=[contamination_below_threshold, release_no_regression],
-        jobs=[launchpad_job(home) if launchpad else kiln_pipeline_job, checkpoint_eval_job],
+        jobs=[launchpad_job(home) if launchpad else kiln_pipeline_job, checkpoint_eval_job, sweep_grid_job, sweep_job,
+              sweep_results_job],
         schedules=[nightly_eval_schedule],
         sensors=[new_checkpoint_sensor],
         resources={**make_resources(home, source_cache), **resources},

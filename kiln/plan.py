@@ -98,13 +98,16 @@ class TrainingPlan:
 
 
 HOST_ESTIMATES = ("device_memory_gb", "peak_tflops", "est_hours", "alternatives")
+# What a plan says about its run without deciding it: the scaling ladder's prediction of its loss (a ladder
+# materialized after the model trained must not make the same run a new one)
+PREDICTIONS = ("scaling",)
 
 
 def plan_version(plan: dict) -> str:
     """The data version of a plan (the ``to_dict`` of a TrainingPlan, with any fields the caller adds): a hash of
     what the run will do, without HOST_ESTIMATES, which follow the planning host's memory and cores when
     hardware.memory_gb or peak_tflops is unset (the same run planned on another machine keeps its version)."""
-    return stable_hash({k: v for k, v in plan.items() if k not in HOST_ESTIMATES})[:16]
+    return stable_hash({k: v for k, v in plan.items() if k not in HOST_ESTIMATES + PREDICTIONS})[:16]
 
 
 class PlanError(ValueError):

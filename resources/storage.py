@@ -107,12 +107,13 @@ class HandleIOManager(FilesystemIOManager):
     before that asset existed, or a run whose selection leaves it out, then trains from scratch: the asset's own
     meaning of "no path set"); ``ppo_model`` and ``reward_model``, which release_bundle reads only when told to
     release the PPO model; and
-    ``judged_preferences``, which release_bundle reads only to report the judge in the card and lineage. Every other
-    missing handle is an error as before.
+    ``judged_preferences``, which release_bundle reads only to report the judge in the card and lineage;
+    ``sweep_results`` and ``scaling_ladder``, which training_plan uses only when told to (from_sweep, sizing: law)
+    or to predict its run's loss. Every other missing handle is an error as before.
     """
 
     optional: list[str] = Field(default_factory=lambda: ["pretrained_model", "ppo_model", "reward_model",
-                                                          "judged_preferences"],
+                                                          "judged_preferences", "sweep_results", "scaling_ladder"],
                                 description="Assets whose missing handle loads as None (never materialized here).")
 
     def create_io_manager(self, context) -> IOManager:

@@ -19,7 +19,7 @@ from kiln.model.families import family
 from kiln.posttrain.measures import MEASURES, NOISE_Z, change_rows, worse_beyond_noise
 
 CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
-LOSS_PLOT, CHECKPOINT_PLOT = "loss_curve.png", "scores_by_checkpoint.png"
+LOSS_PLOT, CHECKPOINT_PLOT, LADDER_PLOT = "loss_curve.png", "scores_by_checkpoint.png", "scaling_ladder.png"
 
 
 def task_score(task: str, row: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -142,6 +142,42 @@ Validation loss fell from {base['initial_val_loss']:.4f} to {base['final_val_los
 the vocabulary scores {math.log(tok['n_vocab']):.4f}). Base model version `{base['version']}`: checkpoint
 `{checkpoint_name(base['checkpoint'])}` in the Kiln home's storage, MLflow run `{base['mlflow_run_id']}`.
 {curve}
+"""
+
+
+def _scaling(plan: dict, base: dict, figures: Mapping[str, bytes]) -> str:
+    """The scaling ladder behind the plan (when one was fitted): its runs, the fitted law beside Chinchilla's, and
+    the law's prediction of this model's final validation loss against the measured one."""
+    sc = plan.get("scaling")
+    if not sc:
+        return ""
+    from kiln.scaling.law import CHINCHILLA
+
+    iv = sc.get("intervals") or {}
+    law_rows = [{"coefficient": k, "fitted": f"{sc['law'][k]:.4g}",
+                 "95% bootstrap interval": (f"{iv[k][0]:.4g} .. {iv[k][1]:.4g}" if iv.get(k) else "-"),
+                 "Chinchilla": f"{CHINCHILLA[k]:g}"} for k in ("E", "A", "B", "alpha", "beta")]
+    rungs = [{"run": r["rung"], "budget (FLOPs)": f"{r['budget']:.2g}", "parameters": f"{r['params']:,}",
+              "tokens": f"{r['tokens']:,}", "final val loss": f"{r['loss']:.4f}"} for r in sc["rungs"]]
+    measured, predicted = base["final_val_loss"], sc["predicted_val_loss"]
+    plot = f"\n![Scaling ladder: final validation loss by parameters, one line per budget]({LADDER_PLOT})\n" if LADDER_PLOT in figures else ""
+    sizing = plan.get("sizing", "preset: the configured model and steps")
+    return f"""## Scaling ladder
+Before training, {len(rungs)} small models of this shape were trained at {len({r['budget'] for r in sc['rungs']})} compute
+budgets with the same recipe (scaling_ladder `{sc['ladder']}`), and Chinchilla's law L(N, D) = E + A/N^alpha + B/D^beta
+was fitted to their final validation losses (Huber loss on log loss, bootstrap intervals).
+Size: {sizing}.
+
+{table(law_rows)}
+For this model (N = {sc['params']:,} parameters, D = {sc['tokens']:,} tokens) the law predicted a final validation loss
+of {predicted:.4f} (interval {sc['interval'][0]:.4f} .. {sc['interval'][1]:.4f}); training measured {measured:.4f}
+({measured / predicted - 1:+.2%}).
+{plot}
+<details><summary>The ladder's runs</summary>
+
+{table(rungs)}
+</details>
+
 """
 
 
@@ -403,6 +439,7 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
         _pretrained(up),
         _data(up["raw_documents"], up["clean_corpus"], up["tokenizer"], up["token_shards"]),
         _training(up["training_plan"], up["base_model"], up["tokenizer"], figures),
+        _scaling(up["training_plan"], up["base_model"], figures),
         _evaluation(up["eval_scores"], figures),
         _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages,
                        ppo),
@@ -430,6 +467,15 @@ def card_figures(up: Mapping[str, dict[str, Any]]) -> dict[str, bytes]:
     series = curves(score_history(scored)).get("accuracy", {}) if scored is not None and scored.is_dir() else {}
     if any(series.values()):  # none scored: no such plot (the loss plot already shows the validation loss)
         out[CHECKPOINT_PLOT] = _plot(series, "Primary scores by checkpoint", "step", "accuracy")
+    sc = up["training_plan"].get("scaling")
+    if sc:  # the ladder's IsoFLOP profiles, and this model at its predicted and measured loss
+        ladder: dict[str, list[tuple[float, float]]] = {}
+        for r in sc["rungs"]:
+            ladder.setdefault(f"{r['budget']:.2g} FLOPs", []).append((r["params"], r["loss"]))
+        ladder = {k: sorted(v) for k, v in ladder.items()}
+        ladder["this model: predicted"] = [(sc["params"], sc["predicted_val_loss"])]
+        ladder["this model: measured"] = [(sc["params"], base["final_val_loss"])]
+        out[LADDER_PLOT] = _plot(ladder, "Scaling ladder and this model", "parameters", "final val loss")
     return out
 
 
