@@ -39,6 +39,9 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0  # moe: weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 is off
     capacity_factor: float = 0.0  # moe: an expert takes at most this x its even share of a batch's token slots, the
     # rest are dropped (counted as moe/dropped); 0 means dropless: every token reaches its experts
+    mup_base_width: int = 0  # gpt2, llama: muP relative to a base model of this n_embd (0: standard parametrisation)
+    # (kiln.model.mup): width multiplier m = n_embd / mup_base_width, heads and depth fixed across widths; AdamW's lr
+    # and the init tuned at the base width carry over to any n_embd
 
     def __post_init__(self) -> None:
         from kiln.model.families import family, names
@@ -54,20 +57,30 @@ class ModelConfig:
                                      f"{'family' if len(users) == 1 else 'families'} only; set "
                                      f"model.family: {users[0]} or remove model.{f.name}")
         desc.complete(self)
+        from kiln.model.mup import check
+
+        check(self)
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
 
+# Fields added after plans and checkpoints existed, left out of model_dict at their default: a config that does not
+# use them serialises (and hashes) as it did before they existed.
+OMITTED_AT_DEFAULT = ("mup_base_width",)
+
+
 def model_dict(cfg: ModelConfig) -> dict:
     """The fields ``cfg.family`` uses, as plans, checkpoints and bundles record them (``ModelConfig(**d)`` reads it
     back). A GPT-2 config omits ``family`` (gpt2 is the default), so the plans, checkpoints and run versions written
-    before families existed read back unchanged."""
+    before families existed read back unchanged; likewise OMITTED_AT_DEFAULT's fields at their default."""
     from kiln.model.families import family
 
     d = asdict(cfg)
-    return {k: d[k] for k in family(cfg.family).fields}
+    defaults = ModelConfig.__dataclass_fields__
+    return {k: d[k] for k in family(cfg.family).fields
+            if not (k in OMITTED_AT_DEFAULT and d[k] == defaults[k].default)}
 
 
 # Named sizes per family: the CPU configs Kiln's presets use and the published shapes. The GPT-2 sizes take GPT-2's

@@ -65,6 +65,10 @@ class Family:
     hf_out: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None  # renames after to_hf (the
     # per-expert names of a mixture of experts), refusing what the Hugging Face layout cannot hold
     hf_in: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None  # the inverse, before from_hf
+    mup_fold: Callable[[dict[str, Any], ModelConfig, float, float], dict[str, Any]] | None = None  # (Kiln's state,
+    # cfg, query factor, final-norm factor) -> the state with the query projection and the final norm's gain (and
+    # bias) multiplied: how a muP model's attention scale and output multiplier go into Hugging Face's weights
+    # (kiln.model.mup.hf_folds); None: a muP model of the family cannot be released
 
     @property
     def embedding_module(self) -> str:

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kiln.model import mup
 from kiln.model.cache import KVCache
 from kiln.model.config import MODEL_PRESETS, ModelConfig, padded_vocab, preset_fields  # noqa: F401  (re-exported)
 from kiln.model.families import Family
@@ -29,6 +30,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.RESIDUAL_SCALE = True  # type: ignore[attr-defined]
         self.dropout = cfg.dropout
+        self.scale = mup.attention_scale(cfg)  # None: 1/sqrt(hs); muP: sqrt(hs_base) / hs (kiln.model.mup)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
@@ -42,7 +44,8 @@ class CausalSelfAttention(nn.Module):
             k, v, mask = cache.attend(self.layer, k, v)  # (B, nh, S, hs) each, S = cached + T
             causal = False
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return F.dropout(self.c_proj(y), self.dropout, self.training)
@@ -89,6 +92,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
         self.checkpoint_blocks = False  # recompute block activations in backward (kiln.model.parallel.apply_activation_checkpointing)
+        self.output_scale = mup.output_scale(cfg)  # muP's 1/m on the head's input (so on the logits); None: none
         self.apply(self._init_weights)
 
     @property
@@ -100,6 +104,8 @@ class GPT(nn.Module):
             std = 0.02
             if getattr(module, "RESIDUAL_SCALE", False):
                 std /= math.sqrt(2 * self.config.n_layer)  # GPT-2's scaled residual init
+            if module is not self.lm_head and mup.enabled(self.config):  # the blocks' matrices; the (tied) head is
+                std *= mup.hidden_init_scale(self.config)  # the table's, width-independent
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -139,6 +145,8 @@ class GPT(nn.Module):
         if "ln_f" not in self.transformer:  # a pipeline stage before the last
             return x  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
+        if self.output_scale is not None:  # on the head's input, so the logits, the loss and head_inputs all see it
+            x = x * self.output_scale
         if targets is not None:
             return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
         return self.lm_head(x).float()  # (B, T, V)
@@ -192,6 +200,20 @@ def read_hf_config(path, doc: dict) -> ModelConfig:
                        n_layer=doc["n_layer"], n_head=doc["n_head"], n_embd=n_embd, dropout=0.0, bias=True)
 
 
+def mup_fold(state: dict, cfg: ModelConfig, q: float, out: float) -> dict:
+    """``state`` with muP's multipliers folded in (kiln.model.mup.hf_folds): the query rows of every c_attn (the first
+    n_embd of its 3 n_embd output rows, weight and bias) times ``q``, ln_f's weight and bias times ``out``."""
+    c, folded = cfg.n_embd, dict(state)
+    for name, t in state.items():
+        if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            t = t.detach().float().clone()
+            t[:c] *= q  # (3C, C) or (3C,): q | k | v
+            folded[name] = t
+        elif name in ("transformer.ln_f.weight", "transformer.ln_f.bias"):
+            folded[name] = t.detach().float() * out
+    return folded
+
+
 def tp_plan(cfg: ModelConfig) -> dict:
     """Tensor and sequence parallelism (kiln.model.tensor_parallel): the token table row-parallel and the position
     table replicated, their sum cut into sequence shards at the first block; norms on sequence shards, the fused
@@ -225,14 +247,15 @@ def tp_plan(cfg: ModelConfig) -> dict:
 
 FAMILY = Family(
     name="gpt2", model=GPT, style="GPT-2-style",
-    fields=("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias"),  # no `family`: the default
+    # no `family`: the default; mup_base_width is left out at 0 (kiln.model.config.OMITTED_AT_DEFAULT)
+    fields=("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "mup_base_width"),
     embedding="transformer.wte.weight", lora_targets=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
     tied=lambda cfg: True, kv_heads=lambda cfg: cfg.n_head, layer_params=layer_params,
     embedding_params=lambda cfg: (cfg.vocab_size + cfg.block_size) * cfg.n_embd,  # token and position tables
     final_norm_params=lambda cfg: (2 if cfg.bias else 1) * cfg.n_embd, saved_per_token=saved_per_token,
     flops_per_token=flops_per_token, hf_config=hf_config, hf_readers={"gpt2": read_hf_config},
     hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
-    hf_prefix="transformer.", tp_plan=tp_plan,
+    hf_prefix="transformer.", tp_plan=tp_plan, mup_fold=mup_fold,
     first_stage=("transformer.wte", "transformer.wpe"), last_stage=("transformer.ln_f", "lm_head"),
     # c_attn's rows are held rank-interleaved under TP (q_r | k_r | v_r per rank): checkpoints save them in order
     tp_interleaved=True,

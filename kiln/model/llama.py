@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kiln.model import mup
 from kiln.model.cache import KVCache
 from kiln.model.config import ModelConfig
 from kiln.model.families import Family
@@ -52,6 +53,7 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
         self.dropout = cfg.dropout
+        self.scale = mup.attention_scale(cfg)  # None: 1/sqrt(hs); muP: sqrt(hs_base) / hs (kiln.model.mup)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 doc_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +73,7 @@ class Attention(nn.Module):
             causal = False
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=self.n_kv_head != self.n_head,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh*hs)
         return F.dropout(self.o_proj(y), self.dropout, self.training)  # (B, T, C)
@@ -126,6 +128,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hs)
         self.register_buffer("rope_sin", sin, persistent=False)  # (block_size, hs)
         self.checkpoint_blocks = False  # recompute block activations in backward (kiln.model.parallel)
+        self.output_scale = mup.output_scale(cfg)  # muP's 1/m on the head's input (so on the logits); None: none
         self.apply(self._init_weights)
 
     def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
@@ -141,6 +144,8 @@ class Llama(nn.Module):
             std = 0.02
             if getattr(module, "RESIDUAL_SCALE", False):
                 std /= math.sqrt(2 * self.config.n_layer)  # scaled residual init, as GPT-2
+            if module is not self.lm_head and mup.enabled(self.config):  # the blocks' matrices; the head (tied or
+                std *= mup.hidden_init_scale(self.config)  # not) is the readout, width-independent
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -178,6 +183,8 @@ class Llama(nn.Module):
         if "norm" not in self.model:  # a pipeline stage before the last
             return x  # (B, T, C)
         x = self.model.norm(x)  # (B, T, C)
+        if self.output_scale is not None:  # on the head's input, so the logits, the loss and head_inputs all see it
+            x = x * self.output_scale
         if targets is not None:
             return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
         return self.lm_head(x).float()  # (B, T, V)
@@ -267,6 +274,20 @@ def read_hf_config(path, doc: dict, qk_norm: bool = False) -> ModelConfig:
     )
 
 
+def mup_fold(state: dict, cfg: ModelConfig, q: float, out: float) -> dict:
+    """``state`` with muP's multipliers folded in (kiln.model.mup.hf_folds): every layer's queries times ``q`` (q_proj's
+    weight and any bias; with QK-norm its query gain instead, since the norm undoes a scaled projection; the rotation
+    is linear and commutes), the final norm's weight times ``out``."""
+    query = ("self_attn.q_norm.weight",) if cfg.qk_norm else ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
+    folded = dict(state)
+    for name, t in state.items():
+        if name.endswith(query):
+            folded[name] = t.detach().float() * q
+        elif name == "model.norm.weight":
+            folded[name] = t.detach().float() * out
+    return folded
+
+
 def tp_plan(cfg: ModelConfig) -> dict:
     """Tensor and sequence parallelism (kiln.model.tensor_parallel): the embedding row-parallel into sequence
     shards, norms on sequence shards, q/k/v and gate/up column-parallel (whole heads and hidden units per rank),
@@ -301,7 +322,8 @@ def tp_plan(cfg: ModelConfig) -> dict:
 FAMILY = Family(
     name="llama", model=Llama, style="Llama-style",
     fields=("family", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "n_kv_head",
-            "intermediate_size", "rope_theta", "norm_eps", "qk_norm", "tie_embeddings"),
+            "intermediate_size", "rope_theta", "norm_eps", "qk_norm", "tie_embeddings",
+            "mup_base_width"),  # left out at 0 (kiln.model.config.OMITTED_AT_DEFAULT)
     embedding="model.embed_tokens.weight",
     lora_targets=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                   "mlp.up_proj", "mlp.down_proj"),
@@ -310,7 +332,7 @@ FAMILY = Family(
     embedding_params=lambda cfg: cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2),  # + untied head
     final_norm_params=lambda cfg: cfg.n_embd,  # RMSNorm: a weight only
     saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config, tp_plan=tp_plan,
-    first_stage=("model.embed_tokens",), last_stage=("model.norm", "lm_head"),
+    first_stage=("model.embed_tokens",), last_stage=("model.norm", "lm_head"), mup_fold=mup_fold,
     # Mistral without a sliding window is Llama's computation under another name
     hf_readers={"llama": read_hf_config, "mistral": read_hf_config,
                 "qwen3": lambda path, doc: read_hf_config(path, doc, qk_norm=True)},

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kiln.common.files import atomic_path, atomic_write_json, atomic_write_text
+from kiln.model import mup
 from kiln.model.config import ModelConfig
 from kiln.model.families import of
 
@@ -42,13 +43,39 @@ class ReleaseError(ValueError):
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Kiln's state dict in the layout transformers loads for ``cfg``'s family (kiln.model.families.Family.to_hf)."""
+    """Kiln's state dict in the layout transformers loads for ``cfg``'s family (kiln.model.families.Family.to_hf).
+    A muP model away from its base width has its attention scale and output multiplier folded into the weights
+    (kiln.model.mup: the query projection and the final norm), so transformers' plain model computes Kiln's logits."""
+    fold = _mup_folds(cfg)
+    if fold is not None:
+        state = of(cfg).mup_fold(state, cfg, *fold)
     return of(cfg).to_hf(state, cfg)
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of to_hf_state_dict: Kiln's state dict, with a tied head pointing at the embedding."""
-    return of(cfg).from_hf(state, cfg)
+    """The inverse of to_hf_state_dict: Kiln's state dict, with a tied head pointing at the embedding (and a muP
+    model's folded multipliers taken back out of the weights)."""
+    out = of(cfg).from_hf(state, cfg)
+    fold = _mup_folds(cfg)
+    if fold is not None:
+        out = of(cfg).mup_fold(out, cfg, *(1.0 / f for f in fold))  # the tables (and a tied head) are not folded
+    return out
+
+
+def _mup_folds(cfg: ModelConfig) -> tuple[float, float] | None:
+    """(query factor, final-norm factor) folding a muP model's multipliers into Hugging Face's weights; None where
+    there is nothing to fold (the standard parametrisation, or muP at its base width); a family that cannot fold
+    them is refused."""
+    if not mup.scaled(cfg):
+        return None
+    if of(cfg).mup_fold is None:
+        raise ReleaseError(
+            f"model.mup_base_width={cfg.mup_base_width} with n_embd={cfg.n_embd}: this muP model multiplies its logits "
+            f"by 1/{mup.width_mult(cfg):g} and scales attention by sqrt(d_base)/d, and the {cfg.family} family has "
+            "no rule to fold them into Hugging Face's weights (Family.mup_fold), whose model has neither multiplier; "
+            "release a model trained with model.mup_base_width equal to model.n_embd (muP at its base width is the "
+            "standard model) or 0, or give the family a mup_fold")
+    return mup.hf_folds(cfg)
 
 
 def hf_config(cfg: ModelConfig, eot: int) -> dict[str, Any]:

@@ -25,6 +25,14 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
   smooth in the gradient where the gradient's singular values are tiny (a fresh llama's o_proj: a 2e-7 change in
   its gradient moved the bf16 update by 3%), so DDP and FSDP runs follow the one-process loss curve closely but not
   its weights bit for bit.
+- muP (``model.mup_base_width`` > 0, kiln.model.mup): AdamW's lr of the blocks' weight matrices (the hidden
+  matrices, the ones Muon would take) is lr / m, m = n_embd / mup_base_width, in a group of their own after AdamW's
+  other two (so a scheduler's first lr is still the configured one); the tables, the head, norms, biases and LoRA
+  adapters keep lr.
+  Under ``name: muon`` nothing changes: those matrices are Muon's, and muon_lr stays unscaled because Muon's
+  orthogonalised update already has spectral norm ~ lr sqrt(max(1, rows/cols)) (muon_lr's scaling), which is muP's
+  condition for hidden layers at any width (Yang, Simon, Bernstein 2023, "A Spectral Condition for Feature
+  Learning"); AdamW's share (tables, head, vectors) is unscaled under muP anyway.
 - ``schedule: cosine``: linear warmup, cosine decay to ``min_lr_ratio`` at max_steps. ``schedule: wsd``: linear
   warmup, constant, then a linear decay to ``min_lr_ratio`` over the last ``decay_fraction`` of the steps.
 """
@@ -39,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.common.config import ConfigError
+from kiln.model import mup
 from kiln.model.parallel import is_dtensor
 
 BLOCK_MARKERS = (".h.", ".layers.")  # parameter names inside a transformer block, for both families
@@ -351,15 +360,25 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 def is_muon_parameter(name: str, p: torch.nn.Parameter) -> bool:
-    """A trainable weight matrix inside a transformer block (not an embedding, the head, a norm, a bias, an adapter)."""
+    """A trainable weight matrix inside a transformer block (not an embedding, the head, a norm, a bias, an adapter):
+    Muon's matrices, and muP's hidden ones (kiln.model.mup)."""
     return (p.requires_grad and p.dim() == 2 and name.rsplit(".", 1)[-1] == "weight"
             and any(m in f".{name}" for m in BLOCK_MARKERS))
 
 
-def adamw_groups(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig) -> list[dict]:
-    """AdamW's two groups: matrices with weight decay, the rest (biases, norms) without."""
-    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": opt.weight_decay},
-            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+def adamw_groups(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, hidden_lr_scale: float | None = None
+                 ) -> list[dict]:
+    """AdamW's two groups: matrices with weight decay, the rest (biases, norms) without. With ``hidden_lr_scale`` (a
+    muP model's 1/m, kiln.model.mup.hidden_lr_scale) the blocks' matrices (is_muon_parameter) leave the first group
+    for a third, at lr x hidden_lr_scale with the same weight decay."""
+    hidden = {id(p) for n, p in named if is_muon_parameter(n, p)} if hidden_lr_scale is not None else set()
+    groups = [{"params": [p for _, p in named if p.dim() >= 2 and id(p) not in hidden],
+               "weight_decay": opt.weight_decay},
+              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    if hidden_lr_scale is not None:
+        groups.append({"params": [p for _, p in named if id(p) in hidden], "weight_decay": opt.weight_decay,
+                       "lr": opt.lr * hidden_lr_scale})
+    return groups
 
 
 def adamw_settings(opt: OptimConfig, device: torch.device) -> dict[str, Any]:
@@ -367,19 +386,20 @@ def adamw_settings(opt: OptimConfig, device: torch.device) -> dict[str, Any]:
     return {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "fused": device.type in ("cuda", "cpu")}
 
 
-def build_adamw(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, device: torch.device
-                ) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only."""
-    return torch.optim.AdamW(adamw_groups(named, opt), **adamw_settings(opt, device))
+def build_adamw(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, device: torch.device,
+                hidden_lr_scale: float | None = None) -> torch.optim.AdamW:
+    """AdamW with decay on matrices only (muP's hidden matrices at lr x hidden_lr_scale: adamw_groups)."""
+    return torch.optim.AdamW(adamw_groups(named, opt, hidden_lr_scale), **adamw_settings(opt, device))
 
 
-def build_muon(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, device: torch.device
-               ) -> torch.optim.Optimizer:
+def build_muon(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, device: torch.device,
+               hidden_lr_scale: float | None = None) -> torch.optim.Optimizer:
     """MuonAdamW: Muon on the blocks' weight matrices, AdamW on the rest; plain AdamW when no matrix qualifies
-    (a LoRA run, whose adapters stay on AdamW)."""
+    (a LoRA run, whose adapters stay on AdamW). ``hidden_lr_scale`` (muP) changes nothing here: the matrices it would
+    scale are Muon's, whose lr needs no width factor (see the module docstring)."""
     muon = [p for n, p in named if is_muon_parameter(n, p)]
     if not muon:
-        return build_adamw(named, opt, device)
+        return build_adamw(named, opt, device, hidden_lr_scale)
     chosen = {id(p) for p in muon}
     rest = [(n, p) for n, p in named if id(p) not in chosen]
     groups = [{**g, "kind": "adamw"} for g in adamw_groups(rest, opt)] + [{"params": muon, "kind": "muon"}]
@@ -388,7 +408,7 @@ def build_muon(named: list[tuple[str, torch.nn.Parameter]], opt: OptimConfig, de
                            "nesterov": True})
 
 
-OPTIMIZERS: dict[str, Callable[[list[tuple[str, torch.nn.Parameter]], OptimConfig, torch.device],
+OPTIMIZERS: dict[str, Callable[[list[tuple[str, torch.nn.Parameter]], OptimConfig, torch.device, float | None],
                                torch.optim.Optimizer]] = {
     "adamw": build_adamw,
     "muon": build_muon,
@@ -396,6 +416,9 @@ OPTIMIZERS: dict[str, Callable[[list[tuple[str, torch.nn.Parameter]], OptimConfi
 
 
 def make_optimizer(model: torch.nn.Module, opt: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer ``opt.name`` names, over the model's parameters that require gradients."""
+    """The optimizer ``opt.name`` names, over the model's parameters that require gradients; a muP model's
+    (``model.config.mup_base_width`` > 0) hidden matrices take AdamW's lr / m (kiln.model.mup)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return OPTIMIZERS[opt.name](named, opt, device)
+    cfg = getattr(getattr(model, "module", model), "config", None)  # DDP keeps the model in .module
+    hidden_lr_scale = mup.hidden_lr_scale(cfg) if cfg is not None and mup.enabled(cfg) else None
+    return OPTIMIZERS[opt.name](named, opt, device, hidden_lr_scale)

@@ -1,9 +1,9 @@
-"""Tests for kiln.model.tensor_parallel: tensor + sequence parallelism on two gloo processes trains both families as
-one process does (AdamW steps with gradient clipping: losses, logits and weights; 30 for a tied llama with
-activation checkpointing and a masked prompt, and for Muon), with the vocabulary-parallel
-fused loss (masked targets too), a tied head still tied, activation checkpointing; FSDP2 over the tensor-parallel
-shards on a 2 x 2 mesh (four processes); their sharded checkpoints loaded in one process with the same logits; and
-the layout checks.
+"""Tests for kiln.model.tensor_parallel: tensor + sequence parallelism on two gloo processes trains both families as one
+process does (AdamW steps with gradient clipping: losses, logits and weights; 30 for a tied llama with activation
+checkpointing and a masked prompt, and for Muon; a few for muP models of both families), with the vocabulary-parallel
+fused loss (masked targets too), a tied head still tied, activation checkpointing; FSDP2 over the tensor-parallel shards
+on a 2 x 2 mesh (four processes); their sharded checkpoints loaded in one process with the same logits; and the layout
+checks.
 
 Run: python -m pytest tests/kiln/model/test_tensor_parallel.py -q   (a launch of two processes and one of four)
 """
@@ -27,6 +27,9 @@ CASES = {  # name -> ModelConfig fields beyond the shared ones
     "gpt2": {},  # tied head, biases, the fused q|k|v projection
     "llama": {"family": "llama", "n_kv_head": 2, "tie_embeddings": False},  # grouped-query attention
     "llama-tied": {"family": "llama", "n_kv_head": 2, "tie_embeddings": True},
+    # muP at twice its base width (kiln.model.mup): the attention scale and the output multiplier on sharded tensors
+    "gpt2-mup": {"mup_base_width": 16},
+    "llama-mup": {"family": "llama", "n_kv_head": 2, "tie_embeddings": True, "mup_base_width": 16},
 }
 SHARED = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 
@@ -128,6 +131,8 @@ def _worker(rank: int, port: int, queue, root: str) -> None:
         # tests/kiln/train/test_train_tensor_parallel.py)
         out = {name: _train_both(CASES[name], False, False, mesh, save_to=f"{root}/{name}", steps=SHORT)
                for name in ("gpt2", "llama")}
+        out.update({name: _train_both(CASES[name], False, False, mesh, steps=SHORT)
+                    for name in ("gpt2-mup", "llama-mup")})
         # a tied llama, with a prompt masked out of the loss and activation checkpointing
         out["llama-tied"] = _train_both(CASES["llama-tied"], True, True, mesh)
         out["gpt2-muon"] = _train_both(CASES["gpt2"], False, False, mesh, optim="muon")
@@ -207,7 +212,7 @@ def test_tensor_parallel_training_follows_one_process(two_ranks, case) -> None:
     assert numbers(r0) == numbers(r1)  # both ranks hold the same loss, norms and gathered weights
     assert r0["loss"] < 1e-5 and r0["grad_norm"] < 1e-4, r0  # summation order apart, the same curve
     assert r0["logits"] < 2e-4, r0
-    if case in ("gpt2", "llama"):  # SHORT steps: too few to learn the rule
+    if case in ("gpt2", "llama", "gpt2-mup", "llama-mup"):  # SHORT steps: too few to learn the rule
         assert r0["weights"] < 1e-4, r0
         return
     # GPT-2's key bias has no gradient (softmax ignores a constant per query), so AdamW turns rounding noise into
