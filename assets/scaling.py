@@ -109,7 +109,7 @@ def sweep_grid(context: AssetExecutionContext, config: SweepGridConfig, tokenize
 
 def point_file(storage: KilnStorageResource, grid_version: str, key: str) -> Path:
     """Where a point's result is kept for sweep_results: under the grid's version (a changed base run is another grid)."""
-    return storage.path("sweep", "points", grid_version, stable_hash(key)[:16] + ".json")
+    return storage.path("sweep", "points", grid_version) / (stable_hash(key)[:16] + ".json")
 
 
 def point_spec(grid: dict, key: str) -> RunSpec:

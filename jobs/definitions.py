@@ -24,7 +24,7 @@ from assets.alignment import dpo_model, instruction_data, preference_data, rl_mo
 from assets.pretrained import pretrained_model
 from assets.publish import release_bundle, release_no_regression
 from assets.rlhf import ppo_model, reward_model
-from assets.scaling import scaling_ladder, sweep, sweep_grid, sweep_partitions, sweep_results
+from assets.scaling import scaling_ladder, sweep, sweep_grid, sweep_results
 from assets.training import base_model, training_plan
 from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
 from resources.ray import RayResource
@@ -51,7 +51,7 @@ kiln_pipeline_job = define_asset_job("kiln_pipeline_job", selection=AssetSelecti
                                      description=PIPELINE_DESCRIPTION)
 sweep_grid_job = define_asset_job("sweep_grid_job", selection=AssetSelection.assets(sweep_grid),
                                   description="Expand a sweep's grid into partitions of sweep (then run sweep_job on each).")
-sweep_job = define_asset_job("sweep_job", selection=AssetSelection.assets(sweep), partitions_def=sweep_partitions,
+sweep_job = define_asset_job("sweep_job", selection=AssetSelection.assets(sweep),  # partitioned as sweep is
                              description="One point of the sweep (a partition of sweep); backfill every partition.")
 sweep_results_job = define_asset_job("sweep_results_job", selection=AssetSelection.assets(sweep_results),
                                      description="Rank the sweep's points once every partition of sweep has run.")
