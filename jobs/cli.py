@@ -39,9 +39,14 @@ what the next run would redo and why. Examples:
 """
 
 
-def load_preset(name_or_path: str, keep_opt_in: bool = False, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+SWEEP_OPS = ("sweep_grid", "sweep_results")  # a preset's blocks for `kiln sweep` (jobs.sweeps), outside the pipeline job
+
+
+def load_preset(name_or_path: str, keep_opt_in: bool = False, _chain: tuple[Path, ...] = (),
+                sweep: bool = False) -> dict[str, Any]:
     """Run config of a preset (a name under conf/presets or a YAML path); unknown presets name the known ones.
-    ``opt_in`` (the opt-in assets, jobs.definitions.OPT_IN, that the preset runs) is kept only with keep_opt_in.
+    ``opt_in`` (the opt-in assets, jobs.definitions.OPT_IN, that the preset runs) is kept only with keep_opt_in; the
+    sweep's blocks (SWEEP_OPS: what ``kiln sweep`` runs, checked by it) only with ``sweep``.
     ``_chain``: the presets that extend this one, outermost first (a preset met twice is a cycle)."""
     path = Path(name_or_path)
     if not path.suffix:
@@ -62,9 +67,11 @@ def load_preset(name_or_path: str, keep_opt_in: bool = False, _chain: tuple[Path
     if base is not None and not isinstance(base, str):
         raise SystemExit(f"kiln: {path}: `extends:` names one preset (a name under conf/presets or a YAML path), "
                          f"not {base!r}")
-    merged = deep_merge(load_preset(base, True, (*_chain, path)), data) if base else data
+    merged = deep_merge(load_preset(base, True, (*_chain, path), sweep=True), data) if base else data
     if not keep_opt_in:
         merged.pop("opt_in", None)
+    if not sweep and merged.get("ops"):
+        merged["ops"] = {k: v for k, v in merged["ops"].items() if k not in SWEEP_OPS}
     return merged
 
 
@@ -93,7 +100,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     home = Path(args.home).resolve()
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
-    preset = load_preset(args.preset)
+    preset = load_preset(args.preset, sweep=True)
     if not (preset.get("ops") or {}).get("sweep_grid"):
         print(f"kiln: preset {args.preset} has no sweep_grid block: say which fields to sweep (see conf/presets/sweep-demo.yaml)",
               file=sys.stderr)
@@ -627,7 +634,7 @@ def cmd_arena(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    print(yaml.safe_dump(load_preset(args.preset), sort_keys=False), end="")
+    print(yaml.safe_dump(load_preset(args.preset, sweep=True), sort_keys=False), end="")
     return 0
 
 

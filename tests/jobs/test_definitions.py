@@ -6,7 +6,8 @@ from jobs.definitions import ALL_ASSETS, defs
 
 EXPECTED = {"pretrained_model", "raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
             "eval_suite", "contamination_report", "eval_scores", "checkpoint_evals", "instruction_data",
-            "preference_data", "sft_model", "dpo_model", "rl_model", "judged_preferences", "reward_model", "ppo_model", "release_bundle"}
+            "preference_data", "sft_model", "dpo_model", "rl_model", "judged_preferences", "reward_model", "ppo_model", "release_bundle",
+            "scaling_ladder", "sweep_grid", "sweep", "sweep_results"}
 
 
 def test_definitions_load_with_every_asset():
@@ -28,6 +29,8 @@ def test_lineage_edges():
     parents = lambda k: {p.to_user_string() for p in graph.get(AssetKey(k)).parent_keys}  # noqa: E731
     assert parents("clean_corpus") == {"raw_documents"}
     assert parents("token_shards") == {"clean_corpus", "tokenizer"}
+    assert {"scaling_ladder", "sweep_results", "tokenizer", "token_shards"} <= parents("training_plan")
+    assert parents("sweep") == {"sweep_grid"} and parents("sweep_results") == {"sweep_grid", "sweep"}
     assert parents("tokenizer") == {"clean_corpus", "pretrained_model"}  # released weights -> tokenizer, plan -> base
     assert "pretrained_model" in parents("training_plan") and "training_plan" in parents("base_model")
     assert {"training_plan", "token_shards", "tokenizer"} <= parents("base_model")
@@ -56,6 +59,12 @@ def test_every_preset_is_valid_run_config():
         validate_run_config(job, load_preset(name))
     with pytest.raises(Exception, match="tokenizr"):
         validate_run_config(job, {"ops": {"tokenizr": {"config": {}}}})
+    for name in names:  # a preset's sweep blocks are kiln sweep's: valid for the sweep's own jobs
+        ops = load_preset(name, sweep=True).get("ops", {})
+        for op in ("sweep_grid", "sweep_results"):
+            if op in ops:
+                validate_run_config(defs.resolve_job_def(f"{op}_job"), {"ops": {op: ops[op]}})
+    assert "sweep_grid" in load_preset("sweep-demo", sweep=True)["ops"] and "sweep_grid" not in load_preset("sweep-demo")["ops"]
 
 
 def test_gpu_preset_8gpu_differs_only_in_hardware():
