@@ -27,6 +27,7 @@ class TokenizerConfig(Config):
     train_mb: float = Field(default=20.0, description="MB of clean text the BPE trains on (the first documents outside the held-out 5 %).")
     heldout_mb: float = Field(default=2.0, description="MB of held-out documents (never trained on) on which compression is measured.")
     compare: bool = Field(default=True, description="Also measure the other vocabulary on the same held-out text: GPT-2's for a trained BPE, a BPE of vocab_size for GPT-2.")
+    split_digits: bool = Field(default=True, description="Split numbers into single digits before BPE (split pattern's number rule \\p{N}, not GPT-4's \\p{N}{1,3}), so no token spans two digits, as in Llama, PaLM and DeepSeek; false keeps GPT-4's pattern. A trained BPE only: GPT-2's vocabulary keeps its own.")
 
 
 def imported_tokenizer(context, clean_corpus: dict, pretrained_model: dict, heldout_mb: float,
@@ -57,7 +58,7 @@ def imported_tokenizer(context, clean_corpus: dict, pretrained_model: dict, held
         })
 
 
-@asset(code_version="1", group_name="data")
+@asset(code_version="2", group_name="data")  # 2: split_digits, on by default
 def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_corpus: dict, storage: KilnStorageResource,
               mlflow: MlflowResource, pretrained_model: Optional[dict] = None) -> Output[dict]:
     """The tiktoken encoding used everywhere after this step: a BPE trained on the clean corpus, or GPT-2's, with chat special tokens, its compression on held-out text compared with the other vocabulary's; or the pretrained model's own tokenizer when one is imported."""
@@ -71,7 +72,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_cor
         built = ktok.build_tokenizer(
             corpus_texts(clean_corpus["path"]), lambda doc_id: kshards.split_of(doc_id, TOKENIZER_HOLDOUT_PERMILLE) == "val",
             kind=config.kind, vocab_size=config.vocab_size, train_mb=config.train_mb, heldout_mb=config.heldout_mb,
-            compare=config.compare, load_gpt2=lambda: ktok.fetch_gpt2(storage.cache_dir), warn=context.log.warning)
+            compare=config.compare, split_digits=config.split_digits, load_gpt2=lambda: ktok.fetch_gpt2(storage.cache_dir), warn=context.log.warning)
         enc = built.encoding
         ktok.save_encoding(enc, run.stage / "tokenizer.json")
         final = run.commit()
@@ -85,7 +86,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_cor
             "kind": config.kind, "n_vocab": enc.n_vocab, "bytes_per_token_heldout": built.bytes_per_token,
             "bytes_per_token_trained": built.bytes_per_token_trained, "bytes_per_token_gpt2": built.bytes_per_token_gpt2,
             "compression": md_table(built.report), "heldout_documents": built.heldout_documents,
-            "trained_on_mb": built.trained_on_mb,
+            "trained_on_mb": built.trained_on_mb, "split_pattern": enc._pat_str,
             "sample_tokens": MetadataValue.md(" · ".join(f"`{p!r}`" for p in built.sample_tokens)),
             "path": MetadataValue.path(value["path"]), "durable_copy": published.url,
         })

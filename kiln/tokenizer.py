@@ -35,6 +35,15 @@ GPT2_FILES: dict[str, tuple[str, str]] = {  # role -> (member path inside the wh
 }
 # tiktoken's r50k/gpt2 split pattern (equivalent to GPT-2's original, faster).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+# GPT-4's (cl100k) split pattern as rustbpe spells it, its default: numbers are pre-split into runs of up to three
+# digits, so BPE can learn a token per number below 1000. Passed to rustbpe explicitly, so that a new rustbpe default
+# cannot change Kiln's tokens unnoticed.
+GPT4_PAT_STR = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+# The same with one digit per pre-token (number rule \p{N}), so no token spans two digits and every number is
+# spelled digit by digit: a sum the model never saw is still made of the ten tokens it knows. LLaMA and Llama 2
+# (arXiv 2302.13971, 2307.09288), PaLM (2204.02311) and DeepSeek LLM (2401.02954) split numbers into individual
+# digits (each paper's tokenizer paragraph); Qwen2's split pattern has this number rule too.
+DIGITS_PAT_STR = GPT4_PAT_STR.replace(r"\p{N}{1,3}", r"\p{N}")
 ENCODING_FORMAT = "kiln-encoding/1"
 KINDS = ("bpe", "gpt2")  # a BPE trained on the corpus, or GPT-2's vocabulary
 GPT2_LABEL = "GPT-2 (50,257)"  # GPT-2's vocabulary in compression reports
@@ -104,21 +113,31 @@ def gpt2_from_files(vocab_bpe: Path, encoder_json: Path, *, verify: bool = True)
     return _with_specials("kiln-gpt2", GPT2_PAT_STR, ranks)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> tiktoken.Encoding:
-    """Train a byte-level BPE with rustbpe (GPT-4 split pattern); ``vocab_size`` counts the specials.
+def split_pattern(split_digits: bool) -> str:
+    """The split pattern of a trained BPE: DIGITS_PAT_STR (one digit per pre-token) or GPT4_PAT_STR."""
+    return DIGITS_PAT_STR if split_digits else GPT4_PAT_STR
 
-    A corpus with too few distinct pairs stops early, giving a smaller ``n_vocab``.
+
+def train_bpe(texts: Iterable[str], vocab_size: int, pat_str: str = GPT4_PAT_STR) -> tiktoken.Encoding:
+    """Train a byte-level BPE with rustbpe on ``texts`` split by ``pat_str``; ``vocab_size`` counts the specials.
+
+    rustbpe pre-tokenizes with ``pat_str`` (``train_from_iterator(..., pattern=)``) and merges only inside the pieces;
+    the Encoding splits with the same pattern (tiktoken's ``pat_str``), and it is saved with it. A corpus with too
+    few distinct pairs stops early, giving a smaller ``n_vocab``. The name ends in ``-digits`` for DIGITS_PAT_STR.
     """
     import rustbpe
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {vocab_size} < 256 byte tokens + {len(SPECIAL_TOKENS)} special tokens")
     tok = rustbpe.Tokenizer()
-    tok.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS))
+    tok.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), pattern=pat_str)
     ranks = {bytes(k): int(v) for k, v in tok.get_mergeable_ranks()}
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TokenizerError("rustbpe returned non-contiguous ranks")
-    return _with_specials(f"kiln-bpe-{vocab_size}", tok.get_pattern(), ranks)
+    if tok.get_pattern() != pat_str:  # the Encoding must split as training did
+        raise TokenizerError(f"rustbpe trained with pattern {tok.get_pattern()!r}, not the one given")
+    name = f"kiln-bpe-{vocab_size}" + ("-digits" if pat_str == DIGITS_PAT_STR else "")
+    return _with_specials(name, pat_str, ranks)
 
 
 _FINGERPRINTS: "weakref.WeakKeyDictionary[tiktoken.Encoding, str]" = weakref.WeakKeyDictionary()
@@ -265,11 +284,12 @@ class TokenizerBuild:
 
 
 def build_tokenizer(docs: Iterable[tuple[str, str]], is_heldout: Callable[[str], bool], *, kind: str,
-                    vocab_size: int, train_mb: float, heldout_mb: float, compare: bool,
+                    vocab_size: int, train_mb: float, heldout_mb: float, compare: bool, split_digits: bool,
                     load_gpt2: Callable[[], tiktoken.Encoding],
                     warn: Callable[[str], None] | None = None) -> TokenizerBuild:
     """Step 2: a BPE of ``vocab_size`` trained on ``train_mb`` MB of ``docs`` (kind "bpe") or GPT-2's vocabulary
-    from ``load_gpt2()`` (kind "gpt2"), measured on ``heldout_mb`` MB of held-out documents.
+    from ``load_gpt2()`` (kind "gpt2"), measured on ``heldout_mb`` MB of held-out documents. The BPE splits text
+    with ``split_pattern(split_digits)``; GPT-2's vocabulary keeps its own pattern.
 
     With ``compare`` the other vocabulary is measured on the same text; if GPT-2's cannot be loaded for that, its
     row says why (and ``warn`` is told) instead of failing the build.
@@ -279,7 +299,7 @@ def build_tokenizer(docs: Iterable[tuple[str, str]], is_heldout: Callable[[str],
     bpe, gpt2 = bpe_label(vocab_size), GPT2_LABEL
     vocabs: dict[str, tiktoken.Encoding | str] = {}  # label -> encoding, or why it is unavailable
     if kind == "bpe" or compare:
-        vocabs[bpe] = train_bpe(train_texts, vocab_size)
+        vocabs[bpe] = train_bpe(train_texts, vocab_size, split_pattern(split_digits))
     if kind == "gpt2" or compare:
         try:
             vocabs[gpt2] = load_gpt2()

@@ -19,7 +19,7 @@ from assets.tokens import TOKENIZER_HOLDOUT_PERMILLE, TokenizerConfig, TokenShar
 from kiln import store
 from kiln.loader import TokenLoader
 from kiln.shards import decode_documents, split_of
-from kiln.tokenizer import load_encoding
+from kiln.tokenizer import DIGITS_PAT_STR, GPT4_PAT_STR, encoding_fingerprint, load_encoding, train_bpe
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 from tests.kiln.test_store import s3_server
@@ -78,6 +78,32 @@ def test_tokenizer_reports_compression_of_both_vocabularies(tmp_path: Path, corp
     assert g.value["compression"]["trained BPE (300)"] == pytest.approx(trained)
     with pytest.raises(ValueError, match="tokenizer.kind must be 'bpe' or 'gpt2', not 'wordpiece'"):
         run_tokenizer(storage, mlflow, corpus, kind="wordpiece")
+
+
+def test_tokenizer_splits_digits_by_default_and_records_the_pattern(tmp_path: Path, corpus: dict, docs, mlflow) -> None:
+    field = tokenizer.op.config_schema.config_type.fields["split_digits"]  # what the launchpad shows
+    assert field.default_value is True and r"number rule \p{N}, not GPT-4's \p{N}{1,3}" in field.description
+    storage = KilnStorageResource(root=str(tmp_path / "root"))
+    digits = run_tokenizer(storage, mlflow, corpus, vocab_size=300, compare=False)
+    merged = run_tokenizer(storage, mlflow, corpus, vocab_size=300, compare=False, split_digits=False)
+    d, m = load_encoding(digits.value["path"]), load_encoding(merged.value["path"])
+    assert (d._pat_str, m._pat_str) == (DIGITS_PAT_STR, GPT4_PAT_STR)
+    assert digits.metadata["split_pattern"].value == DIGITS_PAT_STR and d.name == "kiln-bpe-300-digits"
+    assert digits.value["version"] != merged.value["version"] and digits.value["fingerprint"] != merged.value["fingerprint"]
+    trained_on = [t for i, t in docs if split_of(i, TOKENIZER_HOLDOUT_PERMILLE) == "train"]
+    assert merged.value["fingerprint"] == encoding_fingerprint(train_bpe(trained_on, 300))  # false: today's tokenizer
+    ids = d.encode_ordinary("12345 + 678 = 13023")
+    assert [d.decode([i]) for i in ids if d.decode([i]).strip().isdigit()] == list("12345678" "13023")
+    assert d.decode(ids) == "12345 + 678 = 13023"
+
+
+def test_smoke_keeps_the_gpt4_pattern_and_the_demo_splits_digits() -> None:
+    from jobs.cli import load_preset
+
+    tok = lambda preset: load_preset(preset)["ops"].get("tokenizer", {}).get("config", {})  # noqa: E731
+    for preset in ("smoke", "llama-tiny", "moe-tiny"):  # tests/data/smoke_frozen*.json freeze their tokens
+        assert tok(preset)["split_digits"] is False, preset
+    assert "split_digits" not in tok("demo") and TokenizerConfig(**tok("demo")).split_digits is True
 
 
 def test_token_shards_round_trip_locally(tmp_path: Path, corpus: dict, docs, mlflow) -> None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import zipfile
 from pathlib import Path
 
 import pytest
+import tiktoken
 
 from kiln import tokenizer as tk
 
@@ -129,6 +132,64 @@ def test_train_bpe_round_trip_and_save_load(corpus: list[str], tmp_path: Path) -
     assert tk.load_encoding(path).n_vocab == 300
 
 
+def _with_sums(corpus: list[str]) -> list[str]:
+    """``corpus`` plus 2,000 sums ("a + b = c"): enough numbers that a GPT-4-pattern BPE of 512 learns digit pairs."""
+    rng = random.Random(0)
+    sums = [(rng.randrange(1, 100_000), rng.randrange(1, 1000)) for _ in range(2000)]
+    return corpus + ["\n".join(f"{a} + {b} = {a + b}" for a, b in sums)]
+
+
+def test_default_pattern_is_rustbpes_gpt4_pattern(corpus: list[str]) -> None:
+    import rustbpe  # what train_bpe did before it passed the pattern: the smoke preset's frozen tokens depend on it
+
+    tok = rustbpe.Tokenizer()
+    tok.train_from_iterator(iter(corpus), 512 - len(tk.SPECIAL_TOKENS))
+    enc = tk.train_bpe(corpus, 512)
+    assert tok.get_pattern() == tk.GPT4_PAT_STR == enc._pat_str == tk.split_pattern(False)
+    assert enc._mergeable_ranks == {bytes(k): v for k, v in tok.get_mergeable_ranks()} and enc.name == "kiln-bpe-512"
+    assert tk.DIGITS_PAT_STR == tk.split_pattern(True) == tk.GPT4_PAT_STR.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def test_split_digits_gives_one_token_per_digit_saved_with_its_pattern(corpus: list[str], tmp_path: Path) -> None:
+    texts = _with_sums(corpus)
+    merged, digits = tk.train_bpe(texts, 512), tk.train_bpe(texts, 512, tk.DIGITS_PAT_STR)
+    text = "12345 + 678 = 13023"
+    pieces = lambda enc, t: [enc.decode([i]) for i in enc.encode_ordinary(t)]  # noqa: E731
+    assert pieces(digits, text) == ["1", "2", "3", "4", "5", " +", " ", "6", "7", "8", " =", " ", "1", "3", "0", "2", "3"]
+    assert pieces(merged, text) == ["1", "23", "4", "5", " +", " ", "67", "8", " =", " ", "13", "0", "23"]
+    assert not any(re.search(rb"\d\d", t) for t in digits._mergeable_ranks)  # no token anywhere spans two digits
+    assert sum(bool(re.search(rb"\d\d", t)) for t in merged._mergeable_ranks) == 23
+    sample = text + " — 3.14159, 2026-12-05, x² ½ ١٢٣ 東京 🙂\n\n  y = 1e-9"
+    for enc in (merged, digits):
+        assert enc.decode(enc.encode_ordinary(sample)) == sample
+    assert (digits.name, digits.n_vocab) == ("kiln-bpe-512-digits", 512)
+    assert tk.encoding_fingerprint(digits) != tk.encoding_fingerprint(merged)
+    # Only the number rule differs: text without digits splits the same under either pattern.
+    words = re.sub(r"\d", "", "".join(corpus[:5]))
+    same_ranks = tiktoken.Encoding(name="x", pat_str=tk.DIGITS_PAT_STR, mergeable_ranks=merged._mergeable_ranks,
+                                   special_tokens={})
+    assert same_ranks.encode_ordinary(words) == merged.encode_ordinary(words)
+
+    path = tmp_path / "tokenizer.json"
+    tk.save_encoding(digits, path)
+    assert json.loads(path.read_text())["pat_str"] == tk.DIGITS_PAT_STR
+    back = tk.load_encoding(path)
+    assert back._pat_str == tk.DIGITS_PAT_STR and tk.encoding_fingerprint(back) == tk.encoding_fingerprint(digits)
+    assert back.encode_ordinary(sample) == digits.encode_ordinary(sample) and pieces(back, text) == pieces(digits, text)
+    assert all(back.encode_ordinary(t) == digits.encode_ordinary(t) for t in texts)
+
+
+def test_build_tokenizer_trains_with_the_digit_pattern(corpus: list[str]) -> None:
+    docs = [(f"doc{i}", t) for i, t in enumerate(_with_sums(corpus))]
+    kw = dict(kind="bpe", vocab_size=512, train_mb=1.0, heldout_mb=1.0, compare=False, load_gpt2=lambda: None)
+    built = tk.build_tokenizer(docs, lambda i: False, split_digits=True, **kw)
+    old = tk.build_tokenizer(docs, lambda i: False, split_digits=False, **kw)
+    texts = [t for _, t in docs]
+    assert tk.encoding_fingerprint(built.encoding) == tk.encoding_fingerprint(tk.train_bpe(texts, 512, tk.DIGITS_PAT_STR))
+    assert tk.encoding_fingerprint(old.encoding) == tk.encoding_fingerprint(tk.train_bpe(texts, 512))
+    assert built.encoding._pat_str == tk.DIGITS_PAT_STR and old.encoding._pat_str == tk.GPT4_PAT_STR
+
+
 def test_compression_report(corpus: list[str]) -> None:
     small, big = tk.train_bpe(corpus[10:], 300), tk.train_bpe(corpus[10:], 1000)
     held_out = corpus[:10]
@@ -173,7 +234,7 @@ def test_build_tokenizer_compares_vocabularies_and_survives_a_missing_gpt2(corpu
     other = tk.train_bpe(corpus[:20], 400)
     warnings: list[str] = []
     built = tk.build_tokenizer(docs, held, kind="bpe", vocab_size=300, train_mb=1.0, heldout_mb=1.0, compare=True,
-                               load_gpt2=lambda: other, warn=warnings.append)
+                               split_digits=False, load_gpt2=lambda: other, warn=warnings.append)
     held_out = [t for i, t in docs if held(i)]
     trained = tk.train_bpe([t for i, t in docs if not held(i)], 300)
     assert tk.encoding_fingerprint(built.encoding) == tk.encoding_fingerprint(trained) and warnings == []
@@ -190,12 +251,12 @@ def test_build_tokenizer_compares_vocabularies_and_survives_a_missing_gpt2(corpu
         raise OSError("no network")
 
     alone = tk.build_tokenizer(docs, held, kind="bpe", vocab_size=300, train_mb=1.0, heldout_mb=1.0, compare=True,
-                               load_gpt2=offline, warn=warnings.append)
+                               split_digits=False, load_gpt2=offline, warn=warnings.append)
     assert warnings == ["GPT-2 vocabulary unavailable for the compression report: no network"]
     assert alone.report[1]["note"] == "unavailable: OSError: no network" and alone.bytes_per_token_gpt2 != alone.bytes_per_token_gpt2
     with pytest.raises(OSError, match="no network"):  # GPT-2 as the tokenizer itself cannot go without it
         tk.build_tokenizer(docs, held, kind="gpt2", vocab_size=300, train_mb=1.0, heldout_mb=1.0, compare=False,
-                           load_gpt2=offline)
+                           split_digits=False, load_gpt2=offline)
     with pytest.raises(ValueError, match="tokenizer.kind must be 'bpe' or 'gpt2', not 'wordpiece'"):
         tk.build_tokenizer(docs, held, kind="wordpiece", vocab_size=300, train_mb=1.0, heldout_mb=1.0, compare=False,
-                           load_gpt2=offline)
+                           split_digits=False, load_gpt2=offline)
