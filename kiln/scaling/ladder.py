@@ -119,7 +119,10 @@ def summarize(rows: list[dict[str, Any]], bootstrap: int = 200, seed: int = 0) -
         fit = fit_parametric(points, bootstrap=bootstrap, seed=seed)
         out["law"] = {**fit.to_dict(), "draws": fit.draws.tolist()}  # the bootstrap fits: a later interval needs them
         if not fit.converged:  # kept for reading, marked so that nothing predicts or sizes with it
-            out["law"]["error"] = f"the fit did not converge: {fit.why}"
+            try:
+                fit.check()
+            except FitError as e:  # the reason with the points listed
+                out["law"]["error"] = str(e)
     except FitError as e:
         out["law"] = {"error": str(e)}
     return out

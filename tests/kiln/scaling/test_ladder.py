@@ -83,3 +83,12 @@ def test_size_for_picks_the_width_nearest_the_laws_optimum():
     assert abs(math.log(sized["params"] / sized["optimal_params"])) < 0.35  # the nearest width, within one step
     assert sized["steps"] * 2048 == sized["tokens"]
     assert abs(sized["tokens"] * sized["flops_per_token"] / 3.9e13 - 1) < 0.01  # the steps spend the budget
+
+
+def test_a_law_the_points_cannot_pin_down_is_marked_with_the_points():
+    rows = [{"rung": f"r{i}", "params": 1e5 * (i % 3 + 1), "tokens": 1e6 * (i // 3 + 1), "budget": float(i // 3 + 1),
+             "loss": 5.0} for i in range(6)]  # no loss falls with size or data: no exponent fits
+    law = summarize(rows, bootstrap=0)["law"]
+    assert "did not converge" in law["error"] and "r5 (N=3e+05, D=2e+06, C=2, loss=5)" in law["error"]
+    with pytest.raises(ConfigError, match="no usable law"):
+        law_of({"law": law, "version": "v"})
