@@ -136,13 +136,19 @@ def prediction(plan: dict, scaling_ladder: dict | None, sizing: str) -> dict | N
     """What the ladder's law says this plan's run will reach (final validation loss, with its bootstrap interval),
     and the ladder it came from; None without a fitted ladder."""
     from kiln.scaling.ladder import law_of
+    from kiln.scaling.law import FitError
 
     if not scaling_ladder or "error" in scaling_ladder.get("law", {"error": ""}):
         return None
     law = law_of(scaling_ladder)
     n, d = plan["params"], plan["total_tokens"]
     low, high = law.interval(n, d)
-    return {"ladder": scaling_ladder["version"], "sizing": sizing, "params": n, "tokens": d,
+    try:  # the law's compute-optimal split of this run's budget (C = 6ND, as compute_optimal's fixed ratio counts)
+        opt_n, opt_d = law.optimal(6.0 * n * d)
+        optimal = {"params": opt_n, "tokens": opt_d}
+    except FitError as e:
+        optimal = {"error": str(e)}
+    return {"ladder": scaling_ladder["version"], "sizing": sizing, "params": n, "tokens": d, "optimal": optimal,
             "predicted_val_loss": law.predict(n, d), "interval": [low, high],
             "law": {k: scaling_ladder["law"][k] for k in ("E", "A", "B", "alpha", "beta")},
             "intervals": scaling_ladder["law"].get("intervals"),
@@ -200,7 +206,10 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
                if plan.get("sweep") else {}),
             **({"predicted_val_loss": round(plan["scaling"]["predicted_val_loss"], 4),
                 "predicted_val_loss_interval": f"{plan['scaling']['interval'][0]:.4f} .. {plan['scaling']['interval'][1]:.4f}",
-                "predicted_by": f"scaling_ladder {plan['scaling']['ladder']}"} if plan.get("scaling") else {}),
+                "predicted_by": f"scaling_ladder {plan['scaling']['ladder']}",
+                **({"law_optimal_params": int(plan["scaling"]["optimal"]["params"]),
+                    "law_optimal_tokens": int(plan["scaling"]["optimal"]["tokens"])}
+                   if "params" in plan["scaling"]["optimal"] else {})} if plan.get("scaling") else {}),
         }, version=plan_version(plan))
 
 

@@ -171,7 +171,7 @@ Size: {sizing}.
 {table(law_rows)}
 For this model (N = {sc['params']:,} parameters, D = {sc['tokens']:,} tokens) the law predicted a final validation loss
 of {predicted:.4f} (interval {sc['interval'][0]:.4f} .. {sc['interval'][1]:.4f}); training measured {measured:.4f}
-({measured / predicted - 1:+.2%}).
+({measured / predicted - 1:+.2%}).{_optimal(sc)}
 {plot}
 <details><summary>The ladder's runs</summary>
 
@@ -179,6 +179,14 @@ of {predicted:.4f} (interval {sc['interval'][0]:.4f} .. {sc['interval'][1]:.4f})
 </details>
 
 """
+
+
+def _optimal(sc: dict) -> str:
+    opt = sc.get("optimal") or {}
+    if "params" not in opt:
+        return ""
+    return (f" By the law, this budget ({6 * sc['params'] * sc['tokens']:.3g} FLOPs, 6ND) is best spent on "
+            f"{opt['params']:,.0f} parameters and {opt['tokens']:,.0f} tokens.")
 
 
 def checkpoint_name(path: str | Path) -> str:

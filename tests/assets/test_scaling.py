@@ -66,6 +66,9 @@ def test_the_plan_states_the_laws_prediction_and_the_card_compares_it(ladder):
     got = prediction(plan, ladder, "preset")
     assert got["predicted_val_loss"] == pytest.approx(law(plan["params"], plan["total_tokens"]), rel=0.01)
     assert got["interval"][0] <= got["predicted_val_loss"] <= got["interval"][1]
+    n_opt, d_opt = got["optimal"]["params"], got["optimal"]["tokens"]  # the law's split of the same 6ND budget
+    assert abs(6 * n_opt * d_opt / (6 * plan["params"] * plan["total_tokens"]) - 1) < 1e-6
+    assert law(n_opt, d_opt) <= law(plan["params"], plan["total_tokens"]) + 0.01
     assert prediction(plan, {**ladder, "law": {"error": "x"}}, "preset") is None
     plan["scaling"] = got
     base = {"final_val_loss": got["predicted_val_loss"] * 1.01, "history": [], "curve": []}
