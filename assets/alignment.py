@@ -212,7 +212,8 @@ def dpo_model(context: AssetExecutionContext, config: DpoModelConfig, sft_model:
 
 
 RL_FIELDS = ("reward", "max_steps", "group_size", "max_new_tokens", "temperature", "partial_credit", "kl_coef",
-             "eval_interval", "eval_items", "seed")
+             "eval_interval", "eval_items", "seed", "algorithm", "ppo_epochs", "eps_low", "eps_high", "loss_aggregation",
+             "dynamic_sampling", "max_sampling_rounds", "overlong_buffer")
 
 
 class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defaults={

@@ -34,15 +34,15 @@ sweep_partitions = DynamicPartitionsDefinition(name=SWEEP_POINTS)
 
 class SweptField(Config):
     field: str = Field(description="<block>.<field> of the training run: optim.* (kiln.train.optim.OptimConfig: lr, muon_lr, warmup_steps, name, schedule, ...), batch.* (global_batch, seq_len, ...) or model.* (n_embd, n_layer, ...).")
-    values: list[float] = Field(default_factory=list, description="Numbers to try (a grid axis; in random mode one is drawn per sample).")
-    choices: list[str] = Field(default_factory=list, description="Strings to try (optim.name: [adamw, muon]; flags as true/false).")
+    values: list[float] = Field(default=[], description="Numbers to try (a grid axis; in random mode one is drawn per sample).")
+    choices: list[str] = Field(default=[], description="Strings to try (optim.name: [adamw, muon]; flags as true/false).")
     low: Optional[float] = Field(default=None, description="Random mode: the lower end of the range drawn from.")
     high: Optional[float] = Field(default=None, description="Random mode: the upper end of the range drawn from.")
     log: bool = Field(default=True, description="Random mode: draw uniformly in log space (learning rates), else linearly.")
 
 
 class SweepGridConfig(Config):
-    fields: list[SweptField] = Field(default_factory=list, description="The fields swept and their values or ranges.")
+    fields: list[SweptField] = Field(default=[], description="The fields swept and their values or ranges.")
     mode: str = Field(default="grid", description="grid: every combination of the values; random: `samples` seeded draws.")
     samples: int = Field(default=8, description="Random mode: how many points to draw.")
     seed: int = Field(default=0, description="Random mode: the draw's seed (the points are the same for the same seed).")
@@ -214,9 +214,9 @@ def sweep_results(context: AssetExecutionContext, sweep_grid: dict, storage: Kil
 
 class ScalingLadderConfig(Config):
     model_preset: str = Field(default="demo", description="The named size whose shape (family, depth, heads) the ladder's models share, at smaller widths.")
-    model: ModelOverrides = Field(default_factory=lambda: ModelOverrides(family="llama"), description="Family and fields overriding the named size (the width is the ladder's).")
-    widths: list[int] = Field(default_factory=lambda: [32, 48, 64, 80, 96], description="n_embd of the ladder's models (at least three; the demo's vocabulary makes these 0.19M to 0.80M parameters).")
-    budgets: list[float] = Field(default_factory=lambda: [1e12, 2.5e12, 6e12], description="Compute budgets in training FLOPs (the planner's count): one IsoFLOP profile each; every width trains the steps its budget buys.")
+    model: ModelOverrides = Field(default=ModelOverrides(family="llama"), description="Family and fields overriding the named size (the width is the ladder's).")
+    widths: list[int] = Field(default=[32, 48, 64, 80, 96], description="n_embd of the ladder's models (at least three; the demo's vocabulary makes these 0.19M to 0.80M parameters).")
+    budgets: list[float] = Field(default=[1e12, 2.5e12, 6e12], description="Compute budgets in training FLOPs (the planner's count): one IsoFLOP profile each; every width trains the steps its budget buys.")
     batch: Batch = Field(default_factory=Batch, description="Sequence length and global batch of every rung (the demo's by default); max_steps is the budget's.")
     optim: Optim = Field(default_factory=Optim, description="The recipe every rung trains with (the pretraining recipe by default).")
     min_steps: int = Field(default=100, description="A rung its budget gives fewer steps is left out (too short for the schedule).")

@@ -1,17 +1,22 @@
-"""Reinforcement learning with verifiable rewards: GRPO-style group-relative advantages and a KL penalty to a reference.
+"""Reinforcement learning with verifiable rewards: GRPO-style group-relative advantages and a KL penalty to a reference,
+or with DAPO's changes (``algorithm: dapo``).
 
 One process:  python -m kiln.posttrain.rl --config job.json          (RlJob fields; init_from = the DPO or SFT checkpoint)
 Several:      python -m torch.distributed.run --nproc_per_node=2 -m kiln.posttrain.rl --config job.json
 Each step samples ``group_size`` answers per prompt, scores them with an exact checker, and pushes up answers that
-beat their group's mean (Shao et al., 2024). Written here rather than with TRL, whose trainer needs Hugging Face models.
+beat their group's mean (Shao et al., 2024). DAPO (Yu et al., 2025, "DAPO: An Open-Source LLM Reinforcement Learning
+System at Scale", arXiv 2503.14476) adds four options, each a field of its own: a higher upper clip of the ratio
+(clip-higher, with ``ppo_epochs`` > 1 for the ratio to move), a token-level loss, dynamic sampling of the groups that
+carry signal, and a soft penalty for answers near the length limit. Written here rather than with TRL, whose trainer
+needs Hugging Face models.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -54,6 +59,46 @@ def make_reward(task: str, partial_credit: float) -> RewardFn:
     return lambda text, item: exact(text, item) or partial_credit * near(text, item)
 
 
+@dataclass(frozen=True)
+class RlSettings:
+    """The policy-loss and sampling choices of an RL job, every one resolved (RlJob.settings)."""
+
+    algorithm: str  # grpo or dapo
+    ppo_epochs: int  # optimizer steps per sampled batch
+    eps_low: float  # the ratio is clipped to [1 - eps_low, 1 + eps_high]
+    eps_high: float
+    loss_aggregation: str  # sequence or token
+    dynamic_sampling: bool  # refill the batch with groups whose answers score differently
+    max_sampling_rounds: int  # rounds of prompts dynamic sampling draws at most
+    overlong_buffer: int  # tokens before max_new_tokens where the length penalty starts (0: none)
+
+    def describe(self) -> str:
+        """What differs from plain on-policy GRPO, for the start line ("" when nothing does)."""
+        parts = []
+        if self.ppo_epochs > 1:
+            parts.append(f"{self.ppo_epochs} updates per sampled batch, ratio clipped to "
+                         f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}]")
+        if self.loss_aggregation == "token":
+            parts.append("token-level loss")
+        if self.dynamic_sampling:
+            parts.append(f"dynamic sampling (at most {self.max_sampling_rounds} rounds)")
+        if self.overlong_buffer:
+            parts.append(f"overlong penalty over the last {self.overlong_buffer} tokens")
+        return ", ".join(parts)
+
+
+# what each algorithm gives the RlJob fields left unset. DAPO's are the paper's (arXiv 2503.14476): the clip range
+# 0.2 / 0.28 (section 3.1), dynamic sampling (3.2), the token-level loss (3.3), and the soft overlong punishment
+# over the last 4,096 of 20,480 tokens (3.4), here the same fifth of max_new_tokens (overlong_divisor 0: none)
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "grpo": {"eps_low": 0.2, "eps_high": 0.2, "loss_aggregation": "sequence", "dynamic_sampling": False,
+             "overlong_divisor": 0},
+    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "loss_aggregation": "token", "dynamic_sampling": True,
+             "overlong_divisor": 5},
+}
+AGGREGATIONS = ("sequence", "token")
+
+
 @dataclass
 class RlJob(PosttrainJob):
     task: str = "rl"
@@ -66,6 +111,27 @@ class RlJob(PosttrainJob):
     eval_items: int = 100  # held-out (split=val) prompts answered greedily at each evaluation
     # the GRPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
     spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))
+    # grpo or dapo: what eps_low, eps_high, loss_aggregation, dynamic_sampling and overlong_buffer take when left unset
+    # (dapo: the paper's clip 0.2 / 0.28, token-level loss, dynamic sampling, an overlong buffer of max_new_tokens
+    # // 5). DAPO also drops the KL term; algorithm leaves kl_coef as it is set (0 for the paper's recipe)
+    algorithm: str = "grpo"
+    # optimizer steps per sampled batch, each on all of it against the log-probs it was sampled with (max_steps counts
+    # steps: a run samples max_steps / ppo_epochs batches); 1 is on-policy, one update per batch as GRPO here always was
+    ppo_epochs: int = 1
+    # the ratio pi/pi_old is clipped to [1 - eps_low, 1 + eps_high] (it moves only with ppo_epochs > 1: the first
+    # update of a batch has ratio 1). Unset: grpo 0.2 / 0.2; dapo 0.2 / 0.28, DAPO's clip-higher (section 3.1)
+    eps_low: float | None = None
+    eps_high: float | None = None
+    # how per-token terms make the loss: sequence (each answer's mean, then the mean over answers) or token (a group's
+    # terms summed over its token count, then the mean over groups; DAPO section 3.3). Unset: grpo sequence, dapo token
+    loss_aggregation: str | None = None
+    # drop prompt groups whose answers all score the same (no advantage) and sample more prompts until micro_batch
+    # groups carry signal or max_sampling_rounds is reached (DAPO's dynamic sampling, 3.2). Unset: grpo off, dapo on
+    dynamic_sampling: bool | None = None
+    max_sampling_rounds: int = 3  # dynamic sampling: rounds of micro_batch prompts sampled at most per micro-batch
+    # DAPO's soft overlong punishment (3.4): an answer longer than max_new_tokens - overlong_buffer tokens loses reward
+    # linearly, down to -1 at max_new_tokens; 0 is off. Unset: grpo 0; dapo max_new_tokens // 5 (the paper's 4K of 20K)
+    overlong_buffer: int | None = None
 
     def check(self, where: str = "job") -> None:
         super().check(where)
@@ -74,6 +140,34 @@ class RlJob(PosttrainJob):
         if self.group_size < 2:
             raise ConfigError(f"{where}.group_size must be >= 2 (advantages are relative within a group), "
                               f"got {self.group_size}")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"{where}.algorithm {self.algorithm!r} is not known; choose from {', '.join(ALGORITHMS)}")
+        if self.ppo_epochs < 1:
+            raise ConfigError(f"{where}.ppo_epochs must be >= 1 (1: one on-policy update per batch), "
+                              f"got {self.ppo_epochs}")
+        for key in ("eps_low", "eps_high"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value < (1 if key == "eps_low" else float("inf")):
+                raise ConfigError(f"{where}.{key} must be > 0{' and < 1' if key == 'eps_low' else ''} (the ratio's "
+                                  f"clip range), got {value}; leave it unset for the algorithm's")
+        if self.loss_aggregation is not None and self.loss_aggregation not in AGGREGATIONS:
+            raise ConfigError(f"{where}.loss_aggregation {self.loss_aggregation!r} is not known; choose from "
+                              f"{', '.join(AGGREGATIONS)} or leave it unset for the algorithm's")
+        if self.max_sampling_rounds < 1:
+            raise ConfigError(f"{where}.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            raise ConfigError(f"{where}.overlong_buffer must be between 0 (off) and max_new_tokens "
+                              f"({self.max_new_tokens}), got {self.overlong_buffer}")
+
+    def settings(self) -> RlSettings:
+        """The loss and sampling settings, each field left unset taking ``algorithm``'s value."""
+        preset = ALGORITHMS[self.algorithm]
+        own = lambda key: preset[key] if getattr(self, key) is None else getattr(self, key)  # noqa: E731
+        overlong = self.overlong_buffer
+        if overlong is None:
+            overlong = self.max_new_tokens // preset["overlong_divisor"] if preset["overlong_divisor"] else 0
+        return RlSettings(self.algorithm, self.ppo_epochs, own("eps_low"), own("eps_high"), own("loss_aggregation"),
+                          own("dynamic_sampling"), self.max_sampling_rounds, overlong)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -87,22 +181,66 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 
 
 def grpo_loss(logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              kl_coef: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token log-probs of the sampled answers under policy and reference (N, T), advantages (N,), mask (N, T).
+              kl_coef: float, *, old_logp: torch.Tensor | None = None, eps_low: float = 0.2, eps_high: float = 0.2,
+              aggregation: str = "sequence", group_size: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token log-probs of the sampled answers under policy and reference (N, T), advantages (N,), mask (N, T); and
+    ``old_logp`` (N, T) under the policy that sampled them, when the policy may have moved since (ppo_epochs > 1).
 
-    One update per batch of samples (on-policy), so GRPO's clipped ratio pi/pi_old is exactly 1 and its gradient
-    is the policy gradient A * grad log pi. The KL to the reference uses the k3 estimator exp(d) - d - 1 with
-    d = log pi_ref - log pi (non-negative, unbiased). Per-token terms are averaged per answer, then over answers.
+    The policy term is PPO's clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token, r = pi/pi_old,
+    with DAPO's decoupled clip range (section 3.1). Without ``old_logp`` the update is on-policy: r is exactly 1, no
+    clip can bind, and the term is -r A with r = exp(logp - logp.detach()), whose gradient is the policy gradient
+    A * grad log pi (GRPO's one update per batch, computed as it always was). The KL to the reference uses the k3
+    estimator exp(d) - d - 1 with d = log pi_ref - log pi (non-negative, unbiased).
+
+    ``aggregation`` sequence: per-token terms are averaged per answer, then over answers. token: each group's terms
+    (``group_size`` consecutive rows; 0: all rows are one group) are summed over the group's answer tokens, then the
+    groups averaged, so every token of a group weighs the same however long its answer (DAPO section 3.3).
+    Statistics: kl (per answer, then over answers, either way) and, with ``old_logp``, clip_frac: the share of answer
+    tokens whose gradient the clip cut (r above 1 + eps_high with A > 0, or below 1 - eps_low with A < 0).
     """
     mask = mask.float()
-    ratio = torch.exp(logp - logp.detach())  # (N, T), equal to 1 with the policy's gradient
+    if old_logp is None:
+        ratio = torch.exp(logp - logp.detach())  # (N, T), equal to 1 with the policy's gradient
+        policy = -ratio * advantages[:, None]  # (N, T)
+    else:
+        ratio = torch.exp(logp - old_logp)  # (N, T)
+        adv = advantages[:, None]  # (N, 1)
+        policy = -torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)  # (N, T)
     delta = ref_logp - logp  # (N, T)
     kl = torch.exp(delta) - delta - 1  # (N, T)
-    per_token = -ratio * advantages[:, None] + kl_coef * kl  # (N, T)
+    per_token = policy + kl_coef * kl  # (N, T)
     lengths = mask.sum(1).clamp(min=1)  # (N,)
-    loss = ((per_token * mask).sum(1) / lengths).mean()
-    kl_mean = float(((kl.detach() * mask).sum(1) / lengths).mean())
-    return loss, {"kl": kl_mean}
+    if aggregation == "sequence":
+        loss = ((per_token * mask).sum(1) / lengths).mean()
+    elif aggregation == "token":
+        g = group_size or per_token.size(0)
+        if per_token.size(0) % g:
+            raise ValueError(f"grpo_loss: {per_token.size(0)} rows are not whole groups of {g}")
+        sums = (per_token * mask).sum(1).view(-1, g).sum(1)  # (P,)
+        loss = (sums / mask.sum(1).view(-1, g).sum(1).clamp(min=1)).mean()
+    else:
+        raise ValueError(f"grpo_loss: aggregation {aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
+    stats = {"kl": float(((kl.detach() * mask).sum(1) / lengths).mean())}
+    if old_logp is not None:
+        r, a = ratio.detach(), advantages[:, None]
+        cut = ((r > 1 + eps_high) & (a > 0)) | ((r < 1 - eps_low) & (a < 0))  # (N, T)
+        stats["clip_frac"] = float((cut * mask).sum() / mask.sum().clamp(min=1))
+    return loss, stats
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (section 3.4) of answers ``lengths`` tokens long (end-of-text included), any
+    shape: 0 up to max_new_tokens - buffer tokens, then down linearly to -1 at max_new_tokens (so a cut-off answer
+    gets -1); 0 everywhere when buffer is 0."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape)
+    return ((max_new_tokens - buffer - lengths.float()) / buffer).clamp(-1.0, 0.0)
+
+
+def informative(rewards: torch.Tensor) -> torch.Tensor:
+    """rewards (P, G) -> (P,) True for a group whose answers do not all score the same: its advantages are not all 0.
+    With an exact reward these are DAPO's groups with some but not all answers right (section 3.2)."""
+    return rewards.amax(1) > rewards.amin(1)
 
 
 def answer_rows(enc, prompts: list[str], completions: list[list[list[int]]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,40 +253,130 @@ def answer_rows(enc, prompts: list[str], completions: list[list[list[int]]], seq
     return trim_padding(*to_xy(tokens, mask))
 
 
+@dataclass
+class Rollout:
+    """One micro-batch of sampled, scored groups as the loss takes it; with ppo_epochs > 1 it is kept for the sampled
+    batch's later updates."""
+
+    x: torch.Tensor  # (N, T) each answer after its prompt, N = groups * group_size, a group's rows together
+    y: torch.Tensor  # (N, T) the answer tokens as targets, IGNORE elsewhere
+    advantages: torch.Tensor  # (N,) group-relative
+    ref_logp: torch.Tensor  # (N, T) under the frozen reference
+    stats: dict[str, float]  # of the sampling: rewards, answer tokens, groups filtered
+    old_logp: torch.Tensor | None = None  # (N, T) under the policy that sampled (set by the first update, if kept)
+
+
+class Groups(NamedTuple):
+    """Sampled groups to train on (sample_groups)."""
+
+    items: list[dict]  # their prompts' items
+    completions: list[list[list[int]]]  # completions[prompt][sample], token lists
+    rewards: torch.Tensor  # (P, G) reward_fn's score of each answer
+    stats: dict[str, float]  # of every answer sampled, filtered ones included
+    signal: bool  # False when dynamic sampling found no group with signal: these are the last round's, a stand-in
+
+
+def sample_groups(sampler: torch.nn.Module, enc, rounds: list[list[dict]], reward_fn: RewardFn, job: RlJob,
+                  generator: torch.Generator | None, device: torch.device | str,
+                  checks: dict[str, RewardFn] | None = None) -> Groups:
+    """Sample ``group_size`` answers to each prompt of ``rounds[0]`` with ``sampler`` and score them with ``reward_fn``.
+
+    With dynamic sampling (DAPO section 3.2) groups whose answers all score the same are dropped, and the prompts of
+    the next rounds sampled in turn until len(rounds[0]) groups carry signal (the first that many are kept) or the
+    rounds (at most max_sampling_rounds) run out; a batch short of groups trains on fewer. If no group carries signal
+    the last round's are kept with ``signal`` False (sample_rollout gives them no advantage), so that every rank still
+    runs its forward and backward. The statistics cover every sampled answer (``checks``: the mean of other scores of
+    them, e.g. the exact answer alone)."""
+    settings = job.settings()
+    want = len(rounds[0])
+    sampled: list[tuple[list[dict], list[list[str]], torch.Tensor]] = []  # (items, texts, rewards) of each round
+    kept: list[tuple[dict, list[list[int]], torch.Tensor]] = []  # (item, completions, rewards (G,))
+    was_training = sampler.training
+    sampler.eval()
+    for items in rounds[: settings.max_sampling_rounds if settings.dynamic_sampling else 1]:
+        comps = complete(sampler, enc, [it["prompt"] for it in items], job.max_new_tokens, job.temperature,
+                         job.group_size, generator, device)
+        texts = [[decode_completion(enc, c) for c in group] for group in comps]
+        rewards = torch.tensor([[reward_fn(t, it) for t in group] for group, it in zip(texts, items)],
+                               dtype=torch.float32)  # (P, G)
+        sampled.append((items, texts, rewards))
+        keep = informative(rewards) if settings.dynamic_sampling else torch.ones(len(items), dtype=torch.bool)
+        kept += [(it, c, r) for it, c, r, k in zip(items, comps, rewards, keep.tolist()) if k]
+        if len(kept) >= want:
+            break
+    sampler.train(was_training)
+    signal = bool(kept)
+    if not signal:  # nothing to learn from: the last round stands in
+        kept = list(zip(items, comps, rewards))
+    kept = kept[:want]
+    every = torch.cat([r for _, _, r in sampled])  # (every sampled group, G)
+    stats = {
+        "reward_mean": float(every.mean()),
+        "reward_group_std": float(every.std(dim=1).mean()) if job.group_size > 1 else 0.0,
+        "groups_with_signal": float((every.std(dim=1) > 0).float().mean()) if job.group_size > 1 else 0.0,
+        **{name: float(sum(fn(t, it) for its, texts, _ in sampled for group, it in zip(texts, its) for t in group)
+                       / every.numel()) for name, fn in (checks or {}).items()},
+    }
+    if settings.dynamic_sampling:
+        stats.update(sampling_rounds=float(len(sampled)), groups_filtered=float((~informative(every)).sum()),
+                     groups_trained=float(len(kept)))
+    return Groups([it for it, _, _ in kept], [c for _, c, _ in kept], torch.stack([r for _, _, r in kept]), stats,
+                  signal)
+
+
+def sample_rollout(sampler: torch.nn.Module, reference_logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   enc, items: list[dict], reward_fn: RewardFn, job: RlJob, generator: torch.Generator | None = None,
+                   device: torch.device | str = "cpu", checks: dict[str, RewardFn] | None = None,
+                   refills: list[list[dict]] = ()) -> Rollout:
+    """Sample and score groups for ``items`` (and dynamic sampling's ``refills``, a round of prompts each) with
+    ``sampler`` (the unwrapped policy); the advantages come from the reward plus any overlong penalty (which does not
+    decide what dynamic sampling keeps: like the paper's filter on accuracy, that is the reward's alone).
+    ``reference_logps(x, y)`` gives the reference's token log-probs (N, T) (PosttrainStage.reference_logps)."""
+    settings = job.settings()
+    items, comps, rewards, stats, signal = sample_groups(sampler, enc, [items, *refills], reward_fn, job, generator,
+                                                         device, checks)
+    if settings.overlong_buffer:
+        penalty = overlong_penalty(torch.tensor([[len(c) for c in group] for group in comps]), job.max_new_tokens,
+                                   settings.overlong_buffer)  # (P, G)
+        rewards = rewards + penalty
+        stats["overlong_penalty"] = float(penalty.mean())
+    adv = group_advantages(rewards).flatten().to(device)  # (P*G,)
+    if not signal:  # groups dynamic sampling filtered out: the length penalty alone is not to be learnt from them
+        adv = torch.zeros_like(adv)
+    x, y = answer_rows(enc, [it["prompt"] for it in items], comps, job.seq_len)
+    x, y = x.to(device), y.to(device)
+    ref = reference_logps(x, y)  # (N, T)
+    stats["answer_tokens"] = float((y != IGNORE).sum(1).float().mean())
+    return Rollout(x, y, adv, ref, stats)
+
+
+def rollout_policy_loss(policy: torch.nn.Module, rollout: Rollout, job: RlJob,
+                        autocast=contextlib.nullcontext) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one update on ``rollout`` through ``policy`` (which may be DDP-wrapped), with the sampling's and
+    the loss's statistics. With ppo_epochs > 1 the first update keeps its log-probs as pi_old for the later ones."""
+    settings = job.settings()
+    with autocast():
+        logp = model_token_logps(policy, rollout.x, rollout.y)  # (N, T)
+    if settings.ppo_epochs > 1 and rollout.old_logp is None:
+        rollout.old_logp = logp.detach()  # the first update: the policy is still the one that sampled
+    loss, stats = grpo_loss(logp, rollout.ref_logp, rollout.advantages, rollout.y != IGNORE, job.kl_coef,
+                            old_logp=rollout.old_logp, eps_low=settings.eps_low, eps_high=settings.eps_high,
+                            aggregation=settings.loss_aggregation, group_size=job.group_size)
+    return loss, {**stats, **rollout.stats, "loss": float(loss.detach())}
+
+
 def rollout_loss(policy: torch.nn.Module, sampler: torch.nn.Module,
                  reference_logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  enc, items: list[dict], reward_fn: RewardFn, job: RlJob, generator: torch.Generator | None = None,
                  device: torch.device | str = "cpu", autocast=contextlib.nullcontext,
-                 checks: dict[str, RewardFn] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sample groups for ``items`` with ``sampler`` (the unwrapped policy), score them, and return the GRPO loss
-    computed through ``policy`` (which may be DDP-wrapped) with the reported statistics (``checks`` adds the mean
-    of other scores of the same samples, e.g. the exact answer alone when the reward also counts format).
-    ``reference_logps(x, y)`` gives the reference's token log-probs (N, T) (PosttrainStage.reference_logps)."""
-    was_training = sampler.training
-    sampler.eval()
-    prompts = [it["prompt"] for it in items]
-    comps = complete(sampler, enc, prompts, job.max_new_tokens, job.temperature, job.group_size, generator, device)
-    sampler.train(was_training)
-    texts = [[decode_completion(enc, c) for c in group] for group in comps]
-    rewards = torch.tensor([[reward_fn(t, it) for t in group] for group, it in zip(texts, items)],
-                           dtype=torch.float32)  # (P, G)
-    adv = group_advantages(rewards).flatten().to(device)  # (P*G,)
-    x, y = answer_rows(enc, prompts, comps, job.seq_len)
-    x, y = x.to(device), y.to(device)
-    ref = reference_logps(x, y)  # (N, T)
-    with autocast():
-        logp = model_token_logps(policy, x, y)  # (N, T)
-    loss, stats = grpo_loss(logp, ref, adv, y != IGNORE, job.kl_coef)
-    stats.update({
-        "reward_mean": float(rewards.mean()),
-        "reward_group_std": float(rewards.std(dim=1).mean()) if job.group_size > 1 else 0.0,
-        "groups_with_signal": float((rewards.std(dim=1) > 0).float().mean()) if job.group_size > 1 else 0.0,
-        "answer_tokens": float((y != IGNORE).sum(1).float().mean()),
-        "loss": float(loss.detach()),
-        **{name: float(sum(fn(t, it) for group, it in zip(texts, items) for t in group) / rewards.numel())
-           for name, fn in (checks or {}).items()},
-    })
-    return loss, stats
+                 checks: dict[str, RewardFn] | None = None,
+                 refills: list[list[dict]] = ()) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sample groups for ``items`` with ``sampler`` (the unwrapped policy), score them, and return the loss of one
+    update computed through ``policy`` (which may be DDP-wrapped) with the reported statistics (``checks`` adds the
+    mean of other scores of the same samples, e.g. the exact answer alone when the reward also counts format):
+    sample_rollout, then rollout_policy_loss."""
+    rollout = sample_rollout(sampler, reference_logps, enc, items, reward_fn, job, generator, device, checks, refills)
+    return rollout_policy_loss(policy, rollout, job, autocast)
 
 
 @torch.no_grad()
@@ -168,39 +396,80 @@ def heldout_reward(model: torch.nn.Module, enc, items: list[dict], reward_fn: Re
     return total / max(len(mine), 1)
 
 
+class RlBatch(NamedTuple):
+    """One micro-batch as RlStage.batches draws it."""
+
+    items: list[dict]  # the prompts
+    generator: torch.Generator  # draws the samples (one per sampled batch, used by its micro-batches in turn)
+    refills: list[list[dict]]  # dynamic sampling's later rounds of prompts (none without it)
+    key: tuple[int, int]  # (sampled batch, micro-batch): how the later updates of ppo_epochs > 1 find the samples
+
+
+# statistics of the DAPO options, in the history and the progress line when a run has them
+OPTION_STATS = ("clip_frac", "groups_filtered", "sampling_rounds", "overlong_penalty")
+
+
 class RlStage(PosttrainStage):
-    """Prompts drawn by (seed, batch, rank), groups of sampled answers scored by an exact checker, the GRPO loss;
-    the held-out measure is the greedy answers' exact reward."""
+    """Prompts drawn by (seed, sampled batch, rank), groups of sampled answers scored by an exact checker, the GRPO
+    loss (or DAPO's, by the job's settings); the held-out measure is the greedy answers' exact reward."""
 
     def __init__(self, job: RlJob, info: DistInfo):
         from kiln.tokenizer import load_encoding
 
         kinds, self.exact_fn, _ = REWARDS[job.reward]
         self.reward_fn = make_reward(job.reward, job.partial_credit)
+        self.settings = job.settings()
         self.enc = load_encoding(job.tokenizer)
         self.items = read_jsonl_split(job.train_files[0], "train", kinds)
         self.val_items = read_jsonl_split(job.train_files[0], "val", kinds)[: job.eval_items]
+        self.sampled_batch, self.rollouts = -1, {}  # the sampled batch whose rollouts are kept, by micro-batch
         super().__init__(job, info)
 
     def describe(self, trainer: Trainer) -> str:
-        job = self.job
-        return (f"GRPO on {len(self.items)} {job.reward} prompts, {job.group_size} answers each, kl_coef {job.kl_coef}; "
-                f"{len(self.val_items)} held out; {self.info.world_size} x {self.info.device.type}, "
-                f"steps {trainer.run.step}->{job.max_steps}")
+        job, options = self.job, self.settings.describe()
+        return (f"{job.algorithm.upper()} on {len(self.items)} {job.reward} prompts, {job.group_size} answers each, "
+                f"kl_coef {job.kl_coef}{f'; {options}' if options else ''}; {len(self.val_items)} held out; "
+                f"{self.info.world_size} x {self.info.device.type}, steps {trainer.run.step}->{job.max_steps}")
 
-    def batches(self, index: int) -> Iterator[tuple[list[dict], torch.Generator]]:
-        # prompts and samples depend only on (seed, batch, rank): a resumed run draws what the original would have
+    def batches(self, index: int) -> Iterator[RlBatch]:
+        # prompts and samples depend only on (seed, sampled batch, rank): a resumed run draws what the original would
+        # have. With ppo_epochs > 1, that many steps share a sampled batch; a run resumed within one samples it again
+        # (the same prompts and seed) with the resumed policy, as kiln.posttrain.ppo does
         job = self.job
-        rng = np.random.default_rng([job.seed, index, self.info.rank])
+        r = index // job.ppo_epochs
+        rng = np.random.default_rng([job.seed, r, self.info.rank])
         gen = torch.Generator(device=self.info.device).manual_seed(int(rng.integers(2**62)))
-        for _ in range(job.grad_accum):
-            yield [self.items[i] for i in rng.choice(len(self.items), size=min(job.micro_batch, len(self.items)),
-                                                     replace=False)], gen
+        more = np.random.default_rng([job.seed, r, self.info.rank, 1])  # refills: a stream of their own
+        for micro in range(job.grad_accum):
+            picked = rng.choice(len(self.items), size=min(job.micro_batch, len(self.items)), replace=False)
+            refills = self.refills(more, picked) if self.settings.dynamic_sampling else []
+            yield RlBatch([self.items[i] for i in picked], gen, refills, (r, micro))
 
-    def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
-        items, gen = batch
-        return rollout_loss(trainer.model, trainer.raw, self.reference_logps, self.enc, items, self.reward_fn, self.job,
-                            gen, trainer.info.device, trainer.autocast, checks={"exact_answer": self.exact_fn})
+    def refills(self, rng: np.random.Generator, picked: np.ndarray) -> list[list[dict]]:
+        """Dynamic sampling's later rounds for a micro-batch that drew ``picked``: micro_batch prompts each (fewer when
+        the prompts run out), none drawn twice in the micro-batch."""
+        rounds, used = [], picked
+        for _ in range(self.settings.max_sampling_rounds - 1):
+            pool = np.setdiff1d(np.arange(len(self.items)), used)
+            if not len(pool):
+                break
+            more = rng.choice(pool, size=min(self.job.micro_batch, len(pool)), replace=False)
+            rounds.append([self.items[i] for i in more])
+            used = np.concatenate([used, more])
+        return rounds
+
+    def loss(self, trainer: Trainer, batch: RlBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        r, micro = batch.key
+        if r != self.sampled_batch:  # a new sampled batch: the previous one's rollouts are done with
+            self.sampled_batch, self.rollouts = r, {}
+        rollout = self.rollouts.get(micro)
+        if rollout is None:
+            rollout = sample_rollout(trainer.raw, self.reference_logps, self.enc, batch.items, self.reward_fn, self.job,
+                                     batch.generator, trainer.info.device, {"exact_answer": self.exact_fn},
+                                     batch.refills)
+            if self.job.ppo_epochs > 1:
+                self.rollouts[micro] = rollout
+        return rollout_policy_loss(trainer.model, rollout, self.job, trainer.autocast)
 
     def validate(self, trainer: Trainer) -> dict[str, float]:
         return {"val_reward": heldout_reward(trainer.raw, self.enc, self.val_items, self.exact_fn,
@@ -208,7 +477,7 @@ class RlStage(PosttrainStage):
 
     def history_row(self, step: int, train: dict[str, float], val: dict[str, float] | None) -> dict:
         return {"step": step, "reward": train["reward_mean"], "exact_answer": train["exact_answer"], "kl": train["kl"],
-                **(val or {})}
+                **{k: train[k] for k in OPTION_STATS if k in train}, **(val or {})}
 
     def start_line(self, val: dict[str, float]) -> str:
         return f"step 0: held-out reward {val['val_reward']:.3f}"
@@ -217,6 +486,10 @@ class RlStage(PosttrainStage):
         t, m = r.train, r.metrics
         return (f"step {r.step}/{r.max_steps}: reward {t['reward_mean']:.3f} | exact {t['exact_answer']:.3f} | "
                 f"kl {t['kl']:.4f} | groups with signal {t['groups_with_signal']:.2f} | answer tokens {t['answer_tokens']:.1f}"
+                + (f" | clipped {t['clip_frac']:.3f}" if "clip_frac" in t else "")
+                + (f" | {t['groups_filtered']:.1f} groups filtered in {t['sampling_rounds']:.1f} rounds"
+                   if "groups_filtered" in t else "")
+                + (f" | overlong penalty {t['overlong_penalty']:.3f}" if "overlong_penalty" in t else "")
                 + (f" | held-out reward {r.val['val_reward']:.3f}" if r.val else "")
                 + (f" | {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else "") + f" | {format_duration(r.left_s)} left")
 
@@ -224,9 +497,13 @@ class RlStage(PosttrainStage):
         job = self.job
         vals = [h["val_reward"] for h in trainer.run.history if "val_reward" in h]
         return {**super().summary(trainer), "reward": job.reward, "group_size": job.group_size, "kl_coef": job.kl_coef,
+                "algorithm": job.algorithm, "algorithm_settings": asdict(self.settings),
                 "partial_credit": job.partial_credit, "prompts": {"train": len(self.items), "val": len(self.val_items)},
                 "initial_val_reward": vals[0] if vals else None, "final_val_reward": vals[-1] if vals else None,
                 "final_train": trainer.last_stats or None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampled_batch, self.rollouts = -1, {}  # restored weights: rollouts kept from other weights are not theirs
 
 
 def main(argv: list[str] | None = None, reporter: Reporter | None = None, callbacks: Iterable = ()) -> dict[str, Any]:

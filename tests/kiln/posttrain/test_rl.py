@@ -1,4 +1,5 @@
-"""Tests for kiln.posttrain.rl: group-relative advantages, the GRPO loss and KL penalty, a task a tiny model learns, the job.
+"""Tests for kiln.posttrain.rl: group-relative advantages, the GRPO loss and KL penalty, a task a tiny model learns, the
+job; DAPO's options (clipped surrogate, token-level loss, dynamic sampling, overlong penalty), the default left as it was.
 
 Run: python -m pytest tests/kiln/posttrain/test_rl.py -q
 """
@@ -6,12 +7,15 @@ Run: python -m pytest tests/kiln/posttrain/test_rl.py -q
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -22,8 +26,13 @@ from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.sampling import complete
-from kiln.posttrain.rl import RlJob, answer_rows, group_advantages, grpo_loss, make_reward, rollout_loss
+from kiln.common.config import ConfigError
+from kiln.posttrain.rl import (RlJob, RlSettings, RlStage, answer_rows, group_advantages, grpo_loss, make_reward,
+                               overlong_penalty, rollout_loss, rollout_policy_loss, sample_groups, sample_rollout)
+from kiln.posttrain.sampling import decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids
+from kiln.train.dist import DistInfo
+from kiln.train.job import load_job
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -173,3 +182,350 @@ def test_rl_job_with_lora_reports_rewards_resumes_and_saves_plain_weights(tmp_pa
     assert all(h["reward"] == 0.0 for h in hist[1:])
     with torch.no_grad():
         assert torch.equal(m(ids), base(ids))
+
+
+# -- DAPO's options (Yu et al., 2025, arXiv 2503.14476)
+
+
+def test_the_clipped_surrogate_with_a_decoupled_range_matches_a_hand_computed_value() -> None:
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
+    ratio = torch.tensor([[1.5, 1.1, 0.5], [0.6, 1.5, 1.0]])  # pi / pi_old of each token
+    logp = (old + ratio.log()).requires_grad_()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # the last token of row 2 is padding
+    adv = torch.tensor([2.0, -1.0])
+    loss, stats = grpo_loss(logp, logp.detach(), adv, mask, kl_coef=0.0, old_logp=old, eps_low=0.2, eps_high=0.28)
+    # A = 2: 1.5 is above 1 + eps_high, so 1.28 counts (and passes no gradient); 1.1 is inside; 0.5 is below
+    # 1 - eps_low, but with A > 0 the unclipped 0.5 * A is the smaller term. A = -1: 0.6 is below 0.8, so 0.8 counts
+    # (no gradient); 1.5 is above 1.28, but with A < 0 the unclipped term is the smaller
+    row1, row2 = -(1.28 * 2 + 1.1 * 2 + 0.5 * 2) / 3, -(0.8 * -1 + 1.5 * -1) / 2
+    assert loss.item() == pytest.approx((row1 + row2) / 2, rel=1e-6) and loss.item() == pytest.approx(-0.385, rel=1e-6)
+    assert stats["clip_frac"] == pytest.approx(2 / 5)  # two of the five answer tokens had their gradient cut
+    assert stats["kl"] == 0.0
+    loss.backward()
+    # d/dlogp of -r A is -r A, over the answer's length and the number of answers; nothing where the clip counts
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1 * 2 / 3 / 2, -0.5 * 2 / 3 / 2],
+                                                        [0.0, 1.5 / 2 / 2, 0.0]]))
+    # GRPO's symmetric range holds the first token at 1.2 instead: clip-higher lets a rising probability climb further
+    sym, s = grpo_loss(logp.detach(), logp.detach(), adv, mask, 0.0, old_logp=old, eps_low=0.2, eps_high=0.2)
+    assert sym.item() == pytest.approx(loss.item() + (1.28 - 1.2) * 2 / 3 / 2, rel=1e-6)
+    assert s["clip_frac"] == pytest.approx(0.4)
+
+
+def test_token_level_aggregation_weighs_every_token_of_a_group_alike() -> None:
+    # two groups of two answers: 3 and 1 tokens, then 2 and 4; on-policy without KL each token's term is -A
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([2.0, -1.0, 0.5, 1.5])
+    logp = torch.full((4, 4), -1.0, requires_grad=True)
+    seq, _ = grpo_loss(logp, logp.detach(), adv, mask, kl_coef=0.0)
+    assert seq.item() == pytest.approx(-(2.0 - 1.0 + 0.5 + 1.5) / 4)  # each answer's mean, then the answers' mean
+    tok, _ = grpo_loss(logp, logp.detach(), adv, mask, kl_coef=0.0, aggregation="token", group_size=2)
+    group1, group2 = -(2.0 * 3 - 1.0 * 1) / 4, -(0.5 * 2 + 1.5 * 4) / 6  # each group's sum over its 4 and 6 tokens
+    assert tok.item() == pytest.approx((group1 + group2) / 2) and tok.item() == pytest.approx(-29 / 24)
+    one, _ = grpo_loss(logp, logp.detach(), adv, mask, kl_coef=0.0, aggregation="token")  # all rows one group
+    assert one.item() == pytest.approx(-(5 + 7) / 10)
+    each, _ = grpo_loss(logp, logp.detach(), adv, mask, kl_coef=0.0, aggregation="token", group_size=1)
+    assert each.item() == pytest.approx(seq.item())  # a group of one answer is that answer's mean
+    # gradients: sequence divides each token by its answer's length, token by its group's token count
+    seq.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([-2 / 3, 1 / 1, -0.5 / 2, -1.5 / 4])[:, None] / 4 * mask)
+    logp.grad = None
+    tok.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([-2 / 4, 1 / 4, -0.5 / 6, -1.5 / 6])[:, None] / 2 * mask)
+    with pytest.raises(ValueError, match="not whole groups of 3"):
+        grpo_loss(logp, logp.detach(), adv, mask, kl_coef=0.0, aggregation="token", group_size=3)
+
+
+def test_the_overlong_penalty_is_zero_then_falls_linearly_to_minus_one_at_the_limit() -> None:
+    lengths = torch.tensor([[5, 12, 13], [14, 15, 16]])
+    assert overlong_penalty(lengths, 16, 4).tolist() == [[0.0, 0.0, -0.25], [-0.5, -0.75, -1.0]]
+    assert overlong_penalty(lengths, 16, 0).tolist() == [[0.0] * 3] * 2
+
+
+def test_the_algorithm_presets_fill_only_the_fields_left_unset() -> None:
+    assert RlJob().settings() == RlSettings("grpo", 1, 0.2, 0.2, "sequence", False, 3, 0)
+    assert RlJob().settings().describe() == ""  # plain on-policy GRPO: nothing to add to the start line
+    assert RlJob(algorithm="dapo").settings() == RlSettings("dapo", 1, 0.2, 0.28, "token", True, 3, 3)  # 16 // 5
+    mine = RlJob(algorithm="dapo", eps_high=0.3, dynamic_sampling=False, overlong_buffer=0, ppo_epochs=2).settings()
+    assert mine == RlSettings("dapo", 2, 0.2, 0.3, "token", False, 3, 0)
+    assert RlJob(loss_aggregation="token", ppo_epochs=4).settings() == RlSettings("grpo", 4, 0.2, 0.2, "token", False,
+                                                                                  3, 0)
+    assert RlJob(algorithm="dapo", ppo_epochs=2, max_new_tokens=20).settings().describe() == (
+        "2 updates per sampled batch, ratio clipped to [0.8, 1.28], token-level loss, dynamic sampling (at most 3 "
+        "rounds), overlong penalty over the last 4 tokens")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"algorithm": "ppo"}, "job.algorithm 'ppo' is not known; choose from grpo, dapo"),
+    ({"ppo_epochs": 0}, "job.ppo_epochs must be >= 1"),
+    ({"eps_low": 1.0}, "job.eps_low must be > 0 and < 1"),
+    ({"eps_high": 0.0}, "job.eps_high must be > 0 (the ratio's clip range), got 0.0"),
+    ({"loss_aggregation": "tokens"}, "job.loss_aggregation 'tokens' is not known; choose from sequence, token"),
+    ({"max_sampling_rounds": 0}, "job.max_sampling_rounds must be >= 1"),
+    ({"overlong_buffer": 17}, "job.overlong_buffer must be between 0 (off) and max_new_tokens (16), got 17"),
+])
+def test_bad_dapo_fields_are_config_errors_naming_the_key(fields, message) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_job(RlJob, {"init_from": "c", "train_files": ["p.jsonl"], **fields})
+
+
+class Scripted:
+    """Stands in for kiln.posttrain.sampling.complete: each prompt's group is the answers its name scripts, token 1 a
+    right answer and 2 a wrong one; the prompts of each call are recorded."""
+
+    ANSWERS = {"A": [1, 1, 1, 1], "B": [1, 2, 2, 2], "C": [2, 2, 2, 2], "D": [2, 1, 1, 2], "E": [1, 1, 1, 1],
+               "F": [1, 2, 1, 2], "G": [2, 2, 1, 2]}
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+
+    def __call__(self, model, enc, prompts, max_new_tokens, temperature, samples, generator, device):
+        self.calls.append(list(prompts))
+        return [[[t] for t in self.ANSWERS[p]] for p in prompts]
+
+
+class DigitEnc:
+    eot_token = 0
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(str, ids))
+
+
+def scripted_groups(rounds: list[str], **job) -> tuple:
+    """sample_groups over rounds of scripted prompts ("ABC": one round of three) -> (the result, the prompts sampled)."""
+    stub = Scripted()
+    with mock.patch("kiln.posttrain.rl.complete", stub):
+        got = sample_groups(torch.nn.Linear(1, 1), DigitEnc(), [[{"prompt": p} for p in r] for r in rounds],
+                            lambda text, item: float(text == "1"), RlJob(group_size=4, **job), None, "cpu")
+    return got, ["".join(c) for c in stub.calls]
+
+
+def test_dynamic_sampling_filters_groups_that_all_score_alike_and_refills_from_the_next_rounds() -> None:
+    # A and E are all right, C all wrong: no advantage. B, D, F and G carry signal; the batch wants three
+    got, calls = scripted_groups(["ABC", "DE", "FG"], algorithm="dapo")
+    assert calls == ["ABC", "DE", "FG"] and [it["prompt"] for it in got.items] == ["B", "D", "F"] and got.signal
+    assert got.rewards.tolist() == [[1, 0, 0, 0], [0, 1, 1, 0], [1, 0, 1, 0]]
+    assert got.completions[0] == [[1], [2], [2], [2]]
+    # statistics of every sampled answer: 14 of 28 right, 4 of 7 groups with signal, 3 filtered, in 3 rounds
+    assert got.stats == pytest.approx({"reward_mean": 0.5, "groups_with_signal": 4 / 7, "sampling_rounds": 3.0,
+                                       "groups_filtered": 3.0, "groups_trained": 3.0,
+                                       "reward_group_std": (0.5 + 2 / math.sqrt(3) + 0.5) / 7})  # B, D, F, G
+    # the cap: two rounds find two informative groups, and the batch trains on those two
+    got, calls = scripted_groups(["ABC", "DE", "FG"], algorithm="dapo", max_sampling_rounds=2)
+    assert calls == ["ABC", "DE"] and [it["prompt"] for it in got.items] == ["B", "D"]
+    assert (got.stats["sampling_rounds"], got.stats["groups_filtered"], got.stats["groups_trained"]) == (2.0, 3.0, 2.0)
+    # enough signal in the first round: no refill is sampled
+    got, calls = scripted_groups(["BDF", "G"], dynamic_sampling=True)
+    assert calls == ["BDF"] and got.stats["sampling_rounds"] == 1.0 and got.stats["groups_filtered"] == 0.0
+    # nothing informative at all: the last round stands in, flagged to carry no advantage
+    got, calls = scripted_groups(["AC", "E"], algorithm="dapo")
+    assert calls == ["AC", "E"] and [it["prompt"] for it in got.items] == ["E"] and not got.signal
+    assert (got.stats["groups_filtered"], got.stats["groups_trained"]) == (3.0, 1.0)
+    # GRPO keeps the first round whole, refills or not, and reports what it always did
+    got, calls = scripted_groups(["ABC", "DE"])
+    assert calls == ["ABC"] and [it["prompt"] for it in got.items] == ["A", "B", "C"] and got.signal
+    assert set(got.stats) == {"reward_mean", "reward_group_std", "groups_with_signal"}
+
+
+def test_advantages_come_from_the_reward_plus_the_length_penalty_but_not_for_a_stand_in(tiny_tokenizer) -> None:
+    enc, _ = tiny_tokenizer
+    (right,), (wrong,) = enc.encode("7"), enc.encode("x")
+    # answers of 1 to 4 tokens with max_new_tokens 4 and a buffer of 3: penalties 0, -1/3, -2/3, -1
+    answers = {"mixed": [[right], [wrong] * 2, [wrong] * 3, [wrong] * 4], "wrong": [[wrong] * k for k in (1, 2, 3, 4)]}
+    sampled = lambda model, enc, prompts, *args: [answers[p] for p in prompts]  # noqa: E731
+    reward = lambda text, item: float(text == "7")  # noqa: E731
+    zero_ref = lambda x, y: torch.zeros(y.shape)  # noqa: E731
+
+    def rollout(prompts: str, **fields):
+        job = RlJob(group_size=4, max_new_tokens=4, seq_len=31, overlong_buffer=3, **fields)
+        with mock.patch("kiln.posttrain.rl.complete", sampled):
+            return sample_rollout(torch.nn.Linear(1, 1), zero_ref, enc, [{"prompt": p} for p in prompts.split()],
+                                  reward, job)
+
+    penalty = torch.tensor([0.0, -1 / 3, -2 / 3, -1.0])
+    shaped = torch.stack([torch.tensor([1.0, 0, 0, 0]) + penalty, penalty])  # (2, 4)
+    got = rollout("mixed wrong")  # GRPO with the penalty: the length alone separates the wrong group's answers
+    torch.testing.assert_close(got.advantages, group_advantages(shaped).flatten())
+    assert got.stats["overlong_penalty"] == pytest.approx(-0.5)
+    got = rollout("mixed wrong", dynamic_sampling=True)  # the all-wrong group is filtered out
+    torch.testing.assert_close(got.advantages, group_advantages(shaped[:1]).flatten())
+    got = rollout("wrong", dynamic_sampling=True)  # it stands in when nothing else is left: no advantage at all
+    assert got.advantages.tolist() == [0.0] * 4 and got.x.shape[0] == 4
+
+
+def pairs_file(tmp_path: Path) -> Path:
+    data = tmp_path / "pairs.jsonl"
+    write_jsonl(build_pairs([], n_arithmetic=60, seed=2, val_permille=200, max_doc_pairs=0), data)
+    return data
+
+
+def test_the_stage_draws_refills_apart_and_shares_a_sampled_batch_across_its_updates(tmp_path, tiny_tokenizer) -> None:
+    _, tok_path = tiny_tokenizer
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "micro_batch": 4,
+            "grad_accum": 2}
+    grpo = RlStage(RlJob(**base), info)
+    dapo = RlStage(RlJob(**base, algorithm="dapo", ppo_epochs=2), info)
+    plain = list(grpo.batches(1))
+    assert [b.key for b in plain] == [(1, 0), (1, 1)] and all(b.refills == [] for b in plain)
+    for index in (2, 3):  # both updates of sampled batch 1
+        drawn = list(dapo.batches(index))
+        assert [b.key for b in drawn] == [(1, 0), (1, 1)]
+        assert [b.items for b in drawn] == [b.items for b in plain]  # the first round is what GRPO draws
+        for b in drawn:  # two more rounds of four prompts, none drawn twice in the micro-batch
+            assert [len(r) for r in b.refills] == [4, 4]
+            prompts = [it["prompt"] for r in [b.items, *b.refills] for it in r]
+            assert len(set(prompts)) == 12
+    assert [b.items for b in dapo.batches(4)] != [b.items for b in plain]  # the next sampled batch draws anew
+
+
+def test_later_updates_reuse_the_samples_against_the_first_updates_log_probs(tiny_tokenizer, one_thread) -> None:
+    enc, _ = tiny_tokenizer
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=48))
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    reward = lambda text, item: float(len(text) % 2 == 0)  # noqa: E731  (signal in most groups)
+    job = RlJob(group_size=4, max_new_tokens=5, seq_len=31, ppo_epochs=2, eps_high=0.28, kl_coef=0.05)
+    rollout = sample_rollout(model, lambda x, y: model_token_logps(ref, x, y), enc, list(arithmetic(4, seed=0)),
+                             reward, job, torch.Generator().manual_seed(0))
+    first, s1 = rollout_policy_loss(model, rollout, job)
+    # the first update is GRPO's on-policy one: ratio 1, nothing clipped, the same loss and gradient
+    assert s1["clip_frac"] == 0.0 and torch.equal(rollout.old_logp, model_token_logps(model, rollout.x, rollout.y))
+    first.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    on, s0 = rollout_policy_loss(model, dataclasses.replace(rollout, old_logp=None), RlJob(**{
+        **asdict(job), "ppo_epochs": 1}))
+    on.backward()
+    assert on.item() == first.item() and "clip_frac" not in s0
+    assert all(torch.allclose(p.grad, g, rtol=1e-6, atol=1e-9) for p, g in zip(model.parameters(), grads))
+    torch.optim.SGD(model.parameters(), lr=1.0).step()  # a large step: some ratios leave [0.8, 1.28]
+    model.zero_grad(set_to_none=True)
+    second, s2 = rollout_policy_loss(model, rollout, job)
+    # by hand, against the log-probs kept from the first update
+    logp = model_token_logps(model, rollout.x, rollout.y).detach()
+    m, a = (rollout.y != IGNORE).float(), rollout.advantages[:, None]
+    r = torch.exp(logp - rollout.old_logp)
+    d = rollout.ref_logp - logp
+    per_token = -torch.min(r * a, r.clamp(0.8, 1.28) * a) + 0.05 * (torch.exp(d) - d - 1)
+    assert second.item() == pytest.approx(((per_token * m).sum(1) / m.sum(1)).mean().item(), rel=1e-5)
+    cut = ((r > 1.28) & (a > 0)) | ((r < 0.8) & (a < 0))
+    assert s2["clip_frac"] == pytest.approx((cut * m).sum().item() / m.sum().item()) and s2["clip_frac"] > 0
+    assert s2["reward_mean"] == s1["reward_mean"]  # the same samples, not new ones
+
+
+def legacy_rollout_loss(policy, reference_logps, enc, items, reward_fn, job, generator):
+    """rollout_loss and grpo_loss as they were before DAPO's options, the path the frozen smoke record was made on."""
+    policy.eval()
+    comps = complete(policy, enc, [it["prompt"] for it in items], job.max_new_tokens, job.temperature, job.group_size,
+                     generator, "cpu")
+    policy.train()
+    texts = [[decode_completion(enc, c) for c in group] for group in comps]
+    rewards = torch.tensor([[reward_fn(t, it) for t in group] for group, it in zip(texts, items)], dtype=torch.float32)
+    adv = group_advantages(rewards).flatten()
+    x, y = answer_rows(enc, [it["prompt"] for it in items], comps, job.seq_len)
+    ref = reference_logps(x, y)
+    logp = model_token_logps(policy, x, y)
+    mask = (y != IGNORE).float()
+    ratio = torch.exp(logp - logp.detach())
+    delta = ref - logp
+    kl = torch.exp(delta) - delta - 1
+    per_token = -ratio * adv[:, None] + job.kl_coef * kl
+    lengths = mask.sum(1).clamp(min=1)
+    return ((per_token * mask).sum(1) / lengths).mean(), float(rewards.mean())
+
+
+def test_the_default_job_computes_exactly_the_loss_it_did_before_dapos_options(tiny_tokenizer, one_thread) -> None:
+    enc, _ = tiny_tokenizer
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=48, dropout=0.1)).train()
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    items = list(arithmetic(16, seed=0))[:6]
+    reward = lambda text, item: float(len(text) % 2 == 0)  # noqa: E731
+    job = RlJob(group_size=4, max_new_tokens=5, seq_len=31)
+    ref_logps = lambda x, y: model_token_logps(ref, x, y)  # noqa: E731
+
+    def grads() -> list[torch.Tensor]:
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    torch.manual_seed(1)  # the same dropout masks for both
+    old, old_mean = legacy_rollout_loss(model, ref_logps, enc, items, reward, job, torch.Generator().manual_seed(3))
+    old.backward()
+    old_grads = grads()
+    torch.manual_seed(1)
+    new, stats = rollout_loss(model, model, ref_logps, enc, items, reward, job, torch.Generator().manual_seed(3))
+    new.backward()
+    assert torch.equal(old.detach(), new.detach()) and old.item() != 0.0  # bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(old_grads, grads()))
+    assert stats["reward_mean"] == old_mean
+    assert set(stats) == {"kl", "reward_mean", "reward_group_std", "groups_with_signal", "answer_tokens", "loss"}
+
+
+def test_dapo_raises_mean_reward_on_the_task_a_tiny_model_can_learn(tiny_tokenizer, one_thread) -> None:
+    """The GRPO test's task with algorithm dapo: two updates per sampled batch, refills from the next prompts."""
+    enc, _ = tiny_tokenizer
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=48))
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    items = list(arithmetic(64, seed=0))
+    job = RlJob(group_size=8, max_new_tokens=4, temperature=1.0, kl_coef=0.01, seq_len=31, algorithm="dapo",
+                ppo_epochs=2)
+    reward = lambda text, item: float(final_number(text) is not None)  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    rewards, filtered, clipped = [], [], []
+    for batch in range(20):
+        at = (batch * 8) % 64
+        rollout = sample_rollout(model, lambda x, y: model_token_logps(ref, x, y), enc, items[at : at + 8], reward, job,
+                                 gen, refills=[items[(at + 8) % 64 : (at + 8) % 64 + 8]])
+        for _ in range(job.ppo_epochs):
+            loss, stats = rollout_policy_loss(model, rollout, job)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            clipped.append(stats["clip_frac"])
+        rewards.append(stats["reward_mean"])
+        filtered.append(stats["groups_filtered"])
+    assert sum(rewards[:2]) / 2 < 0.4
+    assert sum(rewards[-3:]) / 3 > 0.85, rewards
+    assert clipped[0::2] == [0.0] * 20 and max(clipped[1::2]) > 0  # first updates are on-policy; later ones clip
+    assert filtered[0] > 0, filtered  # groups where no answer gave a number were dropped
+
+
+@pytest.mark.slow
+def test_a_dapo_job_runs_through_the_trainer_and_reports_its_options(tmp_path, tiny_tokenizer, model_dict) -> None:
+    from tests.conftest import subprocess_env
+
+    _, tok_path = tiny_tokenizer
+    model = {**model_dict, "dropout": 0.0}
+    init = tiny_checkpoint(tmp_path / "init", tok_path, model)
+    job = {"task": "rl", "out_dir": str(tmp_path / "run"), "tokenizer": str(tok_path), "model": model,
+           "optim": {"lr": 1e-3, "warmup_steps": 1, "weight_decay": 0.0}, "train_files": [str(pairs_file(tmp_path))],
+           "init_from": str(init), "seq_len": 31, "micro_batch": 4, "group_size": 4, "max_new_tokens": 6,
+           "algorithm": "dapo", "ppo_epochs": 2, "max_sampling_rounds": 2, "overlong_buffer": 4, "max_steps": 4,
+           "eval_interval": 4, "eval_items": 4, "log_interval": 1, "ckpt_interval": 4}
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(job))
+    proc = subprocess.run([sys.executable, "-m", "kiln.posttrain", "--config", str(config), "--device", "cpu"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert ("DAPO on 47 arithmetic prompts, 4 answers each, kl_coef 0.05; 2 updates per sampled batch, ratio "
+            "clipped to [0.8, 1.28], token-level loss, dynamic sampling (at most 2 rounds), overlong penalty over the last 4 "
+            "tokens") in proc.stdout
+    assert "groups filtered in 2.0 rounds" in proc.stdout and "clipped 0.000" in proc.stdout
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["steps"] == 4 and result["algorithm"] == "dapo"
+    assert result["algorithm_settings"] == {"algorithm": "dapo", "ppo_epochs": 2, "eps_low": 0.2, "eps_high": 0.28,
+                                            "loss_aggregation": "token", "dynamic_sampling": True,
+                                            "max_sampling_rounds": 2, "overlong_buffer": 4}
+    hist = result["history"][1:]
+    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    # a random model never answers exactly: both rounds' four groups are filtered every time, and the last round stands
+    # in with no advantage, so nothing is clipped
+    assert all(h["groups_filtered"] == 8.0 and h["sampling_rounds"] == 2.0 and h["clip_frac"] == 0.0 for h in hist)
+    assert all(h["overlong_penalty"] == -1.0 for h in hist)  # every answer ran to max_new_tokens
+    # no advantage and no KL gradient at the reference: with no weight decay the weights have not moved
+    trained, _, _ = load_for_inference(result["checkpoint"])
+    base, _, _ = load_for_inference(init)
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values()))

@@ -38,7 +38,8 @@ def test_the_blocks_are_built_once_as_their_dataclasses():
     llama_fields = {k: v for k, v in asdict(ModelConfig(**LLAMA)).items() if k not in ("bias",)
                     and not k.startswith(("n_expert", "moe_", "router_")) and k not in ("n_shared_experts",
                                                                                           "norm_topk_prob",
-                                                                                          "capacity_factor")}
+                                                                                          "capacity_factor",
+                                                                                          "mup_base_width")}
     assert params["model"] == llama_fields  # the mixture-of-experts fields are not a llama's
     assert params["optim"]["lr"] == 0.01 and params["lora"]["rank"] == 4 and "train_files" not in params
 
