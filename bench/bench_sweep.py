@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--home", required=True)
     ap.add_argument("--preset", default="sweep-demo")
     ap.add_argument("--json", default="")
+    ap.add_argument("--plots", default="", help="copy sweep_results' plots into this folder")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     home = Path(a.home).resolve()
@@ -69,6 +70,15 @@ def main() -> int:
     print(f"\ntarget: 8 points under 15 minutes: {'met' if len(one) >= 8 and first_s < 900 else 'NOT met'} "
           f"({first_s / 60:.1f} min); all reused on rerun: {'met' if reused == len(two) else 'NOT met'} ({reused}/{len(two)})")
     print(first.stdout.strip().splitlines()[-len(one) - 2:][0])
+    results = pickle.loads((home / "storage" / "handles" / "sweep_results").read_bytes())
+    plots = sorted((home / "storage" / "sweep_results" / results["version"]).glob("*.png"))
+    if a.plots:  # sweep_results' own plots (loss against each swept field, the best points' curves)
+        import shutil
+
+        Path(a.plots).mkdir(parents=True, exist_ok=True)
+        for f in plots:
+            shutil.copy(f, Path(a.plots) / f"sweep_{f.name}")
+        print(f"plots: {', '.join(str(Path(a.plots) / f'sweep_{f.name}') for f in plots)}")
     if a.json:
         Path(a.json).write_text(json.dumps({"points": one, "first_s": first_s, "rerun_s": again_s, "data_s": data_s,
                                             "train_s": train_s, "reused_on_rerun": reused}, indent=1))

@@ -76,3 +76,14 @@ def test_the_plan_states_the_laws_prediction_and_the_card_compares_it(ladder):
     assert "## Scaling ladder" in text and "(+1.00%)" in text and f"]({LADDER_PLOT})" in text
     assert "| alpha | 0.3" in text and "| 0.34 |" in text  # fitted beside Chinchilla's
     assert LADDER_PLOT in card_figures({"base_model": base, "training_plan": plan})
+
+
+def test_the_ladders_default_shape_reaches_the_launchpad_as_the_demos_llama():
+    """A default the launchpad cannot see is lost when Dagster fills the config: the ladder would train GPT-2s."""
+    from jobs.definitions import defs
+
+    schema = defs.resolve_job_def("kiln_pipeline_job").run_config_schema.config_type
+    block = schema.fields["ops"].config_type.fields["scaling_ladder"].config_type.fields["config"].config_type
+    assert block.fields["model"].default_value["family"] == "llama"
+    assert block.fields["model_preset"].default_value == "demo"
+    assert block.fields["widths"].default_value == [32, 48, 64, 80, 96]
