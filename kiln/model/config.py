@@ -57,9 +57,14 @@ class ModelConfig:
                                      f"{'family' if len(users) == 1 else 'families'} only; set "
                                      f"model.family: {users[0]} or remove model.{f.name}")
         desc.complete(self)
-        from kiln.model.mup import check
-
-        check(self)
+        base = self.mup_base_width  # muP's base model (kiln.model.mup): its n_embd, a whole number of heads
+        if base < 0:
+            raise ValueError(f"model.mup_base_width ({base}) must be 0 (standard parametrisation) or the base model's "
+                             "n_embd (muP)")
+        if base and base % self.n_head:
+            raise ValueError(f"model.mup_base_width ({base}) must be divisible by model.n_head ({self.n_head}): muP "
+                             f"keeps the {self.n_head} heads at every width, so the base model's heads are "
+                             f"mup_base_width / n_head wide; choose a multiple of {self.n_head}")
 
     @property
     def head_dim(self) -> int:

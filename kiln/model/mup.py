@@ -104,14 +104,3 @@ def hf_folds(cfg: ModelConfig) -> tuple[float, float]:
     m = width_mult(cfg)
     return 1.0 / math.sqrt(m), 1.0 / m
 
-
-def check(cfg: ModelConfig) -> None:
-    """Refuse a mup_base_width that does not define a base model: negative, or not a whole number of heads."""
-    base = cfg.mup_base_width
-    if base < 0:
-        raise ValueError(f"model.mup_base_width ({base}) must be 0 (standard parametrisation) or the base model's "
-                         "n_embd (muP)")
-    if base and base % cfg.n_head:
-        raise ValueError(f"model.mup_base_width ({base}) must be divisible by model.n_head ({cfg.n_head}): muP keeps "
-                         f"the {cfg.n_head} heads at every width, so the base model's heads are "
-                         f"mup_base_width / n_head wide; choose a multiple of {cfg.n_head}")
