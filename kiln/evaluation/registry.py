@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from kiln.evaluation.coding import HUMANEVAL_TASK
 from kiln.evaluation.heldout import CONTINUATION_TASK, LASTWORD_TASK, PPL_TASK
 from kiln.evaluation.mathematics import MATH_EXPR_TASK, MATH_WORD_TASK
 from kiln.evaluation.mmlu import MMLU_TASK
 from kiln.evaluation.spec import CLEAN_SUFFIX, LOCAL_PREFIX, TaskSpec, TaskSpecError
 
 LOCAL_TASKS = (PPL_TASK, CONTINUATION_TASK, LASTWORD_TASK, MMLU_TASK,  # one entry per task, in build and suite order
-               MATH_WORD_TASK, MATH_EXPR_TASK)
+               MATH_WORD_TASK, MATH_EXPR_TASK, HUMANEVAL_TASK)
 # lm-eval's own tasks: the expected score of uniform guessing; None where no such number exists (perplexity).
 STANDARD_CHANCE: dict[str, float | None] = {
     "hellaswag": 0.25, "arc_easy": 0.25, "arc_challenge": 0.25, "openbookqa": 0.25, "sciq": 0.25, "mmlu": 0.25,

@@ -34,7 +34,8 @@ from resources.tracking import MlflowResource
 from tests.kiln.evaluation.test_evaluation import make_docs
 
 VAL_PERMILLE = 300
-SUITE_CONFIG = {"n_items": 12, "min_items": 5, "per_doc": 2, "mmlu_items": 0, "math_word_items": 0, "math_expr_items": 0}
+SUITE_CONFIG = {"n_items": 12, "min_items": 5, "per_doc": 2, "mmlu_items": 0, "math_word_items": 0, "math_expr_items": 0,
+                "humaneval_items": 0}
 SCORES_CONFIG = {"max_new_tokens": 4, "batch_size": 8}
 
 

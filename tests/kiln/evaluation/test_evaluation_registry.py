@@ -97,7 +97,7 @@ def test_the_registry_is_restored_after_the_demonstration():
 
 def test_the_registry_derives_the_tables_kiln_had():
     assert REGISTRY.suites() == {"heldout": ["kiln_heldout_ppl", "kiln_continuation", "kiln_lastword"], "mmlu": ["kiln_mmlu"],
-                                 "math": ["kiln_math_word", "kiln_math_expr"]}
+                                 "math": ["kiln_math_word", "kiln_math_expr"], "code": ["kiln_humaneval"]}
     assert {t: CHANCE[t] for t in ("kiln_heldout_ppl", "kiln_continuation", "kiln_lastword", "kiln_mmlu")} == {
         "kiln_heldout_ppl": None, "kiln_continuation": 0.25, "kiln_lastword": 0.0, "kiln_mmlu": 0.25}
     assert (CHANCE["hellaswag"], CHANCE["piqa"], CHANCE["lambada_openai"], CHANCE["wikitext"]) == (0.25, 0.5, 0.0, None)
