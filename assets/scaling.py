@@ -215,7 +215,7 @@ def sweep_results(context: AssetExecutionContext, sweep_grid: dict, storage: Kil
 class ScalingLadderConfig(Config):
     model_preset: str = Field(default="demo", description="The named size whose shape (family, depth, heads) the ladder's models share, at smaller widths.")
     model: ModelOverrides = Field(default=ModelOverrides(family="llama"), description="Family and fields overriding the named size (the width is the ladder's).")
-    widths: list[int] = Field(default=[32, 48, 64, 80, 96], description="n_embd of the ladder's models (at least three; the demo's vocabulary makes these 0.19M to 0.80M parameters).")
+    widths: list[int] = Field(default=[16, 24, 32, 48, 64, 80, 96], description="n_embd of the ladder's models (at least three; the demo's vocabulary makes these 0.08M to 0.80M parameters). A width a budget gives too few or too many steps is left out of that budget.")
     budgets: list[float] = Field(default=[1e12, 2.5e12, 6e12], description="Compute budgets in training FLOPs (the planner's count): one IsoFLOP profile each; every width trains the steps its budget buys.")
     batch: Batch = Field(default_factory=Batch, description="Sequence length and global batch of every rung (the demo's by default); max_steps is the budget's.")
     optim: Optim = Field(default_factory=Optim, description="The recipe every rung trains with (the pretraining recipe by default).")

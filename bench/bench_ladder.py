@@ -39,13 +39,15 @@ def main() -> int:
     ap.add_argument("--home", required=True, help="Kiln home (made by the demo preset when empty)")
     ap.add_argument("--seed", type=int, default=1337, help="training seed of the ladder's rungs")
     ap.add_argument("--json", default="", help="write every figure here")
+    ap.add_argument("--widths", default="", help="the ladder's widths, comma-separated (default: ladder-demo's)")
     a = ap.parse_args()
     from kiln.scaling.law import CHINCHILLA
 
     home = Path(a.home).resolve()
     preset = Path(tempfile.mkdtemp(prefix="bench-ladder-")) / "ladder.yaml"
     preset.write_text(f"extends: {ROOT / 'conf/presets/ladder-demo.yaml'}\n"
-                      f"ops:\n  scaling_ladder:\n    config:\n      seed: {a.seed}\n")
+                      f"ops:\n  scaling_ladder:\n    config:\n      seed: {a.seed}\n"
+                      + (f"      widths: [{a.widths}]\n" if a.widths else ""))
     t0 = time.time()
     select = "pretrained_model,raw_documents,clean_corpus,tokenizer,token_shards,scaling_ladder,training_plan,base_model"
     run = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--preset", str(preset), "--home", str(home),

@@ -86,4 +86,4 @@ def test_the_ladders_default_shape_reaches_the_launchpad_as_the_demos_llama():
     block = schema.fields["ops"].config_type.fields["scaling_ladder"].config_type.fields["config"].config_type
     assert block.fields["model"].default_value["family"] == "llama"
     assert block.fields["model_preset"].default_value == "demo"
-    assert block.fields["widths"].default_value == [32, 48, 64, 80, 96]
+    assert block.fields["widths"].default_value == [16, 24, 32, 48, 64, 80, 96]
