@@ -203,7 +203,7 @@ def sweep_results(context: AssetExecutionContext, sweep_grid: dict, storage: Kil
             out.log_artifact(out.stage / f"{path}.png")
         curves = line_plot({r["key"]: r["curve"] for r in order[:8] if r.get("curve")}, "validation loss of the best points",
                            "step", "val loss", save_to=out.stage / "curves.png")
-        out.commit()
+        value["plots"] = str(out.commit())  # the PNGs' folder (content-addressed: not in the version)
         return out.result(value, {"points": len(rows), "best_point": best["key"], "best_final_val_loss": best["final_val_loss"],
                                   "results": md_table(table), **plots, "val_curves": curves,
                                   "total_wall_s": round(sum(r["wall_s"] for r in rows), 1),

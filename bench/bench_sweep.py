@@ -71,7 +71,7 @@ def main() -> int:
           f"({first_s / 60:.1f} min); all reused on rerun: {'met' if reused == len(two) else 'NOT met'} ({reused}/{len(two)})")
     print(first.stdout.strip().splitlines()[-len(one) - 2:][0])
     results = pickle.loads((home / "storage" / "handles" / "sweep_results").read_bytes())
-    plots = sorted((home / "storage" / "sweep_results" / results["version"]).glob("*.png"))
+    plots = sorted(Path(results["plots"]).glob("*.png")) if results.get("plots") else []
     if a.plots:  # sweep_results' own plots (loss against each swept field, the best points' curves)
         import shutil
 
