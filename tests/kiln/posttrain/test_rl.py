@@ -108,14 +108,20 @@ def test_sampling_stops_each_row_at_its_end_of_text(tiny_tokenizer, one_thread) 
     assert greedy == complete(model, enc, prompts, max_new_tokens=6)
 
 
-def test_rl_raises_mean_reward_on_a_task_a_tiny_model_can_learn(tiny_tokenizer, one_thread) -> None:
-    """Answer with a number: a random tiny model does so ~20% of the time; GRPO makes it nearly always."""
-    enc, _ = tiny_tokenizer
+def tiny_policy():
+    """(policy, its frozen copy as the reference, AdamW, 64 arithmetic items): the learnable-task tests' start."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=48))
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     items = list(arithmetic(64, seed=0))
+    return model, ref, opt, items
+
+
+def test_rl_raises_mean_reward_on_a_task_a_tiny_model_can_learn(tiny_tokenizer, one_thread) -> None:
+    """Answer with a number: a random tiny model does so ~20% of the time; GRPO makes it nearly always."""
+    enc, _ = tiny_tokenizer
+    model, ref, opt, items = tiny_policy()
     job = RlJob(group_size=8, max_new_tokens=4, temperature=1.0, kl_coef=0.01, seq_len=31)
     reward = lambda text, item: float(final_number(text) is not None)  # noqa: E731
     gen = torch.Generator().manual_seed(0)
@@ -465,11 +471,7 @@ def test_the_default_job_computes_exactly_the_loss_it_did_before_dapos_options(t
 def test_dapo_raises_mean_reward_on_the_task_a_tiny_model_can_learn(tiny_tokenizer, one_thread) -> None:
     """The GRPO test's task with algorithm dapo: two updates per sampled batch, refills from the next prompts."""
     enc, _ = tiny_tokenizer
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=48))
-    ref = copy.deepcopy(model).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    items = list(arithmetic(64, seed=0))
+    model, ref, opt, items = tiny_policy()
     job = RlJob(group_size=8, max_new_tokens=4, temperature=1.0, kl_coef=0.01, seq_len=31, algorithm="dapo",
                 ppo_epochs=2)
     reward = lambda text, item: float(final_number(text) is not None)  # noqa: E731
