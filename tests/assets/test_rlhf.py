@@ -182,7 +182,7 @@ def test_the_rlhf_preset_opts_in_to_the_rlhf_chain_and_the_demo_does_not(tmp_pat
     from jobs.cli import load_preset
     from jobs.definitions import OPT_IN
 
-    assert OPT_IN == ("judged_preferences", "reward_model", "ppo_model")
+    assert OPT_IN == ("scaling_ladder", "judged_preferences", "reward_model", "ppo_model")
     assert "opt_in" not in load_preset("demo", keep_opt_in=True) and "opt_in" not in load_preset("rlhf")
     rlhf = load_preset("rlhf", keep_opt_in=True)
     assert rlhf["opt_in"] == ["judged_preferences", "reward_model", "ppo_model"]

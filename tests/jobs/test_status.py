@@ -24,7 +24,7 @@ def test_status_skips_the_opt_in_assets_run_leaves_out_and_says_what_it_cannot_e
     names = [a.key.to_user_string() for a in ALL_ASSETS]
     demo = run_selection(names, load_preset("demo", keep_opt_in=True).get("opt_in") or [])
     assert set(names) - set(demo) == set(OPT_IN) and run_selection(names, ["reward_model"]) == [
-        n for n in names if n not in ("judged_preferences", "ppo_model")]
+        n for n in names if n not in ("scaling_ladder", "judged_preferences", "ppo_model")]
     assert run_selection(names, [], "base_model, tokenizer") == ["base_model", "tokenizer"]
     rows = [AssetStatus("tokenizer", "abc", "2026-12-01T10:00:00+00:00", "reuse", ["unchanged"], 0.0, "reuse"),
             AssetStatus("base_model", None, None, "compute", ["never materialized"], None, ""),
