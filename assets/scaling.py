@@ -249,7 +249,6 @@ def scaling_ladder(context: AssetExecutionContext, config: ScalingLadderConfig, 
                    storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """Small models of the planned shape trained at a few compute budgets with the pretraining recipe (IsoFLOP profiles), and Chinchilla's fits to their losses: approach 2 (each budget's best size, and how it grows with compute) and approach 3 (L(N, D) = E + A/N^alpha + B/D^beta by Huber loss, with bootstrap intervals); training_plan predicts its run's loss with the law, and can take its size from it (sizing: law)."""
     from kiln.model.config import preset_fields
-    from kiln.scaling.law import CHINCHILLA
 
     n_vocab = tokenizer["n_vocab"]
     with failing_on_config_errors():
@@ -269,33 +268,9 @@ def scaling_ladder(context: AssetExecutionContext, config: ScalingLadderConfig, 
                       parent=storage.path("scaling_ladder", "report")) as out:
         if out.reused:
             return out.reused
-        root = str(storage.local_base())
-        rows, start = [], time.time()
-        for i, (rung, plan) in enumerate(zip(rungs, plans)):
-            fields = {"optim": config.optim.to_dict(), "train_files": token_shards["train"],
-                      "val_files": token_shards["val"], "max_steps": rung.steps, "eval_interval": rung.steps,
-                      "eval_batches": config.eval_batches, "ckpt_interval": rung.steps, "keep_last": 1, "seed": config.seed}
-            spec = RunSpec("pretrain", fields, plan, inputs, tokenizer["path"], root=root)
-            run_dir = storage.path("scaling_ladder", spec.key)
-            result = finished(run_dir, rung.steps)
-            reused = result is not None
-            if result is None:
-                context.log.info(f"scaling_ladder: rung {i + 1}/{len(rungs)} {rung.name}: {rung.params:,} parameters, "
-                                 f"{rung.steps} steps ({rung.tokens:,} tokens) at {rung.budget:.3g} FLOPs")
-                client = out.run.client
-                child = client.create_run(out.run.experiment_id, tags={"mlflow.parentRunId": out.run_id,
-                                                                       "mlflow.runName": rung.name, "kiln.kind": "ladder_rung"})
-                job = spec.job(run_dir, out.tracking_uri, child.info.run_id)
-                try:
-                    result = torchrun.launch(context, job, plan["hardware"]["nproc_per_node"], plan["hardware"]["device"])
-                    client.set_terminated(child.info.run_id, "FINISHED")
-                except BaseException:
-                    client.set_terminated(child.info.run_id, "FAILED")
-                    raise
-            rows.append({"rung": rung.name, "budget": rung.budget, "width": rung.width, "params": rung.params,
-                         "tokens": rung.tokens, "steps": rung.steps, "flops": rung.flops,
-                         "loss": result["final_val_loss"], "wall_s": round(result["wall_s"], 1), "reused": reused,
-                         "run_dir": str(run_dir)})
+        start = time.time()
+        rows = [train_rung(context, out, i, len(rungs), rung, plan, config, inputs, token_shards, tokenizer, storage,
+                           torchrun) for i, (rung, plan) in enumerate(zip(rungs, plans))]
         fits = kladder.summarize(rows, config.bootstrap, seed=0)
         law, iso = fits["law"], fits["isoflop"]
         value = {"rows": rows, "law": law, "isoflop": iso, "skipped": skipped, "shape": base,
@@ -308,27 +283,10 @@ def scaling_ladder(context: AssetExecutionContext, config: ScalingLadderConfig, 
         plot = line_plot({k: sorted(v) for k, v in series.items()}, "IsoFLOP profiles: final val loss vs parameters",
                          "parameters", "final val loss", save_to=out.stage / "isoflop.png")
         out.log_artifact(out.stage / "isoflop.png")
-        law_rows = law_table(law, CHINCHILLA)
         if "error" not in law:
             out.log_metrics({f"law_{k}": law[k] for k in ("E", "A", "B", "alpha", "beta") if isinstance(law.get(k), (int, float))})
         out.commit()
-        meta = {"rungs": len(rows), "reused_rungs": sum(r["reused"] for r in rows),
-                "train_wall_s": round(sum(r["wall_s"] for r in rows if not r["reused"]), 1),
-                "wall_s": round(time.time() - start, 1),
-                "ladder": md_table([{k: r[k] for k in ("rung", "budget", "params", "tokens", "steps", "loss", "reused")}
-                                    for r in rows]),
-                "left_out": md_table(skipped) if skipped else "none",
-                "isoflop_profiles": plot,
-                "law": md_table(law_rows) if law_rows else MetadataValue.md(f"**no fit**: {law.get('error')}"),
-                "isoflop_fit": md_table([{k: b[k] for k in ("flops", "usable", "why", "params_opt", "tokens_opt", "loss_opt")}
-                                         for b in iso["budgets"]]) if "error" not in iso else MetadataValue.md(f"**no fit**: {iso['error']}"),
-                "law_residuals": md_table([{k: r[k] for k in ("name", "params", "tokens", "loss", "predicted", "relative_error")}
-                                           for r in law.get("residuals", [])]) if law.get("residuals") else "none"}
-        if "error" not in iso:  # Chinchilla's approach 2 found 0.49 and 0.51
-            meta["params_exponent_a"] = iso.get("a")
-            meta["tokens_exponent_b"] = iso.get("b")
-        if "error" not in law:
-            meta["law_bootstrap_used"] = law.get("bootstrap_used")
+        meta = {**ladder_metadata(rows, skipped, law, iso), "isoflop_profiles": plot, "wall_s": round(time.time() - start, 1)}
         return out.result(value, meta, version=value["version"])
 
 
@@ -339,3 +297,55 @@ def law_table(law: dict[str, Any], chinchilla: dict[str, float]) -> list[dict[st
     iv = law.get("intervals") or {}
     return [{"coefficient": k, "fitted": law[k], "low": (iv.get(k) or [None, None])[0],
              "high": (iv.get(k) or [None, None])[1], "chinchilla": chinchilla[k]} for k in ("E", "A", "B", "alpha", "beta")]
+
+
+def train_rung(context, out, i: int, n: int, rung: kladder.Rung, plan: dict, config: ScalingLadderConfig, inputs: dict,
+               token_shards: dict, tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource) -> dict:
+    """One rung trained through torchrun (a child MLflow run of the ladder's ``out`` run), or its finished run folder
+    reused after checking it (``finished``); its row of the ladder."""
+    fields = {"optim": config.optim.to_dict(), "train_files": token_shards["train"], "val_files": token_shards["val"],
+              "max_steps": rung.steps, "eval_interval": rung.steps, "eval_batches": config.eval_batches,
+              "ckpt_interval": rung.steps, "keep_last": 1, "seed": config.seed}
+    spec = RunSpec("pretrain", fields, plan, inputs, tokenizer["path"], root=str(storage.local_base()))
+    run_dir = storage.path("scaling_ladder", spec.key)
+    result = finished(run_dir, rung.steps)
+    reused = result is not None
+    if result is None:
+        context.log.info(f"scaling_ladder: rung {i + 1}/{n} {rung.name}: {rung.params:,} parameters, "
+                         f"{rung.steps} steps ({rung.tokens:,} tokens) at {rung.budget:.3g} FLOPs")
+        client = out.run.client
+        child = client.create_run(out.run.experiment_id, tags={"mlflow.parentRunId": out.run_id,
+                                                               "mlflow.runName": rung.name, "kiln.kind": "ladder_rung"})
+        job = spec.job(run_dir, out.tracking_uri, child.info.run_id)
+        try:
+            result = torchrun.launch(context, job, plan["hardware"]["nproc_per_node"], plan["hardware"]["device"])
+            client.set_terminated(child.info.run_id, "FINISHED")
+        except BaseException:
+            client.set_terminated(child.info.run_id, "FAILED")
+            raise
+    return {"rung": rung.name, "budget": rung.budget, "width": rung.width, "params": rung.params, "tokens": rung.tokens,
+            "steps": rung.steps, "flops": rung.flops, "loss": result["final_val_loss"],
+            "wall_s": round(result["wall_s"], 1), "reused": reused, "run_dir": str(run_dir)}
+
+
+def ladder_metadata(rows: list[dict], skipped: list[dict], law: dict, iso: dict) -> dict[str, Any]:
+    """The ladder's metadata: its runs, those left out, both fits (or why not), the law's residuals."""
+    from kiln.scaling.law import CHINCHILLA
+
+    law_rows = law_table(law, CHINCHILLA)
+    meta = {"rungs": len(rows), "reused_rungs": sum(r["reused"] for r in rows),
+            "train_wall_s": round(sum(r["wall_s"] for r in rows if not r["reused"]), 1),
+            "ladder": md_table([{k: r[k] for k in ("rung", "budget", "params", "tokens", "steps", "loss", "reused")}
+                                for r in rows]),
+            "left_out": md_table(skipped) if skipped else "none",
+            "law": md_table(law_rows) if law_rows else MetadataValue.md(f"**no fit**: {law.get('error')}"),
+            "isoflop_fit": md_table([{k: b[k] for k in ("flops", "usable", "why", "params_opt", "tokens_opt", "loss_opt")}
+                                     for b in iso["budgets"]]) if "error" not in iso else MetadataValue.md(f"**no fit**: {iso['error']}"),
+            "law_residuals": md_table([{k: r[k] for k in ("name", "params", "tokens", "loss", "predicted", "relative_error")}
+                                       for r in law.get("residuals", [])]) if law.get("residuals") else "none"}
+    if "error" not in iso:  # Chinchilla's approach 2 found 0.49 and 0.51
+        meta["params_exponent_a"] = iso.get("a")
+        meta["tokens_exponent_b"] = iso.get("b")
+    if "error" not in law:
+        meta["law_bootstrap_used"] = law.get("bootstrap_used")
+    return meta
