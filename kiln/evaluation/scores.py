@@ -30,14 +30,23 @@ def score_rows(full: dict[str, dict], clean: dict[str, dict]) -> list[dict[str, 
 
 
 def flat_metrics(full: dict[str, dict], clean: dict[str, dict], prefix: str = "") -> dict[str, float]:
-    """MLflow metric names and values: ``<prefix><task>.<metric>`` and ``<prefix><task>.clean.<metric>``."""
+    """MLflow metric names and values: ``<prefix><task>.<metric>`` and ``<prefix><task>.clean.<metric>``; a metric
+    name MLflow refuses is written with what it allows (``pass@1`` -> ``pass_at_1``)."""
     out = {}
     for subset, rows in (("", full), (".clean", clean)):
         for task, row in rows.items():
             for m, v in row.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and m not in ("items", "chance"):
-                    out[f"{prefix}{task}{subset}.{m}"] = v
+                    out[f"{prefix}{task}{subset}.{mlflow_name(m)}"] = v
     return out
+
+
+def mlflow_name(metric: str) -> str:
+    """``metric`` in the characters MLflow accepts (letters, digits, _ - . space : /): ``@`` reads ``_at_``, any
+    other character becomes ``_``."""
+    import re
+
+    return re.sub(r"[^0-9A-Za-z_\-. :/]", "_", metric.replace("@", "_at_"))
 
 
 def bits_per_byte(loss: float, encoding: Any, texts: list[str]) -> float:

@@ -170,3 +170,10 @@ def test_sampled_completions_give_pass_at_k_from_the_counts(tmp_path, enc, probl
         want = sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
         assert got[HUMANEVAL][f"pass@{k}"] == pytest.approx(want, abs=1e-12)
     assert got[HUMANEVAL]["pass@6"] == 1.0
+
+
+def test_pass_at_k_reaches_mlflow_under_a_name_it_accepts():
+    from kiln.evaluation.scores import flat_metrics
+
+    got = flat_metrics({"kiln_humaneval": {"pass@1": 0.25, "pass@5": 0.5, "items": 10}}, {"kiln_humaneval": {"pass@1": 0.2}})
+    assert got == {"kiln_humaneval.pass_at_1": 0.25, "kiln_humaneval.pass_at_5": 0.5, "kiln_humaneval.clean.pass_at_1": 0.2}
