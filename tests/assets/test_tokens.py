@@ -80,11 +80,11 @@ def test_tokenizer_reports_compression_of_both_vocabularies(tmp_path: Path, corp
         run_tokenizer(storage, mlflow, corpus, kind="wordpiece")
 
 
-def test_tokenizer_splits_digits_by_default_and_records_the_pattern(tmp_path: Path, corpus: dict, docs, mlflow) -> None:
+def test_split_digits_is_in_the_pattern_the_version_and_the_launchpad(tmp_path: Path, corpus: dict, docs, mlflow) -> None:
     field = tokenizer.op.config_schema.config_type.fields["split_digits"]  # what the launchpad shows
-    assert field.default_value is True and r"number rule \p{N}, not GPT-4's \p{N}{1,3}" in field.description
+    assert field.default_value is False and r"number rule \p{N}, not GPT-4's \p{N}{1,3}" in field.description
     storage = KilnStorageResource(root=str(tmp_path / "root"))
-    digits = run_tokenizer(storage, mlflow, corpus, vocab_size=300, compare=False)
+    digits = run_tokenizer(storage, mlflow, corpus, vocab_size=300, compare=False, split_digits=True)
     merged = run_tokenizer(storage, mlflow, corpus, vocab_size=300, compare=False, split_digits=False)
     d, m = load_encoding(digits.value["path"]), load_encoding(merged.value["path"])
     assert (d._pat_str, m._pat_str) == (DIGITS_PAT_STR, GPT4_PAT_STR)
@@ -97,13 +97,13 @@ def test_tokenizer_splits_digits_by_default_and_records_the_pattern(tmp_path: Pa
     assert d.decode(ids) == "12345 + 678 = 13023"
 
 
-def test_smoke_keeps_the_gpt4_pattern_and_the_demo_splits_digits() -> None:
+def test_the_presets_keep_the_gpt4_pattern_unless_they_split_digits() -> None:
     from jobs.cli import load_preset
 
     tok = lambda preset: load_preset(preset)["ops"].get("tokenizer", {}).get("config", {})  # noqa: E731
     for preset in ("smoke", "llama-tiny", "moe-tiny"):  # tests/data/smoke_frozen*.json freeze their tokens
         assert tok(preset)["split_digits"] is False, preset
-    assert "split_digits" not in tok("demo") and TokenizerConfig(**tok("demo")).split_digits is True
+    assert "split_digits" not in tok("demo") and TokenizerConfig(**tok("demo")).split_digits is False
 
 
 def test_token_shards_round_trip_locally(tmp_path: Path, corpus: dict, docs, mlflow) -> None:
