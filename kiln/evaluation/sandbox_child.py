@@ -1,9 +1,11 @@
 """The sandbox's child side: isolate itself, drop privileges, run one untrusted program, say how it ended.
 
 Never imported: ``kiln.evaluation.sandbox`` runs this file's text as ``python -I -S -c <text> key=value ...`` (read
-that module first). Standard library only, and none of json, re, enum or signal: each import is paid on every sample.
+that module first). Standard library only, and none of json, re, enum or signal (``_signal`` is built in): each import is paid on
+every sample.
 Events go to the status descriptor as JSON lines: ``setup``, ``setup_failed``, ``refused`` (a call the guard stopped),
-``result`` (the program's own end) and ``exit`` (how its process ended).
+``result`` (the program's own end) and ``exit`` (how its process ended, ``timed_out`` where this process killed it
+at the wall timeout).
 """
 
 import builtins
@@ -12,6 +14,7 @@ import errno
 import os
 import resource
 import sys
+import _signal
 from _json import encode_basestring_ascii as _quote
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
@@ -419,8 +422,17 @@ def main():
     pid = os.fork()
     if pid == 0:
         run_program(code, cfg, status)
+    expired = []
+
+    def expire(*_):  # the wall timeout: kill the program here, so that this process reaps it (no orphan left)
+        expired.append(True)
+        os.kill(pid, SIGKILL)  # still our child, reaped or not: its pid cannot have been reused
+
+    _signal.signal(_signal.SIGALRM, expire)
+    _signal.setitimer(_signal.ITIMER_REAL, cfg["timeout_ms"] / 1000)
     _, wait_status, usage = os.wait4(pid, 0)
-    report(status, "exit", code=os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else None,
+    _signal.setitimer(_signal.ITIMER_REAL, 0)
+    report(status, "exit", timed_out=bool(expired), code=os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else None,
            signal=os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None,
            cpu_s=round(usage.ru_utime + usage.ru_stime, 3), max_rss_mb=round(usage.ru_maxrss / 1024, 1))
     _exit(0)

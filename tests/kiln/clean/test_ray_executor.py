@@ -107,15 +107,17 @@ def test_worker_dying_every_try_fails_clearly_and_leaves_outputs(tmp_path: Path,
     assert not (tmp_path / "ray/r.parquet").exists()
 
 
-def test_a_memory_url_the_workers_cannot_open_is_refused_before_the_run(tmp_path: Path, ray_cluster) -> None:
+def test_a_memory_url_the_workers_cannot_open_is_refused_before_joining_a_cluster(tmp_path: Path) -> None:
     import fsspec
+    import ray
 
     raw = corpus(tmp_path)
     memory = fsspec.filesystem("memory")  # one store per process: a folder of this test's own, removed after
     memory.pipe("/kiln-ray-executor-test/raw.parquet", raw.read_bytes())
-    try:
+    try:  # nothing listens at the address: joining a cluster first would fail with RayClusterError instead
         with pytest.raises(ValueError, match="memory:// file lives in this process only"):
             clean_on_ray("memory://kiln-ray-executor-test/raw.parquet", tmp_path / "m.parquet", tmp_path / "mr.parquet",
-                         CleanConfig.from_dict(CFG), address=ray_cluster.address, work_dir=tmp_path)
+                         CleanConfig.from_dict(CFG), address="127.0.0.1:9", work_dir=tmp_path)
     finally:
         memory.rm("/kiln-ray-executor-test", recursive=True)
+    assert not ray.is_initialized()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.evaluation.sandbox import UID_BASE, Limits, isolation, run, run_many
+from kiln.evaluation.sandbox import Limits, isolation, own_uids, run, run_many
 
 LIMITS = Limits(timeout_s=2.0, cpu_s=1, memory_mb=256, file_size_mb=8, processes=8)
 KERNEL = isolation().mode != "none"  # namespaces hold: the kernel alone stops writes and sockets
@@ -25,14 +25,15 @@ GUARDS = [True, False] if KERNEL else [True]
 
 
 def sandbox_processes() -> list[int]:
-    """Pids of processes still running as a sandbox uid (as root each sandbox runs as its own)."""
-    out = []
+    """Pids of processes (zombies included) running as a uid this process gave its sandboxes (as root each sandbox
+    runs as its own; other test workers' sandboxes use others)."""
+    out, mine = [], own_uids()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             uid = int(Path(f"/proc/{pid}/status").read_text().split("\nUid:")[1].split()[0])
         except (OSError, IndexError, ValueError):
             continue
-        if uid >= UID_BASE:
+        if uid in mine:
             out.append(int(pid))
     return out
 
@@ -118,7 +119,8 @@ def test_a_program_that_sleeps_forever_is_killed_at_the_timeout():
     t0 = time.perf_counter()
     res = run("import time\ntime.sleep(10 ** 6)", LIMITS)
     assert res.kind == "timeout" and res.by == "timer" and LIMITS.timeout_s <= time.perf_counter() - t0 < LIMITS.timeout_s + 2
-    assert sandbox_processes() == []
+    assert sandbox_processes() == []  # killed and reaped before run() returned: not even a zombie is left
+    assert bool(own_uids()) == (isolation().mode == "root")  # the check above looked at the uid it ran as
 
 
 @pytest.mark.parametrize("guard", GUARDS, ids=lambda g: "guard" if g else "kernel-only")
