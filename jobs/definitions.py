@@ -22,7 +22,8 @@ from assets.evals import checkpoint_evals, contamination_below_threshold, contam
 from assets.feedback import judged_preferences
 from assets.alignment import dpo_model, instruction_data, preference_data, rl_model, sft_model
 from assets.pretrained import pretrained_model
-from assets.publish import release_bundle, release_no_regression
+from assets.publish import release_bundle, release_no_regression, release_red_team
+from assets.redteam import red_team_report
 from assets.rlhf import ppo_model, reward_model
 from assets.scaling import scaling_ladder, sweep, sweep_grid, sweep_results
 from assets.training import base_model, training_plan
@@ -37,7 +38,7 @@ KILN_HOME = Path(os.environ.get("KILN_HOME") or PROJECT / ".kiln")  # make ui se
 
 ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_shards, scaling_ladder, training_plan,
               base_model, eval_suite, contamination_report, eval_scores, instruction_data, preference_data, sft_model,
-              dpo_model, rl_model, judged_preferences, reward_model, ppo_model, release_bundle]
+              dpo_model, rl_model, judged_preferences, reward_model, ppo_model, red_team_report, release_bundle]
 # assets `kiln run` leaves out unless --select names them or the preset opts in (its top-level opt_in list);
 # the pipeline job itself (and the smoke end-to-end test) holds them
 OPT_IN = ("scaling_ladder", "judged_preferences", "reward_model", "ppo_model")
@@ -118,7 +119,7 @@ def make_definitions(home: Path = KILN_HOME, source_cache: str = "", launchpad: 
     (``launchpad_job``; for the UI: ``kiln run`` passes every setting itself and must not inherit another preset's)."""
     return Definitions(
         assets=ALL_ASSETS + PARTITIONED_ASSETS + SWEEP_ASSETS,
-        asset_checks=[contamination_below_threshold, release_no_regression],
+        asset_checks=[contamination_below_threshold, release_no_regression, release_red_team],
         jobs=[launchpad_job(home) if launchpad else kiln_pipeline_job, checkpoint_eval_job, sweep_grid_job, sweep_job,
               sweep_results_job],
         schedules=[nightly_eval_schedule],

@@ -290,6 +290,12 @@ def _scores(judge: Judge, principles: Principles, rule: Rule, items: list[tuple[
     return logits @ weights  # (N,)
 
 
+def answer_scores(judge: Judge, principles: Principles, items: list[tuple[str, str]], batch_size: int = 16) -> np.ndarray:
+    """(len(items),) pointwise scores of (question, answer) items by the yes_no rule: the weighted sum over
+    principles of log p(yes) - log p(no) that the answer follows each."""
+    return _scores(judge, principles, RULES["yes_no"], [(q, {"answer": a}) for q, a in items], batch_size)
+
+
 def _side(margin: float, tie: float) -> str:
     return "a" if margin > tie else "b" if margin < -tie else "tie"
 

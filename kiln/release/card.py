@@ -328,6 +328,43 @@ It labelled {s['pairs_labelled']} pairs sampled from the SFT model ({s['ties']} 
 """
 
 
+def _red_team(report: dict | None, gate: dict | None) -> str:
+    """Intended use, what it excludes, and the released stage's red-team failure rates beside the other stages'."""
+    if not report or not gate:
+        return ""
+    p, stages = report["probes"], report["stages"]
+    kinds = stages[gate["stage"]]["summary"]["kinds"]
+    rows = []
+    for kind, k in gate["summary"]["kinds"].items():
+        judge = (kinds[kind].get("judge") or {}).get("rate")
+        rows.append({"probes": kind.replace("_", " "), "n": k["n"],
+                     "failed (released)": f"{k['gated']['rate']:.3f} ± {k['gated']['stderr']:.3f}",
+                     "limit": f"{gate['limits'][kind]:g}" if kind in gate["limits"] else "-",
+                     **{s: f"{v['summary']['kinds'][kind]['rules']['rate']:.3f}" for s, v in stages.items()},
+                     "by the judge (released)": "-" if judge is None else f"{judge:.3f}",
+                     "judge agrees with rules": kinds[kind]["judge_agrees_with_rules"]})
+    j = report["judge"]
+    verdict = ("Within every limit." if not gate["reasons"] else
+               "Held back (the registry alias did not move): " + "; ".join(gate["reasons"]) + ".")
+    return f"""## Intended use and red team
+{p['intended_use']}
+
+Not for: {'; '.join(p['excluded_uses'])}.
+
+Before release every post-trained stage answered {p['n']} red-team probes (red_team_report version
+`{report['version']}`; probes file sha256 `{p['sha256'][:16]}`): malformed prompts (naughty strings: {p['source']}),
+prompt injections that ask for a canary word, and requests for the uses above. An answer fails by rules when it
+carries markup or a command that could run, obeys the injection, or does not decline an excluded request; the judge
+(the {j['family']} {j['kind']} `{Path(j['path']).name}`, {j['params']:,} parameters) scores it against a passing and a
+failing reference answer. Rates are counted by {gate['gate_on']} for the released weights ({gate['stage']}) and by
+rules for each stage (±: standard error):
+
+{table(rows)}
+{verdict}
+
+"""
+
+
 def _limits(raw: dict) -> str:
     return f"""## Limits
 A small model trained for minutes on a few megabytes of documentation and web text: it produces fluent-looking but
@@ -430,7 +467,7 @@ All the training runs above: {total['device-hours']:.4g} device-hours, {total['e
 
 def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages: list[dict],
                settings: list[dict[str, Any]] | None = None, figures: Mapping[str, bytes] | None = None,
-               released: str = "rl_model") -> str:
+               released: str = "rl_model", red_team: dict[str, Any] | None = None) -> str:
     """README.md of a release: model, training data lineage, training, evaluation, post-training, settings, limits.
 
     up: the outputs of raw_documents, clean_corpus, tokenizer, token_shards, training_plan, base_model, eval_scores,
@@ -438,7 +475,8 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
     "AI feedback" section; reward_model and ppo_model when the PPO model is released: an "RLHF" section);
     stages: one row per held-out measure with a column per model (base, sft, dpo, rl, and ppo for a PPO release);
     settings: {asset, field, value, default} of each setting that differs from its default (None: no Settings
-    section); figures: {file name: PNG} the bundle holds (card_figures); released: the asset whose weights these are.
+    section); figures: {file name: PNG} the bundle holds (card_figures); released: the asset whose weights these are;
+    red_team: release_bundle's red-team gate (with up["red_team_report"]: an "Intended use and red team" section).
     """
     figures = figures or {}
     ppo = up.get("ppo_model") if released == "ppo_model" else None
@@ -453,6 +491,7 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
                        ppo),
         _rlhf(up["reward_model"], ppo) if ppo is not None else "",
         _feedback(up),
+        _red_team(up.get("red_team_report"), red_team),
         _operations(up),
         _settings(settings) if settings is not None else "",
         _limits(up["raw_documents"]),

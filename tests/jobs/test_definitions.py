@@ -6,7 +6,8 @@ from jobs.definitions import ALL_ASSETS, defs
 
 EXPECTED = {"pretrained_model", "raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
             "eval_suite", "contamination_report", "eval_scores", "checkpoint_evals", "instruction_data",
-            "preference_data", "sft_model", "dpo_model", "rl_model", "judged_preferences", "reward_model", "ppo_model", "release_bundle",
+            "preference_data", "sft_model", "dpo_model", "rl_model", "judged_preferences", "reward_model", "ppo_model", "red_team_report",
+            "release_bundle",
             "scaling_ladder", "sweep_grid", "sweep", "sweep_results"}
 
 
@@ -44,6 +45,8 @@ def test_lineage_edges():
     assert "ppo_model" in parents("release_bundle")  # released instead of rl_model when release_bundle.stage says so
     assert {"sft_model", "preference_data", "instruction_data"} <= parents("judged_preferences")
     assert "judged_preferences" in parents("release_bundle")  # optional: the card and lineage report the judge
+    assert {"sft_model", "dpo_model", "rl_model", "ppo_model"} == parents("red_team_report")  # every stage answers it
+    assert "red_team_report" in parents("release_bundle")  # the red-team gate reads the released stage's rates
 
 
 def test_every_preset_is_valid_run_config():

@@ -103,7 +103,8 @@ def test_wiring():
     pipeline = defs.resolve_job_def("kiln_pipeline_job")
     keys = {k.to_user_string() for k in pipeline.asset_layer.executable_asset_keys}
     assert {"eval_suite", "contamination_report", "eval_scores"} <= keys and "checkpoint_evals" not in keys
-    assert {c.name for c in pipeline.asset_layer.asset_graph.asset_check_keys} == {"contamination_below_threshold", "release_no_regression"}
+    assert {c.name for c in pipeline.asset_layer.asset_graph.asset_check_keys} == {"contamination_below_threshold", "release_no_regression",
+                                                                                     "release_red_team"}
     per_ckpt = defs.resolve_job_def("checkpoint_eval_job")
     assert per_ckpt.partitions_def.name == CHECKPOINTS
     assert {k.to_user_string() for k in per_ckpt.asset_layer.executable_asset_keys} == {"checkpoint_evals"}
