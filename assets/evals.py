@@ -24,7 +24,7 @@ from assets._common import asset_output, line_plot, md_table
 from kiln.clean.corpus import corpus_texts
 from kiln.common.files import atomic_path, atomic_write_json, stable_hash
 from kiln.evaluation import checkpoints as kckpt
-from kiln.evaluation.coding import HUMANEVAL
+from kiln.evaluation.coding import HUMANEVAL, problem_table, record_problems, unique_problems
 from kiln.evaluation.contamination import DEFAULT_N, check_contamination, report_tables, training_sources, worst_task
 from kiln.evaluation.mathematics import MATH_EXPR, MATH_WORD
 from kiln.evaluation.mmlu import MMLU, MMLU_SOURCE
@@ -185,8 +185,10 @@ class EvalScoresConfig(ScoringConfig):
 def _scores_metadata(head: dict[str, Any], result: dict[str, Any], seconds: float, path: Path,
                      plots: dict[str, Any] | None = None) -> dict[str, Any]:
     """Metadata of a scored checkpoint: ``head``, then its scores (primary metric beside chance, on all and clean
-    items), sample generations, timing, ``plots`` and paths."""
+    items), HumanEval's problems one by one when it ran, sample generations, timing, ``plots`` and paths."""
+    problems = result.get("humaneval_problems")
     return {**head, "scores": md_table(score_rows(result["tasks"], result["tasks_clean"])),
+            **({"humaneval_problems": md_table(problem_table(problems))} if problems else {}),
             "samples": md_table(result["generations"]), "eval_seconds": round(seconds, 1), **(plots or {}),
             "checkpoint": MetadataValue.path(result["checkpoint"]), "path": MetadataValue.path(str(path))}
 
@@ -208,16 +210,19 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
         tasks = config.tasks or list(eval_suite["tasks"])
         context.log.info(f"evaluating {tasks} on checkpoint {meta['path']}")
         t0 = time.perf_counter()
-        full, clean = score_full_and_clean(model, enc, [eval_suite["dir"], contamination_report["dir"]], tasks,
-                                           contamination_report["tasks"], limit=config.limit,
-                                           batch_size=config.batch_size, seed=config.seed, device=device,
-                                           progress=context.log.info)
+        with record_problems() as executed:  # HumanEval's programs, one row per problem run
+            full, clean = score_full_and_clean(model, enc, [eval_suite["dir"], contamination_report["dir"]], tasks,
+                                               contamination_report["tasks"], limit=config.limit,
+                                               batch_size=config.batch_size, seed=config.seed, device=device,
+                                               progress=context.log.info)
+        problems = unique_problems(executed)
         seconds = time.perf_counter() - t0
         val_loss, bpb = base_model["final_val_loss"], bits_per_byte(base_model["final_val_loss"], enc, docs)
         gens = sample_generations(model, enc, PROMPTS, config.max_new_tokens, config.seed, device=device)
         result = {"checkpoint": meta["path"], "step": meta["step"], "val_loss": val_loss, "val_bits_per_byte": bpb,
                   "uniform_loss": math.log(enc.n_vocab), "tasks": full, "tasks_clean": clean,
-                  "task_items": eval_suite["tasks"], "generations": gens}
+                  "task_items": eval_suite["tasks"], "generations": gens,
+                  **({"humaneval_problems": problems} if problems else {})}
         atomic_write_json(out.stage / "scores.json", result)
         path = out.commit() / "scores.json"
         out.log_metrics({"val_loss": val_loss, "val_bits_per_byte": bpb, **flat_metrics(full, clean)}, step=meta["step"])

@@ -146,6 +146,14 @@ def record_problems() -> Iterator[list[dict[str, Any]]]:
         _RECORDERS.remove(rows)
 
 
+def unique_problems(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each problem once, its first run kept, in first-run order (a clean-items rerun repeats problems)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        seen.setdefault(r["task_id"], r)
+    return list(seen.values())
+
+
 def problem_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows for a table: task_id, passed samples / n, outcome kinds with counts, the first error."""
     return [{"task_id": r["task_id"], "passed": f"{r['passed']}/{r['samples']}",

@@ -24,7 +24,8 @@ import torch
 from kiln.evaluation import run_suite
 from kiln.evaluation.coding import (HUMANEVAL, HUMANEVAL_FILE, HUMANEVAL_SOURCE, HUMANEVAL_TASK, HumanEvalFormatError,
                                     execute, humaneval_pass_at_k, humaneval_spec, load_humaneval, pass_at_k,
-                                    problem_table, read_problems, record_problems)
+                                    problem_table, read_problems, record_problems,
+                                    unique_problems)
 from kiln.evaluation.registry import REGISTRY
 from kiln.evaluation.spec import write_task
 from kiln.sources import RECORD, SourceError, cache_path
@@ -148,6 +149,9 @@ def test_the_task_scores_completions_through_kilnlm_beside_chance(tmp_path, enc,
     assert cheat[HUMANEVAL]["pass@1"] == 1.0 and cheat[HUMANEVAL]["items"] == 3 and cheat[HUMANEVAL]["chance"] == 0.0
     assert [(r["task_id"], r["passed"], r["samples"]) for r in table] == [(t, 1, 1) for t in ("HumanEval/23",
                                                                                             "HumanEval/45", "HumanEval/53")]
+    # a clean-items rerun repeats problems: eval_scores' per-problem table keeps each problem's first run, in order
+    again = table + [{**table[1], "passed": 0}, {**table[0], "passed": 0}]
+    assert [(r["task_id"], r["passed"]) for r in unique_problems(again)] == [(r["task_id"], 1) for r in table]
     wrong = [p["prompt"] + "    return None\n\ndef" for p in rows]
     assert run_suite(CachedNGramLM([enc.encode(t) for t in wrong], n=64, block_size=512), enc, tmp_path,
                      [HUMANEVAL])[HUMANEVAL]["pass@1"] == 0.0
