@@ -28,7 +28,8 @@ class PosttrainJob(TrainJob):
     """A job that trains a policy from a checkpoint against a frozen reference (kiln.posttrain.dpo, kiln.posttrain.rl)."""
 
     task: str = ""  # "dpo" or "rl"
-    train_files: list = field(default_factory=list)  # one JSONL: preference pairs (dpo) or instruction pairs (rl)
+    train_files: list = field(default_factory=list)  # JSONL: preference pairs (dpo, reward: each file's train split) or
+    # instruction pairs (rl, ppo: the first file)
     init_from: str = ""  # checkpoint the policy starts from (required)
     seq_len: int = 256  # longest prompt + response, in tokens
     micro_batch: int = 8  # pairs (dpo) or prompts (rl) per rank per forward
@@ -92,3 +93,22 @@ def read_jsonl_split(path: str, split: str, kinds: Iterable[str] | None = None) 
     if not rows:
         raise ValueError(f"{path}: no '{split}' rows{f' of kind {sorted(kinds)}' if kinds else ''}; rebuild the data asset")
     return rows
+
+
+@dataclass
+class PreferenceSplits:
+    """The pairs a preference stage (dpo, reward) trains and is held out on, and how many came from each file."""
+
+    train: list[dict]  # the split=train rows of every training file, file by file
+    val: list[dict]  # the split=val rows of the held-out file, at most eval_pairs
+    train_by_file: list[int]  # training pairs taken from each of train_files, in order
+
+
+def read_preference_splits(train_files: list, val_files: list, eval_pairs: int,
+                           kinds: Iterable[str] | None = None) -> PreferenceSplits:
+    """Training pairs: the split=train rows (of ``kinds``) of each of ``train_files``; held-out pairs: the split=val
+    rows of ``val_files[0]``, else of ``train_files[0]``. A file's split=val rows never train, so held-out pairs stay
+    held out whichever files are mixed in; a file with no training rows is an error naming it."""
+    per_file = [read_jsonl_split(str(f), "train", kinds) for f in train_files]
+    val = read_jsonl_split(str((val_files or train_files)[0]), "val", kinds)[:eval_pairs]
+    return PreferenceSplits([r for rows in per_file for r in rows], val, [len(rows) for rows in per_file])

@@ -10,13 +10,13 @@ the loss itself is a few lines over summed response log-probabilities.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
-from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
+from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_preference_splits
 from kiln.posttrain.logprobs import model_sequence_logps
 from kiln.posttrain.sft import PackedLoader, encode_example, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo, all_mean
@@ -36,6 +36,7 @@ class DpoJob(PosttrainJob):
     kto_desirable_weight: float = 1.0  # kto: lambda_D, the weight of the chosen (desirable) responses
     kto_undesirable_weight: float = 1.0  # kto: lambda_U, the weight of the rejected (undesirable) responses
     eval_pairs: int = 256  # held-out (split=val) pairs scored at each evaluation
+    val_files: list = field(default_factory=list)  # the held-out pairs' JSONL (its split=val rows); empty: train_files[0]
 
     def check(self, where: str = "job") -> None:
         super().check(where)
@@ -128,12 +129,12 @@ class DpoStage(PosttrainStage):
         from kiln.tokenizer import load_encoding
 
         enc = load_encoding(job.tokenizer)
-        self.train_rows = read_jsonl_split(job.train_files[0], "train")
-        self.val_rows = read_jsonl_split(job.train_files[0], "val")[: job.eval_pairs]
+        self.pairs = read_preference_splits(job.train_files, job.val_files, job.eval_pairs)
+        self.train_rows, self.val_rows = self.pairs.train, self.pairs.val
         tt, tm = encode_preferences(enc, self.train_rows, job.seq_len)
         self.vt, self.vm = encode_preferences(enc, self.val_rows, job.seq_len)
         if len(self.train_rows) < job.micro_batch * info.world_size:
-            raise ValueError(f"{job.train_files[0]}: {len(self.train_rows)} training pairs cannot fill one batch of "
+            raise ValueError(f"{', '.join(map(str, job.train_files))}: {len(self.train_rows)} training pairs cannot fill one batch of "
                              f"{job.micro_batch} x {info.world_size} ranks; lower micro_batch or add preference data")
         super().__init__(job, info)
         self.settings = job.settings()
@@ -202,7 +203,8 @@ class DpoStage(PosttrainStage):
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         vals = [h for h in trainer.run.history if "val_loss" in h]
-        return {**super().summary(trainer), "pairs": {"train": len(self.train_rows), "val": len(self.val_rows)},
+        return {**super().summary(trainer), "pairs": {"train": len(self.train_rows), "val": len(self.val_rows),
+                                                    "train_by_file": self.pairs.train_by_file},
                 "loss": self.job.loss, "beta": self.settings.beta,
                 "initial_val": _strip(vals[0]) if vals else None,
                 "final_val": _strip(vals[-1]) if vals else None, "final_train": trainer.last_stats or None,

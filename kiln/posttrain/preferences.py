@@ -2,6 +2,7 @@
 
 Arithmetic gets the same sentence with a wrong number (an off-by-a-little, a sign or an operator slip);
 a documentation heading gets another section's text. ``build_preferences(pairs, seed=0)``; a pair keeps its prompt's split.
+``feedback_files`` says which pair files a preference stage trains on: these checkable ones, an AI judge's, or both.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import re
 from typing import Iterable
 
 ERRORS = ("off_by_small", "off_by_ten", "wrong_operator", "sign")  # how a wrong arithmetic answer is made
+# which pairs train a preference stage (dpo_model, reward_model): preference_data's (labels checkable by
+# construction), judged_preferences' (labelled by an AI judge) or both; the held-out pairs are always preference_data's
+FEEDBACK = ("checkable", "judged", "mixed")
 
 
 def wrong_answer(prompt: str, answer: int, rng: random.Random) -> tuple[int, str]:
@@ -72,3 +76,31 @@ def build_preferences(pairs: Iterable[dict], seed: int = 0) -> list[dict]:
         out.append({"id": p["id"], "prompt": p["prompt"], "kind": p["kind"], "split": p["split"],
                     "source_id": p["source_id"], **extra})
     return out
+
+
+def check_feedback(feedback: str, where: str = "feedback") -> str:
+    """``feedback`` when it is one of FEEDBACK; otherwise a ConfigError naming ``where`` and the choices."""
+    from kiln.common.config import ConfigError
+
+    if feedback not in FEEDBACK:
+        raise ConfigError(f"{where}: {feedback!r} is not a feedback choice; choose one of {', '.join(FEEDBACK)}")
+    return feedback
+
+
+def feedback_files(feedback: str, checkable: str, judged: str | None, where: str = "feedback") -> dict[str, list[str]]:
+    """The job's data files for ``feedback`` (check_feedback): ``train_files`` (checkable: ``checkable`` alone, as
+    before there was a choice; judged: ``judged`` alone; mixed: both) and, when judged pairs train, ``val_files`` =
+    [``checkable``], so held-out measures stay on pairs whose right answer is known. ``judged`` empty (never made)
+    with judged or mixed is a ValueError."""
+    if check_feedback(feedback, where) == "checkable":
+        return {"train_files": [checkable]}
+    if not judged:
+        raise ValueError(f"{where}: {feedback} needs judged preference pairs, and there are none")
+    return {"train_files": [judged] if feedback == "judged" else [checkable, judged], "val_files": [checkable]}
+
+
+def pairs_by_source(feedback: str, train_by_file: list[int]) -> dict[str, int]:
+    """{"checkable": n, "judged": m}: the training pairs a job took from each source, from its per-file counts
+    (train_files in feedback_files' order)."""
+    sources = {"checkable": ["checkable"], "judged": ["judged"], "mixed": ["checkable", "judged"]}[feedback]
+    return {"checkable": 0, "judged": 0, **dict(zip(sources, train_by_file))}

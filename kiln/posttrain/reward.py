@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kiln.common.config import ConfigError
 from kiln.model.lora import LoRAConfig
 from kiln.model.loss import head_inputs
-from kiln.posttrain.common import PosttrainJob, read_jsonl_split
+from kiln.posttrain.common import PosttrainJob, read_preference_splits
 from kiln.posttrain.sft import PackedLoader, chat_prompt_ids
 from kiln.train.dist import DistInfo, all_mean
 from kiln.train.entry import run_job
@@ -35,6 +35,7 @@ class RewardJob(PosttrainJob):
     task: str = "reward"
     pair_kinds: list[str] = field(default_factory=list)  # preference kinds to train and hold out on (arithmetic, doc_section); empty: all
     eval_pairs: int = 256  # held-out (split=val) pairs scored at each evaluation
+    val_files: list = field(default_factory=list)  # the held-out pairs' JSONL (its split=val rows); empty: train_files[0]
 
     def check(self, where: str = "job") -> None:
         super().check(where)
@@ -139,12 +140,12 @@ class RewardStage(Stage):
         self.job, self.info = job, info
         self.enc = load_encoding(job.tokenizer)
         kinds = job.pair_kinds or None
-        self.train_rows = read_jsonl_split(job.train_files[0], "train", kinds)
-        self.val_rows = read_jsonl_split(job.train_files[0], "val", kinds)[: job.eval_pairs]
+        self.pairs = read_preference_splits(job.train_files, job.val_files, job.eval_pairs, kinds)
+        self.train_rows, self.val_rows = self.pairs.train, self.pairs.val
         tt, tl = encode_pairs(self.enc, self.train_rows, job.seq_len)
         self.vt, self.vl = encode_pairs(self.enc, self.val_rows, job.seq_len)
         if len(self.train_rows) < job.micro_batch * info.world_size:
-            raise ValueError(f"{job.train_files[0]}: {len(self.train_rows)} training pairs cannot fill one batch of "
+            raise ValueError(f"{', '.join(map(str, job.train_files))}: {len(self.train_rows)} training pairs cannot fill one batch of "
                              f"{job.micro_batch} x {info.world_size} ranks; lower micro_batch or add preference data")
         self.loader = RewardPairLoader(tt, tl, job.micro_batch, info.rank, info.world_size, job.seed)
 
@@ -204,7 +205,8 @@ class RewardStage(Stage):
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         vals = [h for h in trainer.run.history if "val_loss" in h]
         strip = lambda h: {k[4:]: v for k, v in h.items() if k.startswith("val_")}  # noqa: E731
-        return {**self.meta(), "lora": {"enabled": False}, "pairs": {"train": len(self.train_rows), "val": len(self.val_rows)},
+        return {**self.meta(), "lora": {"enabled": False}, "pairs": {"train": len(self.train_rows), "val": len(self.val_rows),
+                                                                    "train_by_file": self.pairs.train_by_file},
                 "initial_val": strip(vals[0]) if vals else None, "final_val": strip(vals[-1]) if vals else None,
                 "final_train": trainer.last_stats or None}
 

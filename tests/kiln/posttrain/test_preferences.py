@@ -1,4 +1,5 @@
-"""Tests for kiln.posttrain.preferences: the chosen response is the correct one, the rejected one is really wrong.
+"""Tests for kiln.posttrain.preferences: the chosen response is the correct one, the rejected one is really wrong;
+which pair files a preference stage trains on (feedback) and how it reads them (kiln.posttrain.common).
 
 Run: python -m pytest tests/kiln/posttrain/test_preferences.py -q
 """
@@ -8,8 +9,13 @@ from __future__ import annotations
 import random
 import re
 
-from kiln.posttrain.instructions import arithmetic, arithmetic_reward, build_pairs
-from kiln.posttrain.preferences import ERRORS, build_preferences, wrong_answer
+import pytest
+
+from kiln.common.config import ConfigError
+from kiln.posttrain.common import read_preference_splits
+from kiln.posttrain.instructions import arithmetic, arithmetic_reward, build_pairs, write_jsonl
+from kiln.posttrain.preferences import (ERRORS, FEEDBACK, build_preferences, check_feedback, feedback_files,
+                                        pairs_by_source, wrong_answer)
 
 PAGE = """<html><body>
 <h2>Rivers</h2><p>The river runs slowly through the valley, carrying silt from the mountains to the sea below.</p>
@@ -73,3 +79,45 @@ def test_arithmetic_stream_answers_match_the_reward() -> None:
     for item in arithmetic(50, seed=1):
         assert arithmetic_reward(item["response"], item["answer"]) == 1.0
         assert arithmetic_reward("I do not know.", item["answer"]) == 0.0
+
+
+def test_feedback_choices_name_the_files_a_stage_trains_and_is_held_out_on() -> None:
+    assert FEEDBACK == ("checkable", "judged", "mixed")
+    assert feedback_files("checkable", "p.jsonl", None) == {"train_files": ["p.jsonl"]}  # as before: no val_files
+    assert feedback_files("checkable", "p.jsonl", "j.jsonl") == {"train_files": ["p.jsonl"]}
+    assert feedback_files("judged", "p.jsonl", "j.jsonl") == {"train_files": ["j.jsonl"], "val_files": ["p.jsonl"]}
+    assert feedback_files("mixed", "p.jsonl", "j.jsonl") == {"train_files": ["p.jsonl", "j.jsonl"],
+                                                             "val_files": ["p.jsonl"]}
+    with pytest.raises(ConfigError, match=r"^dpo_model.feedback: 'rlaif' is not a feedback choice; choose one of "
+                                          r"checkable, judged, mixed$"):
+        check_feedback("rlaif", "dpo_model.feedback")
+    with pytest.raises(ValueError, match="mixed needs judged preference pairs"):
+        feedback_files("mixed", "p.jsonl", None)
+    assert pairs_by_source("checkable", [835]) == {"checkable": 835, "judged": 0}
+    assert pairs_by_source("judged", [31]) == {"checkable": 0, "judged": 31}
+    assert pairs_by_source("mixed", [835, 31]) == {"checkable": 835, "judged": 31}
+
+
+def _row(i: int, split: str, kind: str = "arithmetic", error: str = "off_by_small") -> dict:
+    return {"id": f"{split}{i}{kind}", "prompt": f"What is {i} + 1?", "kind": kind, "split": split, "source_id": "s",
+            "chosen": f"{i + 1}.", "rejected": f"{i + 2}.", "error": error}
+
+
+def test_preference_splits_train_on_every_file_and_hold_out_only_the_first_files_val_rows(tmp_path) -> None:
+    checkable, judged = tmp_path / "prefs.jsonl", tmp_path / "judged.jsonl"
+    write_jsonl([_row(i, "train") for i in range(5)] + [_row(i, "val") for i in range(4)]
+                + [_row(9, "train", "doc_section", "other_section")], checkable)
+    write_jsonl([_row(i, "train", error="judge") for i in range(3)] + [_row(0, "val", error="judge")]
+                + [_row(7, "train", "doc_section", "judge")], judged)
+    mixed = read_preference_splits([checkable, judged], [checkable], eval_pairs=3)
+    assert mixed.train_by_file == [6, 4] and len(mixed.train) == 10
+    assert [r["error"] for r in mixed.train[6:]] == ["judge"] * 4 and all(r["split"] == "train" for r in mixed.train)
+    assert [r["id"] for r in mixed.val] == ["val0arithmetic", "val1arithmetic", "val2arithmetic"]
+    assert all(r["error"] != "judge" for r in mixed.val)  # the judged file's own val row is never read
+    alone = read_preference_splits([judged], [checkable], eval_pairs=10, kinds=["arithmetic"])
+    assert alone.train_by_file == [3] and len(alone.val) == 4 and all(r["error"] == "off_by_small" for r in alone.val)
+    before = read_preference_splits([checkable], [], eval_pairs=10)  # no val_files: the training file's val rows
+    assert before.train_by_file == [6] and len(before.val) == 4
+    write_jsonl([_row(0, "train", "doc_section", "judge")], judged)
+    with pytest.raises(ValueError, match=f"{judged}: no 'train' rows of kind \\['arithmetic'\\]"):
+        read_preference_splits([checkable, judged], [checkable], eval_pairs=4, kinds=["arithmetic"])
