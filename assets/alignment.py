@@ -1,12 +1,12 @@
 """Step 9 as assets: instruction and preference data, then SFT -> DPO -> RL, each evaluated before and after."""
 
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 from dagster import AssetExecutionContext, Config, Failure, MetadataValue, Output, asset
 from pydantic import Field
 
-from assets._common import asset_output, md_table, report_metadata
+from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
 from assets._config import schema_of
 from assets.pretrained import import_folder, lineage_of
 from kiln.evaluation.contamination import DEFAULT_N
@@ -16,7 +16,7 @@ from kiln.posttrain import instructions as kinst
 from kiln.posttrain.measures import (comparison_line, comparison_table, heldout_suite, log_comparison, means,
                                      measure_before, measure_checkpoint, suite_key)
 from kiln.posttrain.dpo import DpoJob
-from kiln.posttrain.preferences import build_preferences
+from kiln.posttrain.preferences import build_preferences, check_feedback, feedback_files, pairs_by_source
 from kiln.posttrain.report import dpo_report, rl_report
 from kiln.posttrain.rl import RlJob
 from kiln.posttrain.sft import read_pairs
@@ -165,10 +165,11 @@ def sft_report(result: dict[str, Any], rows: list[dict[str, Any]], out_dir) -> d
 
 def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], storage: KilnStorageResource,
           torchrun: TorchrunResource, mlflow: MlflowResource, report: Callable[..., dict[str, Any]],
-          extra: dict[str, Any] | None = None) -> Output[dict]:
+          extra: Union[dict[str, Any], Callable[[dict], dict[str, Any]], None] = None) -> Output[dict]:
     """Shared by sft_model, dpo_model and rl_model: measure ``init`` on the held-out suite, run the job (its folder
-    keyed by its inputs, so a rerun resumes), measure the result; ``report`` adds the stage's own plots and tables. A
-    reused run is returned as recorded, measures included: nothing is measured again."""
+    keyed by its inputs, so a rerun resumes), measure the result; ``report`` adds the stage's own plots and tables,
+    ``extra`` fields to the value (or a function of the job's result giving them). A reused run is returned as
+    recorded, measures included: nothing is measured again."""
     device = spec.plan["hardware"]["device"]
     with torchrun.training_run(context, spec, storage, mlflow) as job:
         if job.reused is not None:
@@ -178,9 +179,52 @@ def align(context, spec: RunSpec, init: dict, suite: dict[str, list[dict]], stor
         after = measure_checkpoint(result["checkpoint"], suite, device)
         rows = log_comparison(before, after, job.run.tracking_uri, job.run.run_id, result["steps"])
         context.log.info(comparison_line(rows))
+        fields = extra(result) if callable(extra) else extra
         return job.output(report_metadata(report(result, rows, job.out_dir), job.run), before=means(before),
                           after=means(after), after_scores=after, before_after=rows, suite_key=suite_key(suite),
-                          **(extra or {}))
+                          **(fields or {}))
+
+
+def feedback_field():
+    return Field(default="checkable", description="The preference pairs it trains on: checkable (preference_data's, "
+                 "each right answer known by construction), judged (judged_preferences' alone, labelled by the AI "
+                 "judge; materialize it first) or mixed (both). Held-out measures are always on preference_data's "
+                 "held-out pairs.")
+
+
+class Feedback:
+    """Which preference pairs a stage (dpo_model, reward_model) trains on, by its ``feedback`` config: the job's data
+    files, the run-key inputs they add, and what the value and metadata say about them. Checkable (the default) adds
+    nothing, so its runs keep the keys they had before there was a choice."""
+
+    def __init__(self, stage: str, feedback: str, preference_data: dict, judged_preferences: Optional[dict]):
+        with failing_on_config_errors():
+            self.choice = check_feedback(feedback, f"{stage}.feedback")
+        self.judged = judged_preferences if self.choice != "checkable" else None
+        if self.choice != "checkable" and judged_preferences is None:
+            raise Failure(description=f"{stage}.feedback is {feedback}, but judged_preferences was never materialized in "
+                          f"this home: materialize it first, e.g. kiln run --preset rlhf --select "
+                          f"judged_preferences,{stage} (or set {stage}.feedback to checkable)", allow_retries=False)
+        self.files = feedback_files(self.choice, preference_data["path"], self.judged["path"] if self.judged else None)
+        self.inputs = {"judged_preferences": self.judged["version"]} if self.judged else {}
+
+    def record(self, result: dict) -> dict[str, Any]:
+        """The value's ``feedback``: the choice, the training pairs from each source, the judged pairs' version."""
+        pairs = result["pairs"]
+        by_source = pairs_by_source(self.choice, pairs.get("train_by_file") or [pairs["train"]])
+        return {"feedback": {"choice": self.choice, "pairs": by_source, "held_out_pairs": pairs["val"],
+                             "judged_preferences": self.judged["version"] if self.judged else None}}
+
+    def metadata(self, result: dict) -> dict[str, Any]:
+        """Which pairs trained the stage, for the asset's page."""
+        rec = self.record(result)["feedback"]
+        return {"feedback": rec["choice"], "pairs_checkable": rec["pairs"]["checkable"],
+                "pairs_judged": rec["pairs"]["judged"],
+                **({"judged_preferences_version": rec["judged_preferences"]} if rec["judged_preferences"] else {})}
+
+    def report(self, report: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        """``report`` (a stage's report of its result) followed by the feedback metadata."""
+        return lambda result, *rest: {**report(result, *rest), **self.metadata(result)}
 
 
 DPO_FIELDS = ("loss", "beta", "label_smoothing", "simpo_gamma_ratio", "kto_desirable_weight", "kto_undesirable_weight",
@@ -192,23 +236,25 @@ class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps"
     optim: DpoOptim = Field(default_factory=DpoOptim, description="AdamW and its schedule for DPO.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true, rank: 8} trains adapters only (merged into the saved weights).")
     init_from: str = init_from_field()
+    feedback: str = feedback_field()
 
 
 @asset(code_version="1", group_name="posttraining")
 def dpo_model(context: AssetExecutionContext, config: DpoModelConfig, sft_model: dict, preference_data: dict,
               instruction_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
-              torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
-    """The SFT model trained on preference pairs (a torchrun job) by Direct Preference Optimization against itself frozen as the reference, or by another registered loss (IPO, SimPO without a reference, KTO), reporting reward margins and chosen/rejected log-probabilities; held-out measures before and after."""
+              torchrun: TorchrunResource, mlflow: MlflowResource, judged_preferences: Optional[dict] = None) -> Output[dict]:
+    """The SFT model trained on preference pairs (a torchrun job) by Direct Preference Optimization against itself frozen as the reference, or by another registered loss (IPO, SimPO without a reference, KTO), reporting reward margins and chosen/rejected log-probabilities; held-out measures before and after. The pairs are preference_data's, judged_preferences' (RLAIF) or both (feedback); held out are always preference_data's."""
+    feedback = Feedback("dpo_model", config.feedback, preference_data, judged_preferences)  # None: never materialized
     start, start_key, extra = start_weights("dpo_model", config.init_from, sft_model, training_plan, tokenizer, storage)
     plan = {**training_plan, "micro_batch": config.micro_batch}
-    fields = {**config.job_fields(), "train_files": [preference_data["path"]], "ckpt_interval": config.max_steps,
-              "keep_last": 1, "log_interval": 25}
-    del fields["init_from"]  # the job's start is RunSpec.init
+    fields = {**config.job_fields(), **feedback.files, "ckpt_interval": config.max_steps, "keep_last": 1, "log_interval": 25}
+    del fields["init_from"], fields["feedback"]  # the job's start is RunSpec.init; its pairs are feedback.files
     suite = heldout_suite(instruction_data, preference_data)
     spec = RunSpec("dpo", fields, plan, {**(start_key or {"sft_model": sft_model["version"]}),
-                                         "preference_data": preference_data["version"]},
+                                         "preference_data": preference_data["version"], **feedback.inputs},
                    tokenizer["path"], init=start["checkpoint"], reuse={"suite": suite_key(suite)})
-    return align(context, spec, start, suite, storage, torchrun, mlflow, dpo_report, extra)
+    return align(context, spec, start, suite, storage, torchrun, mlflow, feedback.report(dpo_report),
+                 lambda result: {**extra, **feedback.record(result)})
 
 
 RL_FIELDS = ("reward", "max_steps", "group_size", "max_new_tokens", "temperature", "partial_credit", "kl_coef",

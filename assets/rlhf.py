@@ -5,12 +5,14 @@ Neither runs by default (jobs.definitions.OPT_IN): ``kiln run --preset rlhf`` ru
 """
 
 
+from typing import Optional
+
 from dagster import AssetExecutionContext, Output, asset
 from pydantic import Field
 
 from assets._common import report_metadata
 from assets._config import schema_of
-from assets.alignment import Lora, align, init_from_field, start_weights
+from assets.alignment import Feedback, Lora, align, feedback_field, init_from_field, start_weights
 from kiln.posttrain.measures import heldout_suite, suite_key
 from kiln.posttrain.ppo import PpoJob
 from kiln.posttrain.report import ppo_report, reward_report
@@ -31,17 +33,20 @@ REWARD_FIELDS = ("pair_kinds", "max_steps", "micro_batch", "eval_interval", "eva
 class RewardModelConfig(schema_of(RewardJob, include=REWARD_FIELDS, name="RewardJobFields", defaults={
         "pair_kinds": ["arithmetic"], "max_steps": 40, "micro_batch": 16, "eval_interval": 10})):
     optim: RewardOptim = Field(default_factory=RewardOptim, description="AdamW and its schedule for the reward model.")
+    feedback: str = feedback_field()
 
 
 @asset(code_version="1", group_name="rlhf")
 def reward_model(context: AssetExecutionContext, config: RewardModelConfig, sft_model: dict, preference_data: dict,
                  training_plan: dict, tokenizer: dict, storage: KilnStorageResource, torchrun: TorchrunResource,
-                 mlflow: MlflowResource) -> Output[dict]:
-    """The SFT model with a scalar head (the last response token's final hidden state -> one number) trained on the preference pairs with the Bradley-Terry loss by a torchrun job; held-out pair accuracy and margin over steps; saved as a Kiln checkpoint and as a Hugging Face *ForSequenceClassification folder."""
-    fields = {**config.job_fields(), "train_files": [preference_data["path"]], "ckpt_interval": config.max_steps,
-              "keep_last": 1, "log_interval": 20}
+                 mlflow: MlflowResource, judged_preferences: Optional[dict] = None) -> Output[dict]:
+    """The SFT model with a scalar head (the last response token's final hidden state -> one number) trained on the preference pairs with the Bradley-Terry loss by a torchrun job; held-out pair accuracy and margin over steps; saved as a Kiln checkpoint and as a Hugging Face *ForSequenceClassification folder. The pairs are preference_data's, judged_preferences' (RLAIF) or both (feedback); held out are always preference_data's."""
+    feedback = Feedback("reward_model", config.feedback, preference_data, judged_preferences)  # None: never materialized
+    fields = {**config.job_fields(), **feedback.files, "ckpt_interval": config.max_steps, "keep_last": 1,
+              "log_interval": 20}
+    del fields["feedback"]  # the job's pairs are feedback.files
     spec = RunSpec("reward", fields, {**training_plan, "micro_batch": config.micro_batch},
-                   {"sft_model": sft_model["version"], "preference_data": preference_data["version"]},
+                   {"sft_model": sft_model["version"], "preference_data": preference_data["version"], **feedback.inputs},
                    tokenizer["path"], init=sft_model["checkpoint"])
     with torchrun.training_run(context, spec, storage, mlflow) as job:
         if job.reused is not None:
@@ -51,8 +56,8 @@ def reward_model(context: AssetExecutionContext, config: RewardModelConfig, sft_
         final = result["final_val"] or {}
         context.log.info(f"reward model: held-out accuracy {final.get('accuracy', float('nan')):.3f}, margin "
                          f"{final.get('margin', float('nan')):.3f} on {result['pairs']['val']} pairs")
-        report = {**reward_report(result, job.out_dir), "hf_folder": str(hf_dir)}
-        return job.output(report_metadata(report, job.run), hf_dir=str(hf_dir))
+        report = {**reward_report(result, job.out_dir), "hf_folder": str(hf_dir), **feedback.metadata(result)}
+        return job.output(report_metadata(report, job.run), hf_dir=str(hf_dir), **feedback.record(result))
 
 
 PPO_FIELDS = ("prompt_kinds", "max_steps", "max_new_tokens", "temperature", "kl_coef", "gamma", "lam", "clip_range", "value_clip",

@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any
 
 TRAINING = ("base_model", "sft_model", "dpo_model", "rl_model")  # recomputing these resumes from a checkpoint
+# optional inputs an asset reads only under some of its config: (asset, input) -> whether its next config reads it;
+# an unread one's changes leave the asset as it is (dpo_model and reward_model read judged_preferences only when
+# their feedback is judged or mixed)
+READ_WHEN = {("dpo_model", "judged_preferences"): lambda config: config.get("feedback", "checkable") != "checkable",
+             ("reward_model", "judged_preferences"): lambda config: config.get("feedback", "checkable") != "checkable"}
 
 
 @dataclass
@@ -177,9 +182,16 @@ class StatusReader:
             return None
         return attempt
 
+    def parents(self, name: str) -> list[str]:
+        """The upstream assets of ``name`` that its next run reads (READ_WHEN leaves out an optional one its config
+        does not use), sorted."""
+        config = self.new_ops.get(name) or {}
+        return sorted(p for p in (k.to_user_string() for k in self.graph.get(_key(name)).parent_keys)
+                      if READ_WHEN.get((name, p), lambda _c: True)(config))
+
     def same_inputs(self, name: str, at: float) -> bool:
         """True when every upstream asset of ``name`` is reused with the data version it had at time ``at``."""
-        for parent in sorted(p.to_user_string() for p in self.graph.get(_key(name)).parent_keys):
+        for parent in self.parents(name):
             up = self.decided.get(parent)
             if up is None:
                 continue
@@ -244,7 +256,7 @@ class StatusReader:
         run = self.instance.get_run_by_id(ev.run_id)
         if run is not None:
             reasons += config_changes(resolved_ops(self.job, run.run_config).get(name, {}), self.new_ops.get(name, {}))
-        for parent in sorted(p.to_user_string() for p in self.graph.get(AssetKey(name)).parent_keys):
+        for parent in self.parents(name):
             up = self.decided.get(parent)
             if up is None:
                 continue

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from dagster import AssetKey, DagsterInstance, FilesystemIOManager, asset, materialize
+from dagster import AssetKey, DagsterInstance, asset, materialize
 
 from assets.alignment import dpo_model, instruction_data, preference_data, rl_model
 from kiln.train.checkpoint import save_checkpoint
@@ -23,7 +23,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.posttrain.measures import MEASURES, heldout_suite, stage_rows
 from kiln.shards import split_of
-from resources.storage import KilnStorageResource
+from resources.storage import HandleIOManager, KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 from tests.conftest import make_docs
@@ -83,10 +83,14 @@ def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
     def tok_stub() -> dict:
         return {"path": str(tok_path), "version": "tok0"}
 
+    @asset(name="judged_preferences")
+    def judged_stub() -> dict:  # never materialized here: dpo_model's optional input loads as None
+        raise AssertionError("not selected")
+
     mlflow = MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art"))
     resources = {"storage": KilnStorageResource(root=str(home / "storage")), "mlflow": mlflow,
                  "torchrun": TorchrunResource(timeout_s=300, pg_timeout_s=120),
-                 "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles"))}
+                 "io_manager": HandleIOManager(base_dir=str(home / "storage" / "handles"))}
     config = {"ops": {
         "instruction_data": {"config": {"n_arithmetic": 80, "max_doc_pairs": 10, "val_permille": 250, "eval_items": 6}},
         "dpo_model": {"config": {"max_steps": 4, "micro_batch": 4, "eval_interval": 2, "eval_pairs": 8,
@@ -94,8 +98,9 @@ def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
         "rl_model": {"config": {"max_steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6,
                                 "eval_items": 4, "eval_interval": 1}},
     }}
-    result = materialize([raw_stub, shards_stub, suite_stub, sft_stub, plan_stub, tok_stub, instruction_data,
-                          preference_data, dpo_model, rl_model], resources=resources, run_config=config,
+    made = [raw_stub, shards_stub, suite_stub, sft_stub, plan_stub, tok_stub, instruction_data, preference_data,
+            dpo_model, rl_model]
+    result = materialize([*made, judged_stub], selection=made, resources=resources, run_config=config,
                          instance=DagsterInstance.ephemeral(), raise_on_error=True)
     return home, result, texts
 
@@ -166,3 +171,24 @@ def test_dpo_and_rl_assets_measure_before_and_after_on_the_same_items(materializ
     assert "val_reward_margin" in run.data.metrics  # streamed from rank 0 of the torchrun job
     assert {a.path for a in client.list_artifacts(dpo["mlflow_run_id"])} >= {"before_after.json", "margins.png"}
     assert "val_reward" in client.get_run(rl["mlflow_run_id"]).data.metrics
+
+
+def test_a_checkable_dpo_run_keeps_the_run_key_it_had_before_feedback_was_a_choice(materialized) -> None:
+    """feedback: checkable (the default) trains on preference_data's pairs alone with exactly the job fields and
+    inputs dpo_model gave before judged pairs could train it, so the run folders of homes made then are reused."""
+    from assets.alignment import DpoModelConfig
+    from kiln.train.launch import RunSpec
+
+    home, result, _ = materialized
+    dpo, prefs = result.output_for_node("dpo_model"), result.output_for_node("preference_data")
+    assert dpo["feedback"]["choice"] == "checkable" and dpo["feedback"]["judged_preferences"] is None
+    assert dpo["feedback"]["pairs"] == {"checkable": dpo["pairs"]["train"], "judged": 0}
+    job = json.loads((Path(dpo["out_dir"]) / "job.json").read_text())
+    assert job["train_files"] == [prefs["path"]] and "val_files" not in job and "feedback" not in job
+    config = DpoModelConfig(max_steps=4, micro_batch=4, eval_interval=2, eval_pairs=8, lora={"enabled": True, "rank": 2})
+    fields = {**config.job_fields(), "train_files": [prefs["path"]], "ckpt_interval": 4, "keep_last": 1, "log_interval": 25}
+    del fields["init_from"], fields["feedback"]  # the fields dpo_model set before feedback existed
+    plan = {**result.output_for_node("training_plan"), "micro_batch": 4}
+    before = RunSpec("dpo", fields, plan, {"sft_model": "sft0", "preference_data": prefs["version"]}, "",
+                     root=str(KilnStorageResource(root=str(home / "storage")).local_base()))
+    assert Path(dpo["out_dir"]).name == before.key

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from dagster import AssetKey, DagsterInstance, Failure, FilesystemIOManager, asset, materialize
+from dagster import AssetKey, DagsterInstance, Failure, asset, materialize
 
 from assets.alignment import instruction_data, preference_data
 from assets.rlhf import ppo_model, reward_model
@@ -18,7 +18,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.posttrain.measures import MEASURES
 from kiln.train.checkpoint import save_checkpoint
-from resources.storage import KilnStorageResource
+from resources.storage import HandleIOManager, KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 from tests.assets.test_posttrain import doc_ids, page
@@ -61,15 +61,17 @@ def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
     resources = {"storage": KilnStorageResource(root=str(home / "storage")),
                  "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art")),
                  "torchrun": TorchrunResource(timeout_s=300, pg_timeout_s=120),
-                 "io_manager": FilesystemIOManager(base_dir=str(home / "storage" / "handles"))}
+                 "io_manager": HandleIOManager(base_dir=str(home / "storage" / "handles"))}
     config = {"ops": {
         "instruction_data": {"config": {"n_arithmetic": 80, "max_doc_pairs": 6, "val_permille": 250, "eval_items": 6}},
         "reward_model": {"config": {"max_steps": 4, "micro_batch": 4, "eval_interval": 2, "eval_pairs": 8}},
         "ppo_model": {"config": {"max_steps": 2, "prompts_per_step": 2, "max_new_tokens": 6, "eval_items": 4,
                                  "eval_interval": 1}},
     }}
-    result = materialize([*made, instruction_data, preference_data, reward_model, ppo_model], resources=resources,
-                         run_config=config, instance=DagsterInstance.ephemeral(), raise_on_error=True)
+    made += [instruction_data, preference_data, reward_model, ppo_model]
+    never = stub("judged_preferences", {})  # never materialized here: reward_model's optional input loads as None
+    result = materialize([*made, never], selection=made, resources=resources, run_config=config,
+                         instance=DagsterInstance.ephemeral(), raise_on_error=True)
     return home, result
 
 

@@ -45,6 +45,8 @@ def test_lineage_edges():
     assert "ppo_model" in parents("release_bundle")  # released instead of rl_model when release_bundle.stage says so
     assert {"sft_model", "preference_data", "instruction_data"} <= parents("judged_preferences")
     assert "judged_preferences" in parents("release_bundle")  # optional: the card and lineage report the judge
+    # optional: read when their feedback is judged or mixed (the AI judge's pairs train them)
+    assert "judged_preferences" in parents("dpo_model") and "judged_preferences" in parents("reward_model")
     assert {"sft_model", "dpo_model", "rl_model", "ppo_model"} == parents("red_team_report")  # every stage answers it
     assert "red_team_report" in parents("release_bundle")  # the red-team gate reads the released stage's rates
 

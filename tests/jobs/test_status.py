@@ -37,3 +37,20 @@ def test_status_skips_the_opt_in_assets_run_leaves_out_and_says_what_it_cannot_e
                                      "come out byte-identical; 1 opt-in assets not selected")
     assert format_status([rows[0], rows[3]]).splitlines()[-1] == ("nothing to run: all 1 assets would be reused; 1 "
                                                                  "opt-in assets not selected")
+
+
+def test_an_optional_input_the_next_config_leaves_unread_does_not_make_an_asset_run():
+    """dpo_model and reward_model read judged_preferences only with feedback judged or mixed: with checkable, a new
+    judge (or judged_preferences never run) is no reason to train them again, as their run keys leave it out."""
+    from jobs.definitions import defs
+    from jobs.status import StatusReader
+
+    reader = StatusReader.__new__(StatusReader)  # the graph and the next config are all parents() reads
+    reader.graph = defs.resolve_asset_graph()
+    reader.new_ops = {"dpo_model": {"feedback": "checkable"}, "reward_model": {"feedback": "mixed"}}
+    assert "judged_preferences" not in reader.parents("dpo_model")
+    assert {"sft_model", "preference_data"} <= set(reader.parents("dpo_model"))
+    assert "judged_preferences" in reader.parents("reward_model")
+    reader.new_ops = {"dpo_model": {"feedback": "judged"}}
+    assert "judged_preferences" in reader.parents("dpo_model") and "judged_preferences" not in reader.parents("reward_model")
+    assert "judged_preferences" in reader.parents("release_bundle")  # read whatever its config says
