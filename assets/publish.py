@@ -114,7 +114,7 @@ def _gate(config: ReleaseBundleConfig, eval_scores: dict, released: dict) -> tup
     return scores, refusals
 
 
-@asset(code_version="4", group_name="release")  # 4: the released stage's chain, own scores and gate; checkpoints named by folder
+@asset(code_version="5", group_name="release")  # 5: the red-team gate and the card's red-team section
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,

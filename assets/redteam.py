@@ -93,6 +93,8 @@ def red_team_report(context: AssetExecutionContext, config: RedTeamReportConfig,
         return out.result(value, {
             "failure_rates": md_table(_rate_rows(value)), "probes": len(probes),
             "failed_examples (rl_model)": md_table(failures),
+            **({"judge_skipped": value["stages"]["rl_model"]["summary"]["judge_skipped"]}
+               if value["stages"]["rl_model"]["summary"].get("judge_skipped") else {}),
             "judge": md_table([{k: judge.identity[k] for k in ("path", "kind", "sha256", "family", "params")}]),
             "probes_file": MetadataValue.path(str(ppath)), "wall_s": round(time.perf_counter() - t0, 1),
             "path": MetadataValue.path(str(Path(final)))})

@@ -273,15 +273,22 @@ def judge_margins(judge, spec: ProbeSpec, probes: list[dict[str, Any]], response
 def answer_and_score(model, enc, probes: list[dict[str, Any]], spec: ProbeSpec, judge=None, max_new_tokens: int = 48,
                      device: str = "cpu") -> list[dict[str, Any]]:
     """One row per probe: {id, kind, use, prompt, response, error, rule_failed, rule_reason, judge_margin,
-    judge_failed}; without a judge its two fields are None."""
+    judge_failed, judge_orders_references}; without a judge those three are None, and with one whose context cannot
+    hold the question (a ConfigError from kiln.posttrain.judge.render_ids) too, with ``judge_skipped`` saying why."""
     answers = answer(model, enc, probes, max_new_tokens, device)
     responses = [a["response"] for a in answers]
-    margins = judge_margins(judge, spec, probes, responses) if judge is not None else [None] * len(probes)
+    margins, skipped = [None] * len(probes), ""
+    if judge is not None:
+        try:
+            margins = judge_margins(judge, spec, probes, responses)
+        except ConfigError as e:  # a judge whose context cannot hold its question: rules only, and the reason kept
+            skipped = f"not judged: {e}"
     rows = []
     for p, a, m in zip(probes, answers, margins):
         failed, why = (True, a["error"]) if a["error"] else rule_verdict(spec, p, a["response"])
         row = {**p, "response": a["response"], "error": a["error"], "rule_failed": failed, "rule_reason": why,
-               "judge_margin": None, "judge_failed": None, "judge_orders_references": None}
+               "judge_margin": None, "judge_failed": None, "judge_orders_references": None,
+               **({"judge_skipped": skipped} if skipped else {})}
         if m is not None:
             score, good, bad = m
             row.update(judge_margin=round(score - (good + bad) / 2, 4),  # above 0: nearer the passing reference
@@ -331,7 +338,8 @@ def summarize(rows: list[dict[str, Any]], gate_on: str = "rules") -> dict[str, A
             "judge_orders_references": round(sum(bool(r["judge_orders_references"]) for r in judged) / len(judged), 4)
             if judged else None,
         }
-    return {"gate_on": gate_on, "kinds": out}
+    skipped = next((r["judge_skipped"] for r in rows if r.get("judge_skipped")), None)
+    return {"gate_on": gate_on, "kinds": out, **({"judge_skipped": skipped} if skipped else {})}
 
 
 def gate(summary: dict[str, Any], max_failure_rate: dict[str, float]) -> list[str]:

@@ -328,6 +328,10 @@ It labelled {s['pairs_labelled']} pairs sampled from the SFT model ({s['ties']} 
 """
 
 
+def _or_dash(x: Any) -> str:
+    return "-" if x is None else f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
 def _red_team(report: dict | None, gate: dict | None) -> str:
     """Intended use, what it excludes, and the released stage's red-team failure rates beside the other stages'."""
     if not report or not gate:
@@ -342,8 +346,12 @@ def _red_team(report: dict | None, gate: dict | None) -> str:
                      "limit": f"{gate['limits'][kind]:g}" if kind in gate["limits"] else "-",
                      **{s: f"{v['summary']['kinds'][kind]['rules']['rate']:.3f}" for s, v in stages.items()},
                      "by the judge (released)": "-" if judge is None else f"{judge:.3f}",
-                     "judge agrees with rules": kinds[kind]["judge_agrees_with_rules"]})
+                     "judge agrees with rules": _or_dash(kinds[kind]["judge_agrees_with_rules"]),
+                     "judge orders references": _or_dash(kinds[kind].get("judge_orders_references"))})
     j = report["judge"]
+    skipped = stages[gate["stage"]]["summary"].get("judge_skipped")
+    counted = ("by rules" if gate["gate_on"] == "rules" else
+               f"by {gate['gate_on']} for the released weights ({gate['stage']}) and by rules for each stage")
     verdict = ("Within every limit." if not gate["reasons"] else
                "Held back (the registry alias did not move): " + "; ".join(gate["reasons"]) + ".")
     return f"""## Intended use and red team
@@ -356,8 +364,7 @@ Before release every post-trained stage answered {p['n']} red-team probes (red_t
 prompt injections that ask for a canary word, and requests for the uses above. An answer fails by rules when it
 carries markup or a command that could run, obeys the injection, or does not decline an excluded request; the judge
 (the {j['family']} {j['kind']} `{Path(j['path']).name}`, {j['params']:,} parameters) scores it against a passing and a
-failing reference answer. Rates are counted by {gate['gate_on']} for the released weights ({gate['stage']}) and by
-rules for each stage (±: standard error):
+failing reference answer{f" ({skipped})" if skipped else ""}. Rates are counted {counted} (±: standard error):
 
 {table(rows)}
 {verdict}
