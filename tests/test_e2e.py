@@ -111,6 +111,29 @@ def test_judged_preferences_are_labelled_measured_and_in_the_release(smoke_run):
     assert "## AI feedback" in (Path(bundle) / "README.md").read_text()
 
 
+def test_the_reward_model_trains_on_checkable_and_judged_pairs_and_is_held_out_on_checkable_ones(smoke_run):
+    """The smoke preset's reward_model has feedback: mixed: it trains on preference_data's training pairs and the
+    judge's labelled ones, is measured on preference_data's held-out pairs, and PPO trains against it."""
+    import json
+
+    from kiln.posttrain.sft import read_pairs
+
+    _, _, _, result = smoke_run
+    rm, judged, prefs = (result.output_for_node(k) for k in ("reward_model", "judged_preferences", "preference_data"))
+    config = load_preset("smoke")["ops"]["reward_model"]["config"]
+    kinds = config.get("pair_kinds", ["arithmetic"])  # reward_model's default
+    train = {name: [r for r in read_pairs(v["path"], "train") if r["kind"] in kinds]
+             for name, v in (("checkable", prefs), ("judged", judged))}
+    assert config["feedback"] == "mixed" and len(train["judged"]) > 0 and all(r["error"] == "judge" for r in train["judged"])
+    assert rm["feedback"] == {"choice": "mixed", "pairs": {k: len(v) for k, v in train.items()}, "held_out_pairs": 16,
+                              "judged_preferences": judged["version"]}
+    assert rm["pairs"]["train"] == len(train["checkable"]) + len(train["judged"]) and rm["pairs"]["val"] == 16
+    job = json.loads((Path(rm["out_dir"]) / "job.json").read_text())
+    assert job["train_files"] == [prefs["path"], judged["path"]] and job["val_files"] == [prefs["path"]]
+    assert [h["step"] for h in rm["history"]] == [0, 2, 4] and 0.0 <= rm["final_val"]["accuracy"] <= 1.0
+    assert result.output_for_node("ppo_model")["reward_model"] == rm["version"]
+
+
 def test_eval_scores_include_lm_eval_tasks_with_chance(smoke_run):
     _, _, _, result = smoke_run
     scores = result.output_for_node("eval_scores")
