@@ -34,11 +34,12 @@ def kiln(*args: str) -> tuple[float, subprocess.CompletedProcess]:
 
 
 def points(home: Path) -> list[dict]:
-    grid = pickle.loads((home / "storage" / "handles" / "sweep_grid").read_bytes())
-    from kiln.common.files import stable_hash
+    from assets.scaling import point_file
+    from resources.storage import KilnStorageResource
 
-    folder = home / "storage" / "sweep" / "points" / grid["version"]
-    return [json.loads((folder / (stable_hash(p["key"])[:16] + ".json")).read_text()) for p in grid["points"]]
+    grid = pickle.loads((home / "storage" / "handles" / "sweep_grid").read_bytes())
+    storage = KilnStorageResource(root=str(home / "storage"))
+    return [json.loads(point_file(storage, grid["version"], p["key"]).read_text()) for p in grid["points"]]
 
 
 def main() -> int:
