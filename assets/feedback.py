@@ -2,7 +2,8 @@
 
 The judge is any model Kiln loads (a Hugging Face folder, a release bundle, a checkpoint; by default the run's SFT
 model); ``kiln run --select judged_preferences`` labels pairs sampled from the SFT model and measures the judge on pairs
-whose right label is known.
+whose right label is known. dpo_model and reward_model train on the labelled pairs when their ``feedback`` is judged
+(these alone) or mixed (beside preference_data's).
 """
 
 import random
