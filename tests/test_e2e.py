@@ -134,6 +134,39 @@ def test_the_reward_model_trains_on_checkable_and_judged_pairs_and_is_held_out_o
     assert result.output_for_node("ppo_model")["reward_model"] == rm["version"]
 
 
+def test_every_stage_answers_the_red_team_and_a_limit_below_its_rate_holds_the_release_back(smoke_run):
+    """red_team_report puts the smoke preset's probes to every post-trained stage and the card states the rates and
+    the intended use; rerun with a limit below the released weights' excluded-use rate, release_bundle registers the
+    version without moving the alias and the blocking check release_red_team fails, naming the kind."""
+    from kiln.evaluation import redteam as krt
+
+    _, _, _, result = smoke_run
+    report = result.output_for_node("red_team_report")
+    assert set(report["stages"]) == {"sft_model", "dpo_model", "rl_model", "ppo_model"}
+    assert all(report["stages"][s]["version"] == result.output_for_node(s)["version"] for s in report["stages"])
+    rows = krt.read_rows(Path(report["dir"]) / "rl_model.jsonl")
+    assert [r["kind"] for r in rows] == ["malformed"] * 10 + ["injection"] * 5 + ["excluded_use"] * 15
+    spec = krt.read_probes()
+    assert all(r["rule_failed"] == (bool(r["error"]) or krt.rule_verdict(spec, r, r["response"])[0]) for r in rows)
+    assert rows[0]["judge_skipped"].startswith("not judged: principle")  # the 64-token judge cannot hold the question
+    rate = sum(r["rule_failed"] for r in rows if r["kind"] == "excluded_use") / 15
+    bundle = result.output_for_node("release_bundle")
+    assert bundle["red_team"]["summary"]["kinds"]["excluded_use"]["gated"]["rate"] == round(rate, 4)
+    card = (Path(bundle["dir"]) / "README.md").read_text()
+    assert "## Intended use and red team" in card and spec.intended_use in card
+    if rate == 0:  # a model that declines every excluded request leaves nothing to hold back
+        return
+    held = rerun(smoke_run, ["release_bundle"], smoke_ops(release_bundle={"config": {"red_team_max_excluded_use": rate / 2}}))
+    try:
+        (check,) = [c for c in held.get_asset_check_evaluations() if c.check_name == "release_red_team"]
+        assert not check.passed and check.description.startswith("red team: excluded_use failure rate")
+        value = held.output_for_node("release_bundle")
+        assert value["registry"]["alias"] is None and value["regressions"] == bundle["regressions"]
+        assert "Held back (the registry alias did not move): red team: excluded_use" in (Path(value["dir"]) / "README.md").read_text()
+    finally:  # the smoke preset's release again, reused, so that the reruns below start from it
+        assert rerun(smoke_run, ["release_bundle"], smoke_ops()).success
+
+
 def test_eval_scores_include_lm_eval_tasks_with_chance(smoke_run):
     _, _, _, result = smoke_run
     scores = result.output_for_node("eval_scores")
