@@ -22,6 +22,19 @@ class ConfigError(ValueError):
     """A config key or value is wrong; the message names it and says what to do."""
 
 
+def read_yaml(path: Any, what: str, instead: str) -> Any:
+    """The parsed YAML file at ``path``; an unreadable file or bad YAML is a ConfigError naming the file, ``what`` it
+    should be ("the principles file") and what to give ``instead``."""
+    import pathlib
+
+    import yaml
+
+    try:
+        return yaml.safe_load(pathlib.Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read {what} ({e}); {instead}") from e
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config") -> T:
     """Build dataclass ``cls`` from ``data``; nested dataclass fields are built recursively.
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.common.config import ConfigError, check_types, from_dict
+from kiln.common.config import ConfigError, check_types, from_dict, read_yaml
 from kiln.evaluation.mmlu import MMLU_SOURCE, pinned_file
 from kiln.sources import SourceSpec
 
@@ -101,14 +101,8 @@ class ProbeSpec:
 def read_probes(path: str | Path = PROBES_FILE) -> ProbeSpec:
     """The probes file as a ProbeSpec; an unknown key, a wrong type or an empty list is a ConfigError naming the
     file and the key."""
-    import yaml
-
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read the red-team probes file ({e}); give a YAML file like "
-                          "conf/redteam/probes.yaml") from e
+    doc = read_yaml(path, "the red-team probes file", "give a YAML file like conf/redteam/probes.yaml")
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: a probes file is a mapping with keys intended_use, {', '.join(KINDS)}")
     where = str(path)

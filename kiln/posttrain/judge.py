@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from kiln.common.config import ConfigError, check_types, from_dict
+from kiln.common.config import ConfigError, check_types, from_dict, read_yaml
 
 
 # ---- principles ---------------------------------------------------------------------------------------------------
@@ -43,14 +43,9 @@ class Principles:
 def read_principles(path: str | Path) -> Principles:
     """The principles file (YAML) as Principles; an unknown key, a missing text or a bad weight is a ConfigError
     naming the file and the key."""
-    import yaml
-
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read the principles file ({e}); give judged_preferences.principles "
-                          "a YAML file like conf/judge/principles.yaml") from e
+    doc = read_yaml(path, "the principles file", "give judged_preferences.principles a YAML file like "
+                    "conf/judge/principles.yaml")
     if not isinstance(doc, dict) or not all(isinstance(k, str) for k in doc):
         raise ConfigError(f"{path}: a principles file is a mapping with a 'principles' list and string keys "
                           f"(got keys {list(doc) if isinstance(doc, dict) else doc!r}; YAML reads bare yes/no as booleans)")
