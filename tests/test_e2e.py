@@ -494,7 +494,7 @@ def test_a_failed_training_attempt_resumes_from_its_verified_checkpoint(smoke_ru
 # The stages trained from base_model on (and the release): launches of the same kind as base_model's, left out of the
 # filter-change run; kiln status after it must still see them stale.
 POST_TRAINING = {"sft_model", "dpo_model", "rl_model", "reward_model", "ppo_model", "judged_preferences",
-                 "release_bundle"}
+                 "red_team_report", "release_bundle"}
 
 
 def test_a_filter_change_is_predicted_and_rebuilds_the_clean_corpus_and_downstream(smoke_run):
