@@ -324,8 +324,20 @@ On {a['n']} held-out preference pairs whose right answer is known, the judge agr
 {a['agreement']:.3f} ± {a['stderr']:.3f} of them (standard error; a tie counts one half; {a['ties']} ties; chance 0.5);
 its verdict changed with the order of the answers on {s['position_bias']['checkable']:.1%} of them.
 It labelled {s['pairs_labelled']} pairs sampled from the SFT model ({s['ties']} ties left out).
-
+{_trained_on_judged(up)}
 """
+
+
+def _trained_on_judged(up: Mapping[str, dict[str, Any]]) -> str:
+    """Which stages trained on the judge's pairs (their ``feedback``), and how many of each kind, or that none did."""
+    lines = []
+    for stage in ("dpo_model", "reward_model"):
+        fb = (up.get(stage) or {}).get("feedback")
+        if fb and fb.get("choice") != "checkable":
+            pairs = fb["pairs"]
+            lines.append(f"{stage} trained on {fb['choice']} feedback: {pairs.get('checkable', 0)} checkable and "
+                         f"{pairs.get('judged', 0)} judged pairs, held out on {fb['held_out_pairs']} checkable ones.")
+    return "\n".join(lines) if lines else "No stage of this model trained on these labels (feedback: checkable)."
 
 
 def _or_dash(x: Any) -> str:
