@@ -8,27 +8,17 @@ Run: python -m pytest tests/assets/test_alignment_feedback.py -q
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-import torch
 from dagster import DagsterInstance, Failure, asset, materialize
 
 from assets.alignment import DpoModelConfig, Feedback, dpo_model, instruction_data, preference_data
 from assets.rlhf import RewardModelConfig, reward_model
-from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
 from kiln.posttrain.instructions import write_jsonl
 from kiln.posttrain.measures import heldout_suite, suite_key
 from kiln.posttrain.sft import read_pairs
-from kiln.train.checkpoint import save_checkpoint
-from resources.storage import HandleIOManager, KilnStorageResource
-from resources.torchrun import TorchrunResource
-from resources.tracking import MlflowResource
-from tests.assets.test_posttrain import doc_ids, page
-from tests.assets.test_rlhf import metadata, stub
-from tests.conftest import make_docs
+from tests.assets.test_rlhf import metadata, sft_world, stub
 
 JUDGED_TRAIN = 12  # training pairs the stand-in judge labels (every third one the wrong way round)
 
@@ -46,28 +36,8 @@ def judged_rows(prefs_path: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_tokenizer, model_dict):
     """(home, the failed run without judged_preferences, the run with it): dpo_model mixed, reward_model judged."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from kiln.evaluation.tasks import build_tasks
-
     home = tmp_path_factory.mktemp("feedback")
-    _, tok_path = tiny_tokenizer
-    texts = [t for _, t in make_docs(60, seed=11)]
-    build_tasks(texts[:30], home / "suite", 10, 0)
-    pages = [(i, page(f"Section {n}", texts[40 + n])) for n, i in enumerate(doc_ids("train", 3))]
-    pq.write_table(pa.table({"id": [i for i, _ in pages], "text": [h for _, h in pages],
-                             "content_type": ["text/html"] * len(pages)}), home / "raw.parquet")
-    model = {**model_dict, "dropout": 0.0}
-    torch.manual_seed(0)
-    cfg = ModelConfig(**model)
-    sft_ckpt = save_checkpoint(home / "sft", 3, {"model": GPT(cfg).state_dict()}, {"model": asdict(cfg)},
-                               {"tokenizer.json": tok_path})
-    stubs = {"raw_documents": {"path": str(home / "raw.parquet"), "version": "raw0"},
-             "token_shards": {"val_permille": 300, "version": "sh0"}, "eval_suite": {"dir": str(home / "suite"), "version": "s0"},
-             "sft_model": {"checkpoint": str(sft_ckpt), "version": "sft0"}, "tokenizer": {"path": str(tok_path), "version": "tok0"},
-             "training_plan": {"model": model, "seq_len": 31, "world_size": 1, "micro_batch": 4, "grad_accum": 1,
-                               "hardware": {"device": "cpu", "nproc_per_node": 1}}}
+    stubs, resources = sft_world(home, tiny_tokenizer, model_dict)
 
     @asset(name="judged_preferences")
     def judged(preference_data: dict) -> dict:
@@ -77,10 +47,6 @@ def trained(tmp_path_factory, tiny_tokenizer, model_dict):
         return {"path": str(path), "version": "judged0"}
 
     made = [stub(name, value) for name, value in stubs.items()] + [instruction_data, preference_data]
-    resources = {"storage": KilnStorageResource(root=str(home / "storage")),
-                 "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art")),
-                 "torchrun": TorchrunResource(timeout_s=300, pg_timeout_s=120),
-                 "io_manager": HandleIOManager(base_dir=str(home / "storage" / "handles"))}
     small = {"max_steps": 4, "micro_batch": 4, "eval_interval": 2, "eval_pairs": 8}
     config = {"ops": {
         "instruction_data": {"config": {"n_arithmetic": 80, "max_doc_pairs": 6, "val_permille": 250, "eval_items": 6}},

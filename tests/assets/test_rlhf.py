@@ -33,14 +33,14 @@ def stub(name: str, value: dict):
     return _stub
 
 
-@pytest.fixture(scope="module")
-def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
+def sft_world(home, tiny_tokenizer, model_dict) -> tuple[dict, dict]:
+    """(stand-ins for raw_documents, token_shards, eval_suite, sft_model, tokenizer and training_plan over a tiny
+    random SFT model and three documentation pages in ``home``, the resources of a run there)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from kiln.evaluation.tasks import build_tasks
 
-    home = tmp_path_factory.mktemp("rlhf")
     _, tok_path = tiny_tokenizer
     texts = [t for _, t in make_docs(60, seed=11)]
     build_tasks(texts[:30], home / "suite", 10, 0)
@@ -57,11 +57,18 @@ def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
              "sft_model": {"checkpoint": str(sft_ckpt), "version": "sft0"}, "tokenizer": {"path": str(tok_path), "version": "tok0"},
              "training_plan": {"model": model, "seq_len": 31, "world_size": 1, "micro_batch": 4, "grad_accum": 1,
                                "hardware": {"device": "cpu", "nproc_per_node": 1}}}
-    made = [stub(name, value) for name, value in stubs.items()]
     resources = {"storage": KilnStorageResource(root=str(home / "storage")),
                  "mlflow": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=str(home / "art")),
                  "torchrun": TorchrunResource(timeout_s=300, pg_timeout_s=120),
                  "io_manager": HandleIOManager(base_dir=str(home / "storage" / "handles"))}
+    return stubs, resources
+
+
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory, tiny_tokenizer, model_dict):
+    home = tmp_path_factory.mktemp("rlhf")
+    stubs, resources = sft_world(home, tiny_tokenizer, model_dict)
+    made = [stub(name, value) for name, value in stubs.items()]
     config = {"ops": {
         "instruction_data": {"config": {"n_arithmetic": 80, "max_doc_pairs": 6, "val_permille": 250, "eval_items": 6}},
         "reward_model": {"config": {"max_steps": 4, "micro_batch": 4, "eval_interval": 2, "eval_pairs": 8}},
