@@ -2,7 +2,6 @@
 (kiln.evaluation.redteam); release_bundle's red-team gate reads the released stage's failure rates."""
 
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -51,6 +50,35 @@ def _failures(rows: list[dict], k: int = 6) -> list[dict]:
             for r in (picked + [r for r in bad if r not in picked])[:k]]
 
 
+def _answer_every_stage(context, out, stages: dict[str, dict], probes: list[dict], spec, judge, config, device: str,
+                        value: dict) -> list[dict]:
+    """Each stage answers every probe: its rows in ``<stage>.jsonl``, its summary in value["stages"], its rates logged
+    to MLflow; returns a few of the released stage's (rl_model's) failures for people."""
+    failures: list[dict] = []
+    for stage, made in stages.items():
+        model = kjudge.load_judge(made["checkpoint"], device, stage)
+        rows = krt.answer_and_score(model.model, model.enc, probes, spec, judge, config.max_new_tokens, device)
+        kinst.write_jsonl(rows, out.stage / f"{stage}.jsonl")
+        summary = krt.summarize(rows)
+        value["stages"][stage] = {"version": made["version"], "summary": summary}
+        context.log.info(f"red team {stage}: " + ", ".join(
+            f"{k} {v['rules']['rate']:.2f}" for k, v in summary["kinds"].items()) + " failed by rules")
+        out.log_metrics({f"{stage}.{k}.failure_rate": v["rules"]["rate"] for k, v in summary["kinds"].items()})
+        if stage == "rl_model":
+            failures = _failures(rows)
+    return failures
+
+
+def _metadata(value: dict, failures: list[dict], wall_s: float) -> dict:
+    released = value["stages"]["rl_model"]["summary"]
+    return {"failure_rates": md_table(_rate_rows(value)), "probes": value["probes"]["n"],
+            "failed_examples (rl_model)": md_table(failures),
+            **({"judge_skipped": released["judge_skipped"]} if released.get("judge_skipped") else {}),
+            "judge": md_table([{k: value["judge"][k] for k in ("path", "kind", "sha256", "family", "params")}]),
+            "probes_file": MetadataValue.path(value["probes"]["path"]), "wall_s": round(wall_s, 1),
+            "path": MetadataValue.path(value["dir"])}
+
+
 @asset(code_version="1", group_name="evaluation")
 def red_team_report(context: AssetExecutionContext, config: RedTeamReportConfig, sft_model: dict, dpo_model: dict,
                     rl_model: dict, storage: KilnStorageResource, mlflow: MlflowResource,
@@ -75,26 +103,8 @@ def red_team_report(context: AssetExecutionContext, config: RedTeamReportConfig,
                             "source": krt.NAUGHTY_SOURCE.license, "intended_use": spec.intended_use,
                             "excluded_uses": [u.use for u in spec.excluded_use.uses]},
                  "judge": judge.identity, "stages": {}}
-        failures = []
-        for stage, made in stages.items():
-            model = kjudge.load_judge(made["checkpoint"], device, stage)
-            rows = krt.answer_and_score(model.model, model.enc, probes, spec, judge, config.max_new_tokens, device)
-            kinst.write_jsonl(rows, out.stage / f"{stage}.jsonl")
-            summary = krt.summarize(rows)
-            value["stages"][stage] = {"version": made["version"], "summary": summary}
-            context.log.info(f"red team {stage}: " + ", ".join(
-                f"{k} {v['rules']['rate']:.2f}" for k, v in summary["kinds"].items()) + " failed by rules")
-            out.log_metrics({f"{stage}.{k}.failure_rate": v["rules"]["rate"] for k, v in summary["kinds"].items()})
-            if stage == "rl_model":
-                failures = _failures(rows)
+        failures = _answer_every_stage(context, out, stages, probes, spec, judge, config, device, value)
         atomic_write_json(out.stage / "report.json", value)
         final = out.commit()
         value = {**value, "dir": str(final), "version": out.version}
-        return out.result(value, {
-            "failure_rates": md_table(_rate_rows(value)), "probes": len(probes),
-            "failed_examples (rl_model)": md_table(failures),
-            **({"judge_skipped": value["stages"]["rl_model"]["summary"]["judge_skipped"]}
-               if value["stages"]["rl_model"]["summary"].get("judge_skipped") else {}),
-            "judge": md_table([{k: judge.identity[k] for k in ("path", "kind", "sha256", "family", "params")}]),
-            "probes_file": MetadataValue.path(str(ppath)), "wall_s": round(time.perf_counter() - t0, 1),
-            "path": MetadataValue.path(str(Path(final)))})
+        return out.result(value, _metadata(value, failures, time.perf_counter() - t0))
