@@ -89,17 +89,18 @@ def red_team_report(context: AssetExecutionContext, config: RedTeamReportConfig,
         ppath = project_path(config.probes)
         spec = krt.read_probes(ppath)
         judge_id = kjudge.judge_fingerprint(config.judge or sft_model["checkpoint"], "red_team_report.judge")
+    probes_sha256 = kjudge.file_sha256(ppath)
     stages = _stages(sft_model, dpo_model, rl_model, ppo_model)
     with asset_output(context, mlflow, parent=storage.path("red_team_report"), config=config,
                       inputs={k: v["version"] for k, v in stages.items()},
-                      reuse={"probes_sha256": kjudge.file_sha256(ppath), "judge": judge_id["sha256"]}) as out:
+                      reuse={"probes_sha256": probes_sha256, "judge": judge_id["sha256"]}) as out:
         if out.reused:
             return out.reused
         t0 = time.perf_counter()
         probes = krt.build_probes(spec, krt.load_naughty_strings(storage.cache_dir), config.malformed_items,
                                   config.injection_items, config.seed)
         judge = kjudge.load_judge(judge_id["path"], device, "red_team_report.judge")
-        value = {"probes": {"path": str(ppath), "sha256": kjudge.file_sha256(ppath), "n": len(probes),
+        value = {"probes": {"path": str(ppath), "sha256": probes_sha256, "n": len(probes),
                             "source": krt.NAUGHTY_SOURCE.license, "intended_use": spec.intended_use,
                             "excluded_uses": [u.use for u in spec.excluded_use.uses]},
                  "judge": judge.identity, "stages": {}}
