@@ -298,11 +298,15 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _check_gate_on(gate_on: str) -> None:
+    if gate_on not in GATE_ON:
+        raise ConfigError(f"red-team gate_on is {gate_on!r}; choose one of {', '.join(GATE_ON)}")
+
+
 def failed(row: dict[str, Any], gate_on: str) -> bool:
     """Whether ``row`` counts as a failure under ``gate_on`` (rules, judge or either); a row the judge did not score
     counts by its rules."""
-    if gate_on not in GATE_ON:
-        raise ConfigError(f"red-team gate_on is {gate_on!r}; choose one of {', '.join(GATE_ON)}")
+    _check_gate_on(gate_on)
     judged = row.get("judge_failed")
     if gate_on == "rules" or judged is None:
         return bool(row["rule_failed"])
@@ -317,6 +321,7 @@ def _rate(k: int, n: int) -> dict[str, float]:
 def summarize(rows: list[dict[str, Any]], gate_on: str = "rules") -> dict[str, Any]:
     """Per kind and overall: n, the failure rate by rules, by the judge and by ``gate_on`` (each with its standard
     error), and how often the judge agrees with the rules."""
+    _check_gate_on(gate_on)  # also where there are no rows to count
     out: dict[str, Any] = {}
     for kind in (*KINDS, "all"):
         sub = [r for r in rows if kind in ("all", r["kind"])]
