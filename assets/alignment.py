@@ -259,7 +259,8 @@ def dpo_model(context: AssetExecutionContext, config: DpoModelConfig, sft_model:
 
 RL_FIELDS = ("reward", "max_steps", "group_size", "max_new_tokens", "temperature", "partial_credit", "kl_coef",
              "eval_interval", "eval_items", "seed", "algorithm", "ppo_epochs", "eps_low", "eps_high", "loss_aggregation",
-             "dynamic_sampling", "max_sampling_rounds", "overlong_buffer")
+             "dynamic_sampling", "max_sampling_rounds", "overlong_buffer", "ptx_coef",
+             "preference_coef", "preference_beta")
 
 
 class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defaults={
@@ -280,6 +281,8 @@ def rl_model(context: AssetExecutionContext, config: RlModelConfig, dpo_model: d
               "keep_last": 1, "log_interval": 10}
     fields["micro_batch"] = fields.pop("prompts_per_step")
     del fields["init_from"]  # the job's start is RunSpec.init
+    if config.preference_coef:
+        fields["preference_file"] = preference_data["path"]
     plan = {**training_plan, "micro_batch": config.prompts_per_step}
     suite = heldout_suite(instruction_data, preference_data)
     spec = RunSpec("rl", fields, plan, {**(start_key or {"dpo_model": dpo_model["version"]}),

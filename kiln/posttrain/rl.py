@@ -25,7 +25,7 @@ import torch.distributed as dist
 from kiln.common.config import ConfigError
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.instructions import arithmetic_reward, final_number
-from kiln.posttrain.logprobs import model_token_logps
+from kiln.posttrain.logprobs import encode_rows, model_token_logps
 from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo
@@ -132,6 +132,18 @@ class RlJob(PosttrainJob):
     # DAPO's soft overlong punishment (3.4): an answer longer than max_new_tokens - overlong_buffer tokens loses reward
     # linearly, down to -1 at max_new_tokens; 0 is off. Unset: grpo 0; dapo max_new_tokens // 5 (the paper's 4K of 20K)
     overlong_buffer: int | None = None
+    # weight of a supervised term added to each step's loss: the mean negative log-likelihood per token of micro_batch
+    # of the task's reference answers (training split), InstructGPT's PPO-ptx (Ouyang et al. 2022, eq. 2) with the
+    # task's own supervised pairs in place of pretraining text; it holds what the starting weights already tell
+    # apart (e.g. an answer's sign) while the policy term sharpens the rest. 0 is off
+    ptx_coef: float = 0.0
+    # weight of DPO's loss (Rafailov et al. 2023; beta preference_beta, against the reference: the starting weights) on
+    # micro_batch pairs of preference_file's training split, added to each step's loss: the preference stage's own
+    # objective replayed, so that RL after DPO keeps what DPO taught (the held-out preference margin) while the
+    # policy term trains the task. 0 is off
+    preference_coef: float = 0.0
+    preference_beta: float = 0.1  # DPO's beta for the replayed pairs (the dpo stage's default)
+    preference_file: str = ""  # preference pairs JSONL (preference_data's), needed when preference_coef > 0
 
     def check(self, where: str = "job") -> None:
         super().check(where)
@@ -153,6 +165,13 @@ class RlJob(PosttrainJob):
         if self.loss_aggregation is not None and self.loss_aggregation not in AGGREGATIONS:
             raise ConfigError(f"{where}.loss_aggregation {self.loss_aggregation!r} is not known; choose from "
                               f"{', '.join(AGGREGATIONS)} or leave it unset for the algorithm's")
+        for key in ("ptx_coef", "preference_coef"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"{where}.{key} must be >= 0 (0 is off), got {getattr(self, key)}")
+        if self.preference_coef and not self.preference_file:
+            raise ConfigError(f"{where}.preference_coef {self.preference_coef} needs preference_file (the pairs to replay)")
+        if not self.preference_beta > 0:
+            raise ConfigError(f"{where}.preference_beta must be > 0, got {self.preference_beta}")
         if self.max_sampling_rounds < 1:
             raise ConfigError(f"{where}.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
@@ -350,19 +369,59 @@ def sample_rollout(sampler: torch.nn.Module, reference_logps: Callable[[torch.Te
     return Rollout(x, y, adv, ref, stats)
 
 
+class Preferences(NamedTuple):
+    """Preference pairs replayed beside a rollout (RlJob.preference_coef): M chosen rows, then their M rejected rows."""
+
+    x: torch.Tensor  # (2M, T)
+    y: torch.Tensor  # (2M, T) the responses as targets, IGNORE elsewhere
+    ref_logp: torch.Tensor  # (2M,) each response's summed log-prob under the reference
+
+
 def rollout_policy_loss(policy: torch.nn.Module, rollout: Rollout, job: RlJob,
-                        autocast=contextlib.nullcontext) -> tuple[torch.Tensor, dict[str, float]]:
+                        autocast=contextlib.nullcontext, ptx: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        preferences: Preferences | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one update on ``rollout`` through ``policy`` (which may be DDP-wrapped), with the sampling's and
-    the loss's statistics. With ppo_epochs > 1 the first update keeps its log-probs as pi_old for the later ones."""
+    the loss's statistics. With ppo_epochs > 1 the first update keeps its log-probs as pi_old for the later ones.
+
+    ``ptx``: reference answers x, y (M, T') whose mean token negative log-likelihood, times job.ptx_coef, is added
+    (``ptx_loss``). ``preferences``: pairs whose DPO loss, times job.preference_coef, is added (``preference_loss``,
+    ``preference_reward_accuracy``). Every batch goes through one forward, so a wrapped model runs one forward per
+    backward."""
+    from kiln.posttrain.dpo import dpo_loss
+
     settings = job.settings()
+    batches = [(rollout.x, rollout.y)] + ([ptx] if ptx is not None else []) \
+        + ([(preferences.x, preferences.y)] if preferences is not None else [])
+    x, y = stack_rows(batches)
     with autocast():
-        logp = model_token_logps(policy, rollout.x, rollout.y)  # (N, T)
+        every = model_token_logps(policy, x, y)  # (rows of every batch, T)
+    parts = every.split([b[0].size(0) for b in batches])
+    logp = parts[0][:, : rollout.x.size(1)]
     if settings.ppo_epochs > 1 and rollout.old_logp is None:
         rollout.old_logp = logp.detach()  # the first update: the policy is still the one that sampled
     loss, stats = grpo_loss(logp, rollout.ref_logp, rollout.advantages, rollout.y != IGNORE, job.kl_coef,
                             old_logp=rollout.old_logp, eps_low=settings.eps_low, eps_high=settings.eps_high,
                             aggregation=settings.loss_aggregation, group_size=job.group_size)
+    if ptx is not None:
+        nll = -parts[1].sum() / (ptx[1] != IGNORE).sum().clamp(min=1)  # log-probs are 0 off the answers
+        loss = loss + job.ptx_coef * nll
+        stats["ptx_loss"] = float(nll.detach())
+    if preferences is not None:
+        seq, m = parts[-1].sum(-1), preferences.x.size(0) // 2  # (2M,)
+        ref = preferences.ref_logp
+        pref, chosen, rejected = dpo_loss(seq[:m], seq[m:], ref[:m], ref[m:], job.preference_beta)
+        loss = loss + job.preference_coef * pref
+        stats.update(preference_loss=float(pref.detach()),
+                     preference_reward_accuracy=float((chosen > rejected).float().mean()))
     return loss, {**stats, **rollout.stats, "loss": float(loss.detach())}
+
+
+def stack_rows(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) batches of rows, (N_i, T_i) each, as one (sum N_i, max T_i): the narrower padded on the right (x with 0,
+    y with IGNORE), which a causal model's earlier positions never see."""
+    width = max(x.size(1) for x, _ in batches)
+    pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.size(1)), value=value)  # noqa: E731
+    return torch.cat([pad(x, 0) for x, _ in batches]), torch.cat([pad(y, IGNORE) for _, y in batches])
 
 
 def rollout_loss(policy: torch.nn.Module, sampler: torch.nn.Module,
@@ -403,10 +462,13 @@ class RlBatch(NamedTuple):
     generator: torch.Generator  # draws the samples (one per sampled batch, used by its micro-batches in turn)
     refills: list[list[dict]]  # dynamic sampling's later rounds of prompts (none without it)
     key: tuple[int, int]  # (sampled batch, micro-batch): how the later updates of ppo_epochs > 1 find the samples
+    ptx: list[dict]  # reference pairs for the supervised term (none without ptx_coef)
+    preferences: list[dict]  # preference pairs replayed (none without preference_coef)
 
 
 # statistics of the DAPO options, in the history and the progress line when a run has them
-OPTION_STATS = ("clip_frac", "groups_filtered", "sampling_rounds", "overlong_penalty")
+OPTION_STATS = ("clip_frac", "groups_filtered", "sampling_rounds", "overlong_penalty", "ptx_loss", "preference_loss",
+                "preference_reward_accuracy")
 
 
 class RlStage(PosttrainStage):
@@ -422,13 +484,17 @@ class RlStage(PosttrainStage):
         self.enc = load_encoding(job.tokenizer)
         self.items = read_jsonl_split(job.train_files[0], "train", kinds)
         self.val_items = read_jsonl_split(job.train_files[0], "val", kinds)[: job.eval_items]
+        self.pref_rows = read_jsonl_split(job.preference_file, "train") if job.preference_coef else []
         self.sampled_batch, self.rollouts = -1, {}  # the sampled batch whose rollouts are kept, by micro-batch
         super().__init__(job, info)
 
     def describe(self, trainer: Trainer) -> str:
         job, options = self.job, self.settings.describe()
         return (f"{job.algorithm.upper()} on {len(self.items)} {job.reward} prompts, {job.group_size} answers each, "
-                f"kl_coef {job.kl_coef}{f'; {options}' if options else ''}; {len(self.val_items)} held out; "
+                f"kl_coef {job.kl_coef}{f'; {options}' if options else ''}"
+                f"{f'; supervised term x{job.ptx_coef:g} on reference answers' if job.ptx_coef else ''}"
+                f"{f'; DPO x{job.preference_coef:g} on {len(self.pref_rows)} replayed pairs' if job.preference_coef else ''}; "
+                f"{len(self.val_items)} held out; "
                 f"{self.info.world_size} x {self.info.device.type}, steps {trainer.run.step}->{job.max_steps}")
 
     def batches(self, index: int) -> Iterator[RlBatch]:
@@ -440,10 +506,16 @@ class RlStage(PosttrainStage):
         rng = np.random.default_rng([job.seed, r, self.info.rank])
         gen = torch.Generator(device=self.info.device).manual_seed(int(rng.integers(2**62)))
         more = np.random.default_rng([job.seed, r, self.info.rank, 1])  # refills: a stream of their own
+        sup = np.random.default_rng([job.seed, index, self.info.rank, 2])  # ptx pairs: one too, drawn every step
+        prefs = np.random.default_rng([job.seed, index, self.info.rank, 3])  # and the replayed preference pairs
+        size = min(job.micro_batch, len(self.items))
         for micro in range(job.grad_accum):
-            picked = rng.choice(len(self.items), size=min(job.micro_batch, len(self.items)), replace=False)
+            picked = rng.choice(len(self.items), size=size, replace=False)
             refills = self.refills(more, picked) if self.settings.dynamic_sampling else []
-            yield RlBatch([self.items[i] for i in picked], gen, refills, (r, micro))
+            ptx = [self.items[i] for i in sup.choice(len(self.items), size=size, replace=False)] if job.ptx_coef else []
+            replay = [self.pref_rows[i] for i in prefs.choice(len(self.pref_rows), size=min(job.micro_batch, len(
+                self.pref_rows)), replace=False)] if job.preference_coef else []
+            yield RlBatch([self.items[i] for i in picked], gen, refills, (r, micro), ptx, replay)
 
     def refills(self, rng: np.random.Generator, picked: np.ndarray) -> list[list[dict]]:
         """Dynamic sampling's later rounds for a micro-batch that drew ``picked``: micro_batch prompts each (fewer when
@@ -469,7 +541,24 @@ class RlStage(PosttrainStage):
                                      batch.refills)
             if self.job.ppo_epochs > 1:
                 self.rollouts[micro] = rollout
-        return rollout_policy_loss(trainer.model, rollout, self.job, trainer.autocast)
+        ptx = None
+        if batch.ptx:
+            x, y = encode_rows(self.enc, [p["prompt"] for p in batch.ptx], [p["response"] for p in batch.ptx],
+                               self.job.seq_len)
+            ptx = (x.to(trainer.info.device), y.to(trainer.info.device))
+        return rollout_policy_loss(trainer.model, rollout, self.job, trainer.autocast, ptx,
+                                   self.replayed(batch.preferences, trainer.info.device))
+
+    def replayed(self, rows: list[dict], device: torch.device) -> Preferences | None:
+        """Preference rows as the loss takes them, with their reference log-probs (None for no rows)."""
+        from kiln.posttrain.dpo import encode_preferences, pair_batch
+
+        if not rows:
+            return None
+        x, y = (t.to(device) for t in pair_batch(*encode_preferences(self.enc, rows, self.job.seq_len)))
+        with torch.no_grad():
+            ref = self.reference_logps(x, y).sum(-1)  # (2M,)
+        return Preferences(x, y, ref)
 
     def validate(self, trainer: Trainer) -> dict[str, float]:
         return {"val_reward": heldout_reward(trainer.raw, self.enc, self.val_items, self.exact_fn,
@@ -490,6 +579,8 @@ class RlStage(PosttrainStage):
                 + (f" | {t['groups_filtered']:.1f} groups filtered in {t['sampling_rounds']:.1f} rounds"
                    if "groups_filtered" in t else "")
                 + (f" | overlong penalty {t['overlong_penalty']:.3f}" if "overlong_penalty" in t else "")
+                + (f" | ptx loss {t['ptx_loss']:.3f}" if "ptx_loss" in t else "")
+                + (f" | replayed DPO loss {t['preference_loss']:.3f}" if "preference_loss" in t else "")
                 + (f" | held-out reward {r.val['val_reward']:.3f}" if r.val else "")
                 + (f" | {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else "") + f" | {format_duration(r.left_s)} left")
 
@@ -498,7 +589,8 @@ class RlStage(PosttrainStage):
         vals = [h["val_reward"] for h in trainer.run.history if "val_reward" in h]
         return {**super().summary(trainer), "reward": job.reward, "group_size": job.group_size, "kl_coef": job.kl_coef,
                 "algorithm": job.algorithm, "algorithm_settings": asdict(self.settings),
-                "partial_credit": job.partial_credit, "prompts": {"train": len(self.items), "val": len(self.val_items)},
+                "partial_credit": job.partial_credit, "ptx_coef": job.ptx_coef,
+                "preference_coef": job.preference_coef, "prompts": {"train": len(self.items), "val": len(self.val_items)},
                 "initial_val_reward": vals[0] if vals else None, "final_val_reward": vals[-1] if vals else None,
                 "final_train": trainer.last_stats or None}
 

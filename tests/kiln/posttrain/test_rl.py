@@ -531,3 +531,101 @@ def test_a_dapo_job_runs_through_the_trainer_and_reports_its_options(tmp_path, t
     trained, _, _ = load_for_inference(result["checkpoint"])
     base, _, _ = load_for_inference(init)
     assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values()))
+
+
+def test_the_supervised_term_adds_ptx_coef_times_the_reference_answers_mean_nll(tiny_tokenizer, one_thread) -> None:
+    """rollout_policy_loss with ptx: the policy loss alone plus ptx_coef x the reference answers' mean token NLL, from
+    one forward over both batches (padded rows change neither), with the gradient of that sum."""
+    from kiln.posttrain.logprobs import encode_rows
+
+    enc, _ = tiny_tokenizer
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=320, block_size=48, n_layer=2, n_head=2, n_embd=48))
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    items = list(arithmetic(8, seed=0))
+    reward = lambda text, item: float(len(text) % 2 == 0)  # noqa: E731
+    job = RlJob(group_size=4, max_new_tokens=5, seq_len=47, kl_coef=0.05, ptx_coef=0.5)
+    rollout = sample_rollout(model, lambda x, y: model_token_logps(ref, x, y), enc, items[:3], reward, job,
+                             torch.Generator().manual_seed(0))
+    x, y = encode_rows(enc, [p["prompt"] for p in items[3:]], [p["response"] for p in items[3:]], job.seq_len)
+    assert x.size(1) != rollout.x.size(1)  # the two batches differ in width: padding is exercised
+    with_ptx, stats = rollout_policy_loss(model, rollout, job, ptx=(x, y))
+    with_ptx.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    alone, plain = rollout_policy_loss(model, rollout, job)
+    nll = -model_token_logps(model, x, y).sum() / (y != IGNORE).sum()
+    (alone + 0.5 * nll).backward()
+    assert stats["ptx_loss"] == pytest.approx(nll.item(), rel=1e-5) and 0.5 < stats["ptx_loss"] < 20
+    assert with_ptx.item() == pytest.approx(alone.item() + 0.5 * nll.item(), rel=1e-5)
+    assert "ptx_loss" not in plain
+    assert all(torch.allclose(p.grad, g, rtol=1e-4, atol=1e-7) for p, g in zip(model.parameters(), grads))
+
+
+def test_the_stage_draws_ptx_pairs_only_when_asked_and_leaves_the_prompts_as_they_were(tmp_path, tiny_tokenizer) -> None:
+    _, tok_path = tiny_tokenizer
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "micro_batch": 4}
+    plain, mixed = RlStage(RlJob(**base), info), RlStage(RlJob(**base, ptx_coef=0.2), info)
+    for index in (0, 1):
+        (p,), (m,) = list(plain.batches(index)), list(mixed.batches(index))
+        assert p.ptx == [] and p.items == m.items  # the prompts do not depend on the supervised term
+        assert len(m.ptx) == 4 and all(r["response"] and r["kind"] == "arithmetic" for r in m.ptx)
+    assert list(mixed.batches(0))[0].ptx != list(mixed.batches(1))[0].ptx  # drawn anew each step
+    with pytest.raises(ConfigError, match="ptx_coef must be >= 0"):
+        RlJob(**base, ptx_coef=-0.1).check()
+
+
+def test_replayed_preference_pairs_add_preference_coef_times_dpos_loss_against_the_reference(tiny_tokenizer,
+                                                                                            one_thread) -> None:
+    """rollout_policy_loss with preferences: the policy loss plus preference_coef x DPO's loss on the pairs, by hand:
+    -log sigmoid(beta ((c - c_ref) - (r - r_ref))) averaged over pairs; ptx and preferences together in one forward."""
+    import torch.nn.functional as F
+
+    from kiln.posttrain.dpo import encode_preferences, pair_batch
+    from kiln.posttrain.logprobs import encode_rows
+    from kiln.posttrain.rl import Preferences
+
+    enc, _ = tiny_tokenizer
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=320, block_size=48, n_layer=2, n_head=2, n_embd=48))
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    items = list(arithmetic(8, seed=0))
+    pairs = [{"prompt": it["prompt"], "chosen": it["response"], "rejected": f"{it['answer']}0."} for it in items[3:]]
+    job = RlJob(group_size=4, max_new_tokens=5, seq_len=47, kl_coef=0.05, ptx_coef=0.25, preference_coef=2.0,
+                preference_beta=0.5, preference_file="pairs.jsonl")
+    rollout = sample_rollout(model, lambda x, y: model_token_logps(ref, x, y), enc, items[:3],
+                             lambda text, item: float(len(text) % 2 == 0), job, torch.Generator().manual_seed(0))
+    with torch.no_grad():  # move the policy off its reference, so DPO's loss is not log 2
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    px, py = pair_batch(*encode_preferences(enc, pairs, job.seq_len))
+    prefs = Preferences(px, py, model_token_logps(ref, px, py).sum(-1))
+    sx, sy = encode_rows(enc, [p["prompt"] for p in items[:2]], [p["response"] for p in items[:2]], job.seq_len)
+    loss, stats = rollout_policy_loss(model, rollout, job, ptx=(sx, sy), preferences=prefs)
+    alone, _ = rollout_policy_loss(model, rollout, job)
+    nll = -model_token_logps(model, sx, sy).sum() / (sy != IGNORE).sum()
+    pol, m = model_token_logps(model, px, py).sum(-1), len(pairs)
+    d = 0.5 * ((pol[:m] - prefs.ref_logp[:m]) - (pol[m:] - prefs.ref_logp[m:]))
+    dpo = -F.logsigmoid(d).mean()
+    assert abs(dpo.item() - math.log(2)) > 1e-3
+    assert stats["preference_loss"] == pytest.approx(dpo.item(), rel=1e-5)
+    assert stats["preference_reward_accuracy"] == pytest.approx((d > 0).float().mean().item())
+    assert loss.item() == pytest.approx(alone.item() + 0.25 * nll.item() + 2.0 * dpo.item(), rel=1e-5)
+
+
+def test_the_stage_replays_preference_pairs_from_the_training_split_only_when_asked(tmp_path, tiny_tokenizer) -> None:
+    _, tok_path = tiny_tokenizer
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    prefs = tmp_path / "prefs.jsonl"
+    write_jsonl([{"id": str(i), "prompt": f"q{i}", "chosen": "a", "rejected": "b", "kind": "arithmetic",
+                  "split": "val" if i < 3 else "train"} for i in range(10)], prefs)
+    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "micro_batch": 4}
+    plain, replay = RlStage(RlJob(**base), info), RlStage(RlJob(**base, preference_coef=0.5,
+                                                                preference_file=str(prefs)), info)
+    (p,), (r,) = list(plain.batches(0)), list(replay.batches(0))
+    assert p.preferences == [] and p.items == r.items
+    assert len(r.preferences) == 4 and {x["split"] for x in r.preferences} == {"train"}
+    assert list(replay.batches(1))[0].preferences != r.preferences
+    with pytest.raises(ConfigError, match="needs preference_file"):
+        RlJob(**base, preference_coef=0.5).check()
