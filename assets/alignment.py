@@ -264,7 +264,8 @@ RL_FIELDS = ("reward", "max_steps", "group_size", "max_new_tokens", "temperature
 
 
 class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defaults={
-        "max_steps": 60, "temperature": 0.7, "partial_credit": 0.2, "kl_coef": 0.1, "eval_interval": 20})):
+        "max_steps": 120, "temperature": 0.7, "partial_credit": 0.2, "kl_coef": 0.1, "eval_interval": 20,
+        "preference_coef": 0.1})):
     prompts_per_step: int = Field(default=RlJob.micro_batch, description="Prompts per rank per step (the job's micro_batch).")
     optim: RlOptim = Field(default_factory=RlOptim, description="AdamW and its schedule for RL.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains adapters only.")
@@ -275,7 +276,7 @@ class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defa
 def rl_model(context: AssetExecutionContext, config: RlModelConfig, dpo_model: dict, instruction_data: dict,
              preference_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
              torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
-    """The DPO model trained by reinforcement learning on checkable arithmetic (GRPO-style group-relative advantages, KL penalty to the DPO model) by a torchrun job; reward over steps, held-out measures before and after."""
+    """The DPO model trained by reinforcement learning on checkable arithmetic (GRPO-style group-relative advantages, KL penalty to the DPO model, DPO's loss replayed on preference pairs so the preferences DPO taught hold) by a torchrun job; reward over steps, held-out measures before and after."""
     start, start_key, extra = start_weights("rl_model", config.init_from, dpo_model, training_plan, tokenizer, storage)
     fields = {**config.job_fields(), "train_files": [instruction_data["path"]], "ckpt_interval": config.max_steps,
               "keep_last": 1, "log_interval": 10}

@@ -27,7 +27,7 @@ class TokenizerConfig(Config):
     train_mb: float = Field(default=20.0, description="MB of clean text the BPE trains on (the first documents outside the held-out 5 %).")
     heldout_mb: float = Field(default=2.0, description="MB of held-out documents (never trained on) on which compression is measured.")
     compare: bool = Field(default=True, description="Also measure the other vocabulary on the same held-out text: GPT-2's for a trained BPE, a BPE of vocab_size for GPT-2.")
-    split_digits: bool = Field(default=False, description="Split numbers into single digits before BPE (split pattern's number rule \\p{N}, not GPT-4's \\p{N}{1,3}), so no token spans two digits, as in Llama, PaLM and DeepSeek; false keeps GPT-4's pattern. A trained BPE only: GPT-2's vocabulary keeps its own.")
+    split_digits: bool = Field(default=True, description="Split numbers into single digits before BPE (split pattern's number rule \\p{N}, not GPT-4's \\p{N}{1,3}), so no token spans two digits, as in Llama, PaLM and DeepSeek (the demo's default: RL's held-out arithmetic moves beyond noise with it, bench/results/digit_split.md); false keeps GPT-4's pattern. A trained BPE only: GPT-2's vocabulary keeps its own.")
 
 
 def imported_tokenizer(context, clean_corpus: dict, pretrained_model: dict, heldout_mb: float,

@@ -251,7 +251,7 @@ Three stages, each a torchrun job starting from the previous stage's weights; {w
    ({_counts(prefs['counts'])}; the correct response chosen, a wrong one rejected), against the SFT model as reference.
 3. Reinforcement learning ({rl['steps']} steps, GRPO-style, {rl['group_size']} answers per prompt, KL weight {rl['kl_coef']} to the
    DPO model) on {rl['reward']} prompts whose answers are checked exactly (a near miss earns {rl['partial_credit']} x its
-   closeness); greedy exact-answer rate on {_rl_heldout(rl)} {rl['initial_val_reward']:.3f} -> {rl['final_val_reward']:.3f}
+   closeness){_rl_extra_terms(rl)}; greedy exact-answer rate on {_rl_heldout(rl)} {rl['initial_val_reward']:.3f} -> {rl['final_val_reward']:.3f}
    (the table below scores every held-out arithmetic item, so its rates differ).
 {lora}
 Held-out measures after each stage, on the same items throughout{"" if ppo is None else " (ppo: the released weights)"}:
@@ -260,6 +260,14 @@ Held-out measures after each stage, on the same items throughout{"" if ppo is No
 {_changes(sft, dpo, rl, ppo)}{chr(10).join(f"- `{m}`: {what}" for m, what in MEASURES.items())}
 
 """
+
+
+def _rl_extra_terms(rl: dict) -> str:
+    """The terms RL added to its policy loss, as a clause of the card's RL line ("" for none)."""
+    parts = [f"DPO's loss on replayed preference pairs x{rl['preference_coef']:g} (to keep what DPO taught)"
+             if rl.get("preference_coef") else "",
+             f"the reference answers' likelihood x{rl['ptx_coef']:g}" if rl.get("ptx_coef") else ""]
+    return "".join(f", plus {p}" for p in parts if p)
 
 
 def _rl_heldout(rl: dict) -> str:

@@ -171,6 +171,9 @@ def test_dpo_and_rl_assets_measure_before_and_after_on_the_same_items(materializ
     assert "val_reward_margin" in run.data.metrics  # streamed from rank 0 of the torchrun job
     assert {a.path for a in client.list_artifacts(dpo["mlflow_run_id"])} >= {"before_after.json", "margins.png"}
     assert "val_reward" in client.get_run(rl["mlflow_run_id"]).data.metrics
+    # the default replays DPO's loss on preference_data's training pairs beside the policy term
+    replayed = [h["preference_loss"] for h in rl["history"] if "preference_loss" in h]
+    assert rl["preference_coef"] == 0.1 and replayed and all(0 < v < 5 for v in replayed), rl["history"]
 
 
 def test_a_checkable_dpo_run_keeps_the_run_key_it_had_before_feedback_was_a_choice(materialized) -> None:

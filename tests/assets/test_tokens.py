@@ -82,7 +82,7 @@ def test_tokenizer_reports_compression_of_both_vocabularies(tmp_path: Path, corp
 
 def test_split_digits_is_in_the_pattern_the_version_and_the_launchpad(tmp_path: Path, corpus: dict, docs, mlflow) -> None:
     field = tokenizer.op.config_schema.config_type.fields["split_digits"]  # what the launchpad shows
-    assert field.default_value is False and r"number rule \p{N}, not GPT-4's \p{N}{1,3}" in field.description
+    assert field.default_value is True and r"number rule \p{N}, not GPT-4's \p{N}{1,3}" in field.description
     storage = KilnStorageResource(root=str(tmp_path / "root"))
     digits = run_tokenizer(storage, mlflow, corpus, vocab_size=300, compare=False, split_digits=True)
     merged = run_tokenizer(storage, mlflow, corpus, vocab_size=300, compare=False, split_digits=False)
@@ -97,13 +97,13 @@ def test_split_digits_is_in_the_pattern_the_version_and_the_launchpad(tmp_path: 
     assert d.decode(ids) == "12345 + 678 = 13023"
 
 
-def test_the_presets_keep_the_gpt4_pattern_unless_they_split_digits() -> None:
+def test_the_demo_splits_digits_and_the_frozen_presets_keep_the_gpt4_pattern() -> None:
     from jobs.cli import load_preset
 
     tok = lambda preset: load_preset(preset)["ops"].get("tokenizer", {}).get("config", {})  # noqa: E731
     for preset in ("smoke", "llama-tiny", "moe-tiny"):  # tests/data/smoke_frozen*.json freeze their tokens
         assert tok(preset)["split_digits"] is False, preset
-    assert "split_digits" not in tok("demo") and TokenizerConfig(**tok("demo")).split_digits is False
+    assert "split_digits" not in tok("demo") and TokenizerConfig(**tok("demo")).split_digits is True  # the default
 
 
 def test_token_shards_round_trip_locally(tmp_path: Path, corpus: dict, docs, mlflow) -> None:

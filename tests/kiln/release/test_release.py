@@ -424,6 +424,10 @@ def test_model_card_tells_the_lineage_section_by_section() -> None:
                    "held-out arithmetic item, so its rates differ).\n Adapters (LoRA) were trained and merged",
                    "| measure | base | sft | dpo | rl |\n|---|---|---|---|---|\n| response_loss | 2 | 1.5 | 1.4 | 1.4 |\n\n- `"):
         assert needle in card, needle
+    assert "(a near miss earns 0.5 x its\n   closeness); greedy" in card and "replayed" not in card
+    replayed = {**UPSTREAM, "rl_model": {**UPSTREAM["rl_model"], "preference_coef": 0.1}}
+    assert ("closeness), plus DPO's loss on replayed preference pairs x0.1 (to keep what DPO taught); greedy"
+            in model_card("kiln-test", "Apache-2.0", replayed, stages))
     assert "acc_stderr" not in card
     assert '`{"min_words": 20}`' not in card  # the filter settings are a table of changes (Settings), not a JSON line
     assert card.endswith("\n\n## Data licences\nThe weights are derived from data under these licences:\n\n"
