@@ -134,8 +134,8 @@ class RlJob(PosttrainJob):
     overlong_buffer: int | None = None
     # weight of a supervised term added to each step's loss: the mean negative log-likelihood per token of micro_batch
     # of the task's reference answers (training split), InstructGPT's PPO-ptx (Ouyang et al. 2022, eq. 2) with the
-    # task's own supervised pairs in place of pretraining text; it holds what the starting weights already tell
-    # apart (e.g. an answer's sign) while the policy term sharpens the rest. 0 is off
+    # task's own supervised pairs in place of pretraining text. After DPO it narrows the held-out preference margin
+    # further (bench/results/digit_split.md); preference_coef is the term that keeps it. 0 is off
     ptx_coef: float = 0.0
     # weight of DPO's loss (Rafailov et al. 2023; beta preference_beta, against the reference: the starting weights) on
     # micro_batch pairs of preference_file's training split, added to each step's loss: the preference stage's own
@@ -466,7 +466,7 @@ class RlBatch(NamedTuple):
     preferences: list[dict]  # preference pairs replayed (none without preference_coef)
 
 
-# statistics of the DAPO options, in the history and the progress line when a run has them
+# statistics of the DAPO options and the added loss terms, in the history and the progress line when a run has them
 OPTION_STATS = ("clip_frac", "groups_filtered", "sampling_rounds", "overlong_penalty", "ptx_loss", "preference_loss",
                 "preference_reward_accuracy")
 
