@@ -30,10 +30,16 @@ SHORT = {"arithmetic_exact_match": "exact match", "preference_margin": "margin",
          "response_token_accuracy": "token accuracy"}
 
 
-def run_variant(home: Path, preset: str, name: str, fields: dict, workdir: Path) -> dict:
-    """Rerun rl_model, red_team_report and release_bundle with ``fields``; the stage's before/after and the gate."""
+def preset_file(workdir: Path, preset: str, name: str, fields: dict) -> Path:
+    """A preset extending ``preset`` with ``fields`` as rl_model's config."""
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"extends": preset, "ops": {"rl_model": {"config": fields}}}))
+    return path
+
+
+def run_variant(home: Path, preset: str, name: str, fields: dict, workdir: Path) -> dict:
+    """Rerun rl_model, red_team_report and release_bundle with ``fields``; the stage's before/after and the gate."""
+    path = preset_file(workdir, preset, name, fields)
     cmd = [sys.executable, "-m", "jobs.cli", "run", "--preset", str(path), "--home", str(home),
            "--select", "rl_model,red_team_report,release_bundle"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -42,8 +48,13 @@ def run_variant(home: Path, preset: str, name: str, fields: dict, workdir: Path)
     if done.returncode and "release_no_regression" not in done.stdout + done.stderr:
         raise SystemExit(f"variant {name}: kiln run failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     bundle = pickle.loads((handles / "release_bundle").read_bytes())
+    return result(name, fields, rl, bundle["regressions"])
+
+
+def result(name: str, fields: dict, rl: dict, regressions: list[str]) -> dict:
+    """One variant's row: rl_model's before/after of each measure and what the stage gate refused it for."""
     rows = {r["measure"]: r for r in rl["before_after"]}
-    own = [r for r in bundle["regressions"] if r.startswith("rl_model ")]
+    own = [r for r in regressions if r.startswith("rl_model ")]  # the release's own comparisons are not the stage's
     return {"variant": name, "fields": fields, "steps": rl["steps"], "wall_s": rl.get("wall_s"),
             **{m: {k: rows[m][k] for k in ("before", "after", "change", "stderr", "z")} for m in MEASURES if m in rows},
             "gate": [SHORT.get(r.split(" made ")[1].split(" worse")[0], r) for r in own]}

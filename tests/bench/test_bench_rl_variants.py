@@ -1,0 +1,43 @@
+"""bench/bench_rl_variants.py: the preset each variant runs, its row from rl_model's before/after and the gate, the
+table, and the refusals of bad arguments."""
+
+import pytest
+from bench_module import load_bench
+
+from jobs.cli import load_preset
+
+
+def test_a_variant_is_the_preset_with_its_fields_as_rl_models_config(tmp_path):
+    bench = load_bench("bench_rl_variants")
+    ops = load_preset(str(bench.preset_file(tmp_path, "demo", "replay", {"preference_coef": 0.1, "seed": 1})))["ops"]
+    assert ops["rl_model"]["config"] == {"preference_coef": 0.1, "seed": 1}
+    assert ops["raw_documents"]["config"]["manifest"] == "conf/sources/demo.yaml"  # the demo underneath
+
+
+def row(measure, before, after, se):
+    return {"measure": measure, "before": before, "after": after, "change": after - before, "stderr": se,
+            "z": (after - before) / se}
+
+
+def test_the_row_and_table_give_each_change_with_its_z_and_only_the_stages_own_refusals():
+    bench = load_bench("bench_rl_variants")
+    rl = {"steps": 120, "wall_s": 250.4, "before_after": [
+        row("arithmetic_exact_match", 0.030, 0.084, 0.021), row("preference_margin", 13.8, 13.5, 0.1),
+        row("arithmetic_answer_logprob", -4.13, -4.07, 0.11), row("response_loss", 2.47, 2.45, 0.01)]}
+    refused = ["rl_model made preference_margin worse than dpo_model, beyond noise (2 paired SE): 13.8 -> 13.5",
+               "released.response_loss: 2.4 -> 2.45 (lower is better)"]
+    r = bench.result("kl", {"kl_coef": 0.3}, rl, refused)
+    assert r["gate"] == ["margin"] and r["steps"] == 120
+    assert r["arithmetic_exact_match"]["z"] == pytest.approx(0.054 / 0.021)
+    lines = bench.table([r, bench.result("plain", {}, rl, [])]).splitlines()
+    assert lines[2] == ('| kl | `{"kl_coef": 0.3}` | 0.030 -> 0.084 | +0.054 ± 0.021 | **2.57** | -0.300 (-3.00) | '
+                        '+0.060 (0.55) | refused: margin | 250 s |')
+    assert lines[3].endswith("| passes | 250 s |")
+
+
+def test_bad_arguments_are_refused_naming_them(tmp_path):
+    bench = load_bench("bench_rl_variants")
+    with pytest.raises(SystemExit, match="not JSON"):
+        bench.main(["--home", str(tmp_path), "--variant", "x={kl: 1}"])
+    with pytest.raises(SystemExit, match="no dpo_model here; materialize the preset first"):
+        bench.main(["--home", str(tmp_path), "--variant", "x={}"])
