@@ -43,10 +43,10 @@ def run_variant(home: Path, preset: str, name: str, fields: dict, workdir: Path)
     cmd = [sys.executable, "-m", "jobs.cli", "run", "--preset", str(path), "--home", str(home),
            "--select", "rl_model,red_team_report,release_bundle"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    handles = home / "storage" / "handles"
-    rl = pickle.loads((handles / "rl_model").read_bytes())
-    if done.returncode and "release_no_regression" not in done.stdout + done.stderr:
+    if done.returncode and "release_no_regression" not in done.stdout + done.stderr:  # a refused release still counts
         raise SystemExit(f"variant {name}: kiln run failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    handles = home / "storage" / "handles"  # read only after a run that materialized them, never an earlier run's
+    rl = pickle.loads((handles / "rl_model").read_bytes())
     bundle = pickle.loads((handles / "release_bundle").read_bytes())
     return result(name, fields, rl, bundle["regressions"])
 
