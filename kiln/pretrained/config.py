@@ -48,22 +48,27 @@ def rope_theta(path: Path, doc: dict) -> float:
     return float(rope.get("rope_theta") or doc.get("rope_theta") or 10000.0)
 
 
-def model_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """(Kiln's ModelConfig, the raw config.json) of a Hugging Face folder; unsupported architectures are refused."""
+def model_config_of(path: Path, doc: dict[str, Any]) -> ModelConfig:
+    """Kiln's ModelConfig of a config.json's fields ``doc`` (read from ``path``, which errors name); unsupported
+    architectures are refused with what is supported."""
     from kiln.model.families import hf_readers
 
-    path = Path(folder) / "config.json"
-    doc = read_config(folder)
     kind = doc.get("model_type")
     readers = hf_readers()  # each family's own (kiln.model.families.Family.hf_readers)
     if kind not in readers:
         raise PretrainedError(f"{path}: model_type {kind!r} is not supported; Kiln imports {', '.join(readers)} "
                               "(the decoders its model families compute exactly)")
     try:
-        return readers[kind][1](path, doc), doc
+        return readers[kind][1](path, doc)
     except KeyError as e:
         raise PretrainedError(f"{path}: key {e.args[0]!r} missing for model_type {kind!r}; the file is incomplete") from e
     except ValueError as e:
         if isinstance(e, PretrainedError):
             raise
         raise PretrainedError(f"{path}: {e}") from e
+
+
+def model_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """(Kiln's ModelConfig, the raw config.json) of a Hugging Face folder; unsupported architectures are refused."""
+    doc = read_config(folder)
+    return model_config_of(Path(folder) / "config.json", doc), doc

@@ -1,8 +1,9 @@
-"""A Hugging Face folder imported whole: model config, weights, tokenizer, content hash and licence, written as a Kiln
-checkpoint (``checkpoints/step_0000000``) that any training stage can start from.
+"""Released weights imported whole: a Hugging Face folder or a GGUF file (kiln.pretrained.gguf), its model config,
+weights, tokenizer, content hash and licence, written as a Kiln checkpoint (``checkpoints/step_0000000``) that any
+training stage can start from.
 
-``import_pretrained(folder, out_dir)`` returns the record that lineage and the model card show; ``python -m
-kiln.pretrained FOLDER OUT`` does the same from a shell.
+``import_pretrained(source, out_dir)`` returns the record that lineage and the model card show; ``python -m
+kiln.pretrained SOURCE OUT`` does the same from a shell.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any, Iterable
 from kiln.common.files import atomic_write_json, manifest_of_dir, stable_hash
 from kiln.model.config import ModelConfig, model_dict
 from kiln.model.families import build_model
-from kiln.pretrained.config import PretrainedError, model_config
+from kiln.pretrained.config import PretrainedError, model_config, model_config_of
+from kiln.pretrained.gguf import GgufModel, is_gguf, read_gguf
 from kiln.pretrained.tokenizer import ImportedTokenizer, check_same_ids, encoding_from_hf
+from kiln.common.files import sha256_file
 from kiln.pretrained.weights import grow_vocab, grown_config, kiln_state, read_weights, weight_files
 
 IMPORT_FORMAT = "kiln-pretrained/1"
@@ -29,8 +32,9 @@ def is_hf_folder(path: str | Path) -> bool:
 
 
 def folder_hash(folder: Path) -> str:
-    """sha256 over every file's relative path, size and sha256 (hidden files such as .cache/ left out)."""
-    return stable_hash(manifest_of_dir(Path(folder)))
+    """sha256 over every file's relative path, size and sha256 (hidden files such as .cache/ left out); a GGUF
+    file's own sha256."""
+    return sha256_file(Path(folder)) if is_gguf(folder) else stable_hash(manifest_of_dir(Path(folder)))
 
 
 def licence_of(folder: Path, config: dict[str, Any]) -> str:
@@ -69,23 +73,60 @@ def _config_and_tokenizer(folder: Path) -> tuple[ModelConfig, dict[str, Any], Im
     return cfg, doc, tok
 
 
+def _gguf_parts(path: Path, weights: bool) -> tuple[GgufModel, ModelConfig, ImportedTokenizer]:
+    """(the GGUF read, its ModelConfig, its imported tokenizer), checked to belong together."""
+    g = read_gguf(path, weights=weights)
+    cfg = model_config_of(path, g.config)
+    tok = encoding_from_hf(path, name=f"gguf-{path.stem}", doc=g.tokenizer)
+    if tok.imported_vocab > cfg.vocab_size:
+        raise PretrainedError(f"{path}: metadata tokenizer.ggml.tokens has {tok.imported_vocab} tokens but the "
+                              f"embedding has {cfg.vocab_size} rows; the tokenizer does not belong to these weights")
+    return g, cfg, tok
+
+
 def pretrained_architecture(folder: str | Path) -> tuple[ModelConfig, ImportedTokenizer]:
-    """The ModelConfig that training on an imported folder uses (config.json's, with the embedding grown for Kiln's
-    added chat tokens as load_pretrained grows it) and the imported tokenizer, from config.json and tokenizer.json
-    alone: no weights are read (``kiln plan`` sizes a run with it)."""
-    cfg, _, tok = _config_and_tokenizer(Path(folder))
-    return grown_config(cfg, sorted(tok.added.values())), tok
+    """The ModelConfig that training on an imported folder or GGUF file uses (its config, with the embedding grown
+    for Kiln's added chat tokens as load_pretrained grows it) and the imported tokenizer, from the config and the
+    tokenizer alone: no weights are read (``kiln plan`` sizes a run with it)."""
+    folder = Path(folder)
+    if is_gguf(folder):
+        _, cfg, tok = _gguf_parts(folder, weights=False)
+    else:
+        cfg, _, tok = _config_and_tokenizer(folder)
+    return grown_config(cfg, tok.new_ids), tok
+
+
+def _load_gguf(path: Path, texts: Iterable[str]) -> tuple[dict, ModelConfig, ImportedTokenizer, dict]:
+    g, cfg, tok = _gguf_parts(path, weights=True)
+    checked = check_same_ids(tok, path, texts, doc=g.tokenizer)
+    state = kiln_state(path, cfg, g.tensors)
+    state, cfg = grow_vocab(state, cfg, tok.new_ids, tok.imported_vocab)
+    record = {
+        "format": IMPORT_FORMAT, "source": str(path.resolve()), "sha256": g.record["sha256"],
+        "license": g.record["license"] or "unknown", "model_type": g.config["model_type"],
+        "architectures": g.config["architectures"], "weights": [path.name],
+        "imported_vocab": tok.imported_vocab, "added_tokens": tok.added, "tokenizer_notes": tok.notes,
+        "tokenizer_texts_checked": checked, "model": model_dict(cfg), "gguf": g.record,
+    }
+    return state, cfg, tok, record
 
 
 def load_pretrained(folder: str | Path, texts: Iterable[str] = ()) -> tuple[dict, ModelConfig, ImportedTokenizer, dict]:
-    """(Kiln state dict, its ModelConfig, the imported tokenizer, the record) of a Hugging Face folder. Each chat token
-    added to the tokenizer gets an embedding row set to the mean of the imported rows (the embedding grows if needed)."""
+    """(Kiln state dict, its ModelConfig, the imported tokenizer, the record) of a Hugging Face folder or a GGUF file.
+    Each chat token added to the tokenizer gets an embedding row set to the mean of the imported rows (the embedding
+    grows if needed)."""
     folder = Path(folder)
+    if is_gguf(folder):
+        return _load_gguf(folder, texts)
+    if folder.is_file() and folder.suffix.lower() == ".gguf":
+        from kiln.pretrained.gguf import check_header
+
+        check_header(folder)  # names what is wrong with a file called .gguf that is not one
     cfg, doc, tok = _config_and_tokenizer(folder)
     files = weight_files(folder)
     checked = check_same_ids(tok, folder / "tokenizer.json", texts)
     state = kiln_state(folder, cfg, read_weights(folder))
-    state, cfg = grow_vocab(state, cfg, sorted(tok.added.values()), tok.imported_vocab)
+    state, cfg = grow_vocab(state, cfg, tok.new_ids, tok.imported_vocab)
     record = {
         "format": IMPORT_FORMAT, "source": str(folder.resolve()), "sha256": folder_hash(folder),
         "license": licence_of(folder, doc), "model_type": doc.get("model_type"),

@@ -30,6 +30,12 @@ class ImportedTokenizer:
     imported_vocab: int  # ids below this are the Hugging Face tokenizer's own (vocabulary and added tokens)
     added: dict[str, int] = field(default_factory=dict)  # Kiln chat tokens appended after it, by id
     notes: list[str] = field(default_factory=list)  # what differs from the Hugging Face tokenizer's behaviour
+    bytes_added: dict[int, int] = field(default_factory=dict)  # byte values the vocabulary lacks -> the ids they got
+
+    @property
+    def new_ids(self) -> list[int]:
+        """Every id past the imported vocabulary: the byte tokens it lacked, then Kiln's chat tokens."""
+        return sorted([*self.bytes_added.values(), *self.added.values()])
 
 
 def _kind(node: dict | None) -> str:
@@ -79,9 +85,9 @@ def _check_model(doc: dict, path: Path) -> dict:
     return model
 
 
-def _ranks(model: dict, added_ids: set[int], path: Path) -> dict[bytes, int]:
-    """Mergeable ranks (token bytes -> id), checked to give what the merges give: every byte present, every
-    multi-byte token made by a merge, and merges in id order (tiktoken merges by the merged token's id)."""
+def _ranks(model: dict, added_ids: set[int], path: Path) -> tuple[dict[bytes, int], list[int]]:
+    """(mergeable ranks (token bytes -> id), the byte values with no token), checked to give what the merges give:
+    every multi-byte token made by a merge, and merges in id order (tiktoken merges by the merged token's id)."""
     u2b = {c: b for b, c in bytes_to_unicode().items()}
     ranks: dict[bytes, int] = {}
     for text, i in model["vocab"].items():
@@ -93,9 +99,6 @@ def _ranks(model: dict, added_ids: set[int], path: Path) -> dict[bytes, int]:
             raise PretrainedError(f"{path}: token {text!r} (id {i}) is not written in byte-level characters; "
                                   "not a byte-level BPE vocabulary") from e
     missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise PretrainedError(f"{path}: vocabulary lacks {len(missing)} of the 256 byte tokens (first 0x{missing[0]:02x}); "
-                              "text with those bytes could not be encoded")
     merged, last = set(), -1
     for m in model.get("merges") or []:
         a, b = m.split(" ", 1) if isinstance(m, str) else m
@@ -114,7 +117,7 @@ def _ranks(model: dict, added_ids: set[int], path: Path) -> dict[bytes, int]:
     if unmade:
         raise PretrainedError(f"{path}: token {unmade[0]!r} ({len(unmade)} such) is no merge's result; tiktoken could "
                               "produce it where the Hugging Face tokenizer does not")
-    return ranks
+    return ranks, missing
 
 
 def _specials(doc: dict, path: Path) -> dict[str, int]:
@@ -128,23 +131,35 @@ def _specials(doc: dict, path: Path) -> dict[str, int]:
     return out
 
 
-def encoding_from_hf(path: Path, name: str = "") -> ImportedTokenizer:
-    """Kiln's encoding of a ``tokenizer.json``: the same ids for every token, added tokens as specials, and
-    Kiln's missing chat tokens appended after the highest id."""
+def read_tokenizer_json(path: Path) -> dict:
+    """The parsed tokenizer.json at ``path``; PretrainedError naming it when missing or not JSON."""
     path = Path(path)
     if not path.is_file():
         raise PretrainedError(f"{path}: missing; Kiln imports a model with its tokenizer.json (a 'fast' tokenizer: "
                               "AutoTokenizer.from_pretrained(...).save_pretrained(folder) writes one)")
     try:
-        doc: Any = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise PretrainedError(f"{path}: not readable JSON ({e})") from e
+
+
+def encoding_from_hf(path: Path, name: str = "", doc: dict | None = None) -> ImportedTokenizer:
+    """Kiln's encoding of a ``tokenizer.json`` (read from ``path``, or given as ``doc`` with ``path`` naming where it
+    came from): the same ids for every token, added tokens as specials, and Kiln's missing chat tokens appended
+    after the highest id."""
+    path = Path(path)
+    if doc is None:
+        doc = read_tokenizer_json(path)
     model = _check_model(doc, path)
     pat = split_pattern(doc.get("pre_tokenizer"), path)
     specials = _specials(doc, path)
-    ranks = _ranks(model, set(specials.values()), path)
+    ranks, missing = _ranks(model, set(specials.values()), path)
     n = max([*ranks.values(), *specials.values()]) + 1
-    added = {t: n + i for i, t in enumerate(t for t in SPECIAL_TOKENS if t not in specials)}
+    # tiktoken encodes any byte, so a byte the vocabulary lacks (SmolLM2 has no token for 21 control bytes; its
+    # tokenizer drops them) gets a token of its own after the vocabulary, as Kiln's chat tokens do
+    bytes_added = {b: n + i for i, b in enumerate(missing)}
+    ranks.update({bytes([b]): i for b, i in bytes_added.items()})
+    added = {t: n + len(missing) + i for i, t in enumerate(t for t in SPECIAL_TOKENS if t not in specials)}
     try:
         enc = tiktoken.Encoding(name=name or f"hf-{path.parent.name}", pat_str=pat, mergeable_ranks=ranks,
                                 special_tokens={**specials, **added})
@@ -152,21 +167,26 @@ def encoding_from_hf(path: Path, name: str = "") -> ImportedTokenizer:
         raise PretrainedError(f"{path}: tiktoken refuses the vocabulary ({e})") from e
     notes = [f"normalizer {_kind(doc['normalizer'])}: Kiln encodes text as given (its clean corpus is NFC already)"
              for _ in [0] if doc.get("normalizer")]
+    if missing:
+        notes.append(f"{len(missing)} byte values have no token in the vocabulary ({', '.join(f'0x{b:02x}' for b in missing[:8])}"
+                     f"{', ...' if len(missing) > 8 else ''}); Kiln gives them ids {n}..{n + len(missing) - 1} (the Hugging "
+                     "Face tokenizer drops them)")
     if _kind(doc.get("post_processor")) == "TemplateProcessing":
         notes.append("post_processor adds tokens around each text in transformers; Kiln adds none "
                      "(documents are separated by <|endoftext|>)")
-    return ImportedTokenizer(enc, n, added, notes)
+    return ImportedTokenizer(enc, n, added, notes, bytes_added)
 
 
-def check_same_ids(imported: ImportedTokenizer, path: Path, texts: Iterable[str] = ()) -> int:
-    """Encode ``texts`` (plus probe texts and every special token) with Kiln's encoding and with ``tokenizers``;
-    raise naming the first text whose ids differ. Returns how many texts were compared."""
+def check_same_ids(imported: ImportedTokenizer, path: Path, texts: Iterable[str] = (), doc: dict | None = None) -> int:
+    """Encode ``texts`` (plus probe texts and every special token) with Kiln's encoding and with ``tokenizers`` (the
+    tokenizer.json at ``path``, or ``doc``); raise naming the first text whose ids differ. Returns how many texts were
+    compared."""
     import unicodedata
 
     from tokenizers import Tokenizer
 
     enc = imported.encoding
-    hf = Tokenizer.from_file(str(path))
+    hf = Tokenizer.from_str(json.dumps(doc)) if doc is not None else Tokenizer.from_file(str(path))
     own = {t for t, i in enc._special_tokens.items() if i < imported.imported_vocab}
     probes = [*PROBE_TEXTS, *(f"a{t}b {t}" for t in sorted(own)), *texts]
     for text in probes:
