@@ -260,7 +260,7 @@ def _tensors(reader, meta: _Fields, arch: str, cfg: dict[str, Any]) -> tuple[dic
             w = _unpermute(w, cfg["num_attention_heads"])
         elif permuted and hf.endswith("self_attn.k_proj.weight"):
             w = _unpermute(w, cfg["num_key_value_heads"])
-        out[hf] = torch.from_numpy(np.ascontiguousarray(w))
+        out[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a copy: F32 data is the file's memory map
         types[t.tensor_type.name] += 1
     missing = sorted(set(template) - set(out) - ({"lm_head.weight"} if cfg["tie_word_embeddings"] else set()))
     if missing:
