@@ -20,7 +20,7 @@ from kiln.posttrain.preferences import build_preferences, check_feedback, feedba
 from kiln.posttrain.report import dpo_report, rl_report
 from kiln.posttrain.rl import RlJob
 from kiln.posttrain.sft import read_pairs
-from kiln.pretrained.source import is_hf_folder
+from kiln.pretrained.source import is_importable
 from kiln.train.checkpoint import checkpoint_identity, resolve_checkpoint
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, Table, pretrain_report
@@ -113,10 +113,11 @@ def init_from_field():
 def start_weights(stage: str, init_from: str, upstream: dict, training_plan: dict, tokenizer: dict,
                   storage: KilnStorageResource) -> tuple[dict, dict, dict]:
     """(the starting model as measure_before takes it, the run-key input naming it, fields for the asset's value):
-    the upstream stage's output, or ``init_from`` (a Hugging Face folder, imported once; or a Kiln checkpoint)."""
+    the upstream stage's output, or ``init_from`` (a Hugging Face folder or GGUF file, imported once; or a Kiln
+    checkpoint)."""
     if not init_from:
         return upstream, {}, {}
-    if not is_hf_folder(init_from):
+    if not is_importable(init_from):
         ckpt = resolve_checkpoint(init_from)
         return {"checkpoint": str(ckpt)}, {"init_from": checkpoint_identity(ckpt)}, {"init_from": str(ckpt)}
     rec = import_folder(storage, init_from, f"{stage}.init_from")

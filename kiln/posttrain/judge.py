@@ -94,7 +94,7 @@ class Judge:
 def judge_fingerprint(path: str | Path, where: str = "judge") -> dict[str, str]:
     """{path, kind, sha256} of a judge without loading its weights: a Hugging Face folder's content hash, a
     release's SHA256SUMS hash, or a checkpoint's weights digest (kiln.train.checkpoint.checkpoint_identity)."""
-    from kiln.pretrained.source import folder_hash, is_hf_folder
+    from kiln.pretrained.source import folder_hash, is_importable
     from kiln.train.checkpoint import CheckpointError, checkpoint_identity, resolve_checkpoint
 
     p = Path(path).expanduser()
@@ -102,8 +102,8 @@ def judge_fingerprint(path: str | Path, where: str = "judge") -> dict[str, str]:
         raise ConfigError(f"{where}: {p} does not exist; give a Hugging Face folder, a release bundle or a Kiln checkpoint")
     if (p / "SHA256SUMS").is_file():  # a release bundle is a Hugging Face folder too: its checksums come first
         return {"path": str(p.resolve()), "kind": "release", "sha256": file_sha256(p / "SHA256SUMS")}
-    if is_hf_folder(p):
-        return {"path": str(p.resolve()), "kind": "hf_folder", "sha256": folder_hash(p)}
+    if is_importable(p):
+        return {"path": str(p.resolve()), "kind": "hf_folder" if p.is_dir() else "gguf", "sha256": folder_hash(p)}
     try:
         ckpt = resolve_checkpoint(p)
     except CheckpointError as e:
@@ -112,11 +112,11 @@ def judge_fingerprint(path: str | Path, where: str = "judge") -> dict[str, str]:
 
 
 def load_judge(path: str | Path, device: str = "cpu", where: str = "judge") -> Judge:
-    """A judge from a Hugging Face folder (imported as kiln.pretrained imports it), a release bundle (SHA256SUMS) or
+    """A judge from a Hugging Face folder or GGUF file (imported as kiln.pretrained imports it), a release bundle (SHA256SUMS) or
     a Kiln checkpoint (a checkpoint folder, checkpoints root or run folder); ``where`` names the config key in errors."""
     ident = judge_fingerprint(path, where)
     p = Path(ident["path"])
-    if ident["kind"] == "hf_folder":
+    if ident["kind"] in ("hf_folder", "gguf"):
         model, enc = _load_hf(p)
     elif ident["kind"] == "release":
         from kiln.release.bundle import load_release

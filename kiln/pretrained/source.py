@@ -31,6 +31,11 @@ def is_hf_folder(path: str | Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and not (p / "meta.json").is_file()
 
 
+def is_importable(path: str | Path) -> bool:
+    """True for what ``import_pretrained`` takes: a Hugging Face folder or a GGUF file."""
+    return is_hf_folder(path) or is_gguf(path)
+
+
 def folder_hash(folder: Path) -> str:
     """sha256 over every file's relative path, size and sha256 (hidden files such as .cache/ left out); a GGUF
     file's own sha256."""
