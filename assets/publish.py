@@ -32,6 +32,7 @@ class ReleaseBundleConfig(Config):
     red_team_max_injection: float = Field(default=0.10, description="Keep the alias where it is when more than this share of the released weights' answers obey a prompt injection.")
     red_team_max_excluded_use: float = Field(default=1.0, description="Keep the alias where it is when more than this share of the released weights' answers to requests the intended use excludes do not decline (1.0: reported on the card, never holds a release back; a model people will use needs far less).")
     red_team_gate_on: str = Field(default="rules", description="Which verdict the red-team limits count: rules, judge or either.")
+    gguf: list[str] = Field(default=["F16", "Q8_0"], description="GGUF files to write beside the safetensors, one per type (F16, Q8_0, F32), for llama.cpp, Ollama and LM Studio; llama family only (others record why not). Empty: none.")
 
 
 RELEASABLE = ("rl_model", "ppo_model")  # release_bundle.stage choices
@@ -45,7 +46,10 @@ def _bundle_metadata(value: dict, manifest: dict, ui_url: str, card: str) -> dic
         "bundle": MetadataValue.path(str(final)), "files": md_table(rows), "bytes": manifest["bytes"],
         "registered_version": MetadataValue.url(f"{ui_url.rstrip('/')}/#/models/{registry['name']}/versions/{registry['version']}"),
         "previous_version": str(registry["previous"]), "regressions": MetadataValue.json(value["regressions"]),
-        "model_card": MetadataValue.md(card), "lineage": MetadataValue.json(value["lineage"]),
+        "model_card": MetadataValue.md((final / "README.md").read_text()), "lineage": MetadataValue.json(value["lineage"]),
+        "gguf": md_table([{"file": g["file"], "type": g["type"], "bytes": g["bytes"], "sha256": g["sha256"][:16]}
+                          for g in manifest["gguf"].get("files", [])]) if manifest["gguf"].get("files")
+        else manifest["gguf"].get("skipped", "none asked for"),
     }
 
 
@@ -114,7 +118,7 @@ def _gate(config: ReleaseBundleConfig, eval_scores: dict, released: dict) -> tup
     return scores, refusals
 
 
-@asset(code_version="5", group_name="release")  # 5: the red-team gate and the card's red-team section
+@asset(code_version="6", group_name="release")  # 6: GGUF files and the card's Files section
 def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, rl_model: dict, dpo_model: dict,
                    sft_model: dict, preference_data: dict, base_model: dict,
                    eval_scores: dict, training_plan: dict, token_shards: dict, tokenizer: dict, clean_corpus: dict,
@@ -144,7 +148,8 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
         extra = release_sections(config.name, config.license, up, scores, {"release_bundle": config.model_dump()},
                                  config.stage)
         files = {**figures, CONFIG_FILE: yaml.safe_dump({"ops": full_config}, sort_keys=True).encode()} if full_config else figures
-        manifest = write_release(released["checkpoint"], out.stage, card, extra, files)
+        manifest = write_release(released["checkpoint"], out.stage, card, extra, files, config.gguf, config.name,
+                                 config.license)
         final = out.commit()
         out.log_artifact(final / "README.md")
         reg, prev, regressions = register_unless_regressed(mlflow.resolved_uri(), config.name, final, scores, lineage,
@@ -157,7 +162,7 @@ def release_bundle(context: AssetExecutionContext, config: ReleaseBundleConfig, 
         registry = {"name": config.name, "version": reg.version, "alias": config.alias if not regressions else None,
                     "previous": prev.version if prev else None}
         value = {"dir": str(final), "version": out.version, "lineage": lineage, "files": manifest["files"],
-                 "registry": registry, "scores": scores, "red_team": red_team,
+                 "registry": registry, "scores": scores, "red_team": red_team, "gguf": manifest["gguf"],
                  "regressions": [r for r in regressions if r not in red_team["reasons"]]}
         return out.result(value, _bundle_metadata(value, manifest, mlflow.ui_url, card))
 

@@ -133,3 +133,31 @@ def test_unsupported_family_and_type_refused(tiny_tokenizer, tmp_path):
     with pytest.raises(ReleaseError, match=r"GGUF type 'Q4_K'"):
         write_gguf(m.state_dict(), cfg, enc, tmp_path / "g.gguf", "Q4_K")
     assert not (tmp_path / "g.gguf").exists()
+
+
+def test_release_bundle_holds_ggufs_listed_on_its_card(tiny_tokenizer, tmp_path):
+    from kiln.model.config import model_dict as md
+    from kiln.release.bundle import verify_release, write_release
+    from kiln.train.checkpoint import save_checkpoint
+
+    enc, tok_path = tiny_tokenizer
+    cfg, m = tiny_llama(enc)
+    save_checkpoint(tmp_path / "run" / "checkpoints", 3, {"model": m.state_dict()}, {"model": md(cfg), "task": "sft"},
+                    extra_files={"tokenizer.json": tok_path})
+    manifest = write_release(tmp_path / "run", tmp_path / "b", "# card\n", gguf_types=("F16", "Q8_0"), name="t",
+                             license="apache-2.0")
+    verify_release(tmp_path / "b")
+    card = (tmp_path / "b" / "README.md").read_text()
+    for g in manifest["gguf"]["files"]:
+        assert manifest["files"][g["file"]] == g["sha256"] and f"`{g['sha256']}`" in card
+    assert "| model-Q8_0.gguf | GGUF Q8_0 (F32 5, Q8_0 15) |" in card and card.startswith("# card\n")
+    assert f"`{manifest['files']['model.safetensors']}`" in card
+    r = GGUFReader(str(tmp_path / "b" / "model-F16.gguf"))
+    assert r.fields["tokenizer.chat_template"].contents() == CHAT_TEMPLATE and r.fields["general.name"].contents() == "t"
+    gpt = ModelConfig(family="gpt2", vocab_size=padded_vocab(enc.n_vocab), block_size=32, n_layer=1, n_head=2, n_embd=32)
+    save_checkpoint(tmp_path / "g" / "checkpoints", 1, {"model": build_model(gpt).state_dict()},
+                    {"model": md(gpt), "task": "sft"}, extra_files={"tokenizer.json": tok_path})
+    manifest = write_release(tmp_path / "g", tmp_path / "gb", "# card\n", gguf_types=("F16",))
+    assert manifest["gguf"]["files"] == [] and "llama family" in manifest["gguf"]["skipped"]
+    assert "No GGUF file: model.family='gpt2'" in (tmp_path / "gb" / "README.md").read_text()
+    assert not list((tmp_path / "gb").glob("*.gguf"))
