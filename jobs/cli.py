@@ -31,6 +31,7 @@ what the next run would redo and why. Examples:
   kiln run --preset smoke --select eval_scores,release_bundle
   kiln status --preset demo                   each asset: reused, resumed or recomputed next run, why, how long
   kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
+  kiln chat .kiln/storage/release_bundle/<version>   a conversation in the model's chat template (or a GGUF file)
   kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
   kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
   kiln sweep --preset sweep-demo      a hyper-parameter sweep: every point a short training run, then the ranking
@@ -283,16 +284,42 @@ def summarize(result, keys: list[str]) -> None:
 
 
 def load_any_model(path: str | Path):
-    """A release bundle or a checkpoint (folder, checkpoints root or run folder) -> (model, tokenizer)."""
+    """A release bundle, a checkpoint (folder, checkpoints root or run folder) or a GGUF file -> (model, tokenizer)."""
+    model, enc, _ = load_chat_model(path)
+    return model, enc
+
+
+def load_chat_model(path: str | Path, template_file: str = ""):
+    """(model, tokenizer, chat template) of a release bundle, a checkpoint or a GGUF file. The template: ``template_file``'s
+    text; else a bundle's tokenizer_config.json's; a GGUF's own; an imported checkpoint's (from its GGUF); else Kiln's."""
+    from kiln.pretrained.gguf import is_gguf
     from kiln.release.bundle import is_release, load_release
+    from kiln.release.hf import CHAT_TEMPLATE
 
     p = Path(path)
+    template = ""
     if is_release(p):
-        return load_release(p)
-    from kiln.train.checkpoint import load_for_inference
+        model, enc = load_release(p)
+        conf = p / "tokenizer_config.json"
+        template = json.loads(conf.read_text()).get("chat_template", "") if conf.is_file() else ""
+    elif is_gguf(p):
+        from kiln.model.families import build_model
+        from kiln.pretrained.source import load_pretrained
 
-    model, enc, _ = load_for_inference(p)
-    return model, enc
+        state, cfg, tok, record = load_pretrained(p)
+        model = build_model(cfg)
+        model.load_state_dict(state)
+        model.eval()
+        enc, template = tok.encoding, record["gguf"]["chat_template"]
+    else:
+        from kiln.train.checkpoint import load_for_inference
+
+        model, enc, meta = load_for_inference(p)
+        if meta.get("task") == "import":
+            template = ((meta.get("pretrained") or {}).get("gguf") or {}).get("chat_template", "")
+    if template_file:
+        template = Path(template_file).read_text()
+    return model, enc, template or CHAT_TEMPLATE
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -302,15 +329,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     path, _ = resolve_model_path(args.model, args.tracking_uri)
     try:
-        model, enc = load_any_model(path)
+        model, enc, template = load_chat_model(path)
     except (OSError, ValueError, RuntimeError) as e:  # damaged bundle, missing checkpoint, corrupt tokenizer
         raise SystemExit(f"kiln: cannot load {path}: {e}") from e
     g = torch.Generator().manual_seed(args.seed)
     for prompt in args.prompt:
         if args.chat:
-            from kiln.posttrain.sft import chat_prompt_ids
+            from kiln.model.chat import render_ids
 
-            prompt_ids = chat_prompt_ids(enc, prompt)
+            prompt_ids = render_ids(enc, template, [{"role": "user", "content": prompt}])
         else:
             prompt_ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
         ids = torch.tensor([prompt_ids])  # (1, T)
@@ -318,6 +345,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        stop_token=enc.eot_token, n_vocab=enc.n_vocab, generator=g)
         text = enc.decode([t for t in out[0].tolist()[ids.size(1):] if t != enc.eot_token])
         print(f"{prompt} ->{text}" if args.chat else f"{prompt}{text}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation on the terminal: each line a turn (``--message`` for scripted turns); /reset starts over."""
+    import torch
+
+    from kiln.model.chat import ChatError, ChatSession
+
+    path, _ = resolve_model_path(args.model, args.tracking_uri)
+    try:
+        model, enc, template = load_chat_model(path, args.template)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"kiln: cannot load {path}: {e}") from e
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    new = lambda: ChatSession(model, enc, template, system=args.system, max_new_tokens=args.max_new_tokens,  # noqa: E731
+                              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    session, tty = new(), sys.stdin.isatty() and not args.message
+    if tty:
+        print(f"kiln chat: {path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters); "
+              "/reset starts over, /quit or Ctrl-D ends", flush=True)
+    turns = iter(args.message) if args.message else iter(lambda: input("you> ") if tty else sys.stdin.readline(), "")
+    for line in turns:
+        text = line.rstrip("\n")
+        if text.strip() in ("/quit", "/exit"):
+            break
+        if text.strip() == "/reset":
+            session = new()
+            continue
+        if not text.strip():
+            continue
+        if not tty:
+            print(f"you> {text}", flush=True)
+        print("model> ", end="", flush=True)
+        try:
+            for piece in session.reply(text):
+                print(piece, end="", flush=True)
+        except ChatError as e:
+            print(f"\nkiln: {e}; /reset starts a new conversation", flush=True)
+            continue
+        print(flush=True)
     return 0
 
 
@@ -671,15 +739,26 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
     sw.set_defaults(fn=cmd_sweep)
     gen = sub.add_parser("generate", help="sample text from a release bundle, checkpoint or registered model")
-    gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
+    gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), GGUF file, or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default 'The')")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (<|user|>...<|assistant|>)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template (a GGUF's own, else Kiln's <|user|>...<|assistant|>)")
     gen.add_argument("--max-new-tokens", type=int, default=60, help="tokens to sample after each prompt")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
     gen.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
     gen.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
     gen.set_defaults(fn=cmd_generate)
+    ch = sub.add_parser("chat", help="talk with a model in its chat template, answers streamed, the conversation kept")
+    ch.add_argument("model", help="release bundle folder, checkpoint (or run folder), GGUF file, or models:/NAME@ALIAS")
+    ch.add_argument("--message", action="append", default=None, help="a turn to send instead of reading the terminal (repeatable)")
+    ch.add_argument("--system", default="", help="a system message to start the conversation with")
+    ch.add_argument("--template", default="", help="a file holding the chat template (Jinja) to use instead of the model's")
+    ch.add_argument("--max-new-tokens", type=int, default=256, help="most tokens in one answer")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 (the default) picks the most likely token")
+    ch.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (with a temperature)")
+    ch.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ch.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
+    ch.set_defaults(fn=cmd_chat)
     stat = sub.add_parser("status", help="what the next run with a preset would reuse, resume or recompute, why, and how long")
     stat.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
     stat.add_argument("--home", default=str(PROJECT / ".kiln"), help="the Kiln home whose runs to read")

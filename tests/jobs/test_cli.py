@@ -452,3 +452,19 @@ def test_the_training_plan_of_a_layout_preset_is_the_job_base_model_launches() -
     with pytest.raises(ConfigError, match=r"\(HSDP\), which the training job does not run; pin "
                                           r"training_plan.parallel.strategy: fsdp"):
         TrainingPlanConfig(**conf).layout_training_plan(128256)
+
+
+def test_chat_with_a_gguf_file_keeps_the_conversation(tmp_path, capsys):
+    from ggufmodels import write_gguf
+    from hfmodels import save_tiny
+    from jobs.cli import load_chat_model, main
+
+    path = write_gguf(save_tiny(tmp_path / "hf", "llama", "smollm"), tmp_path / "m.gguf", "Q8_0", style="smollm")
+    assert main(["chat", str(path), "--message", "the model reads", "--message", "/reset", "--message", "text and",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("you> ") == 2 and out.count("model> ") == 2 and "you> text and" in out
+    model, enc, template = load_chat_model(path)
+    assert template.startswith("{% for m in messages %}<|im_start|>")  # the GGUF's own ChatML template
+    assert main(["generate", str(path), "--chat", "--prompt", "hello", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("hello ->")
