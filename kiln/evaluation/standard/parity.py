@@ -1,0 +1,90 @@
+"""Kiln's adapter against lm-eval's own transformers model (HFLM) on the same items: per-request log-likelihoods,
+accuracies, greedy generations and scores side by side (the proof that Kiln's scores are lm-eval's).
+
+``compare(prepared, {"kiln": kiln_lm(...), "hf": hf_lm(folder)})`` returns one row per benchmark; bench/bench_parity.py
+prints and writes them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln.evaluation.standard.run import Prepared, evaluate_lm, load_tasks, scores
+
+
+def hf_lm(folder: str | Path, batch_size: int = 16, max_length: int | None = None, device: str = "cpu") -> Any:
+    """lm-eval's HFLM on a Hugging Face folder, in float32."""
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(folder), batch_size=batch_size, max_length=max_length, device=device, dtype="float32")
+
+
+def kiln_lm(folder: str | Path, work_dir: str | Path, batch_size: int = 16, max_length: int | None = None,
+            device: str = "cpu") -> Any:
+    """KilnLM on the Kiln checkpoint that kiln.pretrained imports from a Hugging Face folder (or GGUF file)."""
+    from kiln.evaluation.adapter import KilnLM
+    from kiln.pretrained.source import import_pretrained
+
+    record = import_pretrained(folder, work_dir)
+    return KilnLM.from_checkpoint(record["checkpoint"], device=device, batch_size=batch_size, max_length=max_length)
+
+
+def responses(out: dict[str, Any]) -> dict[tuple[str, int, int], Any]:
+    """{(task, doc_id, request index): the model's raw answer} from lm-eval's logged samples: (loglik, is_greedy)
+    for log-likelihood requests, the generated text for generation requests."""
+    got = {}
+    for task, samples in out.get("samples", {}).items():
+        for s in samples:
+            for i, resp in enumerate(s["resps"]):
+                got[(task, int(s["doc_id"]), i)] = resp[0] if isinstance(resp, list) and len(resp) == 1 else resp
+    return got
+
+
+def _loglik(v: Any) -> float | None:
+    if isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[0], (int, float)):
+        return float(v[0])
+    return None
+
+
+def compare(prepared: Prepared, sides: dict[str, Any], max_gen_toks: int | None = None,
+            bootstrap_iters: int = 100) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Score every side on the same loaded tasks and items, one benchmark at a time. Returns (rows, outputs): per
+    benchmark its items, requests, the max |delta loglik|, greedy flags and generations that differ between the first
+    side and each other, each side's score, stderr, wall seconds and requests/s; outputs: {benchmark: {side: lm-eval's
+    output}}."""
+    first = next(iter(sides))
+    rows, outs = [], {}
+    for bench in prepared.names:
+        sub = Prepared([bench], prepared.task_dir, prepared.samples, prepared.record,
+                       {bench: prepared.benchmarks[bench]})
+        loaded = load_tasks(sub)
+        outs[bench], secs = {}, {}
+        for name, lm in sides.items():
+            t0 = time.perf_counter()
+            outs[bench][name] = evaluate_lm(lm, sub, loaded=loaded, max_gen_toks=max_gen_toks, log_samples=True,
+                                            bootstrap_iters=bootstrap_iters)
+            secs[name] = time.perf_counter() - t0
+        flat = {name: scores(out, sub)[bench] for name, out in outs[bench].items()}
+        resp = {name: responses(out) for name, out in outs[bench].items()}
+        keys = sorted(resp[first])
+        row: dict[str, Any] = {"benchmark": bench, "items": flat[first]["items"], "requests": len(keys),
+                               "primary": prepared.benchmarks[bench].primary}
+        for name in sides:
+            row[f"{name}_score"] = flat[name]["score"]
+            row[f"{name}_stderr"] = flat[name]["stderr"]
+            row[f"{name}_seconds"] = round(secs[name], 3)
+            row[f"{name}_requests_per_s"] = round(len(keys) / max(secs[name], 1e-9), 2)
+            if name == first:
+                continue
+            pairs = [(resp[first][k], resp[name].get(k)) for k in keys]
+            deltas = [abs(_loglik(a) - _loglik(b)) for a, b in pairs if _loglik(a) is not None and _loglik(b) is not None]
+            texts = [(a, b) for a, b in pairs if isinstance(a, str)]
+            row[f"missing_{name}"] = sum(b is None for _, b in pairs)
+            row[f"max_dloglik_{name}"] = max(deltas) if deltas else None
+            row[f"greedy_differ_{name}"] = sum(bool(a[1]) != bool(b[1]) for a, b in pairs
+                                               if _loglik(a) is not None and _loglik(b) is not None)
+            row[f"generations_differ_{name}"] = sum(a != b for a, b in texts) if texts else None
+        rows.append(row)
+    return rows, outs
