@@ -13,6 +13,7 @@ from kiln.evaluation.heldout import CONTINUATION_TASK, LASTWORD_TASK, PPL_TASK
 from kiln.evaluation.mathematics import MATH_EXPR_TASK, MATH_WORD_TASK
 from kiln.evaluation.mmlu import MMLU_TASK
 from kiln.evaluation.spec import CLEAN_SUFFIX, LOCAL_PREFIX, TaskSpec, TaskSpecError
+from kiln.evaluation.standard.catalog import BENCHMARKS, Benchmark
 
 LOCAL_TASKS = (PPL_TASK, CONTINUATION_TASK, LASTWORD_TASK, MMLU_TASK,  # one entry per task, in build and suite order
                MATH_WORD_TASK, MATH_EXPR_TASK, HUMANEVAL_TASK)
@@ -31,6 +32,10 @@ class UnknownTaskError(TaskSpecError, KeyError):
         return str(self.args[0])
 
 
+class UnknownBenchmarkError(UnknownTaskError):
+    """A standard benchmark name that is not registered; the one-line message lists the registered ones."""
+
+
 class TaskRegistry:
     """Local tasks by name, in registration order, plus lm-eval's own tasks' chance baselines.
 
@@ -39,11 +44,15 @@ class TaskRegistry:
     judged by acc_norm where lm-eval reports it, else acc.
     """
 
-    def __init__(self, local: Iterable[TaskSpec] = (), standard: Mapping[str, float | None] | None = None):
+    def __init__(self, local: Iterable[TaskSpec] = (), standard: Mapping[str, float | None] | None = None,
+                 benchmarks: Iterable[Benchmark] = ()):
         self._local: dict[str, TaskSpec] = {}
         self._standard = dict(standard or {})
+        self._benchmarks: dict[str, Benchmark] = {}
         for spec in local:
             self.register(spec)
+        for bench in benchmarks:
+            self.register_benchmark(bench)
 
     def register(self, spec: TaskSpec) -> TaskSpec:
         """Add a task; a second task of the same name is an error."""
@@ -54,11 +63,33 @@ class TaskRegistry:
         self._local[spec.name] = spec
         return spec
 
-    def snapshot(self) -> tuple[dict[str, TaskSpec], dict[str, float | None]]:
-        return dict(self._local), dict(self._standard)
+    def register_benchmark(self, bench: Benchmark) -> Benchmark:
+        """Add a standard benchmark (lm-eval's own task on pinned data); a second one of the same name is an error."""
+        if not isinstance(bench, Benchmark):
+            raise TaskSpecError(f"only a Benchmark can be registered as a standard benchmark, got {bench!r}")
+        if bench.name in self._benchmarks or bench.name.startswith(LOCAL_PREFIX):
+            raise TaskSpecError(f"standard benchmark {bench.name!r} is registered twice or named like a kiln_* task")
+        self._benchmarks[bench.name] = bench
+        return bench
 
-    def restore(self, snapshot: tuple[dict[str, TaskSpec], dict[str, float | None]]) -> None:
+    def benchmark(self, name: str) -> Benchmark:
+        """The entry of a standard benchmark; an unknown name raises UnknownBenchmarkError listing the known ones."""
+        if name not in self._benchmarks:
+            raise UnknownBenchmarkError(f"unknown benchmark {name!r}; known: {', '.join(self._benchmarks)} (add one "
+                                        "as a Benchmark entry in kiln/evaluation/standard/catalog.py)")
+        return self._benchmarks[name]
+
+    def benchmark_names(self) -> list[str]:
+        """The standard benchmarks, in registration order."""
+        return list(self._benchmarks)
+
+    def snapshot(self) -> tuple[dict[str, TaskSpec], dict[str, float | None], dict[str, Benchmark]]:
+        return dict(self._local), dict(self._standard), dict(self._benchmarks)
+
+    def restore(self, snapshot: tuple) -> None:
         self._local, self._standard = dict(snapshot[0]), dict(snapshot[1])
+        if len(snapshot) > 2:
+            self._benchmarks = dict(snapshot[2])
 
     def local(self, kind: type | None = None) -> list[TaskSpec]:
         """The registered tasks, in order; with ``kind`` (FromDocuments, FromPackage) those whose items are made so."""
@@ -76,7 +107,8 @@ class TaskRegistry:
         """Expected score of uniform guessing on a task (or its ``_clean`` copy); None where there is none."""
         if name.startswith(LOCAL_PREFIX):
             return self.get(name).chance
-        return self._standard.get(name.removesuffix(CLEAN_SUFFIX))
+        base = name.removesuffix(CLEAN_SUFFIX)
+        return self._benchmarks[base].chance if base in self._benchmarks else self._standard.get(base)
 
     def primary(self, name: str, row: dict[str, Any]) -> str | None:
         """The metric a task is judged by, if ``row`` (one task's scores) holds a number for it."""
@@ -108,8 +140,8 @@ class TaskRegistry:
             self.check_names(tasks, f"suite {suite!r}")
 
     def standard(self) -> list[str]:
-        """lm-eval's own tasks with a known chance baseline."""
-        return list(self._standard)
+        """lm-eval's own tasks with a known chance baseline (the standard benchmarks among them)."""
+        return list(dict.fromkeys([*self._standard, *self._benchmarks]))
 
     def chance_table(self) -> ChanceTable:
         return ChanceTable(self)
@@ -139,13 +171,15 @@ class ChanceTable(Mapping):
         return len(list(iter(self)))
 
 
-REGISTRY = TaskRegistry(LOCAL_TASKS, STANDARD_CHANCE)
+REGISTRY = TaskRegistry(LOCAL_TASKS, STANDARD_CHANCE, BENCHMARKS)
 
 
 def main() -> int:
     for spec in REGISTRY.local():
         print(f"{spec.name}\tchance {spec.chance}\tprimary {spec.primary}\tsuite {spec.suite}\t"
               f"items {type(spec.items).__name__}\t{spec.lm_eval['output_type']}")
+    for b in REGISTRY._benchmarks.values():
+        print(f"{b.name}\tlm-eval {b.yaml} v{b.version}\tchance {b.chance}\tprimary {b.primary}\titems {b.rows}")
     return 0
 
 
