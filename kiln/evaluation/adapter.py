@@ -242,9 +242,12 @@ class KilnLM(LM):
 
         Greedy when temperature <= 0. A row stops at EOT or once its text holds a stop string; the rest go on.
         Rows are right-padded; a longer context is fed a token a step while the shorter ones already decode.
+        A context is left-truncated to max_length - max_new tokens, as lm-eval's HFLM truncates it, so the answer
+        is decoded with the same context in view (and through the KV cache).
         """
         self.model.eval()
-        seqs = [self._encode(c) if c else [self.eot] for c in contexts]
+        keep = self.max_length - max_new if max_new < self.max_length else self.max_length
+        seqs = [(self._encode(c) if c else [self.eot])[-keep:] for c in contexts]
         T = max(len(s) for s in seqs)
         x = torch.tensor([s + [self.eot] * (T - len(s)) for s in seqs], dtype=torch.long, device=self._device)  # (B, T)
         stop = (lambda i, toks: any(s in self.enc.decode(toks) for s in until)) if until else None
