@@ -291,7 +291,8 @@ def load_any_model(path: str | Path):
 
 def load_chat_model(path: str | Path, template_file: str = ""):
     """(model, tokenizer, chat template) of a release bundle, a checkpoint or a GGUF file. The template: ``template_file``'s
-    text; else a bundle's tokenizer_config.json's; a GGUF's own; an imported checkpoint's (from its GGUF); else Kiln's."""
+    text; else a bundle's tokenizer_config.json's; a GGUF's own; an imported checkpoint's (from its GGUF); the one its
+    encoding carries; else Kiln's."""
     from kiln.pretrained.gguf import is_gguf
     from kiln.release.bundle import is_release, load_release
     from kiln.release.hf import CHAT_TEMPLATE
@@ -317,9 +318,11 @@ def load_chat_model(path: str | Path, template_file: str = ""):
         model, enc, meta = load_for_inference(p)
         if meta.get("task") == "import":
             template = ((meta.get("pretrained") or {}).get("gguf") or {}).get("chat_template", "")
+    from kiln.tokenizer import chat_template
+
     if template_file:
         template = Path(template_file).read_text()
-    return model, enc, template or CHAT_TEMPLATE
+    return model, enc, template or chat_template(enc) or CHAT_TEMPLATE
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

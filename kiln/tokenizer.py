@@ -143,8 +143,22 @@ def train_bpe(texts: Iterable[str], vocab_size: int, pat_str: str = GPT4_PAT_STR
 _FINGERPRINTS: "weakref.WeakKeyDictionary[tiktoken.Encoding, str]" = weakref.WeakKeyDictionary()
 
 
+def chat_template(enc: tiktoken.Encoding) -> str | None:
+    """The chat template (Jinja, as Hugging Face writes it) an encoding carries, or None: Kiln's own format,
+    ``<|user|>prompt<|assistant|>response<|endoftext|>`` (kiln.posttrain.sft.chat_prompt_ids)."""
+    return getattr(enc, "chat_template", None) or None
+
+
+def with_chat_template(enc: tiktoken.Encoding, template: str | None) -> tiktoken.Encoding:
+    """``enc`` carrying ``template`` (an imported model's own; None or "" for Kiln's format); saved with it."""
+    enc.chat_template = template or None
+    _FINGERPRINTS.pop(enc, None)
+    return enc
+
+
 def encoding_fingerprint(enc: tiktoken.Encoding) -> str:
-    """Stable sha256 of the mergeable ranks, special tokens and split pattern (not the name).
+    """Stable sha256 of the mergeable ranks, special tokens and split pattern (not the name), and the chat template
+    when the encoding carries one (it decides the tokens post-training sees).
 
     Remembered per Encoding object (an Encoding is immutable): hashing GPT-2's 50k ranks takes ~0.1 s.
     """
@@ -152,7 +166,10 @@ def encoding_fingerprint(enc: tiktoken.Encoding) -> str:
         return _FINGERPRINTS[enc]
     ranks = sorted(enc._mergeable_ranks.items(), key=lambda kv: kv[1])
     blob = b"".join(r.to_bytes(4, "little") + len(t).to_bytes(2, "little") + t for t, r in ranks)
-    fp = stable_hash({"pat_str": enc._pat_str, "special_tokens": enc._special_tokens, "ranks": sha256_bytes(blob)})
+    fields = {"pat_str": enc._pat_str, "special_tokens": enc._special_tokens, "ranks": sha256_bytes(blob)}
+    if chat_template(enc):
+        fields["chat_template"] = chat_template(enc)
+    fp = stable_hash(fields)
     _FINGERPRINTS[enc] = fp
     return fp
 
@@ -167,6 +184,7 @@ def save_encoding(enc: tiktoken.Encoding, path: str | os.PathLike) -> None:
         "special_tokens": enc._special_tokens,
         "n_vocab": enc.n_vocab,
         "fingerprint": encoding_fingerprint(enc),
+        **({"chat_template": chat_template(enc)} if chat_template(enc) else {}),
         "mergeable_ranks": [[base64.b64encode(t).decode("ascii"), r] for t, r in ranks],
     }
     atomic_write_text(path, json.dumps(doc, separators=(",", ":")) + "\n")
@@ -187,6 +205,8 @@ def load_encoding(path: str | os.PathLike) -> tiktoken.Encoding:
             name=str(doc["name"]), pat_str=str(doc["pat_str"]), mergeable_ranks=ranks,
             special_tokens={str(k): int(v) for k, v in doc["special_tokens"].items()},
         )
+        if doc.get("chat_template") is not None:
+            with_chat_template(enc, str(doc["chat_template"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TokenizerError(f"cannot load encoding file {path}: {type(e).__name__}: {e} (corrupt or truncated?)") from e
     if encoding_fingerprint(enc) != doc.get("fingerprint"):

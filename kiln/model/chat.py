@@ -11,6 +11,7 @@ sandbox as transformers renders it: Kiln's own (kiln.release.hf.CHAT_TEMPLATE) o
 from __future__ import annotations
 
 import codecs
+import functools
 import uuid
 from typing import Iterator
 
@@ -24,16 +25,21 @@ class ChatError(ValueError):
     """A template that does not render, or a conversation that no longer fits the model's context."""
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+
 def render_ids(enc, template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` in ``template``: the template's own text may hold special tokens, each message's
     content is ordinary text."""
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     marks = [f"\x00{uuid.uuid4().hex}\x00" for _ in messages]
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     try:
-        text = env.from_string(template).render(
+        text = _compiled(template).render(
             messages=[{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt=add_generation_prompt,
             bos_token="", eos_token="")
     except TemplateError as e:

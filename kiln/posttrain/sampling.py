@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from kiln.model.generate import generate
-from kiln.posttrain.sft import chat_prompt_ids
+from kiln.posttrain.sft import chat_prompt_ids, turn_end
 
 
 @torch.no_grad()
@@ -23,6 +23,7 @@ def complete(model: nn.Module, enc, prompts: list[str], max_new_tokens: int, tem
     (kiln.model.generate's ``samples``). Returns completions[prompt][sample].
     """
     ids = [chat_prompt_ids(enc, p)[-(model.config.block_size - max_new_tokens):] for p in prompts]
+    end = turn_end(enc)  # the end of text, or the chat template's end of a turn
     out: list[list[list[int]]] = [[] for _ in prompts]
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(ids):
@@ -31,13 +32,14 @@ def complete(model: nn.Module, enc, prompts: list[str], max_new_tokens: int, tem
         for start in range(0, len(members), max(1, 64 // samples)):
             group = members[start : start + max(1, 64 // samples)]
             x = torch.tensor([ids[i] for i in group], device=device)  # (G, L)
-            gen = generate(model, x, max_new_tokens, temperature=temperature, stop_token=enc.eot_token,
+            gen = generate(model, x, max_new_tokens, temperature=temperature, stop_token=end,
                            n_vocab=enc.n_vocab, generator=generator, samples=samples)[:, length:].tolist()  # (G*S, ...)
             for k, i in enumerate(group):
                 for row in gen[k * samples : (k + 1) * samples]:
-                    out[i].append(row[: row.index(enc.eot_token) + 1] if enc.eot_token in row else row)
+                    out[i].append(row[: row.index(end) + 1] if end in row else row)
     return out
 
 
 def decode_completion(enc, tokens: list[int]) -> str:
-    return enc.decode([t for t in tokens if t != enc.eot_token])
+    ends = {enc.eot_token, turn_end(enc)}
+    return enc.decode([t for t in tokens if t not in ends])

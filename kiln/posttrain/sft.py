@@ -1,11 +1,13 @@
 """Supervised fine-tuning: the chat template, prompt-masked packing, a resumable loader, and the SFT stage.
 
-Examples are ``<|user|>prompt<|assistant|>response<|endoftext|>``; loss falls on the response only.
+Examples are ``<|user|>prompt<|assistant|>response<|endoftext|>``, or the encoding's own chat template when it carries
+one (an imported model's, kiln.tokenizer.chat_template); loss falls on the response only (and the turn's end).
 ``python -m kiln.train --config job.json`` with task "sft" runs SftStage; the DPO and RL stages reuse the template.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from kiln.common.files import jsonl_objects
+from kiln.tokenizer import chat_template
 from kiln.train.dist import DistInfo
 from kiln.train.job import JobConfig
 from kiln.train.pretrain import NextTokenStage
@@ -21,16 +24,43 @@ IGNORE = -100  # target value cross-entropy skips
 
 
 def chat_prompt_ids(enc, prompt: str) -> list[int]:
-    """Token ids of the prompt side of the template, ending with the assistant marker."""
+    """Token ids of the prompt side of the template, ending where the assistant's answer starts."""
+    template = chat_template(enc)
+    if template:
+        from kiln.model.chat import render_ids
+
+        return render_ids(enc, template, [{"role": "user", "content": prompt}])
     sp = enc._special_tokens
     return [sp["<|user|>"], *enc.encode_ordinary(prompt), sp["<|assistant|>"]]
 
 
 def encode_example(enc, prompt: str, response: str) -> tuple[list[int], list[int]]:
-    """(ids, mask): mask is 1 where the token is part of the response (and its end-of-text)."""
+    """(ids, mask): mask is 1 where the token is part of the response (and the template's end of the turn)."""
     p = chat_prompt_ids(enc, prompt)
+    template = chat_template(enc)
+    if template:
+        from kiln.model.chat import render_ids
+
+        ids = render_ids(enc, template, [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+                         add_generation_prompt=False)
+        if ids[: len(p)] != p:
+            raise ValueError(f"chat template of {enc.name}: the conversation with an answer does not start with the "
+                             "prompt the template gives for generation; it cannot mark the answer's tokens")
+        return ids, [0] * len(p) + [1] * (len(ids) - len(p))
     r = [*enc.encode_ordinary(response), enc.eot_token]
     return p + r, [0] * len(p) + [1] * len(r)
+
+
+@functools.lru_cache(maxsize=16)
+def turn_end(enc) -> int:
+    """The token that ends an assistant's answer: the first special token the template writes after the answer's
+    text (ChatML's <|im_end|>), or the end of text."""
+    template = chat_template(enc)
+    if not template:
+        return enc.eot_token
+    ids, mask = encode_example(enc, "q", "a")
+    specials = set(enc._special_tokens.values())
+    return next((t for t, m in zip(ids, mask) if m and t in specials), enc.eot_token)
 
 
 def read_pairs(path: str | Path, split: str | None = None) -> list[dict]:

@@ -80,9 +80,12 @@ def _config_and_tokenizer(folder: Path) -> tuple[ModelConfig, dict[str, Any], Im
 
 def _gguf_parts(path: Path, weights: bool) -> tuple[GgufModel, ModelConfig, ImportedTokenizer]:
     """(the GGUF read, its ModelConfig, its imported tokenizer), checked to belong together."""
+    from kiln.tokenizer import with_chat_template
+
     g = read_gguf(path, weights=weights)
     cfg = model_config_of(path, g.config)
     tok = encoding_from_hf(path, name=f"gguf-{path.stem}", doc=g.tokenizer)
+    with_chat_template(tok.encoding, g.record["chat_template"])  # post-training and chat use the model's own
     if tok.imported_vocab > cfg.vocab_size:
         raise PretrainedError(f"{path}: metadata tokenizer.ggml.tokens has {tok.imported_vocab} tokens but the "
                               f"embedding has {cfg.vocab_size} rows; the tokenizer does not belong to these weights")

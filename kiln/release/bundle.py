@@ -82,7 +82,10 @@ def _write_ggufs(state: dict, cfg: ModelConfig, enc, out_dir: Path, types: Seque
         gguf_architecture(cfg)
     except ReleaseError as e:
         return {"files": [], "skipped": str(e)}
-    return {"files": [write_gguf(state, cfg, enc, out_dir / f"model-{t}.gguf", t, chat_template=CHAT_TEMPLATE,
+    from kiln.tokenizer import chat_template
+
+    return {"files": [write_gguf(state, cfg, enc, out_dir / f"model-{t}.gguf", t,
+                                 chat_template=chat_template(enc) or CHAT_TEMPLATE,
                                  name=name, license=license) for t in types]}
 
 

@@ -17,6 +17,7 @@ from kiln.common.files import atomic_path, atomic_write_json, atomic_write_text
 from kiln.model import mup
 from kiln.model.config import ModelConfig
 from kiln.model.families import of
+from kiln.tokenizer import chat_template
 
 # The chat layout Kiln's SFT trains on (kiln.posttrain.sft.encode_example), as a Jinja template for apply_chat_template.
 CHAT_TEMPLATE = (
@@ -250,7 +251,8 @@ def write_hf_tokenizer(enc, out_dir: Path, model_max_length: int) -> list[str]:
         "bos_token": eot, "eos_token": eot, "unk_token": eot, "pad_token": eot,
         "additional_special_tokens": extra, "extra_special_tokens": extra,
         "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False, "added_tokens_decoder": added, "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False, "added_tokens_decoder": added,
+        "chat_template": chat_template(enc) or CHAT_TEMPLATE,
     })
     atomic_write_json(out_dir / "special_tokens_map.json", {
         "bos_token": eot, "eos_token": eot, "unk_token": eot, "pad_token": eot, "additional_special_tokens": extra,
