@@ -9,9 +9,9 @@ from pydantic import Field
 from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
 from assets._config import schema_of
 from assets.pretrained import import_folder, lineage_of
+from assets.training import Lora
 from kiln.evaluation.contamination import DEFAULT_N
 from kiln.model.config import ModelConfig
-from kiln.model.lora import LoRAConfig
 from kiln.posttrain import instructions as kinst
 from kiln.posttrain.measures import (comparison_line, comparison_table, heldout_suite, log_comparison, means,
                                      measure_before, measure_checkpoint, suite_key)
@@ -129,7 +129,6 @@ def start_weights(stage: str, init_from: str, upstream: dict, training_plan: dic
             {"init_from": rec["checkpoint"], "pretrained": lineage_of(rec)})
 
 
-Lora = schema_of(LoRAConfig, name="Lora")
 SftOptim = schema_of(OptimConfig, defaults={"warmup_steps": 20}, name="SftOptim")
 DpoOptim = schema_of(OptimConfig, defaults={"lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0}, name="DpoOptim")
 RlOptim = schema_of(OptimConfig, defaults={"lr": 3e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},

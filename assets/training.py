@@ -20,6 +20,7 @@ from kiln.plan import (PREDICTIONS, BatchConfig, HardwareConfig, ParallelConfig,
                        plan_from_config, plan_version)
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, describe_sizes, pretrain_report
+from kiln.model.lora import LoRAConfig
 from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
 from kiln.train.spikes import SpikeConfig
 from resources.storage import KilnStorageResource
@@ -40,6 +41,7 @@ Parallel = schema_of(ParallelConfig, name="Parallel")
 LayoutBlock = schema_of(LayoutRequest, name="LayoutRequest")
 Optim = schema_of(OptimConfig, defaults=PRETRAIN_OPTIM, name="Optim")
 Spikes = schema_of(SpikeConfig, name="Spikes")
+Lora = schema_of(LoRAConfig, name="Lora")  # the adapters of any training stage (alignment's and RLHF's too)
 
 
 class TrainingPlanConfig(Config):
@@ -232,6 +234,7 @@ PRETRAIN_FIELDS = ("eval_interval", "eval_batches", "ckpt_interval", "keep_last"
 class BaseModelConfig(schema_of(JobConfig, include=PRETRAIN_FIELDS, name="PretrainJobFields")):
     optim: Optim = Field(default_factory=Optim, description="Optimizer (Muon on the blocks' matrices with AdamW on the rest, or AdamW alone) and its schedule: peak lrs, warmup, warmup-stable-decay or cosine, floor, decay, clipping.")
     spikes: Spikes = Field(default_factory=Spikes, description="Loss-spike detection and rollback to an earlier checkpoint.")
+    lora: Lora = Field(default_factory=Lora, description="Continued pretraining of imported weights only: {enabled: true} trains adapters (merged into the saved weights), {enabled: true, quantize: nf4} on a 4-bit frozen base (QLoRA); off: every weight trains.")
 
 
 @asset(code_version="2", group_name="training", retry_policy=TRAINING_RETRY)
@@ -241,6 +244,8 @@ def base_model(context: AssetExecutionContext, config: BaseModelConfig, training
     with failing_on_config_errors():
         fields = {**config.job_fields(), "train_files": token_shards["train"], "val_files": token_shards["val"],
                   "max_steps": training_plan["max_steps"]}
+        if not fields.get("lora"):  # adapters off: the job every run without them had (its run key unchanged)
+            fields.pop("lora", None)
         if training_plan.get("optim_overrides"):  # the best sweep point's optimizer fields (from_sweep)
             fields["optim"] = {**fields.get("optim", {}), **training_plan["optim_overrides"]}
         predicted = training_plan.get("scaling")

@@ -184,7 +184,8 @@ class JobConfig(TrainJob):
     # attend within documents only (pretraining; kiln.model.masks): an EOT opens the document after it; training and
     # validation both masked; the EOT id is read from the shards' manifest.json (eot_token) or the tokenizer
     document_mask: bool = False
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # task sft: enabled=true trains adapters on frozen weights
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # enabled=true trains adapters on frozen weights (sft; and
+    # continued pretraining of init_from's weights)
 
     def check(self, where: str = "job") -> None:
         super().check(where)
@@ -193,5 +194,6 @@ class JobConfig(TrainJob):
         if self.document_mask and self.task != "pretrain":
             raise ConfigError(f"{where}.document_mask is a pretraining option (packed token shards); task "
                               f"{self.task!r} batches are not packed documents: set document_mask to false")
-        if self.task == "pretrain" and self.lora != LoRAConfig():
-            raise ConfigError(f"{where}.lora: pretraining trains every weight; LoRA applies to task 'sft' (and dpo, rl)")
+        if self.task == "pretrain" and self.lora.enabled and not self.init_from:
+            raise ConfigError(f"{where}.lora: LoRA adapts weights that exist; pretraining from random weights trains "
+                              "every weight. Continued pretraining of imported weights (pretrained_model) takes it")

@@ -162,6 +162,7 @@ class PretrainStage(NextTokenStage):
 
         loader = TokenLoader([Path(p) for p in job.train_files], job.micro_batch, job.seq_len, info.data_rank,
                              info.data_world, job.seed)
+        self.lora = job.lora  # enabled: adapters on the frozen init_from weights (continued pretraining)
         val_files = [Path(p) for p in job.val_files]
         super().__init__(job, info, loader,
                          lambda: iter_eval_batches(val_files, job.micro_batch, job.seq_len, job.eval_batches),

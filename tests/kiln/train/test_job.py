@@ -53,7 +53,7 @@ def test_rl_and_ppo_watch_only_non_finite_losses_unless_told():
     (JobConfig, {"optim": {"lrr": 1}}, "base_model.optim: unknown key 'lrr'. Did you mean 'lr'?"),
     (JobConfig, {"model": {"n_embd": 65, "n_head": 2}}, "base_model: model.n_embd (65) must be divisible"),
     (JobConfig, {"lora": {"rank": 0}, "task": "sft"}, "base_model: lora.rank must be >= 1"),
-    (JobConfig, {"lora": {"enabled": True}}, "base_model.lora: pretraining trains every weight"),
+    (JobConfig, {"lora": {"enabled": True}}, "base_model.lora: LoRA adapts weights that exist; pretraining from random"),
     (JobConfig, {"document_mask": True, "task": "sft"}, "base_model.document_mask is a pretraining option"),
     (JobConfig, {"task": "sft", "parallelism": "fsdp", "lora": {"enabled": True}}, "a LoRA run replicates its model"),
     (DpoJob, {"train_files": ["p.jsonl"]}, "base_model.init_from is empty: a dpo job starts from"),

@@ -373,3 +373,25 @@ def test_a_cuda_rank_without_its_gpu_says_so(monkeypatch) -> None:
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(RuntimeError, match="rank 1: 2 ranks per node need 2 GPUs but this machine has 1"):
         setup_distributed("cuda", 60)
+
+
+def test_continued_pretraining_with_lora_trains_adapters_on_the_start_weights(baseline, pretrain_job, tmp_path) -> None:
+    """A pretraining job with init_from and lora.enabled (the finetune preset's LoRA; QLoRA is the same trainer path,
+    tests/kiln/model/test_qlora.py): the start weights stay frozen, the adapters train, the saved weights are the
+    merged plain model, and the loss falls."""
+    job_path, _ = baseline
+    start = list_checkpoints(Path(json.loads(job_path.read_text())["out_dir"]) / "checkpoints")[-1]
+    job = pretrain_job(tmp_path, init_from=str(start), max_steps=10, eval_interval=5, ckpt_interval=10,
+                       lora={"enabled": True, "rank": 4}, optim={"lr": 1e-2, "warmup_steps": 2})
+    rep = ListReporter()
+    with one_thread():
+        main(["--config", str(job), "--device", "cpu"], reporter=rep)
+    text = "\n".join(rep.lines)
+    assert "LoRA rank 4 on" in text and f"initialised weights from {start}" in text
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["final_val_loss"] < result["initial_val_loss"]
+    base_state, _ = load_state(start)
+    end_state, _ = load_state(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
+    assert set(end_state["model"]) == set(base_state["model"])  # merged: plain weights, no adapter tensors
+    moved = [k for k in base_state["model"] if not torch.equal(base_state["model"][k], end_state["model"][k])]
+    assert moved and all(k.endswith(".weight") and base_state["model"][k].dim() == 2 for k in moved)
