@@ -236,14 +236,16 @@ class KilnLM(LM):
 
     @torch.inference_mode()
     def _generate_batch(
-        self, contexts: Sequence[str], max_new: int, temperature: float, top_k: int | None, until: Sequence[str]
+        self, contexts: Sequence[str], max_new: int, temperature: float, top_k: int | None, until: Sequence[str],
+        skip_special: bool = False,
     ) -> list[str]:
         """Decode up to max_new tokens per context, all rows together through one KV cache (kiln.model.generate).
 
         Greedy when temperature <= 0. A row stops at EOT or once its text holds a stop string; the rest go on.
         Rows are right-padded; a longer context is fed a token a step while the shorter ones already decode.
         A context is left-truncated to max_length - max_new tokens, as lm-eval's HFLM truncates it, so the answer
-        is decoded with the same context in view (and through the KV cache).
+        is decoded with the same context in view (and through the KV cache). ``skip_special`` leaves special
+        tokens (chat markers) out of the returned text, as HFLM's decode does; stop strings are matched with them in.
         """
         self.model.eval()
         keep = self.max_length - max_new if max_new < self.max_length else self.max_length
@@ -255,7 +257,11 @@ class KilnLM(LM):
                        n_vocab=self.n_vocab, generator=self.generator, lengths=[len(s) for s in seqs],
                        window=self.max_length, stop=stop).tolist()
         new = [row[len(s) : len(s) + max_new] for row, s in zip(out, seqs)]
-        texts = [self.enc.decode(n[: n.index(self.eot)] if self.eot in n else n) for n in new]
+        new = [n[: n.index(self.eot)] if self.eot in n else n for n in new]
+        if skip_special:
+            specials = {self.enc.encode_single_token(t) for t in self.enc.special_tokens_set}
+            new = [[t for t in n if t not in specials] for n in new]
+        texts = [self.enc.decode(n) for n in new]
         return [t[: min([t.find(s) for s in until if s in t], default=len(t))] for t in texts]
 
     def _generate(self, context: str, max_new: int, temperature: float, top_k: int | None, until: Sequence[str]) -> str:
@@ -267,7 +273,8 @@ class KilnLM(LM):
 
         gen_kwargs: until (str | list), max_gen_toks, do_sample (default: temperature > 0), temperature
         (default 1.0 when sampling), top_k. Greedy unless sampling is asked for. Requests with the same settings
-        decode together in batches of batch_size, longest context first.
+        decode together in batches of batch_size, longest context first. Special tokens (chat markers) are left out
+        of the text, as lm-eval's HFLM leaves them out.
         """
         groups: dict[tuple, list[int]] = {}  # (max_new, temperature, top_k, until) -> request indices
         for n, req in enumerate(requests):
@@ -292,7 +299,8 @@ class KilnLM(LM):
             idx = sorted(idx, key=lambda n: -len(requests[n].args[0]))
             for start in range(0, len(idx), self.batch_size):
                 chunk = idx[start : start + self.batch_size]
-                texts = self._generate_batch([requests[n].args[0] for n in chunk], max_new, temp, top_k, until)
+                texts = self._generate_batch([requests[n].args[0] for n in chunk], max_new, temp, top_k, until,
+                                             skip_special=True)
                 for n, text in zip(chunk, texts):
                     out[n] = text
                 answered += len(chunk)
