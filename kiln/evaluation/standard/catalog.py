@@ -123,7 +123,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               licence=LICENCES["humaneval"], fewshot="none (zero-shot)", convert="humaneval",
               note="completions run in Kiln's sandbox (kiln.evaluation.sandbox.run_many), not lm-eval's exec"),
     Benchmark(name="mbpp", yaml="mbpp/mbpp.yaml", version=1.0, chance=0.0, primary="pass_at_1,none", rows=500,
-              data={"test": _requests("codex_mbpp")}, reads=("text", "test_list"), licence=LICENCES["mbpp"],
+              data={"test": _requests("codex_mbpp")}, reads=("text", "test_list", "code"), licence=LICENCES["mbpp"],
               fewshot="the 3 exemplars fixed in lm-eval's mbpp utils.py", convert="mbpp",
               note="completions run in Kiln's sandbox (kiln.evaluation.sandbox.run_many), not lm-eval's exec"),
 )

@@ -88,3 +88,45 @@ def compare(prepared: Prepared, sides: dict[str, Any], max_gen_toks: int | None 
             row[f"generations_differ_{name}"] = sum(a != b for a, b in texts) if texts else None
         rows.append(row)
     return rows, outs
+
+
+def save_tiny_llama(folder: str | Path, positions: int = 512, vocab: int = 512, seed: int = 0) -> Path:
+    """A random tiny transformers llama (2 layers, width 32) with a byte-level BPE holding Kiln's chat tokens, so
+    that Kiln's import adds no ids and both sides normalise over the same vocabulary: the model the parity check
+    and its test run when no released model is given."""
+    import json
+
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from kiln.tokenizer import SPECIAL_TOKENS
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    words = ("the a of to and is in that it for on was with as by question answer which what def return if "
+             "print 0 1 2 3 4 5 6 7 8 9 + - = ( ) [ ] : , . ? ! \" ' # $ \\frac{ } x y").split()
+    rng = __import__("random").Random(seed)
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 30))) for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(folder / "tokenizer.json"))
+    eot = tok.token_to_id(SPECIAL_TOKENS[0])
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": SPECIAL_TOKENS[0], "pad_token": SPECIAL_TOKENS[0],
+        "model_max_length": positions}))
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot,
+                         pad_token_id=eot)
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper next-token choices than the default init: greedy decoding far from ties
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(str(folder))
+    (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n# a random tiny llama (parity checks)\n")
+    return folder

@@ -22,6 +22,7 @@ from kiln.evaluation.standard.data import PACKAGE, BenchmarkError, math_extra, p
 from kiln.sources.packages import pin
 
 DEFAULT_CACHE = ".kiln/storage/cache/sources"
+MIN_PER_SUBTASK = 2  # a group's limit gives each subtask this many items at least: lm-eval's stderr needs two
 
 
 @dataclass
@@ -41,26 +42,28 @@ def _registry():
     return REGISTRY
 
 
-def allocate(sizes: dict[str, int], limit: int) -> dict[str, int]:
-    """``limit`` items shared over tasks in proportion to their sizes, each at least one (largest remainder)."""
-    total, free = sum(sizes.values()), limit - len(sizes)
-    exact = {t: free * (n - 1) / max(total - len(sizes), 1) for t, n in sizes.items()}
-    out = {t: 1 + int(x) for t, x in exact.items()}
+def allocate(sizes: dict[str, int], limit: int, least: int = 1) -> dict[str, int]:
+    """``limit`` items shared over tasks in proportion to their sizes beyond ``least`` each (largest remainder)."""
+    total, free = sum(sizes.values()), limit - least * len(sizes)
+    exact = {t: free * (n - least) / max(total - least * len(sizes), 1) for t, n in sizes.items()}
+    out = {t: least + int(x) for t, x in exact.items()}
     for t in sorted(sizes, key=lambda t: (int(exact[t]) - exact[t], t))[: limit - sum(out.values())]:
         out[t] += 1
     return out
 
 
 def draw(sizes: dict[str, int], limit: int, seed: int, name: str) -> dict[str, list[int]]:
-    """The seeded subsample: {task: sorted doc indices}; a group's limit is shared over its tasks (each >= 1)."""
+    """The seeded subsample: {task: sorted doc indices}; a group's limit is shared over its tasks in proportion to
+    their sizes, each at least MIN_PER_SUBTASK."""
     total = sum(sizes.values())
     if limit > total:
         raise BenchmarkError(f"{name}: limit {limit} is more than its {total} items; give at most {total}, or no limit "
                              "for every item")
-    if limit < len(sizes):
-        raise BenchmarkError(f"{name}: limit {limit} is fewer than its {len(sizes)} subtasks; give at least "
-                             f"{len(sizes)} (one item each)")
-    take = allocate(sizes, limit) if len(sizes) > 1 else {t: limit for t in sizes}
+    least = MIN_PER_SUBTASK * len(sizes)
+    if len(sizes) > 1 and limit < least:
+        raise BenchmarkError(f"{name}: limit {limit} is too few for its {len(sizes)} subtasks; give at least {least} "
+                             f"({MIN_PER_SUBTASK} items each, so that each has a standard error)")
+    take = allocate(sizes, limit, MIN_PER_SUBTASK) if len(sizes) > 1 else {t: limit for t in sizes}
     return {t: sorted(random.Random(f"{seed}:{t}").sample(range(sizes[t]), k)) for t, k in take.items()}
 
 
@@ -70,7 +73,7 @@ def prepare(names: list[str], cache_dir: str | Path = DEFAULT_CACHE, out_dir: st
 
     Every problem is a BenchmarkError (or UnknownBenchmarkError) with a one-line message, raised before any model
     is loaded. ``limit``: a seeded sample of that many items per benchmark (shared over a group's subtasks, at
-    least one each), not lm-eval's first N; None scores every item.
+    least two each), not lm-eval's first N; None scores every item.
     """
     registry = _registry()
     if not names:
@@ -186,14 +189,14 @@ def run_standard(model: Any, encoding: Any = None, names: list[str] | None = Non
     from kiln.evaluation.adapter import KilnLM
 
     names = list(names) if names is not None else _registry().benchmark_names()
+    if not isinstance(model, (str, os.PathLike)) and encoding is None:
+        raise BenchmarkError("run_standard needs the model's tiktoken encoding beside a Kiln GPT")
     prepared = prepare(names, cache_dir, out_dir, limit, seed)
+    was_training = bool(getattr(model, "training", False))
     if isinstance(model, (str, os.PathLike)):
         lm = KilnLM.from_checkpoint(model, device=device, batch_size=batch_size, seed=seed, progress=progress)
     else:
-        if encoding is None:
-            raise BenchmarkError("run_standard needs the model's tiktoken encoding beside a Kiln GPT")
         lm = KilnLM(model, encoding, device=device, batch_size=batch_size, seed=seed, progress=progress)
-    was_training = lm.model.training
     try:
         out = evaluate_lm(lm, prepared, seed=seed, bootstrap_iters=bootstrap_iters, max_gen_toks=max_gen_toks)
     finally:

@@ -103,8 +103,8 @@ class Leaf:
     files: dict[str, list[str]]  # {split: data files}
 
 
-def _data_for(bench: Benchmark, cfg: dict[str, Any], root: Path, out: Path) -> tuple[dict[str, list[Path]], int]:
-    """Data files per split for one task config (Arrow in the package, or converted JSONL in out); its eval items."""
+def _data_for(bench: Benchmark, cfg: dict[str, Any], root: Path, out: Path) -> tuple[dict[str, list[Path]], dict[str, int]]:
+    """Data files per split of one task (Arrow in the package, or converted JSONL under out/../.data); item counts."""
     files: dict[str, list[Path]] = {}
     counts: dict[str, int] = {}
     for split, template in bench.data.items():
@@ -112,9 +112,11 @@ def _data_for(bench: Benchmark, cfg: dict[str, Any], root: Path, out: Path) -> t
         where = f"{bench.name} ({cfg['task']}, {split} split, {rel})"
         if bench.convert:
             rows = convert(bench.convert, read_split(root, rel))
-            path = out / "data" / f"{cfg['task']}.{split}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            path = out.parent / ".data" / bench.name / f"{cfg['task']}.{split}.jsonl"
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:  # unchanged: datasets' copy reused
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(path, text)
             files[split] = [path]
         else:
             folder = file_in(root, rel)
@@ -128,8 +130,9 @@ def _data_for(bench: Benchmark, cfg: dict[str, Any], root: Path, out: Path) -> t
     return files, counts
 
 
-def _retarget(cfg: dict[str, Any], files: dict[str, list[Path]], dataset_path: str) -> dict[str, Any]:
-    """The task config reading ``files``: splits the data lacks set to null, the data source swapped."""
+def _retarget(cfg: dict[str, Any], files: dict[str, list[Path]], dataset_path: str, cache: Path) -> dict[str, Any]:
+    """The task config reading ``files``: splits the data lacks set to null, the data source swapped; ``datasets``
+    keeps its prepared copy in ``cache`` (beside the tasks, not in the user's Hugging Face cache)."""
     new = {k: v for k, v in cfg.items() if k not in DATA_KEYS}
     for key in SPLIT_KEYS:
         if new.get(key) is not None and new[key] not in files:
@@ -137,7 +140,8 @@ def _retarget(cfg: dict[str, Any], files: dict[str, list[Path]], dataset_path: s
     if not (new.get("test_split") or new.get("validation_split")):
         raise BenchmarkError(f"{cfg['task']}: none of its scored splits is in the data ({sorted(files)})")
     head = {"task": new.pop("task"), "dataset_path": dataset_path,
-            "dataset_kwargs": {"data_files": {s: [str(p) for p in ps] for s, ps in files.items()}}}
+            "dataset_kwargs": {"data_files": {s: [str(p) for p in ps] for s, ps in files.items()},
+                               "cache_dir": str(cache)}}
     return {**head, **new}
 
 
@@ -189,7 +193,7 @@ def write_benchmark(bench: Benchmark, root: Path, out_dir: str | Path) -> dict[s
     for src in sources:
         cfg = load_flat(src)
         files, counts = _data_for(bench, cfg, root, out)
-        new = _retarget(cfg, files, "json" if bench.convert else "arrow")
+        new = _retarget(cfg, files, "json" if bench.convert else "arrow", Path(out_dir).resolve() / ".datasets-cache")
         scored = new.get("test_split") or new.get("validation_split")
         atomic_write_text(out / f"{cfg['task']}.yaml", dump(new))
         modules.update(_copy_functions(new, src.parent, out, bench))
