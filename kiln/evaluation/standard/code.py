@@ -30,7 +30,8 @@ def run_programs(references: Sequence[str], predictions: Sequence[Sequence[str]]
     return [[next(results).passed for _ in cands] for cands in predictions]
 
 
-def pass_at_k(references: list[str], predictions: list[list[str]], k: list[int] | int | None = None) -> dict[str, float]:
+def pass_at_k(references: list[str], predictions: list[list[str]],
+              k: list[int] | int | None = None) -> dict[str, float]:
     """lm-eval humaneval's metric: {"pass@k": mean over problems} for each k."""
     ks = [1] if k is None else [k] if isinstance(k, int) else list(k)
     passed = run_programs(references, predictions)

@@ -120,7 +120,7 @@ def read_split(root: Path, rel: str) -> list[dict[str, Any]]:
 
 # ---- conversions: the package's fields -> the fields lm-eval's task reads ------------------------------------------
 def _boolq(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """google/boolq (question, answer: bool, passage) -> super_glue/boolq (question, passage, idx, label: 0 no, 1 yes)."""
+    """google/boolq (question, answer: bool, passage) -> super_glue/boolq (question, passage, idx, label 0 no/1 yes)."""
     return [{"question": r["question"], "passage": r["passage"], "idx": i, "label": int(bool(r["answer"]))}
             for i, r in enumerate(rows)]
 

@@ -15,10 +15,13 @@ from kiln.evaluation.standard.run import Prepared, evaluate_lm, load_tasks, scor
 
 
 def hf_lm(folder: str | Path, batch_size: int = 16, max_length: int | None = None, device: str = "cpu") -> Any:
-    """lm-eval's HFLM on a Hugging Face folder, in float32."""
+    """lm-eval's HFLM on a Hugging Face folder (or a GGUF file, which transformers dequantises), in float32."""
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=str(folder), batch_size=batch_size, max_length=max_length, device=device, dtype="float32")
+    path = Path(folder)
+    gguf = {"pretrained": str(path.parent), "gguf_file": path.name} if path.suffix.lower() == ".gguf" else {}
+    return HFLM(**{"pretrained": str(path), **gguf}, batch_size=batch_size, max_length=max_length, device=device,
+                dtype="float32")
 
 
 def kiln_lm(folder: str | Path, work_dir: str | Path, batch_size: int = 16, max_length: int | None = None,
@@ -69,8 +72,9 @@ def compare(prepared: Prepared, sides: dict[str, Any], max_gen_toks: int | None 
         flat = {name: scores(out, sub)[bench] for name, out in outs[bench].items()}
         resp = {name: responses(out) for name, out in outs[bench].items()}
         keys = sorted(resp[first])
+        lls = [abs(v) for v in map(_loglik, resp[first].values()) if v is not None]
         row: dict[str, Any] = {"benchmark": bench, "items": flat[first]["items"], "requests": len(keys),
-                               "primary": prepared.benchmarks[bench].primary}
+                               "primary": prepared.benchmarks[bench].primary, "max_abs_loglik": max(lls, default=None)}
         for name in sides:
             row[f"{name}_score"] = flat[name]["score"]
             row[f"{name}_stderr"] = flat[name]["stderr"]
@@ -79,10 +83,13 @@ def compare(prepared: Prepared, sides: dict[str, Any], max_gen_toks: int | None 
             if name == first:
                 continue
             pairs = [(resp[first][k], resp[name].get(k)) for k in keys]
-            deltas = [abs(_loglik(a) - _loglik(b)) for a, b in pairs if _loglik(a) is not None and _loglik(b) is not None]
+            both = [(_loglik(a), _loglik(b)) for a, b in pairs if _loglik(a) is not None and _loglik(b) is not None]
+            deltas = [abs(a - b) for a, b in both]
             texts = [(a, b) for a, b in pairs if isinstance(a, str)]
             row[f"missing_{name}"] = sum(b is None for _, b in pairs)
             row[f"max_dloglik_{name}"] = max(deltas) if deltas else None
+            rel = [abs(a - b) / max(abs(a), 1.0) for a, b in both]
+            row[f"max_rel_dloglik_{name}"] = max(rel) if rel else None  # float32 sums: ~1e-7 of |loglik| is noise
             row[f"greedy_differ_{name}"] = sum(bool(a[1]) != bool(b[1]) for a, b in pairs
                                                if _loglik(a) is not None and _loglik(b) is not None)
             row[f"generations_differ_{name}"] = sum(a != b for a, b in texts) if texts else None

@@ -126,7 +126,8 @@ def load_tasks(prepared: Prepared) -> dict[str, Any]:
 
 
 def evaluate_lm(lm: Any, prepared: Prepared, loaded: dict[str, Any] | None = None, seed: int = 1234,
-                bootstrap_iters: int = 1000, max_gen_toks: int | None = None, log_samples: bool = False) -> dict[str, Any]:
+                bootstrap_iters: int = 1000, max_gen_toks: int | None = None,
+                log_samples: bool = False) -> dict[str, Any]:
     """lm-eval's ``evaluate`` of ``lm`` on the prepared benchmarks, set up as ``simple_evaluate`` sets it up (default
     few-shot counts, few-shot seed, seeded random/numpy/torch). ``max_gen_toks`` caps generation for quick checks
     (it changes lm-eval's definition; the record says so). Returns lm-eval's output dict."""
@@ -177,9 +178,10 @@ def scores(out: dict[str, Any], prepared: Prepared) -> dict[str, dict[str, Any]]
     return rows
 
 
-def run_standard(model: Any, encoding: Any = None, names: list[str] | None = None, cache_dir: str | Path = DEFAULT_CACHE,
-                 out_dir: str | Path | None = None, limit: int | None = None, seed: int = 1234, batch_size: int = 16,
-                 device: str = "cpu", max_gen_toks: int | None = None, bootstrap_iters: int = 1000,
+def run_standard(model: Any, encoding: Any = None, names: list[str] | None = None,
+                 cache_dir: str | Path = DEFAULT_CACHE, out_dir: str | Path | None = None, limit: int | None = None,
+                 seed: int = 1234, batch_size: int = 16, device: str = "cpu", max_gen_toks: int | None = None,
+                 bootstrap_iters: int = 1000,
                  progress: Callable[[str], None] | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Score a Kiln model on standard benchmarks (all registered ones when ``names`` is None).
 

