@@ -178,7 +178,7 @@ def main() -> int:
     for spec in REGISTRY.local():
         print(f"{spec.name}\tchance {spec.chance}\tprimary {spec.primary}\tsuite {spec.suite}\t"
               f"items {type(spec.items).__name__}\t{spec.lm_eval['output_type']}")
-    for b in REGISTRY._benchmarks.values():
+    for b in map(REGISTRY.benchmark, REGISTRY.benchmark_names()):
         print(f"{b.name}\tlm-eval {b.yaml} v{b.version}\tchance {b.chance}\tprimary {b.primary}\titems {b.rows}")
     return 0
 
