@@ -1,0 +1,165 @@
+"""The finetune preset measured: a released model (SmolLM2-135M-Instruct) against what the preset makes of it.
+
+Run: ``python bench/bench_finetune.py --variant lora --seed 0 --home /tmp/ft-lora-0 [--limit 100]``. It runs
+``kiln run --preset finetune`` (with the variant's one field set on every training stage: lora, qlora or full, and the
+seed) in that home, timing the whole run and each asset and taking the largest process's peak memory; then it scores,
+on the same items, the imported model (pretrained_model's checkpoint) and the released weights (release_bundle):
+
+- held-out bits per byte on the demo corpus's held-out documents (eval_suite's kiln_heldout_ppl: documents no stage
+  trained on); target: the release at least 10% below the import;
+- the standard benchmarks (kiln.evaluation.standard, lm-eval's own task definitions) on a seeded subsample of
+  ``--limit`` items each, with standard errors; target: none below the import by more than the 95% interval of the
+  difference (1.96 x sqrt(se_before^2 + se_after^2), the two scores taken as independent).
+
+Writes bench/results/finetune_<variant>_seed<seed>.md and .json (command, commit, date, machine line inside). A second
+call on a finished home reuses every asset (the run's time is then the reuse's; the first call's is kept in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from provenance import header, header_md, machine_line  # noqa: E402
+
+VARIANTS = {"lora": {"enabled": True, "rank": 16, "alpha": 32.0},
+            "qlora": {"enabled": True, "rank": 16, "alpha": 32.0, "quantize": "nf4"},
+            "full": {"enabled": False}}
+STAGES = ("base_model", "sft_model", "dpo_model", "rl_model")
+TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "boolq", "openbookqa", "sciq", "mmlu",
+         "lambada")  # the multiple-choice and last-word sets; generation tasks (gsm8k, MATH, code) sit at 0 at 135M
+STEP_LINE = re.compile(r"^✓ (\w+)\s+(?:(\d+)m)?(\d+)s")
+
+
+def variant_preset(variant: str, seed: int, path: Path) -> Path:
+    ops = {stage: {"config": {"lora": VARIANTS[variant], "seed": seed}} for stage in STAGES}
+    if variant == "full":  # every weight trains: the demo's fine-tuning rates, not the adapters' tenfold ones
+        ops["base_model"]["config"]["optim"] = {"lr": 1.0e-4}
+        ops["sft_model"]["config"]["optim"] = {"lr": 5.0e-5}
+    path.write_text(json.dumps({"extends": "finetune", "ops": ops}, indent=1))
+    return path
+
+
+def run_preset(preset: Path, home: Path) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "kiln"), "run", "--preset", str(preset), "--home", str(home)],
+                          cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"kiln run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
+    steps = {}
+    for line in proc.stdout.splitlines():
+        m = STEP_LINE.match(line.strip())
+        if m:
+            steps[m.group(1)] = int(m.group(2) or 0) * 60 + int(m.group(3))
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # GiB: the largest process it waited for
+    return {"wall_s": round(wall, 1), "asset_s": steps, "peak_rss_gib": round(peak, 2), "log": proc.stdout[-4000:]}
+
+
+def newest(pattern: str, home: Path) -> Path:
+    found = sorted((home / "storage").glob(pattern), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"{home}: nothing matches storage/{pattern}; did the run finish?")
+    return found[-1]
+
+
+def heldout_bpb(model, enc, suite_dir: Path, limit: int | None) -> dict:
+    from kiln.evaluation.suite import run_suite
+
+    row = run_suite(model, enc, suite_dir, ["kiln_heldout_ppl"], limit=limit, batch_size=8)["kiln_heldout_ppl"]
+    return {"bits_per_byte": row["bits_per_byte"], "items": row.get("items")}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="lora")
+    ap.add_argument("--seed", type=int, default=0, help="every training stage's seed (initialisation of adapters, order)")
+    ap.add_argument("--home", required=True, help="the Kiln home the preset runs in (reused when it finished)")
+    ap.add_argument("--limit", type=int, default=100, help="items per benchmark (a seeded subsample)")
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--eval-seed", type=int, default=1234, help="seed of the benchmark subsample (the same before/after)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    print(f"machine: {machine_line()}", flush=True)
+    home = Path(args.home)
+    home.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or ROOT / "bench" / "results" / f"finetune_{args.variant}_seed{args.seed}")
+    previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
+    run = run_preset(variant_preset(args.variant, args.seed, home / "bench_preset.yaml"), home)
+    print(f"kiln run: {run['wall_s']:.0f} s, peak RSS {run['peak_rss_gib']:.2f} GiB", flush=True)
+
+    import torch
+
+    from jobs.cli import load_any_model
+    from kiln.evaluation.standard import run_standard
+    from kiln.train.checkpoint import load_for_inference
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    imported = newest("pretrained_model/*/checkpoints/step_0000000", home)
+    release = newest("release_bundle/*/SHA256SUMS", home).parent
+    suite_dir = newest("eval_suite/*/kiln_heldout_ppl.yaml", home).parent
+    cache = home / "storage" / "cache" / "sources"
+    rows, bpb = {}, {}
+    for label, path in (("imported", imported), ("finetuned", release)):
+        model, enc = (load_for_inference(path)[:2] if label == "imported" else load_any_model(path))
+        t0 = time.perf_counter()
+        bpb[label] = heldout_bpb(model, enc, suite_dir, None)
+        scores, record = run_standard(model, enc, args.tasks.split(","), cache_dir=cache, limit=args.limit,
+                                      seed=args.eval_seed, batch_size=8)
+        rows[label] = scores
+        print(f"{label}: {bpb[label]['bits_per_byte']:.4f} bits per byte held out; benchmarks in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+    change = bpb["finetuned"]["bits_per_byte"] / bpb["imported"]["bits_per_byte"] - 1
+    table = []
+    for task in args.tasks.split(","):
+        b, a = rows["imported"].get(task) or {}, rows["finetuned"].get(task) or {}
+        if b.get("score") is None or a.get("score") is None:
+            table.append({"task": task, "missing": True})
+            continue
+        sb, sa = b.get("stderr") or 0.0, a.get("stderr") or 0.0
+        half = 1.96 * math.sqrt(sb ** 2 + sa ** 2)
+        table.append({"task": task, "metric": b["primary"], "items": a.get("items"), "before": b["score"],
+                      "before_se": sb, "after": a["score"], "after_se": sa, "diff": a["score"] - b["score"],
+                      "interval": half, "forgot": a["score"] < b["score"] - half})
+    result = {**header(argv if argv is not None else sys.argv), "variant": args.variant, "seed": args.seed,
+              "home": str(home), "run": {k: v for k, v in run.items() if k != "log"},
+              "first_run": previous.get("first_run") or {k: v for k, v in run.items() if k != "log"},
+              "heldout_bpb": bpb, "bpb_change": change, "bpb_target_met": change <= -0.10,
+              "benchmarks": table, "forgetting_target_met": not any(r.get("forgot") for r in table),
+              "imported": str(imported), "release": str(release)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    first = result["first_run"]
+    md = [f"# finetune preset, {args.variant}, seed {args.seed}", "", *header_md(argv if argv is not None else sys.argv),
+          f"`kiln run --preset finetune` with every training stage's `lora` = {json.dumps(VARIANTS[args.variant])} and "
+          f"seed {args.seed}, in {home}: {first['wall_s']:.0f} s on its first run (package fetches and the source "
+          f"download included when the home was new), the largest process's peak RSS {first['peak_rss_gib']:.2f} GiB.", "",
+          "| asset | seconds |", "|---|---:|", *[f"| {k} | {v} |" for k, v in first["asset_s"].items()], "",
+          f"Held-out bits per byte (demo corpus, {bpb['imported']['items']} held-out documents): imported "
+          f"{bpb['imported']['bits_per_byte']:.4f}, fine-tuned {bpb['finetuned']['bits_per_byte']:.4f} "
+          f"({change:+.1%}; target -10%: {'met' if change <= -0.10 else 'missed'}).", "",
+          f"Benchmarks, {args.limit} items each (seed {args.eval_seed}), imported -> fine-tuned; 'forgot' where the "
+          f"fine-tuned score is below the imported one by more than the 95% interval of the difference:", "",
+          "| task | metric | items | imported | fine-tuned | difference | 95% interval | forgot |",
+          "|---|---|---:|---:|---:|---:|---:|---|",
+          *[f"| {r['task']} | {r['metric']} | {r['items']} | {r['before']:.3f} ± {r['before_se']:.3f} | "
+            f"{r['after']:.3f} ± {r['after_se']:.3f} | {r['diff']:+.3f} | ±{r['interval']:.3f} | {'yes' if r['forgot'] else 'no'} |"
+            if not r.get("missing") else f"| {r['task']} | - | - | - | - | - | - | not scored |" for r in table], ""]
+    out.with_suffix(".md").write_text("\n".join(md))
+    print(f"wrote {out.with_suffix('.md')}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
