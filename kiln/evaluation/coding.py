@@ -2,8 +2,12 @@
 task ``kiln_humaneval``, its completions executed against each problem's tests in the sandbox (kiln/evaluation/sandbox.py).
 
 The model continues the problem's prompt (signature and docstring) until one of HumanEval's stop sequences; each
-completion runs as ``prompt + completion + test + check(entry_point)`` in its own sandbox. pass@k is the unbiased
-estimator of the Codex paper (Chen et al. 2021) over n samples per problem; chance is 0. Run:
+sample runs ``prompt + completion`` in its own sandbox, and the problem's ``test`` and ``check(entry_point)`` run
+beside it in the sandbox's checker process, which alone decides passed: the entry point is a proxy whose calls reach
+the completion with plain data and bring back plain data, and the prompt's helpers are the dataset's own (see
+``sample``). Scoring needs the kernel's isolation (``allow_guard_only`` accepts the in-process guard alone); each
+problem's results name the mode that ran (``ProblemResult.isolation``, a column of ``problem_table``). pass@k is the
+unbiased estimator of the Codex paper (Chen et al. 2021) over n samples per problem; chance is 0. Run:
 ``python -m kiln.evaluation.coding OUT_DIR [--cache-dir DIR] [--n-items N] [--samples 10 --temperature 0.8 --k 1 5 10]``.
 
 lm-eval wiring (registered on import, as the adapter registers its model): the filter ``kiln_humaneval_execute`` gets
@@ -30,7 +34,7 @@ from lm_eval.api.metrics import mean  # first: lm-eval loads its own metrics onl
 from lm_eval.api.registry import register_filter, register_metric
 
 from kiln.evaluation.mmlu import pinned_file
-from kiln.evaluation.sandbox import Limits, run_many
+from kiln.evaluation.sandbox import Limits, Test, run_many
 from kiln.evaluation.spec import FromPackage, TaskSpec, build_package_task
 from kiln.sources import SourceSpec
 
@@ -85,9 +89,13 @@ def load_humaneval(cache_dir: str | Path) -> list[dict[str, Any]]:
     return read_problems(pinned_file(HUMANEVAL_SOURCE, HUMANEVAL_FILE, HUMANEVAL_FILE_SHA256, cache_dir))
 
 
-def check_program(problem: dict[str, Any], completion: str) -> str:
-    """The program one sample runs: the prompt, the model's completion, the problem's tests and their call."""
-    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+def sample(problem: dict[str, Any], completion: str) -> tuple[str, Test]:
+    """One sample's untrusted program (the prompt and the model's completion) and its trusted test: the problem's
+    ``test`` and ``check(entry_point)``, after the prompt itself (its helper functions, the entry point a stub),
+    with the entry point then bound to the program's."""
+    entry = problem["entry_point"]
+    return (f"{problem['prompt']}{completion}\n",
+            Test(f"{problem['test']}\n\ncheck({entry})\n", setup=problem["prompt"], names=(entry,)))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -115,21 +123,25 @@ class ProblemResult:
     passed: int
     outcomes: list[str] = field(default_factory=list)  # each sample's SandboxResult.kind, in sample order
     first_error: str = ""  # the first failing sample's detail, for reading a table
+    isolation: str = ""  # the sandbox mode its samples ran in: root, user, or none (the guard alone, opted into)
 
 
 def execute(problems: Sequence[dict[str, Any]], completions: Sequence[Sequence[str]], limits: Limits = HUMANEVAL_LIMITS,
-            workers: int | None = None) -> list[ProblemResult]:
-    """Run every completion of every problem (completions[i] belong to problems[i]) in parallel sandboxes."""
+            workers: int | None = None, allow_guard_only: bool = False) -> list[ProblemResult]:
+    """Run every completion of every problem (completions[i] belong to problems[i]) in parallel sandboxes, each
+    judged by its problem's tests in the sandbox's checker. Raises SandboxError where only the in-process guard
+    isolates programs, unless ``allow_guard_only``."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but completions for {len(completions)}")
-    programs = [check_program(p, c) for p, cs in zip(problems, completions) for c in cs]
-    results = iter(run_many(programs, limits, workers=workers))
+    samples = [sample(p, c) for p, cs in zip(problems, completions) for c in cs]
+    results = iter(run_many([s[0] for s in samples], limits, workers=workers, tests=[s[1] for s in samples],
+                            allow_guard_only=allow_guard_only))
     out = []
     for problem, cs in zip(problems, completions):
         mine = [next(results) for _ in cs]
         errors = [r.detail for r in mine if not r.passed]
         out.append(ProblemResult(problem["task_id"], len(mine), sum(r.passed for r in mine), [r.kind for r in mine],
-                                 errors[0] if errors else ""))
+                                 errors[0] if errors else "", ",".join(sorted({r.isolation for r in mine}))))
     for rows in _RECORDERS:
         rows.extend(asdict(r) for r in out)
     return out
@@ -155,23 +167,24 @@ def unique_problems(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def problem_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows for a table: task_id, passed samples / n, outcome kinds with counts, the first error."""
+    """Rows for a table: task_id, passed samples / n, outcome kinds with counts, the first error, the isolation."""
     return [{"task_id": r["task_id"], "passed": f"{r['passed']}/{r['samples']}",
              "outcomes": ", ".join(f"{k} {n}" for k, n in Counter(r["outcomes"]).most_common()),
-             "first error": r["first_error"][:80]} for r in rows]
+             "first error": r["first_error"][:80], "isolation": r.get("isolation", "")} for r in rows]
 
 
 @register_filter(FILTER)
 class ExecuteCompletions(Filter):
     """lm-eval filter: every doc's completions run against its tests; each becomes its outcome kind."""
 
-    def __init__(self, workers: int | None = None, **limits: Any) -> None:
+    def __init__(self, workers: int | None = None, allow_guard_only: bool = False, **limits: Any) -> None:
         super().__init__()
-        self.workers = workers
+        self.workers, self.allow_guard_only = workers, allow_guard_only
         self.limits = Limits(**{**asdict(HUMANEVAL_LIMITS), **limits})
 
     def apply(self, resps: Any, docs: list[dict[str, Any]]) -> list[list[str]]:
-        return [r.outcomes for r in execute(docs, [list(r) for r in resps], self.limits, self.workers)]
+        return [r.outcomes for r in execute(docs, [list(r) for r in resps], self.limits, self.workers,
+                                            self.allow_guard_only)]
 
 
 @register_metric(metric=METRIC, higher_is_better=True, aggregation="mean")
@@ -182,10 +195,11 @@ def humaneval_pass_at_k(references: list[str], predictions: list[list[str]], k: 
 
 
 def humaneval_spec(samples: int = 1, temperature: float = 0.0, max_tokens: int = 256, k: Sequence[int] = (1,),
-                   limits: Limits = HUMANEVAL_LIMITS) -> TaskSpec:
+                   limits: Limits = HUMANEVAL_LIMITS, allow_guard_only: bool = False) -> TaskSpec:
     """The ``kiln_humaneval`` task with n=samples completions per problem (greedy at temperature 0), each at most
     max_tokens long, scored by pass@1 and pass@k for each k. 256 tokens hold 97% of the canonical solutions in GPT-2
-    tokens (median 76, 95th percentile 228); lm-eval's own humaneval allows 1024."""
+    tokens (median 76, 95th percentile 228); lm-eval's own humaneval allows 1024. ``allow_guard_only`` lets it score
+    where only the sandbox's in-process guard isolates programs (see kiln.evaluation.sandbox)."""
     if samples < 1 or max_tokens < 1:
         raise ValueError(f"{HUMANEVAL}: samples and max_tokens must be >= 1, got {samples}, {max_tokens}")
     if samples > 1 and temperature <= 0:
@@ -202,7 +216,8 @@ def humaneval_spec(samples: int = 1, temperature: float = 0.0, max_tokens: int =
         lm_eval={
             "output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "task_id",
             "generation_kwargs": gen, "repeats": int(samples),
-            "filter_list": [{"name": "sandbox", "filter": [{"function": FILTER, **asdict(limits)}]}],
+            "filter_list": [{"name": "sandbox", "filter": [{"function": FILTER, **asdict(limits),
+                                                             **({"allow_guard_only": True} if allow_guard_only else {})}]}],
             "metric_list": [{"metric": METRIC, "aggregation": "mean", "higher_is_better": True,
                              "k": sorted({1, *map(int, k)})}],
             "metadata": {"source": f"{HUMANEVAL_SOURCE.package}=={HUMANEVAL_SOURCE.version}:{HUMANEVAL_FILE}",
@@ -218,7 +233,7 @@ HUMANEVAL_TASK = humaneval_spec()
 def build_humaneval_task(out_dir: str | Path, cache_dir: str | Path, n_items: int | None = None, seed: int = 1234,
                          **spec: Any) -> dict[str, Any]:
     """Write ``kiln_humaneval.jsonl`` + ``.yaml`` into out_dir (all 164 problems or a seeded sample of n_items);
-    ``spec`` goes to humaneval_spec (samples, temperature, max_tokens, k, limits)."""
+    ``spec`` goes to humaneval_spec (samples, temperature, max_tokens, k, limits, allow_guard_only)."""
     return build_package_task(humaneval_spec(**spec), out_dir, cache_dir, n_items, seed)
 
 

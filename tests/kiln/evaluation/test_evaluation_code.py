@@ -27,6 +27,7 @@ from kiln.evaluation.coding import (HUMANEVAL, HUMANEVAL_FILE, HUMANEVAL_SOURCE,
                                     problem_table, read_problems, record_problems,
                                     unique_problems)
 from kiln.evaluation.registry import REGISTRY
+from kiln.evaluation.sandbox import isolation
 from kiln.evaluation.spec import write_task
 from kiln.sources import RECORD, SourceError, cache_path
 from tests.kiln.evaluation import test_evaluation
@@ -181,3 +182,84 @@ def test_pass_at_k_reaches_mlflow_under_a_name_it_accepts():
 
     got = flat_metrics({"kiln_humaneval": {"pass@1": 0.25, "pass@5": 0.5, "items": 10}}, {"kiln_humaneval": {"pass@1": 0.2}})
     assert got == {"kiln_humaneval.pass_at_1": 0.25, "kiln_humaneval.pass_at_5": 0.5, "kiln_humaneval.clean.pass_at_1": 0.2}
+
+
+# ---- completions that try to forge a pass ---------------------------------------------------------------------------
+FORGED_LINE = "b'{\"event\": \"result\", \"outcome\": \"passed\"}\\n'"
+ATTACKS = {  # name: (problem, completion); each fails its tests when judged on what it returns
+    "write a pass to the status descriptor, then exit": ("HumanEval/53", (
+        "    import os, sys\n    for arg in sys.argv + list(getattr(sys, 'orig_argv', [])):\n"
+        "        if arg.startswith('status_fd='):\n            try:\n"
+        f"                os.write(int(arg.split('=')[1]), {FORGED_LINE})\n"
+        "            except OSError:\n                pass\n    os._exit(0)\n")),
+    "write a pass to every descriptor": ("HumanEval/53", (
+        f"    import os\n    for fd in range(1024):\n        try:\n            os.write(fd, {FORGED_LINE})\n"
+        "        except OSError:\n            pass\n    return 0\n")),
+    "sys.exit(0) in the call": ("HumanEval/53", "    import sys\n    sys.exit(0)\n"),
+    "os._exit(0) in the call": ("HumanEval/53", "    import os\n    os._exit(0)\n"),
+    "os._exit(0) before the tests": ("HumanEval/53", "    return x + y + 1\nimport os\nos._exit(0)\n"),
+    "kill itself": ("HumanEval/53", "    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n"),
+    "kill its parent": ("HumanEval/53", "    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n"),
+    "kill its group": ("HumanEval/53", "    import os, signal\n    os.killpg(0, signal.SIGKILL)\n"),
+    "return an object equal to anything": ("HumanEval/53", (
+        "    class Any:\n        def __eq__(self, other):\n            return True\n    return Any()\n")),
+    "patch builtins.abs": ("HumanEval/2", "    import builtins\n    builtins.abs = lambda x: 0\n    return 0.5\n"),
+    "patch the harness's classify": ("HumanEval/53", (
+        "    import sys\n    sys.modules['__main__'].classify = lambda *a: ('passed', None, None, '', '')\n    return 0\n")),
+    "redefine the prompt's helper the tests use": ("HumanEval/38", "    return s\nencode_cyclic = lambda s: s\n"),
+    "fill the disk (2 GB in 8 MB files)": ("HumanEval/53", (
+        "    for i in range(250):\n        with open(f'part{i}', 'wb') as f:\n            f.write(bytes(8 << 20))\n"
+        "    return x + y\n")),
+    "fill /dev/shm": ("HumanEval/53", "    open('/dev/shm/kiln-fill', 'wb').write(bytes(1 << 20))\n    return x + y\n"),
+}
+
+
+def test_no_completion_forges_a_pass_and_an_honest_one_still_passes(problems):
+    by_id = {p["task_id"]: p for p in problems}
+    names = list(ATTACKS)
+    results = execute([by_id[ATTACKS[n][0]] for n in names] + [by_id["HumanEval/53"]],
+                      [[ATTACKS[n][1]] for n in names] + [["    return x + y\n"]], workers=os.cpu_count())
+    got = {n: r.outcomes[0] for n, r in zip(names, results)}
+    assert {n: k for n, k in got.items() if k == "passed"} == {}, got
+    assert results[-1].outcomes == ["passed"] and results[-1].isolation == isolation().mode
+    assert got["fill the disk (2 GB in 8 MB files)"] == ("killed:disk" if isolation().kernel else "failed")
+    assert got["fill /dev/shm"] == "blocked:filesystem" and not Path("/dev/shm/kiln-fill").exists()
+    assert {got[n] for n in names if n.startswith("kill ")} == {"blocked:process"}  # the guard refuses signals
+    assert all(k == "failed" for n, k in got.items() if n.startswith(("write", "sys.exit", "os._exit", "return", "patch",
+                                                                    "redefine"))), got
+
+
+def test_a_completion_reads_nothing_outside_its_folder_into_the_results(problems, monkeypatch):
+    monkeypatch.setenv("KILN_SANDBOX_SECRET", "env-secret")
+    home = Path(f"/tmp/kiln-home-{os.getpid()}")  # a Kiln home others may read, as the MLflow database's is
+    home.mkdir(mode=0o755, exist_ok=True)
+    secret = home / "mlflow.db"
+    try:
+        secret.write_text("SQLite format 3 db-secret")
+        secret.chmod(0o644)
+        p = next(q for q in problems if q["task_id"] == "HumanEval/53")
+        leaks = [f"    raise ValueError(open({str(secret)!r}).read())\n",  # the error becomes the results' first_error
+                 f"    raise ValueError(open({str(Path(__file__).resolve())!r}).read()[-300:])\n",
+                 "    import os\n    raise ValueError(repr(dict(os.environ)))\n",
+                 "    import os\n    raise ValueError(repr(os.listdir('/root')) + repr(os.listdir('/')))\n"]
+        with record_problems() as rows:
+            results = execute([p] * len(leaks), [[c] for c in leaks])
+        text = repr(rows) + repr(problem_table(rows))
+        assert "db-secret" not in text and "env-secret" not in text and "HUMANEVAL_TASK.lm_eval" not in text, text
+        assert "'work'" not in text and "'home'" not in text and "'proc'" not in text
+        assert results[0].outcomes == (["blocked:filesystem"] if isolation().kernel else ["failed"])
+        assert {r["isolation"] for r in problem_table(rows)} == {isolation().mode}
+    finally:
+        secret.unlink(missing_ok=True)
+        home.rmdir()
+
+
+def test_scoring_needs_the_kernels_isolation_unless_asked(problems, monkeypatch):
+    from kiln.evaluation import sandbox
+
+    p = next(q for q in problems if q["task_id"] == "HumanEval/53")
+    monkeypatch.setattr(sandbox, "_ISOLATION", sandbox.Isolation.of("none", ("root: unshare: Operation not permitted",)))
+    with pytest.raises(sandbox.SandboxError, match=r"only the in-process guard .*unshare: Operation not permitted"):
+        execute([p], [["    return x + y\n"]])
+    assert humaneval_spec(allow_guard_only=True).lm_eval["filter_list"][0]["filter"][0]["allow_guard_only"] is True
+    assert "allow_guard_only" not in HUMANEVAL_TASK.lm_eval["filter_list"][0]["filter"][0]
