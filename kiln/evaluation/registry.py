@@ -112,8 +112,11 @@ class TaskRegistry:
 
     def primary(self, name: str, row: dict[str, Any]) -> str | None:
         """The metric a task is judged by, if ``row`` (one task's scores) holds a number for it."""
+        base = name.removesuffix(CLEAN_SUFFIX)
         if name.startswith(LOCAL_PREFIX):
             metric = self.get(name).primary
+        elif base in self._benchmarks:
+            metric = self._benchmarks[base].primary.split(",", 1)[0]  # lm-eval's "acc,none" -> "acc"
         else:
             metric = "acc_norm" if "acc_norm" in row else "acc"
         return metric if isinstance(row.get(metric), (int, float)) else None

@@ -35,7 +35,8 @@ from tests.kiln.evaluation.test_evaluation import make_docs
 
 VAL_PERMILLE = 300
 SUITE_CONFIG = {"n_items": 12, "min_items": 5, "per_doc": 2, "mmlu_items": 0, "math_word_items": 0, "math_expr_items": 0,
-                "humaneval_items": 0}
+                "humaneval_items": 0, "benchmarks": [],  # the standard benchmarks: tests/assets/test_benchmark_assets.py
+                "held_out_tasks": ["kiln_heldout_ppl", "kiln_continuation", "kiln_lastword"]}
 SCORES_CONFIG = {"max_new_tokens": 4, "batch_size": 8}
 
 
