@@ -60,6 +60,7 @@ import builtins
 import fcntl
 import functools
 import json
+import marshal
 import os
 import select
 import shutil
@@ -81,6 +82,9 @@ MODES = ("root", "user", "none")  # strongest first: namespaces + own uids, name
 LIMIT_KINDS = ("cpu", "memory", "file_size", "disk", "processes", "open_files")
 UID_BASE, UID_SLOTS = 1_900_000_000, 1024  # as root each running sandbox gets two uids (checker, program) from here
 MAX_STATUS_BYTES = 256 << 10
+# the child's code is compiled once here and read from the input descriptor (compiling its text costs 10 ms a start)
+BOOT = ("import marshal, os, sys\nargs = dict(a.partition('=')[::2] for a in sys.argv[1:])\n"
+        "exec(marshal.loads(os.pread(int(args['input_fd']), int(args['code_bytes']), 0)))\n")
 BACKSTOP_S = 1.0  # the host kills the process group this long after the wrapper's own wall timeout should have
 
 
@@ -352,8 +356,8 @@ def _verdict(events: list[dict[str, Any]], timed_out: bool, limits: Limits) -> d
         return {**base, "outcome": "timeout", "by": "timer", "detail": f"still running after {limits.timeout_s:g} s"}
     if verdict.get("outcome") == "passed":
         return {**base, "outcome": "passed", "by": "", "detail": ""}
-    gone = verdict.get("gone") is True or not verdict  # the program's process ended (or nothing judged it)
-    sig = ended.get("signal") if gone else None  # else the program was ended after the verdict, by its checker's end
+    gone = verdict.get("gone") == "ended" or not verdict  # the program's process ended (or nothing judged it)
+    sig = ended.get("signal") if gone else None  # else its end came after the verdict's, from the checker's end
     # RLIMIT_CPU kills with SIGKILL at the limit. The kernel's count runs ahead of the rusage the wrapper reads
     # when the machine is busy (1.8 s read at a 2 s kill here, load 3.5 on 2 cores): half the limit is the bar.
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and (cpu or 0) >= 0.5 * limits.cpu_s):
@@ -374,7 +378,7 @@ def _verdict(events: list[dict[str, Any]], timed_out: bool, limits: Limits) -> d
     if gone and verdict.get("program_outcome") is None:
         if sig is not None:
             return {**base, "outcome": "failed", "detail": f"killed by {signal.Signals(sig).name}"}
-        if ended.get("code") is not None and str(verdict.get("detail", "")).startswith("the program's process ended"):
+        if ended.get("code") is not None:
             return {**base, "outcome": "failed", "detail": f"exited with code {ended.get('code')} before its tests finished"}
     return {**base, "outcome": "failed", "detail": str(verdict.get("detail") or "")}
 
@@ -400,11 +404,12 @@ def _start(program: str, test: Test | None, limits: Limits, guard: bool, mode: s
         nproc = limits.processes + (1 if uid is not None else 3)
         if mode == "none" and uid is None:
             nproc += _user_tasks()
-        parts = [program.encode(), (test.setup if test else "").encode(), (test.code if test else "").encode()]
+        parts = [_child_code(), program.encode(), (test.setup if test else "").encode(),
+                 (test.code if test else "").encode()]
         cfg = {"folder": folder, "mode": mode, "uid": uid, "gid": uid, "checker_uid": checker_uid, "guard": guard,
                "nproc": nproc, "timeout_ms": max(1, round(limits.timeout_s * 1000)),
-               "names": ",".join(test.bound()) if test else "", "program_bytes": len(parts[0]),
-               "setup_bytes": len(parts[1]), "test_bytes": len(parts[2]) if test else -1,
+               "names": ",".join(test.bound()) if test else "", "code_bytes": len(parts[0]),
+               "program_bytes": len(parts[1]), "setup_bytes": len(parts[2]), "test_bytes": len(parts[3]) if test else -1,
                **{k: getattr(limits, k) for k in ("cpu_s", "memory_mb", "file_size_mb", "disk_mb", "open_files")}}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
                "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1"}
@@ -413,7 +418,7 @@ def _start(program: str, test: Test | None, limits: Limits, guard: bool, mode: s
             source.write(b"".join(parts))
             source.flush()
             cfg["status_fd"], cfg["input_fd"] = status.fileno(), source.fileno()
-            argv = [sys.executable, "-I", "-S", "-c", _child_source(), *map(_arg, cfg.items())]
+            argv = [sys.executable, "-I", "-S", "-c", BOOT, *map(_arg, cfg.items())]
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, close_fds=True,
                                     pass_fds=(status.fileno(), source.fileno()), start_new_session=True)
             backstop = not _wait(proc, limits.timeout_s + BACKSTOP_S)  # the wrapper's own timer failed to end it
@@ -444,8 +449,9 @@ def _arg(item: tuple[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _child_source() -> str:
-    return CHILD.read_text(encoding="utf-8")
+def _child_code() -> bytes:
+    """sandbox_child.py compiled by this interpreter (the child runs the same one), marshalled."""
+    return marshal.dumps(compile(CHILD.read_text(encoding="utf-8"), str(CHILD), "exec"))
 
 
 _ISOLATION: Isolation | None = None

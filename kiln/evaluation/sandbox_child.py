@@ -1,8 +1,8 @@
 """The sandbox's child side: isolate, then run an untrusted program and the trusted test that judges it in two processes.
 
-Never imported: ``kiln.evaluation.sandbox`` runs this file's text as ``python -I -S -c <text> key=value ...`` (read
-that module first). Standard library only, and none of json, re, enum or signal (``_signal`` is built in): each import
-is paid on every sample.
+Never imported: ``kiln.evaluation.sandbox`` compiles this file once and runs it as ``python -I -S -c BOOT key=value
+...``, BOOT loading the compiled code from the input descriptor (read that module first). Standard library only, and
+none of json, re, enum or signal (``_signal`` is built in): each import is paid on every sample.
 
 Three processes, each forked from the one before any program code exists:
 
@@ -64,6 +64,7 @@ CHECKED = {"remove": 1, "unlink": 1, "rmdir": 1, "mkdir": 1, "rename": 2, "renam
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 NET_ERRNOS = {errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT}
 MAX_NOTES = 20
+ENDED = "the program's process ended before its tests finished"
 # exceptions of the program's that the checker raises as themselves (a test may expect one); any other arrives as
 # ProgramError. Never StopIteration: raised inside a map() a for loop takes it for the end and skips the checks.
 RAISED_AS = ("ArithmeticError", "AssertionError", "AttributeError", "IndexError", "KeyError", "LookupError",
@@ -688,10 +689,11 @@ def run_program(text, cfg, requests, replies):
 
 def run_checker(cfg, requests, replies, verdict, source):
     """The checker's process: read the trusted setup and test, bind the program's names, run the test, send the
-    verdict (outcome, detail, gone, the program's own report of its first failure, the guard's notes)."""
-    lengths = (cfg["program_bytes"], cfg["setup_bytes"], cfg["test_bytes"])
-    setup = os.pread(source, lengths[1], lengths[0]).decode("utf-8")
-    test = os.pread(source, lengths[2], lengths[0] + lengths[1]).decode("utf-8") if lengths[2] >= 0 else ""
+    verdict (outcome, detail, gone: "ended" when the program's process ended before the test did, "protocol" when it
+    sent what is not a message in turn, else ""; the program's own report of its first failure; the guard's notes)."""
+    start = cfg["code_bytes"] + cfg["program_bytes"]
+    setup = os.pread(source, cfg["setup_bytes"], start).decode("utf-8")
+    test = os.pread(source, cfg["test_bytes"], start + cfg["setup_bytes"]).decode("utf-8") if cfg["test_bytes"] >= 0 else ""
     os.close(source)
     state = {"gone": "", "report": None, "refused": []}
 
@@ -703,7 +705,7 @@ def run_checker(cfg, requests, replies, verdict, source):
         try:
             message = receive(replies)
         except EOFError:
-            raise gone("the program's process ended before its tests finished") from None
+            raise gone(ENDED) from None
         except (OSError, ValueError, TypeError, RecursionError, MemoryError) as e:
             raise gone(f"the program broke the call protocol: {type(e).__name__}: {e}"[:500]) from None
         kind, refused = message[0], message[-1]
@@ -726,7 +728,7 @@ def run_checker(cfg, requests, replies, verdict, source):
             try:
                 send(requests, ("call", name, args, kwargs))
             except OSError:
-                raise gone("the program's process ended before its tests finished") from None
+                raise gone(ENDED) from None
             message = answer()
             if message[0] == "return":
                 return message[1]
@@ -761,7 +763,8 @@ def run_checker(cfg, requests, replies, verdict, source):
         _print_error(e)
         detail = state["gone"] or (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:500]
     _flush()
-    send(verdict, ("verdict", outcome, detail[:500], bool(state["gone"]), state["report"], state["refused"]))
+    gone = "ended" if state["gone"] == ENDED else "protocol" if state["gone"] else ""
+    send(verdict, ("verdict", outcome, detail[:500], gone, state["report"], state["refused"]))
     _exit(0)
 
 
@@ -801,7 +804,7 @@ def main():
     os.umask(0o022)
     libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # dies with the host's thread that started it
     try:
-        program = os.pread(source, cfg["program_bytes"], 0).decode("utf-8")
+        program = os.pread(source, cfg["program_bytes"], cfg["code_bytes"]).decode("utf-8")
         if cfg["mode"] in ("root", "user"):
             _namespaces(cfg)
         os.chdir(cfg["folder"])
