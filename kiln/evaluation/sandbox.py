@@ -12,9 +12,10 @@ takes back plain data (None, numbers, strings, bytes and containers of them, exa
 program's reaches the test: an ``__eq__`` that is always True arrives as a failed call, a patched ``builtins`` or
 ``operator`` stays in the program's process. The checker alone says passed, over a pipe the program's process never
 holds; the program holds only stdin (empty), stdout, stderr and its ends of the call pipes, none of which carries the
-verdict, and it never sees the test's text. A program that exits, kills itself, its parent or its group, writes to any
-of its descriptors, or answers out of turn before the test ends has failed. Without a test, ``passed`` is the
-program's own account of having run to its end (``SandboxResult.checked`` is False): for running code, not scoring it.
+verdict (stdout and stderr are only ever read back as text), and it never sees the test's text. A program that exits,
+kills itself, its parent or its group, or writes anything but its answers to the call pipe before the test ends has
+failed. Without a test, ``passed`` is the program's own account of having run to its end (``SandboxResult.checked``
+is False): for running code, not scoring it.
 
 Each program gets a process ``sys.executable -I -S`` (the standard library only) started without a shell, with an
 empty environment but PATH/HOME/TMPDIR/locale, stdin closed, and stdout/stderr going to files the host reads back
@@ -123,7 +124,8 @@ class Test:
     proxy whose calls run in the program's process with plain-data arguments and return plain data, a plain value is
     copied, a standard-library module the program imported under its own name is imported here; anything else stays
     unbound. ``setup`` runs first, before those names are bound: HumanEval's prompt, so that its helper functions are
-    the dataset's and not the program's. A test that passes a program anything but plain data fails.
+    the dataset's and not the program's. A test that passes a program anything but plain data fails; arguments are
+    copies, so a function that changes its arguments in place is judged on what it returns.
     """
 
     code: str
