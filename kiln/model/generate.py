@@ -42,9 +42,13 @@ class _Context:
     With ``samples`` > 1 the rows come in runs of ``samples`` copies of one prompt: the first (prefill) pass runs
     one row per run, and its cache is then forked to every row of the run (KVCache.fork)."""
 
-    def __init__(self, model: nn.Module, batch: int, window: int, use_cache: bool, samples: int = 1):
+    def __init__(self, model: nn.Module, batch: int, window: int, use_cache: bool, samples: int = 1,
+                 length: int | None = None):
         self.model, self.window, self.samples = model, window, samples
-        self.cache = KVCache.for_model(model, batch // samples, max_len=window) if use_cache else None
+        # the cache holds the positions this call can fill (prompt + new tokens), not the model's whole context: a
+        # model with an 8k context and 64 rows would otherwise allocate gigabytes it never uses
+        cache_len = min(window, length) if length else window
+        self.cache = KVCache.for_model(model, batch // samples, max_len=cache_len) if use_cache else None
 
     def logits(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         """buf (B, >=n) tokens, the first n of them real -> logits (B, V) of the position after them."""
@@ -118,7 +122,7 @@ def generate(
     buf[:, :T] = idx
     done = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,) rows that have ended
     new: list[list[int]] = [[] for _ in range(B)]
-    ctx = _Context(model, B, W, use_cache, samples)
+    ctx = _Context(model, B, W, use_cache, samples, length=end)
     while n < end:
         logits = ctx.logits(buf, n)  # (B, V)
         if n_vocab is not None:

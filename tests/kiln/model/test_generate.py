@@ -278,3 +278,24 @@ def test_next_token_greedy_and_top_k() -> None:
     g = torch.Generator().manual_seed(0)
     draws = {next_token(logits, 1.0, top_k=2, generator=g).item() for _ in range(200)}
     assert draws == {1, 3}
+
+
+@pytest.mark.parametrize("samples", [1, 3])
+def test_the_cache_holds_what_the_call_can_fill_not_the_whole_context(monkeypatch, samples: int) -> None:
+    """A model with a long context and many rows: the KV cache is sized to prompt + new tokens (a model with an 8k
+    context and 64 prompts would otherwise allocate gigabytes per call); the tokens are those of the uncached loop."""
+    made = []
+    real = KVCache.for_model.__func__
+
+    def spy(cls, model, batch, max_len=None):
+        made.append((batch, max_len))
+        return real(cls, model, batch, max_len)
+
+    monkeypatch.setattr(KVCache, "for_model", classmethod(spy))
+    torch.manual_seed(0)
+    model = make("llama", block_size=512)
+    x = prompts(2, 7)
+    out = generate(model, x, 5, samples=samples)
+    assert made == [(2, 12)]
+    want = generate(model, x, 5, samples=samples, use_cache=False)
+    assert torch.equal(out, want)
