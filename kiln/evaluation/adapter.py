@@ -2,11 +2,18 @@
 
 In code: ``KilnLM(model, encoding, progress=print)`` (``progress`` gets ``eval 120/400: loglikelihood | 35.2 requests/s |
 8s left`` lines as requests are answered); CLI: ``python -m kiln.evaluation.suite --model kiln --model_args checkpoint=P``.
+
+Multiple-choice items arrive as one log-likelihood request per ending, all with the same context. KilnLM runs such a
+context once into a KV cache and scores all its endings against that cache (``share_context``; off with
+``share_context=False`` or the environment variable ``KILN_EVAL_SHARE_CONTEXT=0``, which gives the one-row-per-request
+path lm-eval's HFLM also takes). Both give the same numbers to float rounding; bench/bench_eval_speed.py times them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -19,6 +26,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from kiln.model.cache import KVCache
 from kiln.model.generate import generate
 from kiln.model.gpt import GPT
 from kiln.train.telemetry import format_duration
@@ -27,6 +35,12 @@ log = logging.getLogger(__name__)
 
 Row = tuple[list[int], list[int]]  # (model input tokens, targets: the tokens after its last len(targets) positions)
 KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k"}
+SHARE_ENV = "KILN_EVAL_SHARE_CONTEXT"  # "0" / "false" / "no" / "off": score each request as its own row
+SHARE_SLACK = 1.15  # a shared batch, and each pass of it, runs at most this many times the tokens its rows need
+
+
+def _flag(value: Any) -> bool:
+    return str(value).strip().lower() not in ("0", "false", "no", "off", "")
 
 
 class RequestProgress:
@@ -59,6 +73,9 @@ class KilnLM(LM):
 
     The model is moved to ``device`` and set to eval mode in place. Log-probabilities are normalised over the
     tokenizer's real ids (``encoding.n_vocab``); the embedding's padding ids beyond it are never scored or generated.
+    ``share_context``: log-likelihood requests with the same context (a multiple-choice item's endings) run that
+    context once (``_score_shared``); False scores every request as its own row (the default comes from the
+    environment variable KILN_EVAL_SHARE_CONTEXT, on unless it is 0).
     """
 
     def __init__(
@@ -71,6 +88,7 @@ class KilnLM(LM):
         max_gen_toks: int = 256,
         seed: int = 1234,
         progress: Callable[[str], None] | None = None,
+        share_context: bool | str | None = None,
     ) -> None:
         super().__init__()
         block = model.config.block_size
@@ -95,6 +113,8 @@ class KilnLM(LM):
         self.max_gen_toks = int(max_gen_toks)
         self.generator = torch.Generator(device=self._device).manual_seed(int(seed))
         self.progress = progress  # told each request type's progress (RequestProgress lines); None: silent
+        # loglikelihood runs a context shared by several requests once (KV cache); None: on unless KILN_EVAL_SHARE_CONTEXT=0
+        self.share_context = _flag(os.environ.get(SHARE_ENV, "1") if share_context is None else share_context)
 
     # ---- construction from lm-eval's --model_args -------------------------------------------------
     @classmethod
@@ -114,6 +134,8 @@ class KilnLM(LM):
             extra["device"] = "cpu"  # lm-eval's CLI defaults to cuda:0; only an explicit device=cuda should fail
         for k, v in extra.items():
             args.setdefault(k, v)
+        if "share_context" in args:
+            args["share_context"] = _flag(args["share_context"])
         if "checkpoint" not in args:
             raise ValueError("the kiln lm-eval model needs --model_args checkpoint=PATH[,device=cpu,batch_size=16]")
         for key in ("max_length", "max_gen_toks", "seed"):
@@ -143,6 +165,25 @@ class KilnLM(LM):
             rows.append((seq[:-1], piece))
         return rows
 
+    def _targets(self, logits: torch.Tensor, b_of: torch.Tensor, n_in: torch.Tensor,
+                 tgts: list[list[int]]) -> list[tuple[float, bool]]:
+        """(sum of target log-probs, all targets greedy) per scored row from a forward pass's logits (B, T, V): row r
+        reads batch row ``b_of[r]``, whose input holds ``n_in[r]`` tokens, its targets predicted at the last
+        ``len(tgts[r])`` of them."""
+        dev = logits.device
+        K = max(len(t) for t in tgts)
+        y = torch.tensor([t + [0] * (K - len(t)) for t in tgts], dtype=torch.long, device=dev)  # (R, K)
+        n_tg = torch.tensor([len(t) for t in tgts], device=dev)  # (R,)
+        ar = torch.arange(K, device=dev)  # (K,)
+        valid = ar[None, :] < n_tg[:, None]  # (R, K)
+        pos = torch.where(valid, (n_in - n_tg)[:, None] + ar[None, :], 0)  # (R, K) positions predicting y
+        sel = logits[b_of[:, None], pos][..., : self.n_vocab]  # (R, K, Vr)
+        logp = F.log_softmax(sel.float(), dim=-1)  # (R, K, Vr)
+        tok = logp.gather(-1, y[..., None]).squeeze(-1)  # (R, K)
+        total = torch.where(valid, tok, 0.0).sum(dim=1)  # (R,)
+        greedy = ((logp.argmax(dim=-1) == y) | ~valid).all(dim=1)  # (R,)
+        return list(zip(total.tolist(), greedy.tolist()))
+
     @torch.inference_mode()
     def _score_rows(self, rows: Sequence[Row], scored: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
         """(sum of target log-probs, all targets greedy) per row; batched longest first, padded right.
@@ -170,55 +211,203 @@ class KilnLM(LM):
             start += len(us)
             x = torch.tensor([list(inputs[u]) + [0] * (T - len(inputs[u])) for u in us], dtype=torch.long, device=dev)  # (B, T)
             ridx = [i for u in us for i in members[u]]  # the R rows scored from this batch
-            tgts = [rows[i][1] for i in ridx]
-            K = max(len(t) for t in tgts)
             b_of = torch.tensor([j for j, u in enumerate(us) for _ in members[u]], device=dev)  # (R,) row -> batch index
-            y = torch.tensor([t + [0] * (K - len(t)) for t in tgts], dtype=torch.long, device=dev)  # (R, K)
             n_in = torch.tensor([len(rows[i][0]) for i in ridx], device=dev)  # (R,)
-            n_tg = torch.tensor([len(t) for t in tgts], device=dev)  # (R,)
-            ar = torch.arange(K, device=dev)  # (K,)
-            valid = ar[None, :] < n_tg[:, None]  # (R, K)
-            pos = torch.where(valid, (n_in - n_tg)[:, None] + ar[None, :], 0)  # (R, K) positions predicting y
             logits = self.model(x)  # (B, T, V); right padding cannot reach earlier positions (causal)
-            sel = logits[b_of[:, None], pos][..., : self.n_vocab]  # (R, K, Vr)
-            logp = F.log_softmax(sel.float(), dim=-1)  # (R, K, Vr)
-            tok = logp.gather(-1, y[..., None]).squeeze(-1)  # (R, K)
-            total = torch.where(valid, tok, 0.0).sum(dim=1)  # (R,)
-            greedy = ((logp.argmax(dim=-1) == y) | ~valid).all(dim=1)  # (R,)
-            for i, lp, g in zip(ridx, total.tolist(), greedy.tolist()):
-                out[i] = (lp, g)
+            for i, res in zip(ridx, self._targets(logits, b_of, n_in, [rows[i][1] for i in ridx])):
+                out[i] = res
             done += len(ridx)
             if scored is not None:
                 scored(done)
         return out
 
-    def _score_groups(self, groups: list[list[Row]], kind: str) -> list[tuple[float, bool]]:
+    def _score_groups(self, groups: list[list[Row]], kind: str, tell: RequestProgress | None = None,
+                      offset: int = 0) -> list[tuple[float, bool]]:
         """Score every row of every group in shared batches; sum log-probs and AND greediness per group. Progress
-        counts requests (groups) in proportion to the rows scored, as batches mix rows of many requests."""
+        counts requests (groups) in proportion to the rows scored, as batches mix rows of many requests; ``tell``
+        (default: a new one for these groups) is told ``offset`` more requests than these."""
         flat = [row for g in groups for row in g]
-        tell = RequestProgress(self.progress, kind, len(groups))
-        scores = iter(self._score_rows(flat, lambda n: tell.reached(len(groups) * n // max(len(flat), 1))))
+        tell = tell if tell is not None else RequestProgress(self.progress, kind, len(groups))
+        scores = iter(self._score_rows(flat, lambda n: tell.reached(offset + len(groups) * n // max(len(flat), 1))))
         results = []
         for g in groups:
             parts = [next(scores) for _ in g]
             results.append((sum(p[0] for p in parts), all(p[1] for p in parts)))
         return results
 
+    # ---- one context, many endings: the context's forward pass once ------------------------------
+    def _shareable(self, pairs: Sequence[tuple[list[int], list[int]]]) -> dict[tuple[int, ...], list[int]]:
+        """{context tokens: indices of the requests scored after it in one shared pass}.
+
+        A request qualifies when it is one model row without truncation (context + continuation fit max_length + 1,
+        so ``_rows`` would give the row ctx + cont[:-1]) and its context has two tokens or more. A context qualifies
+        when it has two requests or more and a shared pass runs fewer tokens than their rows would (one-token endings
+        after one context are already one row: ``_score_rows`` shares identical inputs). Which requests share does
+        not depend on the batch size.
+        """
+        by_ctx: dict[tuple[int, ...], list[int]] = {}
+        for i, (ctx, cont) in enumerate(pairs):
+            if cont and len(ctx) >= 2 and len(ctx) + len(cont) <= self.max_length + 1:
+                by_ctx.setdefault(tuple(ctx), []).append(i)
+        out = {}
+        for ctx, idx in by_ctx.items():
+            conts = {tuple(pairs[i][1]) for i in idx}
+            rows = {ctx + c[:-1] for c in conts}  # the distinct inputs the one-row-per-request path runs
+            if len(idx) >= 2 and len(ctx) - 1 + sum(map(len, conts)) < sum(map(len, rows)):
+                out[ctx] = idx
+        return out
+
+    @contextlib.contextmanager
+    def _headless(self):
+        """While open, the model's vocabulary head is handed zero positions: a prefill makes its KV cache, not (B, T, V)
+        logits nobody reads. A model without a known head (a stand-in in tests) computes its logits as usual."""
+        try:
+            from kiln.model.families import of
+
+            head = self.model.get_submodule(of(self.model.config).head.removesuffix(".weight"))
+        except (AttributeError, KeyError, ValueError, TypeError):
+            head = None
+        handle = head.register_forward_pre_hook(lambda m, args: (args[0][..., :0, :], *args[1:])) if head is not None else None
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    @torch.inference_mode()
+    def _score_shared(self, groups: list[tuple[list[int], list[list[int]]]],
+                      scored: Callable[[int], None] | None = None) -> list[list[tuple[float, bool]]]:
+        """(sum of log-probs, all greedy) of each ending of each (context, endings) group, each context run once.
+
+        Groups go longest context first, and consecutive endings form a batch. A batch caches the first ``s`` tokens
+        of each of its contexts, s = its shortest context less one: one pass over (G, s) into a KV cache, the
+        vocabulary head left out. Its endings then run as rows ctx[s:] + ending[:-1] from position s, each over a copy
+        of its own context's cached keys and values: causal attention sees that context and the row itself, so a
+        row's logits are those of the whole row ctx + ending[:-1] run from position 0, to float rounding. The rows
+        run longest first in passes of rows of similar length (``_passes``), padded right.
+
+        A batch stops where its rows x positions (the cache included) would pass batch_size x max_length (the memory
+        of an ``_score_rows`` batch) or where its tokens would pass SHARE_SLACK times those its contexts and endings
+        need (a context longer than s re-runs its tail in each of its ending rows). ``scored(n)`` is told the
+        endings scored so far after each pass.
+        """
+        self.model.eval()
+        order = sorted(range(len(groups)), key=lambda g: (-len(groups[g][0]), groups[g][0]))
+        items = [(g, k) for g in order for k in range(len(groups[g][1]))]  # (group, ending), contexts longest first
+        out: list[list[tuple[float, bool]]] = [[(0.0, True)] * len(e) for _, e in groups]
+        budget = self.batch_size * self.max_length
+        dev, start, done = self._device, 0, 0
+        while start < len(items):
+            end, gs = start, []  # the batch's items[start:end] and its groups, in order
+            reach = need = spans = 0  # max over rows of len(ctx) - 1 + len(ending); tokens needed; sum of those lengths
+            while end < len(items):
+                g, k = items[end]
+                ctx, ends = groups[g]
+                s = len(ctx) - 1  # contexts go longest first: the newest group's is the shortest
+                span = s + len(ends[k])
+                new = not gs or gs[-1] != g
+                n_need = need + (s if new else 0) + len(ends[k])
+                rows = end - start + 1
+                tokens = (len(gs) + new) * s + spans + span - rows * s  # prefill (G, s), rows after position s
+                if end > start and (rows * max(reach, span) > budget or tokens > SHARE_SLACK * n_need):
+                    break
+                if new:
+                    gs.append(g)
+                reach, need, spans = max(reach, span), n_need, spans + span
+                end += 1
+            batch, start = items[start:end], end
+            s = len(groups[gs[-1]][0]) - 1
+            prefix = None
+            if s > 0:
+                prefix = KVCache.for_model(self.model, len(gs), max_len=s)
+                x = torch.tensor([groups[g][0][:s] for g in gs], dtype=torch.long, device=dev)  # (G, s)
+                with self._headless():
+                    self.model(x, cache=prefix)
+            at = {g: j for j, g in enumerate(gs)}
+            inputs = [groups[g][0][s:] + groups[g][1][k][:-1] for g, k in batch]  # rows after the cached prefix
+            for part in self._passes([len(t) for t in inputs]):
+                T = len(inputs[part[0]])
+                cache = KVCache.for_model(self.model, len(part), max_len=s + T)
+                if prefix is not None:
+                    row_of = torch.tensor([at[batch[i][0]] for i in part], device=dev)  # (R,) row -> prefill row
+                    cache.k[:, :, :, :s] = prefix.k[:, row_of]
+                    cache.v[:, :, :, :s] = prefix.v[:, row_of]
+                    cache.pos = s
+                x = torch.tensor([inputs[i] + [0] * (T - len(inputs[i])) for i in part], dtype=torch.long,
+                                 device=dev)  # (R, T)
+                logits = self.model(x, cache=cache)  # (R, T, V); right padding cannot reach earlier positions
+                del cache
+                n_in = torch.tensor([len(inputs[i]) for i in part], device=dev)  # (R,)
+                got = self._targets(logits, torch.arange(len(part), device=dev), n_in,
+                                    [groups[batch[i][0]][1][batch[i][1]] for i in part])
+                for i, res in zip(part, got):
+                    g, k = batch[i]
+                    out[g][k] = res
+                done += len(part)
+                if scored is not None:
+                    scored(done)
+            del prefix
+        return out
+
+    @staticmethod
+    def _passes(lengths: Sequence[int]) -> list[list[int]]:
+        """Row indices in passes, longest rows first: a pass takes the next shorter row while its padded tokens stay
+        within SHARE_SLACK times its rows' own tokens."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        passes: list[list[int]] = []
+        total = 0
+        for i in order:
+            if passes and (len(passes[-1]) + 1) * lengths[passes[-1][0]] <= SHARE_SLACK * (total + lengths[i]):
+                passes[-1].append(i)
+                total += lengths[i]
+            else:
+                passes.append([i])
+                total = lengths[i]
+        return passes
+
     # ---- lm-eval request types ----------------------------------------------------------------
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
-        """(context, continuation) -> (log p(continuation | context), continuation is the greedy decode)."""
-        groups = []
+        """(context, continuation) -> (log p(continuation | context), continuation is the greedy decode).
+
+        With ``share_context``, requests with the same context tokens (``_shareable``) are scored by ``_score_shared``
+        (the context run once for all of them); the others, and all of them without it, one row per request (longer
+        ones in pieces, left-truncated as ``_rows`` says)."""
+        pairs = []
         for req in requests:
             context, continuation = req.args
             n_sp = len(context) - len(context.rstrip())  # trailing spaces belong to the continuation's tokens
             if n_sp:
                 context, continuation = context[:-n_sp], context[-n_sp:] + continuation
             ctx = self._encode(context) if context else [self.eot]
-            groups.append(self._rows(ctx, self._encode(continuation)))
-        results = self._score_groups(groups, "loglikelihood")
+            pairs.append((ctx, self._encode(continuation)))
+        shared = self._shareable(pairs) if self.share_context else {}
+        tell = RequestProgress(self.progress, "loglikelihood", len(requests))
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        if shared:
+            groups = []  # (context, its distinct endings) and, per ending, the requests it answers
+            answers: list[list[list[int]]] = []
+            for ctx, idx in shared.items():
+                ends: dict[tuple[int, ...], list[int]] = {}
+                for i in idx:
+                    ends.setdefault(tuple(pairs[i][1]), []).append(i)
+                groups.append((list(ctx), [list(e) for e in ends]))
+                answers.append(list(ends.values()))
+            n_ends = sum(len(e) for _, e in groups)
+            n_shared = sum(len(idx) for idx in shared.values())
+            scores = self._score_shared(groups, lambda n: tell.reached(n_shared * n // max(n_ends, 1)))
+            for per_end, who in zip(scores, answers):
+                for res, idx in zip(per_end, who):
+                    for i in idx:
+                        results[i] = res
+        rest = [i for i, r in enumerate(results) if r is None]
+        if rest:
+            got = self._score_groups([self._rows(*pairs[i]) for i in rest], "loglikelihood", tell,
+                                     offset=len(requests) - len(rest))
+            for i, res in zip(rest, got):
+                results[i] = res
         for req, res in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", req.args, res)
-        return results
+        return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
         """(text,) -> log p(text | EOT), scored in disjoint windows of max_length (lm-eval's rolling scheme)."""
