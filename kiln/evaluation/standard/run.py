@@ -8,16 +8,16 @@ with Kiln's adapter.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from kiln.common.files import stable_hash
 from kiln.evaluation.standard.catalog import Benchmark
+from kiln.evaluation.suite import _env  # environment variables set for a block, then restored
 from kiln.evaluation.standard.data import PACKAGE, BenchmarkError, math_extra, package_root
 from kiln.sources.packages import pin
 
@@ -103,17 +103,6 @@ def prepare(names: list[str], cache_dir: str | Path = DEFAULT_CACHE, out_dir: st
         "extra_paths": sorted(set(extras)),
     }
     return Prepared(list(benches), out, samples, record, benches)
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def load_tasks(prepared: Prepared) -> dict[str, Any]:
