@@ -1,0 +1,71 @@
+"""README's two commands timed as a newcomer meets them: a fresh clone, its own .venv, then ``make test`` or ``make
+demo``, the wall time of each (install included), the test count and outcome, and the demo's per-asset times.
+
+Run: ``python bench/bench_fresh_clone.py test|demo [--repo .] [--where /tmp/kiln-fresh] [--out bench/results/...]``.
+The clone is of the committed HEAD (uncommitted work is not in it). Writes OUT.md and OUT.json with the command,
+commit, date and machine line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from provenance import header, header_md, machine_line  # noqa: E402
+
+STEP = re.compile(r"^✓ (\w+)\s+(?:(\d+)m)?(\d+)s")
+SUMMARY = re.compile(r"=+ (.*?(?:passed|failed|error).*?) in ([\d.]+)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("what", choices=["test", "demo"])
+    ap.add_argument("--repo", default=str(ROOT))
+    ap.add_argument("--where", default="/tmp/kiln-fresh")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    print(f"machine: {machine_line()}", flush=True)
+    where = Path(args.where)
+    shutil.rmtree(where, ignore_errors=True)
+    subprocess.run(["git", "clone", "-q", args.repo, str(where)], check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True).stdout.strip()
+    log_path = where.parent / f"{where.name}-{args.what}.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        rc = subprocess.run(["make", args.what], cwd=where, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    text = log_path.read_text(errors="replace")
+    result = {**header(argv if argv is not None else sys.argv), "what": f"make {args.what}", "clone_commit": commit,
+              "returncode": rc, "wall_s": round(wall, 1), "log": str(log_path)}
+    if args.what == "test":
+        m = SUMMARY.findall(text)
+        result["pytest"] = {"summary": m[-1][0], "seconds": float(m[-1][1])} if m else None
+    else:
+        result["assets"] = {s: int(mm or 0) * 60 + int(ss) for s, mm, ss in
+                            (STEP.match(line.strip()).groups() for line in text.splitlines() if STEP.match(line.strip()))}
+        result["tail"] = text.splitlines()[-12:]
+    out = Path(args.out or ROOT / "bench" / "results" / f"fresh_clone_{args.what}")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    md = [f"# `make {args.what}` from a fresh clone", "", *header_md(argv if argv is not None else sys.argv),
+          f"Clone of {commit}; exit code {rc}; {wall / 60:.0f} min {wall % 60:.0f} s wall, its own .venv install "
+          "included (the machine was shared: other work ran beside it)."]
+    if result.get("pytest"):
+        md.append(f"pytest: {result['pytest']['summary']} in {result['pytest']['seconds'] / 60:.1f} min.")
+    if result.get("assets"):
+        md += ["", "| asset | seconds |", "|---|---:|", *[f"| {k} | {v} |" for k, v in result["assets"].items()]]
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print(f"make {args.what}: rc {rc}, {wall:.0f} s; wrote {out.with_suffix('.md')}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
