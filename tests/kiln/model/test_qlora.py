@@ -221,7 +221,7 @@ def test_a_qlora_sft_job_lowers_its_loss_and_saves_adapters_and_merged_weights(t
     assert set(state["model"]) == set(GPT(ModelConfig(**model)).state_dict())  # plain weights for every reader
     assert all(k.endswith(("lora_A", "lora_B")) for k in state["lora"])  # the NF4 base is not saved: init_from has it
     assert meta["job"]["lora"] == asdict(LoRAConfig(**lora))  # the whole block as the run read it
-    with pytest.raises(ValueError, match="job.lora: pretraining trains every weight"):
+    with pytest.raises(ValueError, match="job.lora: LoRA adapts weights that exist; pretraining from random weights trains every weight"):
         main(["--config", str(pretrain_job(tmp_path / "pre", lora={"enabled": True})), "--device", "cpu"], rep)
 
 
