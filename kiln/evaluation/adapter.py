@@ -4,9 +4,10 @@ In code: ``KilnLM(model, encoding, progress=print)`` (``progress`` gets ``eval 1
 8s left`` lines as requests are answered); CLI: ``python -m kiln.evaluation.suite --model kiln --model_args checkpoint=P``.
 
 Multiple-choice items arrive as one log-likelihood request per ending, all with the same context. KilnLM runs such a
-context once into a KV cache and scores all its endings against that cache (``share_context``; off with
-``share_context=False`` or the environment variable ``KILN_EVAL_SHARE_CONTEXT=0``, which gives the one-row-per-request
-path lm-eval's HFLM also takes). Both give the same numbers to float rounding; bench/bench_eval_speed.py times them.
+context once into a KV cache, without the vocabulary head, and scores all its endings against that cache
+(``share_context``; off with ``share_context=False`` or the environment variable ``KILN_EVAL_SHARE_CONTEXT=0``, which
+gives one whole row per request, as lm-eval's HFLM runs them). Both give the same numbers to float rounding;
+bench/bench_eval_speed.py times them against HFLM.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class KilnLM(LM):
     The model is moved to ``device`` and set to eval mode in place. Log-probabilities are normalised over the
     tokenizer's real ids (``encoding.n_vocab``); the embedding's padding ids beyond it are never scored or generated.
     ``share_context``: log-likelihood requests with the same context (a multiple-choice item's endings) run that
-    context once (``_score_shared``); False scores every request as its own row (the default comes from the
-    environment variable KILN_EVAL_SHARE_CONTEXT, on unless it is 0).
+    context once, without logits (``_score_shared``); False scores every request as its own row (the default comes
+    from the environment variable KILN_EVAL_SHARE_CONTEXT, on unless it is 0).
     """
 
     def __init__(
@@ -113,7 +114,7 @@ class KilnLM(LM):
         self.max_gen_toks = int(max_gen_toks)
         self.generator = torch.Generator(device=self._device).manual_seed(int(seed))
         self.progress = progress  # told each request type's progress (RequestProgress lines); None: silent
-        # loglikelihood runs a context shared by several requests once (KV cache); None: on unless KILN_EVAL_SHARE_CONTEXT=0
+        # loglikelihood runs a context once for all its endings (KV cache); None: on unless KILN_EVAL_SHARE_CONTEXT=0
         self.share_context = _flag(os.environ.get(SHARE_ENV, "1") if share_context is None else share_context)
 
     # ---- construction from lm-eval's --model_args -------------------------------------------------
@@ -236,24 +237,53 @@ class KilnLM(LM):
         return results
 
     # ---- one context, many endings: the context's forward pass once ------------------------------
+    def _head(self) -> torch.nn.Module | None:
+        """The model's vocabulary head (kiln.model.families.Family.head), or None for a model without a known one."""
+        try:
+            from kiln.model.families import of
+
+            return self.model.get_submodule(of(self.model.config).head.removesuffix(".weight"))
+        except (AttributeError, KeyError, ValueError, TypeError):
+            return None
+
+    def _head_share(self) -> float:
+        """The head's share of a token's matmul work: vocab x width over that plus one token's pass through every
+        block (a mixture of experts' active experts); 0 when the prefill cannot leave the head out."""
+        if self._head() is None:
+            return 0.0
+        try:
+            from kiln.model.families import of
+
+            cfg = self.model.config
+            fam = of(cfg)
+            block = (fam.active_layer_params or fam.layer_params)(cfg)
+            head = cfg.vocab_size * cfg.n_embd
+            return head / (head + cfg.n_layer * block)
+        except (AttributeError, KeyError, ValueError, TypeError):
+            return 0.0
+
     def _shareable(self, pairs: Sequence[tuple[list[int], list[int]]]) -> dict[tuple[int, ...], list[int]]:
-        """{context tokens: indices of the requests scored after it in one shared pass}.
+        """{context tokens: indices of the requests scored after it by ``_score_shared``}.
 
         A request qualifies when it is one model row without truncation (context + continuation fit max_length + 1,
-        so ``_rows`` would give the row ctx + cont[:-1]) and its context has two tokens or more. A context qualifies
-        when it has two requests or more and a shared pass runs fewer tokens than their rows would (one-token endings
-        after one context are already one row: ``_score_rows`` shares identical inputs). Which requests share does
-        not depend on the batch size.
+        so ``_rows`` would give the row ctx + cont[:-1]) and its context has two tokens or more. A context's requests
+        go there when that is less work than their rows: the context less its last token once, without the head
+        (``_head_share`` of a token's work), plus one row per distinct ending input (the last context token and the
+        ending less its last token), against the distinct rows ctx + cont[:-1] of the one-row path (which already
+        runs one-token endings after one context as one row). With the head left out that holds for every context of
+        two tokens or more, a lone request's too: its context's positions make no logits. Which requests go there
+        does not depend on the batch size.
         """
         by_ctx: dict[tuple[int, ...], list[int]] = {}
         for i, (ctx, cont) in enumerate(pairs):
             if cont and len(ctx) >= 2 and len(ctx) + len(cont) <= self.max_length + 1:
                 by_ctx.setdefault(tuple(ctx), []).append(i)
+        body = 1.0 - self._head_share()
         out = {}
         for ctx, idx in by_ctx.items():
-            conts = {tuple(pairs[i][1]) for i in idx}
-            rows = {ctx + c[:-1] for c in conts}  # the distinct inputs the one-row-per-request path runs
-            if len(idx) >= 2 and len(ctx) - 1 + sum(map(len, conts)) < sum(map(len, rows)):
+            ends = {tuple(pairs[i][1][:-1]) for i in idx}  # the distinct ending inputs
+            rows = {ctx + e for e in ends}  # the distinct inputs the one-row path runs
+            if (len(ctx) - 1) * body + sum(len(e) + 1 for e in ends) < sum(map(len, rows)):
                 out[ctx] = idx
         return out
 
@@ -261,13 +291,8 @@ class KilnLM(LM):
     def _headless(self):
         """While open, the model's vocabulary head is handed zero positions: a prefill makes its KV cache, not (B, T, V)
         logits nobody reads. A model without a known head (a stand-in in tests) computes its logits as usual."""
-        try:
-            from kiln.model.families import of
-
-            head = self.model.get_submodule(of(self.model.config).head.removesuffix(".weight"))
-        except (AttributeError, KeyError, ValueError, TypeError):
-            head = None
-        handle = head.register_forward_pre_hook(lambda m, args: (args[0][..., :0, :], *args[1:])) if head is not None else None
+        head = self._head()
+        handle = None if head is None else head.register_forward_pre_hook(lambda m, a: (a[0][..., :0, :], *a[1:]))
         try:
             yield
         finally:
@@ -283,8 +308,9 @@ class KilnLM(LM):
         of each of its contexts, s = its shortest context less one: one pass over (G, s) into a KV cache, the
         vocabulary head left out. Its endings then run as rows ctx[s:] + ending[:-1] from position s, each over a copy
         of its own context's cached keys and values: causal attention sees that context and the row itself, so a
-        row's logits are those of the whole row ctx + ending[:-1] run from position 0, to float rounding. The rows
-        run longest first in passes of rows of similar length (``_passes``), padded right.
+        row's logits are those of the whole row ctx + ending[:-1] run from position 0, to float rounding. Endings of
+        one context with the same ending[:-1] (one-token answers " A" .. " D") read their targets from one row. The
+        rows run longest first in passes of rows of similar length (``_passes``), padded right.
 
         A batch stops where its rows x positions (the cache included) would pass batch_size x max_length (the memory
         of an ``_score_rows`` batch) or where its tokens would pass SHARE_SLACK times those its contexts and endings
@@ -293,7 +319,13 @@ class KilnLM(LM):
         """
         self.model.eval()
         order = sorted(range(len(groups)), key=lambda g: (-len(groups[g][0]), groups[g][0]))
-        items = [(g, k) for g in order for k in range(len(groups[g][1]))]  # (group, ending), contexts longest first
+        rowsets = []  # per group: [(ending[:-1], the endings k that have it)]
+        for _, ends in groups:
+            same: dict[tuple[int, ...], list[int]] = {}
+            for k, e in enumerate(ends):
+                same.setdefault(tuple(e[:-1]), []).append(k)
+            rowsets.append(list(same.items()))
+        items = [(g, j) for g in order for j in range(len(rowsets[g]))]  # (group, row), contexts longest first
         out: list[list[tuple[float, bool]]] = [[(0.0, True)] * len(e) for _, e in groups]
         budget = self.batch_size * self.max_length
         dev, start, done = self._device, 0, 0
@@ -301,12 +333,12 @@ class KilnLM(LM):
             end, gs = start, []  # the batch's items[start:end] and its groups, in order
             reach = need = spans = 0  # max over rows of len(ctx) - 1 + len(ending); tokens needed; sum of those lengths
             while end < len(items):
-                g, k = items[end]
-                ctx, ends = groups[g]
+                g, j = items[end]
+                ctx, n_row = groups[g][0], len(rowsets[g][j][0]) + 1  # the row: last context token, ending[:-1]
                 s = len(ctx) - 1  # contexts go longest first: the newest group's is the shortest
-                span = s + len(ends[k])
+                span = s + n_row
                 new = not gs or gs[-1] != g
-                n_need = need + (s if new else 0) + len(ends[k])
+                n_need = need + (s if new else 0) + n_row
                 rows = end - start + 1
                 tokens = (len(gs) + new) * s + spans + span - rows * s  # prefill (G, s), rows after position s
                 if end > start and (rows * max(reach, span) > budget or tokens > SHARE_SLACK * n_need):
@@ -324,7 +356,7 @@ class KilnLM(LM):
                 with self._headless():
                     self.model(x, cache=prefix)
             at = {g: j for j, g in enumerate(gs)}
-            inputs = [groups[g][0][s:] + groups[g][1][k][:-1] for g, k in batch]  # rows after the cached prefix
+            inputs = [groups[g][0][s:] + list(rowsets[g][j][0]) for g, j in batch]  # rows after the cached prefix
             for part in self._passes([len(t) for t in inputs]):
                 T = len(inputs[part[0]])
                 cache = KVCache.for_model(self.model, len(part), max_len=s + T)
@@ -337,13 +369,13 @@ class KilnLM(LM):
                                  device=dev)  # (R, T)
                 logits = self.model(x, cache=cache)  # (R, T, V); right padding cannot reach earlier positions
                 del cache
-                n_in = torch.tensor([len(inputs[i]) for i in part], device=dev)  # (R,)
-                got = self._targets(logits, torch.arange(len(part), device=dev), n_in,
-                                    [groups[batch[i][0]][1][batch[i][1]] for i in part])
-                for i, res in zip(part, got):
-                    g, k = batch[i]
+                who = [(r, batch[i][0], k) for r, i in enumerate(part) for k in rowsets[batch[i][0]][batch[i][1]][1]]
+                b_of = torch.tensor([r for r, _, _ in who], device=dev)  # (E,) ending -> row of the pass
+                n_in = torch.tensor([len(inputs[part[r]]) for r, _, _ in who], device=dev)  # (E,)
+                got = self._targets(logits, b_of, n_in, [groups[g][1][k] for _, g, k in who])
+                for (_, g, k), res in zip(who, got):
                     out[g][k] = res
-                done += len(part)
+                done += len(who)
                 if scored is not None:
                     scored(done)
             del prefix
@@ -369,9 +401,9 @@ class KilnLM(LM):
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
         """(context, continuation) -> (log p(continuation | context), continuation is the greedy decode).
 
-        With ``share_context``, requests with the same context tokens (``_shareable``) are scored by ``_score_shared``
-        (the context run once for all of them); the others, and all of them without it, one row per request (longer
-        ones in pieces, left-truncated as ``_rows`` says)."""
+        With ``share_context``, the requests ``_shareable`` picks are scored by ``_score_shared``, grouped by context
+        tokens (each context run once, without logits, for all its endings); the others, and all of them without it,
+        one row per request (longer ones in pieces, left-truncated as ``_rows`` says)."""
         pairs = []
         for req in requests:
             context, continuation = req.args

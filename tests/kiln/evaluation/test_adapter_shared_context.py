@@ -116,15 +116,37 @@ def test_a_shared_context_runs_once_and_the_prefill_makes_no_logits(enc):
         assert v == pytest.approx(direct(model, enc, enc.encode(ctx), enc.encode(e)), abs=1e-4)
 
 
-def test_which_requests_share_a_pass(enc):
+def test_which_requests_go_to_the_shared_path(enc):
     lm = KilnLM(tiny("gpt2"), enc)
-    pairs = [([1, 2, 3], [4, 5]), ([1, 2, 3], [6]), ([1, 2, 3], [4, 5]),  # shared (a repeated ending answered twice)
-             ([7, 8], [9]), ([7, 8], [10]),  # one-token endings: already one row (the same input), not shared
+    pairs = [([1, 2, 3], [4, 5]), ([1, 2, 3], [6]), ([1, 2, 3], [4, 5]),  # a repeated ending is answered twice
+             ([7, 8], [9]), ([7, 8], [10]),  # one-token endings: one row either way; the prefill makes no logits
              ([11], [12, 13]), ([11], [14, 15]),  # a one-token context: nothing to cache
-             ([20, 21], [22, 23]),  # alone
-             ([1] * 41, [2] * 8), ([1] * 41, [3] * 9)]  # 41 + 9 > BLOCK + 1: the second is truncated, the first alone
-    assert lm._shareable(pairs) == {(1, 2, 3): [0, 1, 2]}
-    assert lm._shareable([([5, 6, 7, 8, 9], [10, 11]), ([5, 6, 7, 8, 9], [12, 13])])  # a shared pass is shorter
+             ([20, 21], [22, 23]),  # alone: its context's positions make no logits
+             ([1] * 41, [2] * 8), ([1] * 41, [3] * 9)]  # 41 + 9 > BLOCK + 1: the second is left-truncated, one row
+    assert 0.1 < lm._head_share() < 0.5
+    assert lm._shareable(pairs) == {(1, 2, 3): [0, 1, 2], (7, 8): [3, 4], (20, 21): [7], (1,) * 41: [8]}
+    lm._head = lambda: None  # a model whose head cannot be left out: only where the shared path runs fewer tokens
+    assert lm._head_share() == 0.0 and lm._shareable(pairs) == {(1, 2, 3): [0, 1, 2]}
+
+
+def test_one_token_answers_read_one_row_after_the_context(enc):
+    model = tiny("llama")
+    ctx = "Question: which letter?\nAnswer:"
+    reqs = [req(ctx, f" {c}") for c in "ABCD"]  # " A" is two byte tokens: the row is the last context token and " "
+    fed, head = [], []
+    model.register_forward_pre_hook(lambda m, args: fed.append(tuple(args[0].shape)))
+    model.lm_head.register_forward_hook(lambda m, args, out: head.append(tuple(args[0].shape[:2])))
+    lm = KilnLM(model, enc, batch_size=4)
+    shared = lm.loglikelihood(reqs)
+    n_ctx = len(enc.encode(ctx))
+    assert fed == [(1, n_ctx - 1), (1, 2)] and head == [(1, 0), (1, 2)]
+    lm.share_context = False
+    close(shared, lm.loglikelihood(reqs))
+    assert len({v for v, _ in shared}) == 4
+
+
+def test_switched_off_the_shared_path_never_runs(enc):
+    lm = KilnLM(tiny("gpt2"), enc)
 
     def no(*a, **k):
         raise AssertionError("share_context is off")
