@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from provenance import header, header_md, machine_line  # noqa: E402
+from provenance import header, machine_line  # noqa: E402
 
 STEP = re.compile(r"^✓ (\w+)\s+(?:(\d+)m)?(\d+)s")
-SUMMARY = re.compile(r"=+ (.*?(?:passed|failed|error).*?) in ([\d.]+)s")
+SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed).*?) in ([\d.]+)s", re.M)  # pytest's last line (-q or not)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,38 +32,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repo", default=str(ROOT))
     ap.add_argument("--where", default="/tmp/kiln-fresh")
     ap.add_argument("--out", default="")
+    ap.add_argument("--reparse", action="store_true", help="read OUT.json's run log again (no clone, no run) and "
+                    "rewrite OUT.md and OUT.json: for a log an older version of this script did not parse")
     args = ap.parse_args(argv)
+    out = Path(args.out or ROOT / "bench" / "results" / f"fresh_clone_{args.what}")
+    if args.reparse:
+        old = json.loads(out.with_suffix(".json").read_text())
+        return write(old, Path(old["log"]).read_text(errors="replace"), out, args.what, argv)
     print(f"machine: {machine_line()}", flush=True)
     where = Path(args.where)
     shutil.rmtree(where, ignore_errors=True)
     subprocess.run(["git", "clone", "-q", args.repo, str(where)], check=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True).stdout.strip()
-    log_path = where.parent / f"{where.name}-{args.what}.log"
+    log_path = where.parent / f"{where.name}-{args.what}-{time.strftime('%Y%m%d-%H%M%S')}.log"  # one per run
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         rc = subprocess.run(["make", args.what], cwd=where, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
-    text = log_path.read_text(errors="replace")
     result = {**header(argv if argv is not None else sys.argv), "what": f"make {args.what}", "clone_commit": commit,
               "returncode": rc, "wall_s": round(wall, 1), "log": str(log_path)}
-    if args.what == "test":
+    return write(result, log_path.read_text(errors="replace"), out, args.what, argv)
+
+
+def write(result: dict, text: str, out: Path, what: str, argv: list[str] | None) -> int:
+    """Parse the run's log into ``result`` and write OUT.json and OUT.md; the run's exit code."""
+    commit, rc, wall = result["clone_commit"], result["returncode"], result["wall_s"]
+    if what == "test":
         m = SUMMARY.findall(text)
         result["pytest"] = {"summary": m[-1][0], "seconds": float(m[-1][1])} if m else None
     else:
         result["assets"] = {s: int(mm or 0) * 60 + int(ss) for s, mm, ss in
                             (STEP.match(line.strip()).groups() for line in text.splitlines() if STEP.match(line.strip()))}
         result["tail"] = text.splitlines()[-12:]
-    out = Path(args.out or ROOT / "bench" / "results" / f"fresh_clone_{args.what}")
     out.with_suffix(".json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    md = [f"# `make {args.what}` from a fresh clone", "", *header_md(argv if argv is not None else sys.argv),
-          f"Clone of {commit}; exit code {rc}; {wall / 60:.0f} min {wall % 60:.0f} s wall, its own .venv install "
+    again = header(argv if argv is not None else sys.argv)["command"] if "--reparse" in (argv or sys.argv) else ""
+    md = [f"# `make {what}` from a fresh clone", "", f"- command: `{result['command']}`",
+          f"- commit: {result['commit']}", f"- date: {result['date']}", f"- machine: {result['machine']}",
+          *([f"- log read again by: `{again}`"] if again else []), "",
+          f"Clone of {commit}; exit code {rc}; {int(wall // 60)} min {int(wall % 60)} s wall, its own .venv install "
           "included (the machine was shared: other work ran beside it)."]
     if result.get("pytest"):
         md.append(f"pytest: {result['pytest']['summary']} in {result['pytest']['seconds'] / 60:.1f} min.")
     if result.get("assets"):
         md += ["", "| asset | seconds |", "|---|---:|", *[f"| {k} | {v} |" for k, v in result["assets"].items()]]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print(f"make {args.what}: rc {rc}, {wall:.0f} s; wrote {out.with_suffix('.md')}", flush=True)
+    print(f"make {what}: rc {rc}, {wall:.0f} s; wrote {out.with_suffix('.md')}", flush=True)
     return rc
 
 
