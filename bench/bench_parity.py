@@ -92,11 +92,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
              "kiln": kiln_lm(model, work / "kiln", args.batch_size, args.max_length, args.device)}
     print(f"models loaded in {time.perf_counter() - t0:.1f}s: {model}", flush=True)
     rows = []
-    for p in prepared:
+    for p in prepared:  # the results files are rewritten after each benchmark: a run stopped early keeps them
         got, _ = compare(p, sides, max_gen_toks=args.max_gen_toks)
         rows += got
         print("\n".join(table(got)[2:]), flush=True)
-    out = Path(args.out)
+        write(Path(args.out), args, model, rows)
+    print(f"wrote {Path(args.out).with_suffix('.md')} and .json")
+    return rows
+
+
+def write(out: Path, args: argparse.Namespace, model: Path, rows: list[dict]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     name = "a random tiny llama (kiln.evaluation.standard.parity.save_tiny_llama)" if args.tiny else model
     about = (f"Model: {name}; "
@@ -110,8 +115,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                  *table(rows), ""]))
     out.with_suffix(".json").write_text(json.dumps({**header(), "model": str(model), "args": vars(args),
                                                     "rows": rows}, indent=2))
-    print(f"wrote {out.with_suffix('.md')} and .json")
-    return rows
 
 
 if __name__ == "__main__":

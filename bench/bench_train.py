@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  the model's own GEMMs alone run at {ceiling / 1e9:.1f} GFLOP/s = {out['gemm_ceiling_vs_peak']:.1%} of that peak; "
           f"the whole step reaches {out['step_vs_gemm_ceiling']:.1%} of them")
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from provenance import header
+
+        Path(a.json).write_text(json.dumps({**header(), **out}, indent=2))
     return out
 
 

@@ -44,11 +44,26 @@ def machine_line() -> str:
         memory = f"{mem:.1f} GiB"
     except (ValueError, OSError):
         memory = "memory unknown"
-    return f"{model} | {shown} | {cores} cores | {memory}"
+    gpu = gpu_line()
+    return f"{model} | {shown} | {cores} cores | {memory}" + (f" | GPU: {gpu}" if gpu else "")
+
+
+def gpu_line() -> str:
+    """The GPUs nvidia-smi lists (name, memory, driver), ``""`` on a machine without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    gpus = [g.strip() for g in out.splitlines() if g.strip()]
+    return f"{len(gpus)} x {gpus[0]}" if gpus else ""
 
 
 def git_commit() -> str:
-    """The commit of the working tree, ``+dirty`` when tracked files differ from it."""
+    """The commit of the working tree, ``+dirty`` when tracked files differ from it. A copy of the tree without its
+    git folder (a remote machine's) takes it from KILN_COMMIT, which the command that copied it sets."""
+    if not (ROOT / ".git").exists() and os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"] + " (a copy of the tree, no git folder there)"
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
 

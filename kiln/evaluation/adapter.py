@@ -38,6 +38,8 @@ Row = tuple[list[int], list[int]]  # (model input tokens, targets: the tokens af
 KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k"}
 SHARE_ENV = "KILN_EVAL_SHARE_CONTEXT"  # "0" / "false" / "no" / "off": score each request as its own row
 SHARE_SLACK = 1.15  # a shared batch, and each pass of it, runs at most this many times the tokens its rows need
+LOGITS_ENV = "KILN_EVAL_LOGITS_GIB"  # the most memory one pass's float32 logits may take (default LOGITS_GIB)
+LOGITS_GIB = 2.0  # CPU-safe; a GPU with room scores faster with more (bench/gpu_released.sh gives 8)
 
 
 def _flag(value: Any) -> bool:
@@ -90,6 +92,7 @@ class KilnLM(LM):
         seed: int = 1234,
         progress: Callable[[str], None] | None = None,
         share_context: bool | str | None = None,
+        logits_gib: float | None = None,
     ) -> None:
         super().__init__()
         block = model.config.block_size
@@ -111,6 +114,14 @@ class KilnLM(LM):
         self.n_vocab = encoding.n_vocab
         self.max_length = int(max_length or block)
         self.batch_size = int(batch_size)
+        # Input tokens per forward pass: batch_size rows of max_length, proportionally more shorter rows, and never
+        # more than the float32 logits (tokens x vocabulary) that logits_gib holds, one full-length row at least: a
+        # model with a long context and a large vocabulary would otherwise ask for tens of GB per pass.
+        gib = float(os.environ.get(LOGITS_ENV, LOGITS_GIB) if logits_gib is None else logits_gib)
+        if not gib > 0:
+            raise ValueError(f"logits_gib ({LOGITS_ENV}) must be > 0, got {gib}")
+        by_memory = int(gib * 2**30 / (4 * model.config.vocab_size))
+        self.pass_tokens = max(self.max_length, min(self.batch_size * self.max_length, by_memory))
         self.max_gen_toks = int(max_gen_toks)
         self.generator = torch.Generator(device=self._device).manual_seed(int(seed))
         self.progress = progress  # told each request type's progress (RequestProgress lines); None: silent
@@ -190,8 +201,8 @@ class KilnLM(LM):
         """(sum of target log-probs, all targets greedy) per row; batched longest first, padded right.
 
         Rows with the same input tokens (e.g. one-token answers " A".." D" after one question) share one forward
-        pass, each gathering its own targets from the shared logits. A batch holds batch_size x max_length input
-        tokens: batch_size rows of full length, proportionally more shorter ones (same memory, fewer passes).
+        pass, each gathering its own targets from the shared logits. A batch holds ``pass_tokens`` input tokens
+        (batch_size x max_length, capped by logits_gib): full-length rows, or proportionally more shorter ones.
         ``scored(n)`` is told the number of rows scored so far after each batch.
         """
         self.model.eval()
@@ -204,7 +215,7 @@ class KilnLM(LM):
             members[u].append(i)
         order = sorted(range(len(inputs)), key=lambda u: -len(inputs[u]))
         dev = self._device
-        budget = self.batch_size * self.max_length  # input tokens per forward pass, padding included
+        budget = self.pass_tokens  # input tokens per forward pass, padding included
         start = done = 0
         while start < len(order):
             T = len(inputs[order[start]])  # the longest input of this batch (sorted longest first)
@@ -312,8 +323,8 @@ class KilnLM(LM):
         one context with the same ending[:-1] (one-token answers " A" .. " D") read their targets from one row. The
         rows run longest first in passes of rows of similar length (``_passes``), padded right.
 
-        A batch stops where its rows x positions (the cache included) would pass batch_size x max_length (the memory
-        of an ``_score_rows`` batch) or where its tokens would pass SHARE_SLACK times those its contexts and endings
+        A batch stops where its rows x positions (the cache included) would pass ``pass_tokens`` (the memory of an
+        ``_score_rows`` batch) or where its tokens would pass SHARE_SLACK times those its contexts and endings
         need (a context longer than s re-runs its tail in each of its ending rows). ``scored(n)`` is told the
         endings scored so far after each pass.
         """
@@ -327,7 +338,7 @@ class KilnLM(LM):
             rowsets.append(list(same.items()))
         items = [(g, j) for g in order for j in range(len(rowsets[g]))]  # (group, row), contexts longest first
         out: list[list[tuple[float, bool]]] = [[(0.0, True)] * len(e) for _, e in groups]
-        budget = self.batch_size * self.max_length
+        budget = self.pass_tokens
         dev, start, done = self._device, 0, 0
         while start < len(items):
             end, gs = start, []  # the batch's items[start:end] and its groups, in order

@@ -176,3 +176,22 @@ def test_progress_counts_shared_and_single_requests_to_the_last(enc):
     lm.loglikelihood(reqs)
     done = [int(ln.split()[1].split("/")[0]) for ln in lines]
     assert done == sorted(done) and lines[-1].startswith(f"eval {len(reqs)}/{len(reqs)}: loglikelihood |")
+
+
+def test_a_pass_holds_no_more_logits_than_logits_gib_and_scores_do_not_change(enc, monkeypatch):
+    model = tiny("llama")
+    reqs = items()
+    wide = KilnLM(model, enc, batch_size=64)
+    assert wide.pass_tokens == 64 * BLOCK  # 320-token vocabulary: the default 2 GiB never binds here
+    # a cap of one full-length row's logits: every pass holds at most BLOCK tokens
+    narrow = KilnLM(model, enc, batch_size=64, logits_gib=BLOCK * 320 * 4 / 2**30)
+    assert narrow.pass_tokens == BLOCK
+    seen = []
+    real = model.forward
+    monkeypatch.setattr(model, "forward", lambda x, *a, **k: seen.append(x.numel()) or real(x, *a, **k))
+    got = narrow.loglikelihood(reqs)
+    assert seen and max(seen) <= BLOCK
+    close(got, KilnLM(model, enc, batch_size=64, share_context=False).loglikelihood(reqs))
+    monkeypatch.setenv("KILN_EVAL_LOGITS_GIB", "0")
+    with pytest.raises(ValueError, match="KILN_EVAL_LOGITS_GIB"):
+        KilnLM(model, enc)
