@@ -20,8 +20,30 @@ def hf_lm(folder: str | Path, batch_size: int = 16, max_length: int | None = Non
 
     path = Path(folder)
     gguf = {"pretrained": str(path.parent), "gguf_file": path.name} if path.suffix.lower() == ".gguf" else {}
-    return HFLM(**{"pretrained": str(path), **gguf}, batch_size=batch_size, max_length=max_length, device=device,
-                dtype="float32")
+    lm = HFLM(**{"pretrained": str(path), **gguf}, batch_size=batch_size, max_length=max_length, device=device,
+              dtype="float32")
+    if gguf:
+        use_gguf_pretokenizer(lm.tokenizer, path)
+    return lm
+
+
+def use_gguf_pretokenizer(tokenizer: Any, path: str | Path) -> str:
+    """Split text before BPE as the GGUF's ``tokenizer.ggml.pre`` says, in a transformers tokenizer loaded from it.
+
+    transformers' GGUF loader builds a byte-level BPE tokenizer with GPT-2's split whatever that field names, so a
+    'smollm' vocabulary (digits split one by one first, as llama.cpp and the model's own tokenizer split them) turns
+    " Wash  4" into " Wash", " ", " ", "4" where llama.cpp and Kiln give " Wash", "  ", "4": the same text, other
+    tokens, another log-likelihood. The parity check compares models, so both sides get the GGUF's split (Kiln's
+    import reads it, kiln.pretrained.gguf.PRE_TOKENIZERS). Returns the field's value."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from kiln.pretrained.gguf import read_gguf
+
+    doc = read_gguf(path, weights=False).tokenizer
+    tokenizer.backend_tokenizer.pre_tokenizer = Tokenizer.from_str(json.dumps(doc)).pre_tokenizer
+    return str(doc.get("pre_tokenizer"))
 
 
 def kiln_lm(folder: str | Path, work_dir: str | Path, batch_size: int = 16, max_length: int | None = None,

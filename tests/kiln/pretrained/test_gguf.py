@@ -199,3 +199,24 @@ def test_sentencepiece_and_unknown_split_refused(hf, tmp_path):
                       meta_overrides={"tokenizer.ggml.pre": "chatglm-bpe"})
     with pytest.raises(PretrainedError, match=r"pre.gguf: metadata tokenizer.ggml.pre='chatglm-bpe' is not supported"):
         load_pretrained(path)
+
+
+def test_the_parity_reference_splits_text_as_the_gguf_says(files, hf):
+    """transformers' GGUF loader splits a 'smollm' vocabulary with GPT-2's regex alone; the parity bench's HFLM gets
+    the GGUF's own split, so a space before a digit gives the ids Kiln (and llama.cpp) give."""
+    from transformers import AutoTokenizer
+
+    from kiln.evaluation.standard.parity import use_gguf_pretokenizer
+    from kiln.tokenizer import load_encoding
+
+    path = files["F32"]
+    text = "Mix  3 eggs,  12 cups\n\n  7 times"
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    before = tok.encode(text, add_special_tokens=False)
+    assert "Digits" in use_gguf_pretokenizer(tok, path)
+    after = tok.encode(text, add_special_tokens=False)
+    reference = AutoTokenizer.from_pretrained(str(hf["llama", "smollm"])).encode(text, add_special_tokens=False)
+    record = import_pretrained(path, path.parent / "parity-import")
+    kiln_ids = load_encoding(record["tokenizer"]).encode(text, allowed_special=set())
+    assert after == reference == kiln_ids
+    assert before != after  # the loader's own split differs here: the reason for the override
