@@ -160,9 +160,10 @@ def md_table(rows: Iterable[dict[str, Any]], columns: list[str] | None = None) -
 
 
 def line_plot(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str,
-              save_to: Path | None = None) -> MetadataValue:
-    """A small PNG line plot embedded as markdown (and saved to ``save_to`` for MLflow)."""
-    png = line_plot_png(series, title, xlabel, ylabel)
+              save_to: Path | None = None, bands: dict | None = None, hlines: dict | None = None) -> MetadataValue:
+    """A small PNG line plot embedded as markdown (and saved to ``save_to`` for MLflow); bands and hlines as
+    kiln.common.plots.line_plot_png draws them."""
+    png = line_plot_png(series, title, xlabel, ylabel, bands=bands, hlines=hlines)
     if save_to is not None:
         save_to.write_bytes(png)
     return MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})")

@@ -15,7 +15,9 @@ from dagster import (
     DynamicPartitionsDefinition,
     Failure,
     MetadataValue,
+    MultiPartitionsDefinition,
     Output,
+    StaticPartitionsDefinition,
     asset,
     asset_check,
 )
@@ -25,6 +27,7 @@ from assets._common import asset_output, line_plot, md_table
 from kiln.clean.corpus import corpus_texts
 from kiln.common.files import atomic_path, atomic_write_json, stable_hash
 from kiln.evaluation import checkpoints as kckpt
+from kiln.evaluation import matrix as kmatrix
 from kiln.evaluation.coding import HUMANEVAL, problem_table, record_problems, unique_problems
 from kiln.evaluation.contamination import DEFAULT_N, check_contamination, report_tables, training_sources, worst_task
 from kiln.evaluation.mathematics import MATH_EXPR, MATH_WORD
@@ -34,13 +37,17 @@ from kiln.evaluation.scores import bits_per_byte, flat_metrics, score_rows
 from kiln.evaluation.suite import sample_generations, score_full_and_clean
 from kiln.evaluation.tasks import build_suite, retarget_tasks
 from kiln.shards import split_of
-from kiln.train.checkpoint import load_for_inference
+from kiln.train.checkpoint import checkpoint_identity, load_for_inference
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource, run_identity
 
 PROMPTS = ["The", "In this chapter, we", "A shell script is", "What is 12 + 7?"]
 CHECKPOINTS = "checkpoints"  # name of the dynamic partitions set: one key per training checkpoint
 checkpoint_partitions = DynamicPartitionsDefinition(name=CHECKPOINTS)
+# the checkpoint x benchmark matrix: a row per training checkpoint (the same dynamic keys), a column per registered
+# standard benchmark (a benchmark added to the registry is a new column; only its cells are missing)
+benchmark_partitions = StaticPartitionsDefinition(REGISTRY.benchmark_names())
+matrix_partitions = MultiPartitionsDefinition({"benchmark": benchmark_partitions, "checkpoint": checkpoint_partitions})
 
 
 def eval_device(name: str) -> str:
@@ -396,3 +403,63 @@ def checkpoint_evals(context: AssetExecutionContext, config: CheckpointEvalsConf
         **_scores_metadata(head, result, seconds, path, plots),
         "mlflow_runs": md_table([{"suite": s, "run": r, "link": mlflow.run_url(exp, r)} for s, r in runs.runs.items()]),
         "training_run": MetadataValue.url(mlflow.run_url(exp, train_run)) if train_run else "not recorded"})
+
+
+# ---------------------------------------------------------------------------------------------------- the matrix
+
+
+class BenchmarkMatrixConfig(Config):
+    batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget (scores do not depend on it).")
+    device: str = Field(default="auto", description="Where the model runs: cpu, cuda, cuda:N, or auto (cuda when available).")
+
+
+@asset(partitions_def=matrix_partitions, deps=["base_model"], code_version="1", group_name="evaluation")
+def benchmark_matrix(context: AssetExecutionContext, config: BenchmarkMatrixConfig, eval_suite: dict,
+                     contamination_report: dict, storage: KilnStorageResource) -> Output[dict]:
+    """One cell of the checkpoint x benchmark matrix (a partition per training checkpoint and standard benchmark): the benchmark, lm-eval's own definition on eval_suite's seeded sample, scored on the checkpoint on all and on contamination-clean items beside chance, and the run's score-against-step plot with its 95% interval. A cell scored before from the same checkpoint, definition, data and sample is reused, not rescored: adding a benchmark scores its column, a new checkpoint its row."""
+    import tempfile
+
+    from kiln.evaluation.standard import BenchmarkError, prepare
+    from kiln.evaluation.standard.suite import score_benchmarks
+
+    keys = context.partition_key.keys_by_dimension
+    name = keys["benchmark"]
+    ref = kckpt.resolve(storage.path("base_model"), keys["checkpoint"])
+    recorded = eval_suite.get("benchmarks") or {}
+    limit, seed = recorded.get("limit", 120), recorded.get("seed", 1234)
+    report = {k: v for k, v in (contamination_report.get("benchmarks") or {}).items() if k == name} or None
+    root = storage.path("benchmark_matrix")
+    folder = kmatrix.cell_folder(root, ref.run, ref.step, name)
+    with tempfile.TemporaryDirectory(prefix="kiln-cell-") as tmp:
+        try:
+            prepared = prepare([name], storage.cache_dir, tmp, limit, seed)
+        except (BenchmarkError, KeyError, ValueError) as e:
+            raise Failure(description=f"benchmark_matrix {name}: {e}", allow_retries=False) from e
+        inputs = kmatrix.cell_inputs(checkpoint_identity(ref.path), name, prepared.record,
+                                     contamination_report["version"] if report else None)
+        cell = kmatrix.reusable(folder, inputs)
+        reused = cell is not None
+        if cell is None:
+            device = eval_device(config.device)
+            model, enc, _meta = load_for_inference(ref.path, map_location=device)
+            context.log.info(f"scoring {name} ({limit} items, seed {seed}) on {ref.key}")
+            t0 = time.perf_counter()
+            full, clean = score_benchmarks(model, enc, prepared, report, batch_size=config.batch_size, seed=seed,
+                                           device=device, progress=context.log.info)
+            cell = kmatrix.write_cell(folder, inputs, full[name], clean.get(name), REGISTRY.benchmark(name).primary,
+                                      ref.step, ref.run, time.perf_counter() - t0)
+    points = kmatrix.series(root, ref.run, name)
+    with atomic_path(root / ref.run / f"{name}_vs_step.png") as tmp_png:
+        plot = line_plot(**kmatrix.plot_series(points, cell["chance"]), title=f"{name} by training step (run "
+                         f"{ref.run[:8]})", xlabel="step", ylabel=cell["primary"], save_to=tmp_png)
+    clean_row = cell.get("clean") or {}
+    metric = cell["primary"].split(",", 1)[0]
+    return Output(cell, metadata={
+        "benchmark": name, "checkpoint": ref.key, "step": ref.step, "reused": reused,
+        "score": cell["score"] if cell["score"] is not None else float("nan"),
+        "stderr": cell["stderr"] if cell["stderr"] is not None else float("nan"),
+        "items": cell["items"] or 0, "chance": cell["chance"] if cell["chance"] is not None else float("nan"),
+        "clean_score": clean_row.get(metric, float("nan")) if clean_row else "not checked",
+        "clean_items": clean_row.get("items", 0) if clean_row else 0,
+        "score_vs_step": plot, "scored_seconds": cell["seconds"],
+        "cell": MetadataValue.path(str(folder / kmatrix.CELL_FILE))})

@@ -18,7 +18,7 @@ from dagster import (
 
 from assets.collect import clean_corpus, raw_documents
 from assets.tokens import token_shards, tokenizer
-from assets.evals import checkpoint_evals, contamination_below_threshold, contamination_report, eval_scores, eval_suite
+from assets.evals import benchmark_matrix, checkpoint_evals, contamination_below_threshold, contamination_report, eval_scores, eval_suite
 from assets.feedback import judged_preferences
 from assets.alignment import dpo_model, instruction_data, preference_data, rl_model, sft_model
 from assets.pretrained import pretrained_model
@@ -27,7 +27,7 @@ from assets.redteam import red_team_report
 from assets.rlhf import ppo_model, reward_model
 from assets.scaling import scaling_ladder, sweep, sweep_grid, sweep_results
 from assets.training import base_model, training_plan
-from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
+from jobs.nightly import benchmark_matrix_job, checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
 from resources.ray import RayResource
 from resources.storage import HandleIOManager, KilnStorageResource
 from resources.torchrun import TorchrunResource
@@ -42,9 +42,10 @@ ALL_ASSETS = [pretrained_model, raw_documents, clean_corpus, tokenizer, token_sh
 # assets `kiln run` leaves out unless --select names them or the preset opts in (its top-level opt_in list);
 # the pipeline job itself (and the smoke end-to-end test) holds them
 OPT_IN = ("scaling_ladder", "judged_preferences", "reward_model", "ppo_model")
-# outside the pipeline job: checkpoint_evals (one partition per training checkpoint) and the sweep (sweep_grid
+# outside the pipeline job: checkpoint_evals (one partition per training checkpoint), benchmark_matrix (one per
+# checkpoint and standard benchmark) and the sweep (sweep_grid
 # makes sweep's partitions, one per point, which must all run before sweep_results): ``kiln sweep`` runs them
-PARTITIONED_ASSETS = [checkpoint_evals, sweep]
+PARTITIONED_ASSETS = [checkpoint_evals, benchmark_matrix, sweep]
 SWEEP_ASSETS = [sweep_grid, sweep_results]
 
 PIPELINE_DESCRIPTION = "Raw text to released model: every Kiln asset in order."
@@ -120,7 +121,7 @@ def make_definitions(home: Path = KILN_HOME, source_cache: str = "", launchpad: 
     return Definitions(
         assets=ALL_ASSETS + PARTITIONED_ASSETS + SWEEP_ASSETS,
         asset_checks=[contamination_below_threshold, release_no_regression, release_red_team],
-        jobs=[launchpad_job(home) if launchpad else kiln_pipeline_job, checkpoint_eval_job, sweep_grid_job, sweep_job,
+        jobs=[launchpad_job(home) if launchpad else kiln_pipeline_job, checkpoint_eval_job, benchmark_matrix_job, sweep_grid_job, sweep_job,
               sweep_results_job],
         schedules=[nightly_eval_schedule],
         sensors=[new_checkpoint_sensor],

@@ -10,6 +10,7 @@ from dagster import (
     AssetSelection,
     DefaultScheduleStatus,
     DefaultSensorStatus,
+    MultiPartitionKey,
     RunRequest,
     ScheduleEvaluationContext,
     SensorEvaluationContext,
@@ -20,7 +21,7 @@ from dagster import (
     sensor,
 )
 
-from assets.evals import CHECKPOINTS, checkpoint_evals, checkpoint_partitions
+from assets.evals import CHECKPOINTS, benchmark_matrix, checkpoint_evals, checkpoint_partitions, matrix_partitions
 from kiln.evaluation import checkpoints as kckpt
 from resources.storage import KilnStorageResource
 
@@ -34,14 +35,27 @@ checkpoint_eval_job = define_asset_job(
     description="Evaluate one training checkpoint (a partition of checkpoint_evals) on every suite.",
 )
 
+benchmark_matrix_job = define_asset_job(
+    "benchmark_matrix_job", selection=AssetSelection.assets(benchmark_matrix),  # checkpoint x benchmark partitions
+    description="Score cells of the checkpoint x benchmark matrix (backfill a column, a row, or the missing cells).",
+)
+
+
+def matrix_columns(instance) -> list[str]:
+    """The benchmarks of the matrix in use: those with at least one scored cell, in registry order."""
+    done = instance.get_materialized_partitions(AssetKey("benchmark_matrix"))
+    used = {matrix_partitions.get_partition_key_from_str(k).keys_by_dimension["benchmark"] for k in done}
+    return [b for b in matrix_partitions.get_partitions_def_for_dimension("benchmark").get_partition_keys() if b in used]
+
 
 def _missing_inputs(instance) -> list[str]:
     return [name for name in NEEDS if instance.get_latest_materialization_event(AssetKey(name)) is None]
 
 
-@sensor(job=checkpoint_eval_job, minimum_interval_seconds=60, default_status=DefaultSensorStatus.STOPPED)
+@sensor(jobs=[checkpoint_eval_job, benchmark_matrix_job], minimum_interval_seconds=60,
+        default_status=DefaultSensorStatus.STOPPED)
 def new_checkpoint_sensor(context: SensorEvaluationContext, storage: KilnStorageResource):
-    """Registers each new training checkpoint as a partition of checkpoint_evals and requests its evaluation."""
+    """Registers each new training checkpoint as a partition of checkpoint_evals (and a row of benchmark_matrix) and requests its evaluation: every suite, and its cell of each benchmark column already in use in the matrix."""
     refs = kckpt.discover(storage.path(TRAINING_ASSET))
     known = set(context.instance.get_dynamic_partitions(CHECKPOINTS))
     new = [r for r in refs if r.key not in known][:MAX_RUNS_PER_TICK]
@@ -51,10 +65,14 @@ def new_checkpoint_sensor(context: SensorEvaluationContext, storage: KilnStorage
     if missing:
         return SkipReason(f"{len(new)} new checkpoint(s) wait for {', '.join(missing)}: materialize them first")
     keys = [r.key for r in new]
-    return SensorResult(
-        run_requests=[RunRequest(run_key=r.key, partition_key=r.key, tags={"kiln/trigger": "new_checkpoint"}) for r in new],
-        dynamic_partitions_requests=[checkpoint_partitions.build_add_request(keys)],
-    )
+    columns = matrix_columns(context.instance)
+    suites = [RunRequest(run_key=r.key, partition_key=r.key, job_name=checkpoint_eval_job.name,
+                         tags={"kiln/trigger": "new_checkpoint"}) for r in new]
+    cells = [RunRequest(run_key=f"matrix-{r.key}-{b}", job_name=benchmark_matrix_job.name,
+                        partition_key=MultiPartitionKey({"benchmark": b, "checkpoint": r.key}),
+                        tags={"kiln/trigger": "new_checkpoint"}) for r in new for b in columns]
+    return SensorResult(run_requests=suites + cells,
+                        dynamic_partitions_requests=[checkpoint_partitions.build_add_request(keys)])
 
 
 @schedule(job=checkpoint_eval_job, cron_schedule="0 2 * * *", name="nightly_eval_schedule",

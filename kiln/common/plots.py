@@ -8,9 +8,12 @@ from __future__ import annotations
 import io
 
 
-def line_plot_png(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str) -> bytes:
-    """One line per named series of (x, y) points (empty series are left out). No version stamp is written, so the
-    same plot gives the same bytes."""
+def line_plot_png(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str,
+                  bands: dict[str, list[tuple[float, float, float]]] | None = None,
+                  hlines: dict[str, float] | None = None) -> bytes:
+    """One line per named series of (x, y) points (empty series are left out); ``bands``: shaded (x, low, high)
+    ranges (an interval); ``hlines``: dashed horizontal lines (a baseline such as chance). No version stamp is
+    written, so the same plot gives the same bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,6 +24,12 @@ def line_plot_png(series: dict[str, list[tuple[float, float]]], title: str, xlab
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=label)
+    for label, pts in (bands or {}).items():
+        if pts:
+            xs, lo, hi = zip(*pts)
+            ax.fill_between(xs, lo, hi, alpha=0.2, label=label)
+    for label, y in (hlines or {}).items():
+        ax.axhline(y, linestyle="--", color="grey", linewidth=1, label=label)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend()

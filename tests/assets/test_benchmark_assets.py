@@ -63,7 +63,7 @@ def world(tmp_path_factory, tiny_tokenizer, source_cache):
               "instruction_data": {"path": str(pairs), "version": "p1"},
               "base_model": {"checkpoint": str(ckpt), "final_val_loss": 5.0, "version": "b1", "mlflow_run_id": run_id,
                              "out_dir": str(run_dir)}}
-    return {"values": values, "prepared": prepared, "instance": DagsterInstance.ephemeral(),
+    return {"values": values, "prepared": prepared, "tok_path": tok_path, "instance": DagsterInstance.ephemeral(),
             "resources": {"storage": storage, "mlflow": mlflow,
                           "io_manager": FilesystemIOManager(base_dir=str(root / "handles"))}}
 
@@ -116,3 +116,57 @@ def test_a_bad_benchmark_name_fails_the_suite_in_one_line(world):
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     text = failure.event_specific_data.error.message
     assert "eval_suite.benchmarks:" in text and "hellaswag" in text and "\n" not in text.strip().split("\n")[0]
+
+
+def test_the_matrix_scores_each_cell_once_and_reuses_it(world, scored):
+    """Checkpoint x benchmark cells: a rerun reuses every finished cell, a new checkpoint scores only its row, a new
+    benchmark only its column, and a damaged cell is scored again."""
+    from dagster import AssetKey, MultiPartitionKey
+
+    from assets.evals import CHECKPOINTS, benchmark_matrix
+    from kiln.evaluation.checkpoints import checkpoint_key
+    from kiln.evaluation.matrix import CELL_FILE, cells
+
+    storage, instance = world["resources"]["storage"], world["instance"]
+    run_dir = storage.path("base_model", "run0001")
+    meta = json.loads(next((run_dir / "checkpoints").glob("step_*/meta.json")).read_text())
+    for step in (10, 15):
+        torch.manual_seed(step)
+        save_checkpoint(run_dir / "checkpoints", step, {"model": GPT(ModelConfig(**meta["model"])).state_dict()},
+                        {"model": meta["model"], "val_loss": 5.0 - step / 10, "task": "pretrain"},
+                        {"tokenizer.json": world["tok_path"]}, keep_last=0)
+    keys = [checkpoint_key("run0001", s) for s in (5, 10, 15)]
+    instance.add_dynamic_partitions(CHECKPOINTS, keys)
+    assets = [*fixture_assets(world["values"]), eval_suite, contamination_report, benchmark_matrix]
+    config = {"ops": {"benchmark_matrix": {"config": {"batch_size": 4}}}}
+
+    def cell(bench: str, key: str) -> tuple[bool, dict]:
+        pk = MultiPartitionKey({"benchmark": bench, "checkpoint": key})
+        res = materialize(assets, selection=[benchmark_matrix], partition_key=pk, resources=world["resources"],
+                          instance=instance, run_config=config)
+        md = instance.get_latest_materialization_event(AssetKey("benchmark_matrix")).asset_materialization.metadata
+        return md["reused"].value, res.output_for_node("benchmark_matrix")
+
+    def sweep(benches, ckpts) -> tuple[int, int, dict]:
+        got = {(b, k): cell(b, k) for b in benches for k in ckpts}
+        return (sum(not r for r, _ in got.values()), sum(r for r, _ in got.values()),
+                {bk: c for bk, (_, c) in got.items()})
+
+    scored_n, reused_n, first = sweep(NAMES, keys[:2])
+    assert (scored_n, reused_n) == (4, 0)
+    scored_n, reused_n, again = sweep(NAMES, keys[:2])
+    assert (scored_n, reused_n) == (0, 4) and again == first  # the rerun reuses every cell as it was
+    scored_n, reused_n, _ = sweep(NAMES, keys)  # a new checkpoint: its row only
+    assert (scored_n, reused_n) == (2, 4)
+    scored_n, reused_n, wino = sweep(["winogrande"], keys)  # a new benchmark: its column only
+    assert (scored_n, reused_n) == (3, 0)
+    row = first["arc_easy", keys[0]]
+    assert row["items"] == LIMIT and row["chance"] == 0.25 and 0 <= row["score"] <= 1 and row["stderr"] > 0
+    assert row["clean"]["items"] == LIMIT - 2  # the two leaked arc_easy items are left out of the clean score
+    assert wino["winogrande", keys[0]]["clean"] is None  # not in eval_suite: contamination not checked
+    damaged = storage.path("benchmark_matrix") / "run0001" / "step_0000005" / "piqa" / CELL_FILE
+    damaged.write_text(damaged.read_text().replace('"score"', '"scor"', 1))
+    assert cell("piqa", keys[0])[0] is False  # a damaged cell is scored again
+    assert len(cells(storage.path("benchmark_matrix"))) == 9
+    md = instance.get_latest_materialization_event(AssetKey("benchmark_matrix")).asset_materialization.metadata
+    assert md["score_vs_step"].value.startswith("![piqa by training step") and md["items"].value == LIMIT

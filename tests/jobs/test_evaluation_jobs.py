@@ -14,6 +14,7 @@ from dagster import (
     AssetKey,
     AssetMaterialization,
     DagsterInstance,
+    MultiPartitionKey,
     SensorResult,
     SkipReason,
     build_schedule_context,
@@ -23,7 +24,7 @@ from dagster import (
 
 from assets.evals import CHECKPOINTS
 from jobs.definitions import defs
-from jobs.nightly import checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
+from jobs.nightly import benchmark_matrix_job, checkpoint_eval_job, new_checkpoint_sensor, nightly_eval_schedule
 from resources.storage import KilnStorageResource
 
 
@@ -65,8 +66,17 @@ def test_sensor_registers_and_requests_each_new_checkpoint_once(tmp_path):
     instance.add_dynamic_partitions(CHECKPOINTS, list(add.partition_keys))  # what the daemon does with the request
     assert isinstance(tick(), SkipReason)
     fake_checkpoint(tmp_path, "runB", 50, 1100)
-    (again,) = tick().run_requests
+    (again,) = tick().run_requests  # no matrix column in use yet: the suites alone
     assert again.partition_key == "runB-step0000050" and again.tags["kiln/trigger"] == "new_checkpoint"
+    assert again.job_name == checkpoint_eval_job.name
+
+    # once a benchmark column of the matrix has a scored cell, a new checkpoint's row gets that column's cell too
+    instance.report_runless_asset_event(AssetMaterialization(
+        "benchmark_matrix", partition=MultiPartitionKey({"benchmark": "piqa", "checkpoint": "runA-step0000100"})))
+    suites, cell = tick().run_requests
+    assert suites.job_name == checkpoint_eval_job.name and cell.job_name == benchmark_matrix_job.name
+    assert cell.partition_key == MultiPartitionKey({"benchmark": "piqa", "checkpoint": "runB-step0000050"})
+    assert cell.run_key == "matrix-runB-step0000050-piqa"
 
 
 def test_nightly_schedule_requests_the_latest_checkpoint_of_each_recent_run(tmp_path):
@@ -108,7 +118,13 @@ def test_wiring():
     per_ckpt = defs.resolve_job_def("checkpoint_eval_job")
     assert per_ckpt.partitions_def.name == CHECKPOINTS
     assert {k.to_user_string() for k in per_ckpt.asset_layer.executable_asset_keys} == {"checkpoint_evals"}
-    assert defs.resolve_sensor_def("new_checkpoint_sensor").job_name == checkpoint_eval_job.name
+    assert {j.name for j in defs.resolve_sensor_def("new_checkpoint_sensor").jobs} == {checkpoint_eval_job.name,
+                                                                                       benchmark_matrix_job.name}
+    matrix = defs.resolve_job_def("benchmark_matrix_job")
+    assert set(matrix.partitions_def.partition_dimension_names) == {"benchmark", "checkpoint"}
+    assert {k.to_user_string() for k in matrix.asset_layer.executable_asset_keys} == {"benchmark_matrix"}
+    assert {p.to_user_string() for p in defs.resolve_asset_graph().get(AssetKey("benchmark_matrix")).parent_keys} == {
+        "base_model", "eval_suite", "contamination_report"}
     assert defs.resolve_schedule_def("nightly_eval_schedule").job_name == checkpoint_eval_job.name
     graph = defs.resolve_asset_graph()
     parents = {p.to_user_string() for p in graph.get(AssetKey("checkpoint_evals")).parent_keys}
