@@ -40,6 +40,8 @@ STAGES = ("base_model", "sft_model", "dpo_model", "rl_model")
 TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "boolq", "openbookqa", "sciq", "mmlu",
          "lambada")  # the multiple-choice and last-word sets; generation tasks (gsm8k, MATH, code) sit at 0 at 135M
 STEP_LINE = re.compile(r"^✓ (\w+)\s+(?:(\d+)m)?(\d+)s")
+CHAT = ("What does the SQL statement VACUUM do in SQLite?", "And how do I run it from Python?",
+        "Thanks! Summarise that in one sentence.")  # one conversation, the same turns for both models, greedy
 
 
 def variant_preset(variant: str, seed: int, path: Path) -> Path:
@@ -81,6 +83,17 @@ def heldout_bpb(model, enc, suite_dir: Path, limit: int | None) -> dict:
     return {"bits_per_byte": row["bits_per_byte"], "items": row.get("items")}
 
 
+def transcript(path: Path, max_new_tokens: int = 96) -> list[dict]:
+    """The CHAT turns through ``kiln chat``'s session (the model's own chat template, KV cache kept across turns),
+    greedy, on a release bundle, a checkpoint or a GGUF file."""
+    from jobs.cli import load_chat_model
+    from kiln.model.chat import ChatSession
+
+    model, enc, template = load_chat_model(path, None)
+    session = ChatSession(model, enc, template, max_new_tokens=max_new_tokens, temperature=0.0)
+    return [{"user": turn, "model": "".join(session.reply(turn))} for turn in CHAT]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="lora")
@@ -120,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows[label] = scores
         print(f"{label}: {bpb[label]['bits_per_byte']:.4f} bits per byte held out; benchmarks in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
+    chats = {"imported": transcript(imported), "finetuned": transcript(release)}
     change = bpb["finetuned"]["bits_per_byte"] / bpb["imported"]["bits_per_byte"] - 1
     table = []
     for task in args.tasks.split(","):
@@ -137,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
               "first_run": previous.get("first_run") or {k: v for k, v in run.items() if k != "log"},
               "heldout_bpb": bpb, "bpb_change": change, "bpb_target_met": change <= -0.10,
               "benchmarks": table, "forgetting_target_met": not any(r.get("forgot") for r in table),
-              "imported": str(imported), "release": str(release)}
+              "imported": str(imported), "release": str(release), "chat": chats}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     first = result["first_run"]
@@ -155,7 +169,14 @@ def main(argv: list[str] | None = None) -> dict:
           "|---|---|---:|---:|---:|---:|---:|---|",
           *[f"| {r['task']} | {r['metric']} | {r['items']} | {r['before']:.3f} ± {r['before_se']:.3f} | "
             f"{r['after']:.3f} ± {r['after_se']:.3f} | {r['diff']:+.3f} | ±{r['interval']:.3f} | {'yes' if r['forgot'] else 'no'} |"
-            if not r.get("missing") else f"| {r['task']} | - | - | - | - | - | - | not scored |" for r in table], ""]
+            if not r.get("missing") else f"| {r['task']} | - | - | - | - | - | - | not scored |" for r in table], "",
+          "`kiln chat` (the model's chat template, greedy, 96 tokens a turn at most), one conversation, imported then "
+          "fine-tuned:", ""]
+    for label in ("imported", "finetuned"):
+        md += [f"**{label}**", "", "```"]
+        for t in chats[label]:
+            md += [f"you> {t['user']}", f"model> {t['model'].strip()}"]
+        md += ["```", ""]
     out.with_suffix(".md").write_text("\n".join(md))
     print(f"wrote {out.with_suffix('.md')}", flush=True)
     return result
