@@ -53,20 +53,50 @@ def variant_preset(variant: str, seed: int, path: Path) -> Path:
     return path
 
 
+CHECK_FAILED = re.compile(r"^✗ (\w+)_(release_red_team|release_no_regression|contamination_below_threshold) failed")
+STEP_FAILED = re.compile(r"^✗ (\w+) failed")
+CHECK_LINE = re.compile(r"^\s+(red team: .*|.* is above the limit .*)$")
+
+
+def parse_log(text: str) -> dict:
+    """Asset seconds, the release gates that failed (with their reasons) and the steps that failed, from kiln run's
+    output."""
+    steps, checks, failed, reasons = {}, [], [], []
+    for line in text.splitlines():
+        m = STEP_LINE.match(line.strip())
+        if m:
+            steps[m.group(1)] = int(m.group(2) or 0) * 60 + int(m.group(3))
+        if CHECK_FAILED.match(line.strip()):
+            checks.append(CHECK_FAILED.match(line.strip()).group(2))
+        elif STEP_FAILED.match(line.strip()):
+            failed.append(STEP_FAILED.match(line.strip()).group(1))
+        if CHECK_LINE.match(line) and not line.strip().startswith("!") and line.strip() not in reasons:
+            reasons.append(line.strip())
+    return {"asset_s": steps, "checks_failed": checks, "check_reasons": reasons, "steps_failed": failed}
+
+
 def run_preset(preset: Path, home: Path) -> dict:
+    """kiln run of the preset in ``home``. A run whose only failures are release gates (asset checks: the release
+    was written, its alias not moved) counts as finished, and the gates that failed are reported."""
     t0 = time.perf_counter()
     proc = subprocess.run([str(ROOT / ".venv" / "bin" / "kiln"), "run", "--preset", str(preset), "--home", str(home)],
                           cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
+    parsed = parse_log(proc.stdout)
+    released = any((home / "storage").glob("release_bundle/*/SHA256SUMS"))
+    if proc.returncode != 0 and (parsed["steps_failed"] or not parsed["checks_failed"] or not released):
         raise SystemExit(f"kiln run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
-    steps = {}
-    for line in proc.stdout.splitlines():
-        m = STEP_LINE.match(line.strip())
-        if m:
-            steps[m.group(1)] = int(m.group(2) or 0) * 60 + int(m.group(3))
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # GiB: the largest process it waited for
-    return {"wall_s": round(wall, 1), "asset_s": steps, "peak_rss_gib": round(peak, 2), "log": proc.stdout[-4000:]}
+    return {"wall_s": round(wall, 1), **parsed, "peak_rss_gib": round(peak, 2), "log": proc.stdout[-4000:]}
+
+
+def run_from_log(path: Path) -> dict:
+    """The first run's figures from its saved output (this bench's own log of a run that stopped before the bench
+    could record it): wall time from kiln's last line, asset seconds, gates; peak memory is not in it."""
+    text = path.read_text()
+    m = re.search(r"kiln: run \S+ (?:FAILED|finished|succeeded) after (\d+)s", text)
+    return {"wall_s": float(m.group(1)) if m else None, **parse_log(text), "peak_rss_gib": None,
+            "from_log": str(path)}
 
 
 def newest(pattern: str, home: Path) -> Path:
@@ -103,13 +133,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--eval-seed", type=int, default=1234, help="seed of the benchmark subsample (the same before/after)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--first-run-log", default="", help="this bench's saved output of an earlier run in --home that "
+                    "stopped before it was recorded: its time and asset seconds are the first run's")
     args = ap.parse_args(argv)
     print(f"machine: {machine_line()}", flush=True)
     home = Path(args.home)
     home.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or ROOT / "bench" / "results" / f"finetune_{args.variant}_seed{args.seed}")
     previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
+    if args.first_run_log and not previous.get("first_run"):
+        previous = {"first_run": run_from_log(Path(args.first_run_log))}
+    cache_prefilled = any((home / "storage" / "cache" / "sources").glob("*/.kiln-source.json"))
     run = run_preset(variant_preset(args.variant, args.seed, home / "bench_preset.yaml"), home)
+    run["cache_prefilled"] = cache_prefilled
     print(f"kiln run: {run['wall_s']:.0f} s, peak RSS {run['peak_rss_gib']:.2f} GiB", flush=True)
 
     import torch
@@ -172,10 +208,20 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     first = result["first_run"]
+    cached = bool(first.get("cache_prefilled", cache_prefilled))
+    peaks = [float(m) for f in (home / "storage").glob("*/*/train.log")
+             for m in re.findall(r"\| ([0-9.]+) GiB \|", f.read_text())]
+    train_peak = max(peaks, default=float("nan"))
     md = [f"# finetune preset, {args.variant}, seed {args.seed}", "", *header_md(argv if argv is not None else sys.argv),
           f"`kiln run --preset finetune` with every training stage's `lora` = {json.dumps(VARIANTS[args.variant])} and "
           f"seed {args.seed}, in {home}: {first['wall_s']:.0f} s on its first run (package fetches and the source "
-          f"download included when the home was new), the largest process's peak RSS {first['peak_rss_gib']:.2f} GiB.", "",
+          f"download included when the home's source cache was empty; {'it was filled beforehand' if cached else 'it was empty'}), "
+          + (f"the largest process's peak RSS {first['peak_rss_gib']:.2f} GiB." if first.get("peak_rss_gib") is not None
+             else f"peak RSS not recorded (figures from {first.get('from_log')}); the training processes' own logs "
+                  f"peak at {train_peak:.2f} GiB.")
+          + (f" Release gates that failed (the release was written, its alias not moved): "
+             f"{', '.join(first['checks_failed'])}: {'; '.join(first.get('check_reasons', []))}." if first.get("checks_failed") else ""),
+          "",
           "| asset | seconds |", "|---|---:|", *[f"| {k} | {v} |" for k, v in first["asset_s"].items()], "",
           f"Held-out bits per byte (demo corpus, {bpb['imported']['items']} held-out documents): imported "
           f"{bpb['imported']['bits_per_byte']:.4f}, fine-tuned {bpb['finetuned']['bits_per_byte']:.4f} "
