@@ -38,7 +38,7 @@ VARIANTS = {"lora": {"enabled": True, "rank": 16, "alpha": 32.0},
             "full": {"enabled": False}}
 STAGES = ("base_model", "sft_model", "dpo_model", "rl_model")
 TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "boolq", "openbookqa", "sciq", "mmlu",
-         "lambada")  # the multiple-choice and last-word sets; generation tasks (gsm8k, MATH, code) sit at 0 at 135M
+         "lambada_openai")  # the multiple-choice and last-word sets; generation tasks (gsm8k, MATH, code) sit at 0 at 135M
 STEP_LINE = re.compile(r"^✓ (\w+)\s+(?:(\d+)m)?(\d+)s")
 CHAT = ("What does the SQL statement VACUUM do in SQLite?", "And how do I run it from Python?",
         "Thanks! Summarise that in one sentence.")  # one conversation, the same turns for both models, greedy
@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "stopped before it was recorded: its time and asset seconds are the first run's")
     args = ap.parse_args(argv)
     print(f"machine: {machine_line()}", flush=True)
+    from kiln.evaluation.registry import REGISTRY
+
+    for task in args.tasks.split(","):  # an unknown name fails here, before the run, listing the known ones
+        REGISTRY.benchmark(task)
     home = Path(args.home)
     home.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or ROOT / "bench" / "results" / f"finetune_{args.variant}_seed{args.seed}")
