@@ -133,14 +133,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--eval-seed", type=int, default=1234, help="seed of the benchmark subsample (the same before/after)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--heldout-limit", type=int, default=None, help="held-out passages scored (default: all)")
     ap.add_argument("--first-run-log", default="", help="this bench's saved output of an earlier run in --home that "
                     "stopped before it was recorded: its time and asset seconds are the first run's")
     args = ap.parse_args(argv)
     print(f"machine: {machine_line()}", flush=True)
     from kiln.evaluation.registry import REGISTRY
 
+    import tempfile
+
+    from kiln.evaluation.standard.run import MIN_PER_SUBTASK, prepare
+    from kiln.evaluation.standard.tasks import lm_eval_tasks_dir
+
+    limits = {}  # a group (mmlu) takes at least two items per subtask, so that each has a standard error
     for task in args.tasks.split(","):  # an unknown name fails here, before the run, listing the known ones
-        REGISTRY.benchmark(task)
+        b = REGISTRY.benchmark(task)
+        n_sub = len(list(lm_eval_tasks_dir().glob(b.subtasks))) if b.subtasks else 1
+        limits[task] = min(b.rows, max(args.limit, MIN_PER_SUBTASK * n_sub if n_sub > 1 else 1))
+    cache0 = Path(args.home) / "storage" / "cache" / "sources"
+    with tempfile.TemporaryDirectory() as tmp:  # every task, limit and the data checked before the run
+        for task, k in limits.items():
+            prepare([task], cache0 if cache0.is_dir() else ROOT / ".kiln" / "storage" / "cache" / "sources",
+                    Path(tmp) / task, k, args.eval_seed)
     home = Path(args.home)
     home.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or ROOT / "bench" / "results" / f"finetune_{args.variant}_seed{args.seed}")
@@ -170,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     # the imported model's scores depend only on it, the held-out documents and the items: another variant's or
     # seed's results file with the same ones is reused (and says so) rather than scored again
     same = {"imported": checkpoint_identity(imported), "suite": stable_hash(sorted(p.name for p in suite_dir.iterdir())),
-            "tasks": args.tasks, "limit": args.limit, "eval_seed": args.eval_seed}
+            "tasks": args.tasks, "limit": args.limit, "eval_seed": args.eval_seed,
+            "heldout_limit": args.heldout_limit}
     reused_from = None
     for f in sorted((ROOT / "bench" / "results").glob("finetune_*.json")):
         doc = json.loads(f.read_text())
@@ -183,10 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         model, enc = (load_for_inference(path)[:2] if label == "imported" else load_any_model(path))
         t0 = time.perf_counter()
-        bpb[label] = heldout_bpb(model, enc, suite_dir, None)
-        scores, record = run_standard(model, enc, args.tasks.split(","), cache_dir=cache, limit=args.limit,
-                                      seed=args.eval_seed, batch_size=8)
-        rows[label] = scores
+        bpb[label] = heldout_bpb(model, enc, suite_dir, args.heldout_limit)
+        rows[label] = {}
+        for task, k in limits.items():
+            scores, _ = run_standard(model, enc, [task], cache_dir=cache, limit=k, seed=args.eval_seed, batch_size=8)
+            rows[label].update(scores)
         print(f"{label}: {bpb[label]['bits_per_byte']:.4f} bits per byte held out; benchmarks in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     chats = {"imported": transcript(imported), "finetuned": transcript(release)}
@@ -230,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"Held-out bits per byte (demo corpus, {bpb['imported']['items']} held-out documents): imported "
           f"{bpb['imported']['bits_per_byte']:.4f}, fine-tuned {bpb['finetuned']['bits_per_byte']:.4f} "
           f"({change:+.1%}; target -10%: {'met' if change <= -0.10 else 'missed'}).", "",
-          f"Benchmarks, {args.limit} items each (seed {args.eval_seed}), imported -> fine-tuned; 'forgot' where the "
+          f"Benchmarks, {args.limit} seeded items each (a group at least two per subtask: mmlu 114; seed {args.eval_seed}), imported -> fine-tuned; 'forgot' where the "
           f"fine-tuned score is below the imported one by more than the 95% interval of the difference:", "",
           "| task | metric | items | imported | fine-tuned | difference | 95% interval | forgot |",
           "|---|---|---:|---:|---:|---:|---:|---|",
