@@ -5,7 +5,7 @@ from dagster import AssetKey
 from jobs.definitions import ALL_ASSETS, defs
 
 EXPECTED = {"pretrained_model", "raw_documents", "clean_corpus", "tokenizer", "token_shards", "training_plan", "base_model",
-            "eval_suite", "contamination_report", "eval_scores", "checkpoint_evals", "instruction_data",
+            "eval_suite", "contamination_report", "eval_scores", "checkpoint_evals", "benchmark_matrix", "instruction_data",
             "preference_data", "sft_model", "dpo_model", "rl_model", "judged_preferences", "reward_model", "ppo_model", "red_team_report",
             "release_bundle",
             "scaling_ladder", "sweep_grid", "sweep", "sweep_results"}
