@@ -256,10 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
           "`kiln chat` (the model's chat template, greedy, 96 tokens a turn at most), one conversation, imported then "
           "fine-tuned:", ""]
     for label in ("imported", "finetuned"):
-        md += [f"**{label}**", "", "```"]
+        md += [f"**{label}**", "", "~~~~"]
         for t in chats[label]:
             md += [f"you> {t['user']}", f"model> {t['model'].strip()}"]
-        md += ["```", ""]
+        md += ["~~~~", ""]
     out.with_suffix(".md").write_text("\n".join(md))
     print(f"wrote {out.with_suffix('.md')}", flush=True)
     return result
