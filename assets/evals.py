@@ -452,14 +452,18 @@ def benchmark_matrix(context: AssetExecutionContext, config: BenchmarkMatrixConf
     with atomic_path(root / ref.run / f"{name}_vs_step.png") as tmp_png:
         plot = line_plot(**kmatrix.plot_series(points, cell["chance"]), title=f"{name} by training step (run "
                          f"{ref.run[:8]})", xlabel="step", ylabel=cell["primary"], save_to=tmp_png)
-    clean_row = cell.get("clean") or {}
+    return Output(cell, metadata={"checkpoint": ref.key, "step": ref.step, "reused": reused, **_cell_metadata(cell),
+                                  "score_vs_step": plot, "cell": MetadataValue.path(str(folder / kmatrix.CELL_FILE))})
+
+
+def _cell_metadata(cell: dict) -> dict[str, Any]:
+    """A matrix cell's figures for the UI: its score, standard error, items and chance, the clean score beside them
+    (NaN where a figure is missing, "not checked" where no contamination report covered it), and its scoring time."""
+    nan = float("nan")
+    clean = cell.get("clean") or {}
     metric = cell["primary"].split(",", 1)[0]
-    return Output(cell, metadata={
-        "benchmark": name, "checkpoint": ref.key, "step": ref.step, "reused": reused,
-        "score": cell["score"] if cell["score"] is not None else float("nan"),
-        "stderr": cell["stderr"] if cell["stderr"] is not None else float("nan"),
-        "items": cell["items"] or 0, "chance": cell["chance"] if cell["chance"] is not None else float("nan"),
-        "clean_score": clean_row.get(metric, float("nan")) if clean_row else "not checked",
-        "clean_items": clean_row.get("items", 0) if clean_row else 0,
-        "score_vs_step": plot, "scored_seconds": cell["seconds"],
-        "cell": MetadataValue.path(str(folder / kmatrix.CELL_FILE))})
+    return {"benchmark": cell["benchmark"], "score": nan if cell["score"] is None else cell["score"],
+            "stderr": nan if cell["stderr"] is None else cell["stderr"], "items": cell["items"] or 0,
+            "chance": nan if cell["chance"] is None else cell["chance"],
+            "clean_score": clean.get(metric, nan) if clean else "not checked", "clean_items": clean.get("items", 0),
+            "scored_seconds": cell["seconds"]}

@@ -38,15 +38,6 @@ SIDES = ("hf", "kiln", "kiln_noshare")
 WARMUP = 8  # requests each side answers untimed before the first timing
 
 
-def limit_for(bench, n: int) -> int:
-    """``n`` items, at least two per subtask of a group (lm-eval's stderr), at most the benchmark's rows."""
-    from kiln.evaluation.standard.run import MIN_PER_SUBTASK
-    from kiln.evaluation.standard.tasks import lm_eval_tasks_dir
-
-    subtasks = len(list(lm_eval_tasks_dir().glob(bench.subtasks))) if bench.subtasks else 1
-    return min(bench.rows, max(n, MIN_PER_SUBTASK * subtasks if subtasks > 1 else 1))
-
-
 def loglikelihood_requests(prepared, seed: int) -> tuple[list, int]:
     """lm-eval's loglikelihood Instances of the prepared benchmark (all its tasks, in lm-eval's order) and its items,
     built as lm_eval.evaluator.evaluate builds them, with the task settings kiln's evaluate_lm gives."""
@@ -156,7 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from kiln.evaluation.registry import REGISTRY
     from kiln.evaluation.standard.parity import hf_lm, kiln_lm, save_tiny_llama
-    from kiln.evaluation.standard.run import prepare
+    from kiln.evaluation.standard.run import fitting_limit, prepare
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -164,7 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="kiln-eval-speed-"))
     work_reqs = []
     for b in benches:
-        p = prepare([b.name], args.cache, work / "tasks" / b.name, limit=limit_for(b, args.limit), seed=args.seed)
+        p = prepare([b.name], args.cache, work / "tasks" / b.name, limit=fitting_limit(b, args.limit), seed=args.seed)
         reqs, items = loglikelihood_requests(p, args.seed)
         work_reqs.append((b.name, items, reqs))
         print(f"{b.name}: {items} items, {len(reqs)} loglikelihood requests", flush=True)

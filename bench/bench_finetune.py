@@ -66,10 +66,10 @@ def parse_log(text: str) -> dict:
         m = STEP_LINE.match(line.strip())
         if m:
             steps[m.group(1)] = int(m.group(2) or 0) * 60 + int(m.group(3))
-        if CHECK_FAILED.match(line.strip()):
-            checks.append(CHECK_FAILED.match(line.strip()).group(2))
-        elif STEP_FAILED.match(line.strip()):
-            failed.append(STEP_FAILED.match(line.strip()).group(1))
+        if check := CHECK_FAILED.match(line.strip()):
+            checks.append(check.group(2))
+        elif step := STEP_FAILED.match(line.strip()):
+            failed.append(step.group(1))
         if CHECK_LINE.match(line) and not line.strip().startswith("!") and line.strip() not in reasons:
             reasons.append(line.strip())
     return {"asset_s": steps, "checks_failed": checks, "check_reasons": reasons, "steps_failed": failed}
@@ -138,18 +138,14 @@ def main(argv: list[str] | None = None) -> dict:
                     "stopped before it was recorded: its time and asset seconds are the first run's")
     args = ap.parse_args(argv)
     print(f"machine: {machine_line()}", flush=True)
-    from kiln.evaluation.registry import REGISTRY
-
     import tempfile
 
-    from kiln.evaluation.standard.run import MIN_PER_SUBTASK, prepare
-    from kiln.evaluation.standard.tasks import lm_eval_tasks_dir
+    from kiln.evaluation.registry import REGISTRY
+    from kiln.evaluation.standard.run import fitting_limit, prepare
 
-    limits = {}  # a group (mmlu) takes at least two items per subtask, so that each has a standard error
-    for task in args.tasks.split(","):  # an unknown name fails here, before the run, listing the known ones
-        b = REGISTRY.benchmark(task)
-        n_sub = len(list(lm_eval_tasks_dir().glob(b.subtasks))) if b.subtasks else 1
-        limits[task] = min(b.rows, max(args.limit, MIN_PER_SUBTASK * n_sub if n_sub > 1 else 1))
+    # an unknown name fails here, before the run, listing the known ones; a group (mmlu) takes at least two items
+    # per subtask, so that each has a standard error
+    limits = {task: fitting_limit(REGISTRY.benchmark(task), args.limit) for task in args.tasks.split(",")}
     cache0 = Path(args.home) / "storage" / "cache" / "sources"
     with tempfile.TemporaryDirectory() as tmp:  # every task, limit and the data checked before the run
         for task, k in limits.items():
@@ -169,8 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from jobs.cli import load_any_model
+    from kiln.common.files import stable_hash
     from kiln.evaluation.standard import run_standard
-    from kiln.train.checkpoint import load_for_inference
+    from kiln.train.checkpoint import checkpoint_identity, load_for_inference
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     imported = newest("pretrained_model/*/checkpoints/step_0000000", home)
@@ -178,9 +175,6 @@ def main(argv: list[str] | None = None) -> dict:
     suite_dir = newest("eval_suite/*/kiln_heldout_ppl.yaml", home).parent
     cache = home / "storage" / "cache" / "sources"
     rows, bpb = {}, {}
-    from kiln.common.files import stable_hash
-    from kiln.train.checkpoint import checkpoint_identity
-
     # the imported model's scores depend only on it, the held-out documents and the items: another variant's or
     # seed's results file with the same ones is reused (and says so) rather than scored again
     same = {"imported": checkpoint_identity(imported), "suite": stable_hash(sorted(p.name for p in suite_dir.iterdir())),

@@ -33,12 +33,9 @@ def output_type(bench) -> str:
 
 
 def limit_for(bench, mc: int, gen: int) -> int:
-    from kiln.evaluation.standard.run import MIN_PER_SUBTASK
-    from kiln.evaluation.standard.tasks import lm_eval_tasks_dir
+    from kiln.evaluation.standard.run import fitting_limit
 
-    want = gen if output_type(bench) == "generate_until" else mc
-    subtasks = len(list(lm_eval_tasks_dir().glob(bench.subtasks))) if bench.subtasks else 1
-    return min(bench.rows, max(want, MIN_PER_SUBTASK * subtasks if subtasks > 1 else 1))
+    return fitting_limit(bench, gen if output_type(bench) == "generate_until" else mc)
 
 
 def fmt(v, spec: str = ".4f") -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kiln.model.config import ModelConfig, preset_fields  # noqa: E402
 from kiln.model.families import build_model, flops_per_token  # noqa: E402
@@ -26,6 +27,7 @@ from kiln.model.parallel import clip_grad_norm, parallelize  # noqa: E402
 from kiln.plan import gpu_peak_tflops, measure_matmul_peak  # noqa: E402
 from kiln.train.optim import OptimConfig, lr_lambda, make_optimizer  # noqa: E402
 from kiln.train.trainer import accumulate_gradients  # noqa: E402
+from provenance import header  # noqa: E402
 
 
 class RandomTokens:
@@ -167,9 +169,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  the model's own GEMMs alone run at {ceiling / 1e9:.1f} GFLOP/s = {out['gemm_ceiling_vs_peak']:.1%} of that peak; "
           f"the whole step reaches {out['step_vs_gemm_ceiling']:.1%} of them")
     if a.json:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from provenance import header
-
         Path(a.json).write_text(json.dumps({**header(), **out}, indent=2))
     return out
 

@@ -21,7 +21,8 @@ from dagster import (
     sensor,
 )
 
-from assets.evals import CHECKPOINTS, benchmark_matrix, checkpoint_evals, checkpoint_partitions, matrix_partitions
+from assets.evals import (CHECKPOINTS, benchmark_matrix, benchmark_partitions, checkpoint_evals, checkpoint_partitions,
+                          matrix_partitions)
 from kiln.evaluation import checkpoints as kckpt
 from resources.storage import KilnStorageResource
 
@@ -45,7 +46,7 @@ def matrix_columns(instance) -> list[str]:
     """The benchmarks of the matrix in use: those with at least one scored cell, in registry order."""
     done = instance.get_materialized_partitions(AssetKey("benchmark_matrix"))
     used = {matrix_partitions.get_partition_key_from_str(k).keys_by_dimension["benchmark"] for k in done}
-    return [b for b in matrix_partitions.get_partitions_def_for_dimension("benchmark").get_partition_keys() if b in used]
+    return [b for b in benchmark_partitions.get_partition_keys() if b in used]
 
 
 def _missing_inputs(instance) -> list[str]:

@@ -36,18 +36,22 @@ def cell_inputs(checkpoint_id: str, benchmark: str, record: dict[str, Any], cont
             "contamination": contamination}
 
 
+def read_cell(path: str | Path) -> dict[str, Any] | None:
+    """The cell in the file at ``path`` when the file is whole (its digest checks); else None."""
+    try:
+        cell = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cell, dict) or cell.get("digest") != stable_hash({k: v for k, v in cell.items() if k != "digest"}):
+        return None
+    return cell
+
+
 def reusable(folder: str | Path, inputs: dict[str, Any]) -> dict[str, Any] | None:
     """The finished cell in ``folder`` when it was scored from ``inputs`` and its file is whole; else None (a cell
     from other inputs, a damaged or half-written file: scored again)."""
-    path = Path(folder) / CELL_FILE
-    try:
-        cell = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cell, dict) or cell.get("inputs") != inputs:
-        return None
-    body = {k: v for k, v in cell.items() if k != "digest"}
-    return cell if cell.get("digest") == stable_hash(body) else None
+    cell = read_cell(Path(folder) / CELL_FILE)
+    return cell if cell is not None and cell.get("inputs") == inputs else None
 
 
 def write_cell(folder: str | Path, inputs: dict[str, Any], full: dict[str, Any], clean: dict[str, Any] | None,
@@ -64,23 +68,16 @@ def write_cell(folder: str | Path, inputs: dict[str, Any], full: dict[str, Any],
     return cell
 
 
-def cells(root: str | Path) -> list[dict[str, Any]]:
-    """Every whole cell under ``root`` (damaged files left out), by run, step and benchmark."""
-    out = []
-    for path in sorted(Path(root).glob(f"*/step_*/*/{CELL_FILE}")):
-        try:
-            cell = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(cell, dict) and cell.get("digest") == stable_hash({k: v for k, v in cell.items() if k != "digest"}):
-            out.append(cell)
-    return sorted(out, key=lambda c: (c["run"], c["step"], c["benchmark"]))
+def cells(root: str | Path, run: str = "*", benchmark: str = "*") -> list[dict[str, Any]]:
+    """Every whole cell under ``root`` (damaged files left out), of one run or benchmark when named, by run, step
+    and benchmark."""
+    found = (read_cell(p) for p in Path(root).glob(f"{run}/step_*/{benchmark}/{CELL_FILE}"))
+    return sorted((c for c in found if c is not None), key=lambda c: (c["run"], c["step"], c["benchmark"]))
 
 
 def series(root: str | Path, run: str, benchmark: str) -> list[tuple[int, float, float]]:
     """(step, score, standard error) of one run's cells of one benchmark, by step."""
-    return [(c["step"], c["score"], c["stderr"] or 0.0) for c in cells(root)
-            if c["run"] == run and c["benchmark"] == benchmark and c["score"] is not None]
+    return [(c["step"], c["score"], c["stderr"] or 0.0) for c in cells(root, run, benchmark) if c["score"] is not None]
 
 
 def plot_series(points: list[tuple[int, float, float]], chance: float | None) -> dict[str, Any]:

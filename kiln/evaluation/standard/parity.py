@@ -34,7 +34,7 @@ def use_gguf_pretokenizer(tokenizer: Any, path: str | Path) -> str:
     'smollm' vocabulary (digits split one by one first, as llama.cpp and the model's own tokenizer split them) turns
     " Wash  4" into " Wash", " ", " ", "4" where llama.cpp and Kiln give " Wash", "  ", "4": the same text, other
     tokens, another log-likelihood. The parity check compares models, so both sides get the GGUF's split (Kiln's
-    import reads it, kiln.pretrained.gguf.PRE_TOKENIZERS). Returns the field's value."""
+    import reads it, kiln.pretrained.gguf.PRE_TOKENIZERS). Returns the pre-tokenizer set, as text."""
     import json
 
     from tokenizers import Tokenizer

@@ -52,6 +52,15 @@ def allocate(sizes: dict[str, int], limit: int, least: int = 1) -> dict[str, int
     return out
 
 
+def fitting_limit(bench: Benchmark, want: int) -> int:
+    """``want`` items of ``bench``, raised for a group to MIN_PER_SUBTASK per subtask (what ``draw`` asks of a group)
+    and cut to the set's size: the limit to ask for when one number of items is wanted of every benchmark."""
+    from kiln.evaluation.standard.tasks import lm_eval_tasks_dir
+
+    subtasks = len(list(lm_eval_tasks_dir().glob(bench.subtasks))) if bench.subtasks else 1
+    return min(bench.rows, max(want, MIN_PER_SUBTASK * subtasks if subtasks > 1 else 1))
+
+
 def draw(sizes: dict[str, int], limit: int, seed: int, name: str) -> dict[str, list[int]]:
     """The seeded subsample: {task: sorted doc indices}; a group's limit is shared over its tasks in proportion to
     their sizes, each at least MIN_PER_SUBTASK."""

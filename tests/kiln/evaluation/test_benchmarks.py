@@ -27,7 +27,7 @@ from kiln.evaluation.registry import REGISTRY, STANDARD_CHANCE, TaskRegistry, Un
 from kiln.evaluation.standard import BENCHMARKS, Benchmark
 from kiln.evaluation.standard.code import estimate_pass_at_k, pass_at_1, pass_at_k
 from kiln.evaluation.standard.data import PACKAGE, BenchmarkError, read_split
-from kiln.evaluation.standard.run import allocate, draw, load_tasks, prepare, run_standard
+from kiln.evaluation.standard.run import allocate, draw, fitting_limit, load_tasks, prepare, run_standard
 from kiln.evaluation.standard.tasks import lm_eval_tasks_dir, load_flat
 from kiln.sources import RECORD, SourceError, cache_path
 
@@ -88,6 +88,13 @@ def test_adding_a_benchmark_is_one_entry():
 
 
 # ---- the seeded limit ----------------------------------------------------------------------------------------------
+def test_one_limit_fits_every_benchmark():
+    assert fitting_limit(REGISTRY.benchmark("arc_easy"), 50) == 50
+    assert fitting_limit(REGISTRY.benchmark("arc_challenge"), 1000) == 299  # cut to the set's size
+    assert fitting_limit(REGISTRY.benchmark("mmlu"), 100) == 114  # two per subject, 57 subjects
+    assert fitting_limit(REGISTRY.benchmark("minerva_math"), 3) == 14  # two per subset, 7 subsets
+
+
 def test_limit_is_a_seeded_sample_not_the_first_items():
     a = draw({"t": 1000}, 20, 1234, "t")["t"]
     assert a == draw({"t": 1000}, 20, 1234, "t")["t"] and a != draw({"t": 1000}, 20, 7, "t")["t"]
