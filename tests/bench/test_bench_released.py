@@ -18,8 +18,8 @@ def test_a_parity_runs_kiln_side_goes_beside_the_card_with_the_arc_mean_and_its_
         "command": "python bench/bench_parity.py --hf m.gguf", "commit": "abc", "date": "2026-01-01",
         "machine": "cpu | 2 cores", "model": "/x/SmolLM2-135M-Instruct.Q4_1.gguf",
         "args": {"device": "cpu", "batch_size": 16, "seed": 7, "mc_items": 200, "gen_items": 50},
-        "rows": [parity_row("arc_easy", "acc_norm,none", 0.44, 0.03), parity_row("arc_challenge", "acc_norm,none", 0.30, 0.04),
-                 parity_row("hellaswag", "acc_norm,none", 0.41, 0.035)]}))
+        "rows": [parity_row("arc_easy", "acc_norm,none", 0.44, 0.03),
+                 parity_row("arc_challenge", "acc_norm,none", 0.30, 0.04), parity_row("hellaswag", "acc_norm,none", 0.41, 0.035)]}))
     out = tmp_path / "released"
     result = bench.main(["--from-parity", str(parity), "--out", str(out)])
     rows = {r["benchmark"]: r for r in result["rows"]}
