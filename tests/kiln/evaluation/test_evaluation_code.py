@@ -71,7 +71,7 @@ def test_the_file_pin_rejects_a_changed_file(tmp_path):
     folder = cache_path(HUMANEVAL_SOURCE, tmp_path)  # a cache entry as kiln.sources.fetch leaves it
     (folder / HUMANEVAL_FILE).parent.mkdir(parents=True)
     write_gz(folder / HUMANEVAL_FILE, ["{}"])
-    (folder / RECORD).write_text("{}")
+    (folder / RECORD).write_text(json.dumps({"sha256": HUMANEVAL_SOURCE.sha256}))  # the package as pinned
     with pytest.raises(SourceError, match=r"HumanEval\.jsonl\.gz: sha256 .* is not the pinned"):
         load_humaneval(tmp_path)
     assert HUMANEVAL_SOURCE.license.startswith("MIT")

