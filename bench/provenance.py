@@ -1,5 +1,5 @@
 """What every results file under bench/results/ says about where its numbers came from: the command that wrote it,
-the git commit (and whether the tree had uncommitted changes), the date, and the machine line (processor model, its
+the git commit when the bench started (and whether the tree had uncommitted changes then), the date, and the machine line (processor model, its
 vector extensions, cores, memory).
 
 ``header(argv)`` returns those as a dict; ``header_md(argv)`` as the Markdown lines a results file starts with;
@@ -75,11 +75,14 @@ def git_commit() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+COMMIT_AT_START = git_commit()  # the code a bench ran is the tree when it started: commits made while it runs differ
+
+
 def header(argv: list[str] | None = None) -> dict[str, str]:
     argv = sys.argv if argv is None else argv
     return {"command": "python " + shlex.join([str(Path(argv[0]).resolve().relative_to(ROOT))
                                                if Path(argv[0]).resolve().is_relative_to(ROOT) else argv[0], *argv[1:]]),
-            "commit": git_commit(),
+            "commit": COMMIT_AT_START,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_line()}
 
