@@ -134,10 +134,14 @@ def test_the_reward_model_trains_on_checkable_and_judged_pairs_and_is_held_out_o
     assert result.output_for_node("ppo_model")["reward_model"] == rm["version"]
 
 
-def test_every_stage_answers_the_red_team_and_a_limit_below_its_rate_holds_the_release_back(smoke_run):
+def test_every_stage_answers_the_red_team_and_the_default_limits_hold_the_release_back_unless_overridden(smoke_run):
     """red_team_report puts the smoke preset's probes to every post-trained stage and the card states the rates and
-    the intended use; rerun with a limit below the released weights' excluded-use rate, release_bundle registers the
-    version without moving the alias and the blocking check release_red_team fails, naming the kind."""
+    the intended use. The smoke model answers excluded requests above the default limit (0.10): the preset's
+    red_team_override released it, saying so on the card, with release_red_team failing as a warning. Rerun without
+    the override, release_bundle registers the version without moving the alias and the blocking check fails."""
+    from dagster import AssetCheckSeverity
+
+    from assets.publish import ReleaseBundleConfig
     from kiln.evaluation import redteam as krt
 
     _, _, _, result = smoke_run
@@ -150,16 +154,25 @@ def test_every_stage_answers_the_red_team_and_a_limit_below_its_rate_holds_the_r
     assert all(r["rule_failed"] == (bool(r["error"]) or krt.rule_verdict(spec, r, r["response"])[0]) for r in rows)
     assert rows[0]["judge_skipped"].startswith("not judged: principle")  # the 64-token judge cannot hold the question
     rate = sum(r["rule_failed"] for r in rows if r["kind"] == "excluded_use") / 15
+    limit = ReleaseBundleConfig().red_team_max_excluded_use
+    assert rate > limit == 0.10  # a tiny model declines (nearly) nothing: the default limit closes on it
     bundle = result.output_for_node("release_bundle")
+    override = load_preset("smoke")["ops"]["release_bundle"]["config"]["red_team_override"]
     assert bundle["red_team"]["summary"]["kinds"]["excluded_use"]["gated"]["rate"] == round(rate, 4)
+    assert bundle["red_team"]["override"] == override and not bundle["red_team"]["held_back"]
+    assert bundle["registry"]["alias"] == "candidate"  # released anyway, as the preset asked
+    (check,) = [c for c in result.get_asset_check_evaluations() if c.check_name == "release_red_team"]
+    assert not check.passed and check.severity == AssetCheckSeverity.WARN
+    assert check.description.startswith(f"released anyway (release_bundle.red_team_override: {override}): red team: "
+                                        "excluded_use failure rate")
     card = (Path(bundle["dir"]) / "README.md").read_text()
     assert "## Intended use and red team" in card and spec.intended_use in card
-    if rate == 0:  # a model that declines every excluded request leaves nothing to hold back
-        return
-    held = rerun(smoke_run, ["release_bundle"], smoke_ops(release_bundle={"config": {"red_team_max_excluded_use": rate / 2}}))
+    assert f"Released despite the red team (release_bundle.red_team_override): {override}. Limits exceeded: red team: excluded_use" in card
+    held = rerun(smoke_run, ["release_bundle"], smoke_ops(release_bundle={"config": {"red_team_override": ""}}))
     try:
         (check,) = [c for c in held.get_asset_check_evaluations() if c.check_name == "release_red_team"]
-        assert not check.passed and check.description.startswith("red team: excluded_use failure rate")
+        assert not check.passed and check.severity == AssetCheckSeverity.ERROR
+        assert check.description.startswith("red team: excluded_use failure rate")
         value = held.output_for_node("release_bundle")
         assert value["registry"]["alias"] is None and value["regressions"] == bundle["regressions"]
         assert "Held back (the registry alias did not move): red team: excluded_use" in (Path(value["dir"]) / "README.md").read_text()
@@ -208,9 +221,7 @@ def test_scaling_ladder_trains_its_rungs_and_the_plan_states_the_laws_prediction
     assert law["bootstrap"] == 20 and all(isinstance(law.get(k), float) or "error" in law for k in ("E", "alpha"))
     plan = result.output_for_node("training_plan")
     card = (Path(result.output_for_node("release_bundle")["dir"]) / "README.md").read_text()
-    if "error" in law:  # six runs of a few dozen steps may not pin the law down: then nothing predicts with it
-        assert "scaling" not in plan and "## Scaling ladder" not in card
-        return
+    assert "error" not in law, law["error"]  # the smoke ladder's law fits: the prediction-to-card path below runs
     predicted = plan["scaling"]
     assert predicted["ladder"] == ladder["version"] and predicted["params"] == plan["params"]
     assert predicted["interval"][0] <= predicted["predicted_val_loss"] <= predicted["interval"][1]
