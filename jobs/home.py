@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 LOCK_NAME = "kiln.lock"
+INIT_LOCK = "kiln.init.lock"  # held only while a command creates the home's databases (ready_databases)
+READY = "databases.ready"  # written once both databases exist: later commands open them without the init lock
 PRESET_RECORD = "preset.json"  # the preset of the home's latest kiln run: the UI's launchpad starts from it
 
 
@@ -38,7 +40,47 @@ def writable_home(home: Path) -> Path:
         if path.exists() and not os.access(path, os.W_OK):
             raise SystemExit(f"kiln: {path} is not writable: kiln run and kiln status write Dagster's and MLflow's "
                              f"databases and the outputs in the Kiln home {home}; {fix}")
+    ready_databases(home, dagster_home)
     return home
+
+
+def ready_databases(home: Path, dagster_home: Path | None = None) -> None:
+    """Create the home's Dagster instance (its run, event-log and schedule databases) and MLflow's database once,
+    one process at a time: both migrate their schema on first open, and two commands doing that at once on a new
+    home fail ("table already exists", alembic "expected to match one row") and can leave two alembic heads behind.
+    Every command that opens them (run, sweep, status, ui) calls this first; once ``HOME/databases.ready`` exists it
+    returns at once. A command that dies part way leaves no marker, so the next one finishes the creation."""
+    if (home / READY).is_file():
+        return
+    dagster_home = Path(dagster_home or os.environ.get("DAGSTER_HOME") or home / "dagster")
+    with open(home / INIT_LOCK, "a+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # seconds at most: the other command is creating the same databases
+        if (home / READY).is_file():
+            return
+        import logging
+
+        from dagster import DagsterInstance
+        from mlflow.tracking import MlflowClient
+
+        saved = os.environ.get("DAGSTER_HOME")
+        os.environ["DAGSTER_HOME"] = str(dagster_home)
+        alembic_log = logging.getLogger("alembic")
+        level = alembic_log.level
+        alembic_log.setLevel(logging.WARNING)  # the migration's INFO lines are not the command's output
+        try:
+            with DagsterInstance.get() as instance:  # sqlite run, event-log and schedule storage, migrated
+                instance.get_runs(limit=1)
+                instance.all_instigator_state()
+            MlflowClient(f"sqlite:///{home / 'mlflow.db'}").search_experiments(max_results=1)
+        finally:
+            alembic_log.setLevel(level)
+            if saved is None:
+                os.environ.pop("DAGSTER_HOME", None)
+            else:
+                os.environ["DAGSTER_HOME"] = saved
+        from kiln.common.files import atomic_write_text
+
+        atomic_write_text(home / READY, f"created by pid {os.getpid()} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
 
 
 def record_preset(home: Path, name: str, preset: dict) -> None:
@@ -107,3 +149,7 @@ def home_lock(home: Path, what: str, say: Callable[[str], None] = _stderr) -> It
         finally:
             f.truncate(0)
             f.flush()
+
+
+if __name__ == "__main__":  # scripts/ui.sh: python -m jobs.home HOME, before the servers open the databases
+    writable_home(Path(sys.argv[1]).resolve())  # creates the databases (ready_databases) when they are new

@@ -34,6 +34,7 @@ watch() {  # the parent gone (a signal to make's pid alone: make does not pass i
   stop
 }
 
+"$BIN/python" -m jobs.home "$HOME_DIR"  # a new home's databases, created once before two servers open them at once
 "$BIN/mlflow" ui --backend-store-uri "sqlite:///$HOME_DIR/mlflow.db" --default-artifact-root "file://$HOME_DIR/mlartifacts" \
   --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 &
 GROUPS_STARTED+=($!)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT, subprocess_env
 from jobs.cli import main
-from jobs.home import LOCK_NAME, home_lock, lock_holder, writable_home
+from jobs.home import LOCK_NAME, READY, home_lock, lock_holder, writable_home
 
 RUN = ["run", "--preset", "smoke", "--select", "pretrained_model"]  # the cheapest asset: instance and MLflow all the same
 
@@ -39,12 +39,13 @@ def test_runs_on_one_home_go_one_at_a_time_new_or_existing_and_the_home_stays_us
     monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))  # the in-process `kiln status` below reads the home's
     logs = [tmp_path / f"run{i}.err" for i in range(3)]
     waiting = f"kiln: {home} is in use by kiln run pid {os.getpid()}, the test, since "
-    with home_lock(writable_home(home), "the test"):
-        assert not any((home / "dagster").iterdir())  # a new home: no database yet
-        both = [kiln([*RUN, "--home", str(home)], log) for log in logs[:2]]  # two at once on the new home
+    with home_lock(writable_home(home), "the test"):  # writable_home made the new home's databases, once
+        assert (home / READY).is_file() and (home / "mlflow.db").is_file()
+        made = {p: p.stat().st_mtime_ns for p in [home / "mlflow.db", *(home / "dagster").rglob("*.db")]}
+        both = [kiln([*RUN, "--home", str(home)], log) for log in logs[:2]]  # two at once
         for proc, log in zip(both, logs):
             wait_for(log, waiting, proc)
-        assert not (home / "mlflow.db").exists() and not list((home / "dagster").rglob("*.db"))  # nothing touched
+        assert {p: p.stat().st_mtime_ns for p in made} == made  # waiting runs touch no database
     assert [p.wait(timeout=300) for p in both] == [0, 0], [log.read_text() for log in logs]
     assert lock_holder(home) is None and (home / LOCK_NAME).read_text() == ""
     assert main(["status", "--preset", "smoke", "--home", str(home)]) == 0  # the instance loads: one schema, one head
@@ -56,6 +57,28 @@ def test_runs_on_one_home_go_one_at_a_time_new_or_existing_and_the_home_stays_us
         assert main(["status", "--preset", "smoke", "--home", str(home)]) == 0
         assert capsys.readouterr().err.startswith(f"kiln status: kiln run pid {os.getpid()}, the test, since ")
     assert third.wait(timeout=300) == 0, logs[2].read_text()
+
+
+def alembic_heads(db: Path) -> list[str]:
+    import sqlite3
+
+    with sqlite3.connect(db) as c:
+        return [r[0] for r in c.execute("select version_num from alembic_version")]
+
+
+def test_commands_started_at_once_on_a_new_home_create_its_databases_once_and_all_succeed(tmp_path):
+    """A status started while the first run creates a new home's databases, and two statuses at once, used to fail
+    ("table already exists", alembic "expected to match one row") and could leave two alembic heads behind."""
+    home = tmp_path / "home"
+    logs = [tmp_path / f"{i}.err" for i in range(4)]
+    status = ["status", "--preset", "smoke", "--home", str(home)]
+    procs = [kiln([*RUN, "--home", str(home)], logs[0]), kiln(status, logs[1]), kiln(status, logs[2]),
+             kiln(status, logs[3])]
+    assert [p.wait(timeout=300) for p in procs] == [0] * 4, [log.read_text()[-2000:] for log in logs]
+    assert (home / READY).read_text().startswith("created by pid ")
+    dbs = [home / "mlflow.db", home / "dagster" / "history" / "runs.db", home / "dagster" / "schedules" / "schedules.db"]
+    assert [len(alembic_heads(db)) for db in dbs] == [1, 1, 1]  # one schema version each: the home stays usable
+    assert kiln(status, logs[0]).wait(timeout=120) == 0, logs[0].read_text()
 
 
 def test_a_home_the_user_cannot_write_is_one_line_naming_it(tmp_path):
