@@ -97,7 +97,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from jobs.definitions import make_definitions
     from jobs.home import home_lock, writable_home
-    from jobs.sweeps import SweepFailed, run_sweep
+    from jobs.sweeps import DATA_ASSETS, SweepFailed, run_sweep
 
     home = Path(args.home).resolve()
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
@@ -106,13 +106,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"kiln: preset {args.preset} has no sweep_grid block: say which fields to sweep (see conf/presets/sweep-demo.yaml)",
               file=sys.stderr)
         return 2
+    from jobs.console import RunConsole
     start = time.time()
-    with home_lock(writable_home(home), f"sweep {args.preset}"), DagsterInstance.get() as instance:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    console = RunConsole(home / "logs" / f"sweep-{stamp}-events.log", [*DATA_ASSETS, "sweep_grid", "sweep", "sweep_results"],
+                         verbose=args.verbose)
+    print(f"kiln sweep: preset {args.preset}; full log: {console.log_path}", flush=True)
+    with home_lock(writable_home(home), f"sweep {args.preset}"):
         try:
-            results = run_sweep(make_definitions(home), instance, preset.get("ops") or {}, tags={"kiln/preset": args.preset})
+            with console, run_output(console), DagsterInstance.get() as instance:
+                results = run_sweep(make_definitions(home), instance, preset.get("ops") or {}, console.say,
+                                    tags={"kiln/preset": args.preset}, console=console)
         except SweepFailed as e:
+            if e.result is not None:
+                report_failure(e.result, home, args.verbose)
             print(f"kiln sweep: {e}", file=sys.stderr)
-            return 1
+            return 1 if e.result is not None else 2
     print(f"kiln sweep: {len(results['rows'])} points in {format_seconds(time.time() - start)}; best {results['best']['key']} "
           f"(final val loss {results['best']['final_val_loss']:.4f})")
     for r in results["rows"]:
@@ -753,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     sw = sub.add_parser("sweep", help="run a preset's hyper-parameter sweep: the grid, every point (reused when it ran), the ranking")
     sw.add_argument("--preset", default="sweep-demo", help="name under conf/presets or a YAML path (its sweep_grid block)")
     sw.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
+    sw.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
+                    "terminal as well as in the log file")
     sw.set_defaults(fn=cmd_sweep)
     gen = sub.add_parser("generate", help="sample text from a release bundle, checkpoint or registered model")
     gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), GGUF file, or models:/NAME@ALIAS")

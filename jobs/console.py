@@ -116,6 +116,7 @@ class RunConsole:
         self.bars: dict[str, Any] = {}  # asset -> rich task id, or last plain progress print time
         self._progress = None
         self.failed: list[str] = []
+        self._files: list[logging.FileHandler] = []
 
     # -- setup
 
@@ -135,6 +136,7 @@ class RunConsole:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         file = logging.FileHandler(self.log_path, encoding="utf-8")
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self._files.append(file)  # closed when the console ends (kiln sweep makes one logger per run)
         log.addHandler(file)
         log.addHandler(_Relay(self.handle))
         return log
@@ -163,6 +165,9 @@ class RunConsole:
         return self._progress
 
     def __exit__(self, *exc) -> None:
+        for file in self._files:
+            file.close()
+        self._files.clear()
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
@@ -196,8 +201,10 @@ class RunConsole:
 
     def _event(self, event, asset: str) -> None:
         kind = event.event_type_value
-        if kind == "STEP_START" and asset in self.assets and asset not in self.started:
-            self.started[asset] = time.monotonic()
+        if kind == "STEP_START" and asset in self.assets and (asset not in self.started or asset in self.done):
+            self.started[asset] = time.monotonic()  # (again for an asset done before: kiln sweep's next point)
+            self.done.discard(asset)
+            self.bars.pop(asset, None)
             self.say(f"▶ {asset}")
             if not self.plain:  # a pulsing bar with the time so far, until progress lines give it steps
                 self.bars[asset] = self._bars().add_task(asset, total=None, status="", left="")

@@ -64,16 +64,19 @@ def ready_databases(home: Path, dagster_home: Path | None = None) -> None:
 
         saved = os.environ.get("DAGSTER_HOME")
         os.environ["DAGSTER_HOME"] = str(dagster_home)
-        alembic_log = logging.getLogger("alembic")
-        level = alembic_log.level
-        alembic_log.setLevel(logging.WARNING)  # the migration's INFO lines are not the command's output
+        quiet = [logging.getLogger(n) for n in ("alembic", "mlflow")]  # the migrations' INFO lines are not output
+        levels = [log.level for log in quiet]
+        for log in quiet:
+            log.setLevel(logging.WARNING)
         try:
-            with DagsterInstance.get() as instance:  # sqlite run, event-log and schedule storage, migrated
-                instance.get_runs(limit=1)
+            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null), \
+                    DagsterInstance.get() as instance:  # sqlite run, event-log and schedule storage, migrated
+                instance.get_runs(limit=1)  # (Dagster's note that the folder has no dagster.yaml goes to null)
                 instance.all_instigator_state()
             MlflowClient(f"sqlite:///{home / 'mlflow.db'}").search_experiments(max_results=1)
         finally:
-            alembic_log.setLevel(level)
+            for log, level in zip(quiet, levels):
+                log.setLevel(level)
             if saved is None:
                 os.environ.pop("DAGSTER_HOME", None)
             else:

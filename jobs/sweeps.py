@@ -15,7 +15,11 @@ DATA_ASSETS = ["pretrained_model", "raw_documents", "clean_corpus", "tokenizer",
 
 
 class SweepFailed(RuntimeError):
-    """A step of the sweep failed; the message names the step (and the point) and the error."""
+    """A step of the sweep failed; the message names the step (and the point) and the error, in one line."""
+
+    def __init__(self, message: str, result=None):
+        super().__init__(message)
+        self.result = result  # the failed run (its events hold the full traces), None for a refused config
 
 
 def _check(result, what: str) -> None:
@@ -25,32 +29,50 @@ def _check(result, what: str) -> None:
 
     failed = [e for e in result.all_events if e.is_step_failure]
     kind, message = innermost_error(failed[0].step_failure_data.error) if failed else ("", "the run failed")
-    raise SweepFailed(f"{what} failed: {kind + ': ' if kind else ''}{message}")
+    raise SweepFailed(f"{what} failed: {kind + ': ' if kind else ''}{message}", result)
 
 
 def run_sweep(defs, instance, ops: dict[str, Any], say: Callable[[str], None] = print,
-              tags: dict[str, str] | None = None) -> dict[str, Any]:
+              tags: dict[str, str] | None = None, console=None) -> dict[str, Any]:
     """Materialize the data, the grid, every point and the results; return sweep_results' value. ``ops`` is a
-    preset's op settings (those of the data assets, sweep_grid and sweep_results are used)."""
+    preset's op settings (those of the data assets, sweep_grid and sweep_results are used). ``console``: a
+    jobs.console.RunConsole that every run logs to (kiln sweep's), as kiln run's does; None: Dagster's default."""
+    from dagster import DagsterInvalidConfigError, validate_run_config
+
+    from jobs.cli import config_error_line
+
     tags = tags or {}
-    data = defs.resolve_job_def("kiln_pipeline_job")
     pick = lambda names: {k: v for k, v in ops.items() if k in names}  # noqa: E731
-    result = data.execute_in_process(run_config={"ops": pick(DATA_ASSETS)}, instance=instance, raise_on_error=False,
-                                     asset_selection=[AssetKey(k) for k in DATA_ASSETS], tags=tags)
-    _check(result, "the data assets (raw_documents .. token_shards)")
-    result = defs.resolve_job_def("sweep_grid_job").execute_in_process(
-        run_config={"ops": pick(["sweep_grid"])}, instance=instance, raise_on_error=False, tags=tags)
-    _check(result, "sweep_grid")
-    grid = result.output_for_node("sweep_grid")
+
+    def execute(name: str, what: str, run_config: dict[str, Any] | None = None, **kwargs):
+        job = defs.resolve_job_def(name)
+        run_config = dict(run_config or {})
+        if console is not None:
+            job = job.with_logger_defs(console.logger_defs())
+            run_config["loggers"] = console.loggers_config()
+        try:
+            result = job.execute_in_process(run_config=run_config, instance=instance, raise_on_error=False,
+                                            tags=tags, **kwargs)
+        except DagsterInvalidConfigError as e:  # refused before it ran: a typo or a wrong type in the preset
+            raise SweepFailed(f"{what}: {config_error_line(e, job)}") from None
+        _check(result, what)
+        return result
+
+    steps = [("kiln_pipeline_job", "the data assets (raw_documents .. token_shards)", DATA_ASSETS),
+             ("sweep_grid_job", "sweep_grid", ["sweep_grid"]), ("sweep_results_job", "sweep_results", ["sweep_results"])]
+    for name, what, names in steps:  # every setting checked before anything runs
+        job = defs.resolve_job_def(name)
+        try:
+            validate_run_config(job, {"ops": pick(names)})
+        except DagsterInvalidConfigError as e:
+            raise SweepFailed(f"{what}: {config_error_line(e, job)}") from None
+    execute("kiln_pipeline_job", "the data assets (raw_documents .. token_shards)", {"ops": pick(DATA_ASSETS)},
+            asset_selection=[AssetKey(k) for k in DATA_ASSETS])
+    grid = execute("sweep_grid_job", "sweep_grid", {"ops": pick(["sweep_grid"])}).output_for_node("sweep_grid")
     keys = [p["key"] for p in grid["points"]]
     say(f"kiln sweep: {len(keys)} points: {', '.join(keys)}")
-    job = defs.resolve_job_def("sweep_job")
     for i, key in enumerate(keys):
-        result = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False, tags=tags)
-        _check(result, f"point {i + 1}/{len(keys)} ({key})")
-        value = result.output_for_node("sweep")
+        value = execute("sweep_job", f"point {i + 1}/{len(keys)} ({key})", partition_key=key).output_for_node("sweep")
         say(f"kiln sweep: point {i + 1}/{len(keys)} {key}: final val loss {value['final_val_loss']:.4f}")
-    result = defs.resolve_job_def("sweep_results_job").execute_in_process(
-        run_config={"ops": pick(["sweep_results"])}, instance=instance, raise_on_error=False, tags=tags)
-    _check(result, "sweep_results")
+    result = execute("sweep_results_job", "sweep_results", {"ops": pick(["sweep_results"])})
     return result.output_for_node("sweep_results")

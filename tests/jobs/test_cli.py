@@ -166,6 +166,40 @@ def test_a_failed_run_says_first_which_step_failed_and_why_and_where_the_trace_i
         assert instance.get_latest_materialization_event(AssetKey("clean_corpus")).run_id == run_id
 
 
+@pytest.mark.slow
+def test_kiln_sweep_speaks_like_kiln_run_and_a_wrong_typed_value_is_one_line_before_anything_runs(
+        tmp_path, capsys, monkeypatch, source_cache):
+    """kiln sweep shares kiln run's console: a line as each asset starts and ends, one per point, the ranking, and
+    every Dagster event in the log file only; a swept value of the wrong type is one line naming where it is."""
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    sweep = ("ops:\n  sweep_grid:\n    config:\n      plan:\n        model: {n_layer: 2, n_head: 2, n_embd: 32, "
+             "block_size: 64}\n        batch: {seq_len: 64, global_batch: 8}\n      fields:\n        - {field: "
+             "optim.lr, values: [%s, 0.01]}\n      max_steps: 3\n      eval_batches: 1\n")
+    preset = tmp_path / "sweep.yaml"
+    head = f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {source_cache}}}\n"
+    preset.write_text(head + sweep % '"abc"')
+    home = tmp_path / "home"
+    assert main(["sweep", "--preset", str(preset), "--home", str(home)]) == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        'kiln sweep: sweep_grid: Invalid scalar at path root:ops:sweep_grid:config:fields[0]:values[0]. Value "abc" of '
+        'type "<class \'str\'>" is not valid for expected type "Float" (ops.sweep_grid.config.fields.0.values.0)']
+    assert len(out.splitlines()) == 1 and not (home / "storage").exists()  # the log line; nothing ran
+    preset.write_text(head + sweep % "0.001")
+    assert main(["sweep", "--preset", str(preset), "--home", str(home)]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    log = Path(lines[0].split("full log: ")[1])
+    assert lines[0] == f"kiln sweep: preset {preset}; full log: {log}" and err == ""
+    assert [line.split()[1] for line in lines if line.startswith("✓")] == [
+        "pretrained_model", "raw_documents", "clean_corpus", "tokenizer", "token_shards", "sweep_grid", "sweep",
+        "sweep", "sweep_results"]
+    assert [line for line in lines if line.startswith("▶")].count("▶ sweep") == 2  # each point its own start
+    assert "kiln sweep: 2 points: lr=0.001, lr=0.01" in lines and len(lines) <= 30, lines
+    assert not any("DEBUG" in line or "STEP_" in line or "Traceback" in line for line in lines)
+    assert "STEP_SUCCESS" in log.read_text()  # Dagster's events are all in the log file
+
+
 def test_the_innermost_error_is_the_one_the_asset_raised():
     from dagster._utils.error import serializable_error_info_from_exc_info
     from dagster import Failure
