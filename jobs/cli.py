@@ -30,6 +30,7 @@ what the next run would redo and why. Examples:
   kiln run --preset demo                      materialize every asset with conf/presets/demo.yaml
   kiln run --preset smoke --select eval_scores,release_bundle
   kiln status --preset demo                   each asset: reused, resumed or recomputed next run, why, how long
+  kiln verify                                 hash every recorded output; set aside what is damaged (a scrub)
   kiln generate .kiln/storage/release_bundle/<version> --prompt "The"
   kiln chat .kiln/storage/release_bundle/<version>   a conversation in the model's chat template (or a GGUF file)
   kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
@@ -638,13 +639,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet), DagsterInstance.get() as instance:
         names = [a.key.to_user_string() for a in ALL_ASSETS]
         runs = run_selection(names, opt_in)
-        rows = StatusReader(defs, instance, config, mlflow).status(names, skipped=[n for n in names if n not in runs])
+        rows = StatusReader(defs, instance, config, mlflow, verify=args.verify).status(
+            names, skipped=[n for n in names if n not in runs])
     if args.json:
         print(status_json(rows))
     else:
         print(f"kiln status: the next `kiln run --preset {args.preset}` in {home}")
         print(format_status(rows), end="")
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``kiln verify``: hash every recorded output of the home against its witness (jobs.verify)."""
+    import logging
+
+    from jobs.definitions import complete_resource_config, make_resources
+    from jobs.home import writable_home
+    from jobs.verify import summary_line, verify_home
+    from resources.tracking import MlflowResource
+
+    home = Path(args.home).resolve()
+    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
+    writable_home(home)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per record read is not output
+    resources = make_resources(home)
+    config = complete_resource_config(load_preset(args.preset), resources)
+    conf = (config.get("resources") or {})
+    mlflow_conf = (conf.get("mlflow") or {}).get("config")
+    mlflow = MlflowResource(**mlflow_conf) if mlflow_conf else resources["mlflow"]
+    root = ((conf.get("storage") or {}).get("config") or {}).get("root") or resources["storage"].root
+    result = verify_home(mlflow, str(Path(root).resolve()), say=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(result, indent=2) if args.json else summary_line(result))
+    return 1 if result["damaged"] else 0
 
 
 def cmd_logbook(args: argparse.Namespace) -> int:
@@ -790,7 +817,15 @@ def main(argv: list[str] | None = None) -> int:
     stat.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
     stat.add_argument("--home", default=str(PROJECT / ".kiln"), help="the Kiln home whose runs to read")
     stat.add_argument("--json", action="store_true", help="one record per asset as JSON, for scripts")
+    stat.add_argument("--verify", action="store_true", help="hash every file an output to be reused recorded, not "
+                      "only those whose size or time changed (a damaged one makes its asset recompute)")
     stat.set_defaults(fn=cmd_status)
+    ver = sub.add_parser("verify", help="hash every output a home recorded; set aside the damaged, which runs recompute")
+    ver.add_argument("--home", default=str(PROJECT / ".kiln"), help="the Kiln home to scrub")
+    ver.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path (its MLflow and storage "
+                     "resources are read)")
+    ver.add_argument("--json", action="store_true", help="the counts and each damaged output as JSON")
+    ver.set_defaults(fn=cmd_verify)
     conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
     conf.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
     conf.set_defaults(fn=cmd_config)

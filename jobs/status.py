@@ -69,8 +69,9 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 class StatusReader:
     """Reads the Dagster instance and MLflow of one Kiln home, and decides asset by asset in graph order."""
 
-    def __init__(self, defs, instance, run_config: dict[str, Any], mlflow):
+    def __init__(self, defs, instance, run_config: dict[str, Any], mlflow, verify: bool = False):
         self.defs, self.instance, self.mlflow = defs, instance, mlflow
+        self.verify = verify  # hash every recorded file before saying "reuse" (kiln status --verify)
         self.job = defs.resolve_job_def("kiln_pipeline_job")
         self.graph = defs.resolve_asset_graph()
         self.new_ops = resolved_ops(self.job, run_config)
@@ -282,7 +283,7 @@ class StatusReader:
             return None, ["its output is never reused (no reuse key)"]
         said: list[str] = []
         found = self.mlflow.find_reusable(self.client, self.experiment_id, name, key, said.append, set_aside=False,
-                                          root=self.storage_root)
+                                          root=self.storage_root, full=self.verify)
         if found:
             return found[0], []
         return None, [m.split(": ", 1)[-1].split(". Recomputing")[0] for m in said] or ["no finished run recorded its output"]

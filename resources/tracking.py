@@ -117,12 +117,13 @@ class MlflowResource(ConfigurableResource):
         return stable_hash({"asset": asset, "code_version": code_version, **reuse})[:32]
 
     def find_reusable(self, client, experiment_id: str, asset: str, key: str,
-                      log=None, set_aside: bool = True, root: str | None = None) -> tuple[str, dict[str, Any]] | None:
+                      log=None, set_aside: bool = True, root: str | None = None,
+                      full: bool = False) -> tuple[str, dict[str, Any]] | None:
         """(run id, recorded output) of the newest finished run of ``asset`` with this reuse key whose files are
         intact (output_problem); ``log`` is told which file failed for a run passed over. ``set_aside=False``
         only looks (``kiln status``): a damaged file is named but left where it is. ``root``: this home's storage
         root; an output recorded under another root has its paths moved to this one (a copied or moved home), and
-        is reused only where its files are here."""
+        is reused only where its files are here. ``full``: hash every file (output_problem)."""
         runs = client.search_runs([experiment_id], f"tags.`kiln.reuse_key` = '{key}' and tags.`dagster.asset_key` = '{asset}' "
                                   "and attributes.status = 'FINISHED' and tags.`kiln.output_recorded` = 'true'",
                                   order_by=["attributes.start_time DESC"], max_results=5)
@@ -132,7 +133,7 @@ class MlflowResource(ConfigurableResource):
             if recorded is None:
                 continue
             recorded, moved_from = relocated(recorded, root)
-            problem = output_problem(recorded, set_aside)
+            problem = output_problem(recorded, set_aside, full)
             if problem is not None and moved_from is not None:
                 problem = f"it was computed in the home whose storage is {moved_from}, and its files are not here"
             if problem is None:
@@ -254,11 +255,12 @@ def output_witnesses(value: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def output_problem(recorded: dict[str, Any], set_aside_damaged: bool = True) -> str | None:
+def output_problem(recorded: dict[str, Any], set_aside_damaged: bool = True, full: bool = False) -> str | None:
     """None when the files of a recorded output are intact, else what is wrong, naming the file: each file whose size
     or time changed is hashed against its witness. A damaged file (not a checkpoint's: training skips and rewrites
     those) is set aside, so that recomputing the output writes it again (kiln.common.files.commit_dir). An output
-    recorded without witnesses has its checkpoints checked against their checksums."""
+    recorded without witnesses has its checkpoints checked against their checksums. ``full``: every file is hashed,
+    whatever its size and time (kiln verify, kiln status --verify)."""
     from kiln.common.files import check_witness, set_aside
 
     paths = output_paths(recorded["value"])
@@ -269,7 +271,7 @@ def output_problem(recorded: dict[str, Any], set_aside_damaged: bool = True) -> 
     if witnesses is None:
         return _checkpoint_problem(paths)
     for p, w in witnesses.items():
-        found = check_witness(p, w)
+        found = check_witness(p, w, full)
         if found is None:
             continue
         bad, problem = found

@@ -287,9 +287,10 @@ def witness(path: str | os.PathLike, digests: dict[str, str] | None = None, algo
     return {"algo": algo, "files": out}
 
 
-def check_witness(path: str | os.PathLike, recorded: dict[str, Any]) -> tuple[Path, str] | None:
+def check_witness(path: str | os.PathLike, recorded: dict[str, Any], full: bool = False) -> tuple[Path, str] | None:
     """None when every file ``recorded`` (a ``witness``) is still there with the same bytes, else (the first file
-    that is not, what is wrong with it). Files whose size and modification time are unchanged are not read."""
+    that is not, what is wrong with it). Files whose size and modification time are unchanged are not read, unless
+    ``full``: then every file is hashed (a scrub: a byte flipped with both kept, by bit rot or a stray write)."""
     path = Path(path)
     for rel, (size, mtime_ns, digest) in recorded["files"].items():
         f = path if rel == "." else path / rel
@@ -297,7 +298,7 @@ def check_witness(path: str | os.PathLike, recorded: dict[str, Any]) -> tuple[Pa
             st = f.stat()
         except OSError:
             return f, f"{f} is missing"
-        if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+        if (st.st_size, st.st_mtime_ns) == (size, mtime_ns) and not full:
             continue
         if st.st_size != size:
             return f, f"{f} has {st.st_size:,} bytes where {size:,} were recorded: it is truncated or was replaced"

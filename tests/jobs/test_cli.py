@@ -57,17 +57,17 @@ def test_help_lists_the_commands_with_examples(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: kiln [-h] {run,sweep,generate,chat,status,config,plan,lineage,logbook,arena} ...")
+    assert out.startswith("usage: kiln [-h] {run,sweep,generate,chat,status,verify,config,plan,lineage,logbook,arena} ...")
     assert "kiln run --preset smoke --select eval_scores,release_bundle" in out
     assert "kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware" in out
     verbs = out.split("\ncommands:\n", 1)[1].split("\noptions:", 1)[0].splitlines()[1:]
-    assert [line.split()[0] for line in verbs if line.strip()] == ["run", "sweep", "generate", "chat", "status", "config",
-                                                                  "plan", "lineage", "logbook", "arena"]
+    assert [line.split()[0] for line in verbs if line.strip()] == ["run", "sweep", "generate", "chat", "status", "verify",
+                                                                  "config", "plan", "lineage", "logbook", "arena"]
     assert all(len(line.split(None, 1)) == 2 for line in verbs if line.strip())  # each verb with its one line
 
 
-@pytest.mark.parametrize("verb", ["run", "sweep", "generate", "chat", "status", "config", "plan", "lineage", "logbook",
-                                  "arena"])
+@pytest.mark.parametrize("verb", ["run", "sweep", "generate", "chat", "status", "verify", "config", "plan", "lineage",
+                                  "logbook", "arena"])
 def test_each_verbs_help_says_what_it_does_and_its_defaults(capsys, verb):
     with pytest.raises(SystemExit) as exit_:
         main([verb, "--help"])
@@ -76,7 +76,7 @@ def test_each_verbs_help_says_what_it_does_and_its_defaults(capsys, verb):
     description = out.split("\n\n")[1]
     assert description[0].isupper() and description.rstrip().endswith(".") and "options:" not in description
     flat = " ".join(out.split())
-    if verb in ("run", "status", "config", "plan"):
+    if verb in ("run", "status", "verify", "config", "plan"):
         assert "--preset PRESET name under conf/presets" in flat and "(default: demo)" in flat
     if verb == "generate":
         assert "(default: 60)" in flat and "(default: 0.8)" in flat and "(default: 0)" in flat
