@@ -27,6 +27,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kiln.common.config import from_dict  # noqa: E402
+
+
+def seeded_kill_step(test: str, low: int, high: int) -> tuple[int, str]:
+    """(a step in [low, high] to kill a run at, how to replay it): drawn from KILN_KILL_SEED when set, else from the
+    test's name, so a failure names the step and its seed and the same command kills at the same step again. A
+    schedule that varies KILN_KILL_SEED covers the range over runs."""
+    import random
+    import zlib
+
+    seed = int(os.environ.get("KILN_KILL_SEED") or zlib.crc32(test.encode()))
+    step = random.Random(seed).randint(low, high)
+    return step, f"kill at step {step} (replay: KILN_KILL_SEED={seed})"
 from kiln.filters.base import Filter  # noqa: E402
 from kiln.train.trainer import Callback  # noqa: E402
 

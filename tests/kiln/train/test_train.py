@@ -8,7 +8,6 @@ Run: python -m pytest tests/kiln/train/test_train.py -q   (tiny model; subproces
 from __future__ import annotations
 
 import json
-import random
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from kiln.train.spikes import SpikeConfig, SpikeDetector, SpikeError
 from kiln.train.loop import JobConfig, main
 from kiln.train.optim import OptimConfig, lr_lambda
 from tests.conftest import OPTIMS, LineReporter as ListReporter, single_thread as one_thread
-from tests.faults import Faults, injector
+from tests.faults import Faults, injector, seeded_kill_step
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPARED = ("model", "optimizer", "scheduler", "loader", "step")  # the state that must match bit for bit
@@ -138,14 +137,15 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, baselin
     both come back bit for bit (the AdamW-only job's resume is checked by the kill-during-save test below)."""
     optim = "muon"
     ref_job, _ = baselines(optim)
-    kill_step = random.Random(time.time_ns()).randint(5, 27)  # anywhere: mid-interval, at or just after a save
+    # anywhere: mid-interval, at or just after a save; seeded, so that a failure can be replayed
+    kill_step, replay = seeded_kill_step("test_sigkill_at_a_random_step_then_resume_is_bit_identical", 5, 27)
     job = pretrain_job(tmp_path, log_interval=1, **OPTIMS[optim])  # progress lines say where the run is
     proc = popen_train(job)
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith(f"step {kill_step}/30"):
             proc.send_signal(signal.SIGKILL)
             break
-    assert proc.wait(timeout=60) == -signal.SIGKILL, f"kill at step {kill_step}"
+    assert proc.wait(timeout=60) == -signal.SIGKILL, replay
     run = run_dir(job)
     assert not (run / "result.json").exists()
     resumed = train_runner(job)  # the same command again
@@ -155,7 +155,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, baselin
     # flight when the kill came) the one before that
     saved = [None] + [f"step_{s:07d}" for s in (10, 20) if s < kill_step]
     got = Path(res["resumed_from"]).name if res["resumed_from"] else None
-    assert got in saved[-2:], (kill_step, got)
+    assert got in saved[-2:], (replay, got)
     assert_same_final_state(ref_job, job)
     assert res["goodput"]["sessions"] == 2 and res["goodput"]["redone_steps_s"] > 0
     assert_muon_state(load_state(run / "checkpoints" / "step_0000030")[0])  # Muon ran on the block matrices

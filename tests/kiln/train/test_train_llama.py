@@ -8,9 +8,7 @@ Run: python -m pytest tests/kiln/train/test_train_llama.py -q   (a few subproces
 from __future__ import annotations
 
 import json
-import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 from kiln.train.checkpoint import list_checkpoints, load_for_inference, load_state, verify_checkpoint
 from kiln.train.loop import main
 from tests.conftest import OPTIMS
+from tests.faults import seeded_kill_step
 from tests.kiln.train.test_train import COMPARED, ListReporter, assert_same, one_thread, popen_train, run_dir
 
 STEPS = 12
@@ -79,19 +78,19 @@ def test_llama_trains_and_resumes_bit_identical_after_a_sigkill(tmp_path, refere
 
     # the progress line of step k comes before step k's save, and a save runs in the background until the next one
     # starts: once step 9 is printed, the step-4 save has committed (step 8's waited for it), so a checkpoint exists
-    kill_step = random.Random(time.time_ns()).randint(9, 11)
+    kill_step, replay = seeded_kill_step("test_llama_trains_and_resumes_bit_identical_after_a_sigkill", 9, 11)
     job = llama_job(pretrain_job, model_dict, tmp_path, **OPTIMS[optim])
     proc = popen_train(job)
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith(f"step {kill_step}/{STEPS}"):
             proc.send_signal(signal.SIGKILL)
             break
-    assert proc.wait(timeout=60) == -signal.SIGKILL, f"kill at step {kill_step}"
+    assert proc.wait(timeout=60) == -signal.SIGKILL, replay
     assert not (run_dir(job) / "result.json").exists()
     resumed = train_runner(job)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     res = result_of(job)
-    assert res["resumed_from"] and Path(res["resumed_from"]).name in ("step_0000004", "step_0000008"), kill_step
+    assert res["resumed_from"] and Path(res["resumed_from"]).name in ("step_0000004", "step_0000008"), replay
     assert res["goodput"]["sessions"] == 2
     last = f"step_{STEPS:07d}"
     ref_state, _ = load_state(run_dir(ref_job) / "checkpoints" / last)

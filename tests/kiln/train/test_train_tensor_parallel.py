@@ -1,6 +1,6 @@
 """Tests for the training job under tensor parallelism (job.layout.tp, kiln.model.tensor_parallel) on two gloo
-processes: both families follow the one-process loss curve over 30 steps, resume from a mid-run checkpoint bit for
-bit as a restart after SIGKILL does, and reshard: a tensor-parallel checkpoint resumes on one process, an FSDP2 one
+processes: both families follow the one-process loss curve over 30 steps, and a SIGKILL while a checkpoint is being written
+(under tp, and under dp_shard x tp) resumes from the checkpoint before it bit for bit; they reshard: a tensor-parallel checkpoint resumes on one process, an FSDP2 one
 under tensor parallelism. GPT-2 also trains under FSDP2 x TP on four processes. Layouts the job cannot run are config
 errors before anything trains.
 
@@ -105,17 +105,44 @@ def test_tensor_parallel_training_follows_one_process_and_resumes_bit_for_bit(tm
     assert meta["format"] == ("full" if family == "gpt2" else "sharded")
     assert meta["job"]["layout"] == {"dp_replicate": 1, "dp_shard": -1, "tp": 2}
 
-    # a restart after a crash resumes from the newest good checkpoint: the same run, bit for bit
-    resumed = resume_copy(Path(res["checkpoint"]).parents[1], tmp_path / "again", pretrain_job, family, **TP2)
-    assert_restart_is_bit_identical(resumed, res, train_runner)
+    # a SIGKILL while a checkpoint is being written: the same command resumes from the one before, bit for bit
+    killed = job_for(pretrain_job, tmp_path / "killed", family, **TP2)
+    assert_sigkill_during_a_save_resumes_bit_identical(killed, res, train_runner)
 
 
-def assert_restart_is_bit_identical(resumed: Path, res: dict, train_runner, nproc: int = 2) -> None:
-    """Job ``resumed`` (a copy of the run of result ``res`` cut back to RESUME_AT) ends as that run did, bit for bit."""
-    proc = train_runner(resumed, nproc=nproc)
+KILL_AT = 21  # SIGKILL of rank 0 here, while the step-20 checkpoint is still being written (save_pause_s)
+
+
+def faulted(job: Path, faults_file: Path, nproc: int, **faults):
+    """The job on ``nproc`` ranks through tests.faults (test-only fault injection)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+    from tests.faults import Faults
+
+    f = Faults(**faults).write(faults_file)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           "-m", "tests.faults", "--faults", str(f), "--config", str(job), "--device", "cpu",
+                           "--timeout-s", "180"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def assert_sigkill_during_a_save_resumes_bit_identical(job: Path, res: dict, train_runner, nproc: int = 2) -> None:
+    """Job ``job`` (the config of the run of result ``res``, in a new folder) is SIGKILLed at step KILL_AT while its
+    step-20 checkpoint is being written in the background (every write held 2 s): that checkpoint never commits, the
+    same command resumes from step 10 and ends as the uninterrupted run did, bit for bit."""
+    run = Path(json.loads(job.read_text())["out_dir"])
+    proc = faulted(job, job.with_name("faults.json"), nproc, kill_at_steps=[KILL_AT], save_pause_s=2.0)
+    assert proc.returncode != 0 and "SIGKILL" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert not (run / "result.json").exists() and (run / f".killed_at_{KILL_AT}").exists()
+    ckpts = run / "checkpoints"
+    assert (ckpts / "step_0000010").is_dir() and not (ckpts / "step_0000020").exists()  # 20 was mid-write
+    assert [p.name for p in ckpts.iterdir() if p.name.startswith(".step_0000020")], list(ckpts.iterdir())
+    proc = train_runner(job, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    again = result_of(resumed)
-    assert again["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
+    again = result_of(job)
+    assert again["resumed_from"].endswith("step_0000010") and again["goodput"]["sessions"] == 2
     assert again["rank_param_digests"] == res["rank_param_digests"]
     assert again["curve"] == res["curve"] and again["history"] == res["history"]
 
@@ -156,7 +183,7 @@ def test_gpt2_under_fsdp2_and_tensor_parallelism_follows_one_process_and_resumes
                                                                                          train_runner, reference) -> None:
     """dp_shard 2 x tp 2 on four ranks for GPT-2, whose fused q|k|v rows tensor parallelism holds rank-interleaved
     (FusedColwiseParallel) and FSDP2 shards again: the curve follows one process; a restart from the step-20
-    checkpoint (one full state in the model's own order) is bit for bit; that checkpoint resumes on one process."""
+    checkpoint after a SIGKILL during the next save is bit for bit; that checkpoint resumes on one process."""
     ref = reference("gpt2")
     split = {"layout": {"tp": 2, "dp_shard": 2}, "micro_batch": 2, "eval_batches": 8}  # two data ranks of 2 rows
     job = job_for(pretrain_job, tmp_path / "2x2", "gpt2", **split)
@@ -168,8 +195,8 @@ def test_gpt2_under_fsdp2_and_tensor_parallelism_follows_one_process_and_resumes
     assert_same_curve(res, ref)
     assert verify_checkpoint(Path(res["checkpoint"]))["format"] == "full"
     run = Path(res["checkpoint"]).parents[1]
-    assert_restart_is_bit_identical(resume_copy(run, tmp_path / "again", pretrain_job, "gpt2", **split), res,
-                                    train_runner, nproc=4)
+    killed = job_for(pretrain_job, tmp_path / "killed", "gpt2", **split)  # SIGKILL mid-save under dp_shard x tp
+    assert_sigkill_during_a_save_resumes_bit_identical(killed, res, train_runner, nproc=4)
     one = in_process(resume_copy(run, tmp_path / "one", pretrain_job, "gpt2"))  # the whole model, one rank
     assert one["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
     assert_same_curve(one, ref)
