@@ -148,21 +148,24 @@ def run_in_home(args: argparse.Namespace, home: Path) -> int:
     from jobs.definitions import ALL_ASSETS, OPT_IN, complete_resource_config, make_definitions, make_resources
     from jobs.home import record_preset
 
+    from jobs.preflight import preflight
+
     defs = make_definitions(home)
     names = [a.key.to_user_string() for a in ALL_ASSETS]
     preset = load_preset(args.preset, keep_opt_in=True)
-    opt_in = preset.pop("opt_in", None) or []
-    if set(opt_in) - set(OPT_IN):
-        raise SystemExit(f"kiln: preset {args.preset}: opt_in may name {', '.join(OPT_IN)}: unknown {sorted(set(opt_in) - set(OPT_IN))}")
+    opt_in = [n for n in preset.get("opt_in") or [] if n in OPT_IN]  # an unknown one: preflight's refusal below
     keys = run_selection(names, opt_in, args.select)
     bad = [k for k in keys if k not in names]
     if bad:
         raise SystemExit(f"kiln: pick --select from {', '.join(names)}: unknown asset(s) {bad}")
-    job = defs.resolve_job_def("kiln_pipeline_job")
-    unknown = unknown_name_line(preset, job)
-    if unknown:  # checked on the whole preset: select_config drops the ops outside the selection
-        print(f"kiln: preset {args.preset}: {unknown}", file=sys.stderr)
+    # the checks kiln status makes too (jobs.preflight): names on the whole preset (select_config drops the ops
+    # outside the selection), types, the files the selected assets read, the device
+    refused = preflight(args.preset, preset, home, keys)
+    preset.pop("opt_in", None)
+    if refused:
+        print(f"kiln: preset {args.preset}: {refused}", file=sys.stderr)
         return 2
+    job = defs.resolve_job_def("kiln_pipeline_job")
     run_config = complete_resource_config(select_config(preset, keys), make_resources(home))
     from dagster._core.utils import make_new_run_id
 
@@ -622,12 +625,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     from jobs.status import StatusReader, format_status, status_json
     from resources.tracking import MlflowResource
 
+    from jobs.preflight import preflight
+
     defs = make_definitions(home)
     preset = load_preset(args.preset, keep_opt_in=True)
+    refused = preflight(args.preset, preset, home)  # what kiln run would refuse, refused here in the same words
     opt_in = preset.pop("opt_in", None) or []  # as kiln run reads it: the opt-in assets this preset runs
-    unknown = unknown_name_line(preset, defs.resolve_job_def("kiln_pipeline_job"))
-    if unknown:
-        print(f"kiln: fix preset {args.preset} first: {unknown}", file=sys.stderr)
+    if refused:
+        print(f"kiln: fix preset {args.preset} first: {refused}", file=sys.stderr)
         return 2
     resources = make_resources(home)
     config = complete_resource_config(preset, resources)

@@ -1,0 +1,100 @@
+"""What ``kiln run`` checks before the first asset runs, and ``kiln status`` before it predicts: one decision, so that
+the dry run never passes a preset the run refuses. ``preflight(name, preset, home, selection)`` returns the one line
+saying what is wrong (None: the run may start): the preset's ``opt_in``, every op and resource name, the run config
+as Dagster types it, the files the selected assets will read (a source manifest, the red-team probes, the judge's
+principles: parsed as the asset parses them), and the device the training plan asks for.
+
+Add a check for an asset that reads a file: one function in FILE_CHECKS (the asset's config dict -> raise with the
+reason).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+PROJECT = Path(__file__).resolve().parent.parent
+
+
+def _project_path(p: str) -> Path:
+    path = Path(p).expanduser()
+    return path if path.is_absolute() else PROJECT / path
+
+
+def _manifest(config: dict[str, Any]) -> None:
+    from kiln.sources.manifest import load_manifest
+
+    if config.get("manifest", "conf/sources/demo.yaml"):
+        load_manifest(_project_path(config.get("manifest", "conf/sources/demo.yaml")))
+
+
+def _probes(config: dict[str, Any]) -> None:
+    from kiln.evaluation.redteam import read_probes
+
+    read_probes(_project_path(config.get("probes", "conf/redteam/probes.yaml")))
+
+
+def _principles(config: dict[str, Any]) -> None:
+    from kiln.posttrain.judge import read_principles
+
+    read_principles(_project_path(config.get("principles", "conf/judge/principles.yaml")))
+
+
+def _device(config: dict[str, Any]) -> None:
+    device = ((config.get("hardware") or {}).get("device")) or "cpu"
+    if device not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"training_plan.hardware.device is {device!r}: give cpu, cuda or auto")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("training_plan.hardware.device is cuda, but this machine has no CUDA device "
+                             "(torch.cuda.is_available() is False): run it on a GPU machine, or use a CPU preset "
+                             "(demo, smoke) or device auto")
+
+
+# asset -> the check of what its config makes it read or need before it runs
+FILE_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "raw_documents": _manifest,
+    "red_team_report": _probes,
+    "judged_preferences": _principles,
+    "training_plan": _device,
+}
+
+
+def preflight(name: str, preset: dict[str, Any], home: Path, selection: list[str] | None = None) -> str | None:
+    """The first reason a ``kiln run`` of ``preset`` (named ``name``, already loaded with its opt_in) over
+    ``selection`` (default: the assets it runs) would be refused before any asset runs, as one line; None when it
+    may start. ``kiln status`` prints the same line and predicts nothing else."""
+    from dagster import DagsterInvalidConfigError, validate_run_config
+
+    from jobs.cli import config_error_line, run_selection, select_config, unknown_name_line
+    from jobs.definitions import ALL_ASSETS, OPT_IN, complete_resource_config, make_definitions, make_resources
+
+    opt_in = preset.get("opt_in") or []
+    if set(opt_in) - set(OPT_IN):
+        return f"opt_in may name {', '.join(OPT_IN)}: unknown {sorted(set(opt_in) - set(OPT_IN))}"
+    names = [a.key.to_user_string() for a in ALL_ASSETS]
+    keys = selection if selection is not None else run_selection(names, opt_in)
+    bad = [k for k in keys if k not in names]
+    if bad:
+        return f"pick --select from {', '.join(names)}: unknown asset(s) {bad}"
+    run_config = {k: v for k, v in preset.items() if k != "opt_in"}
+    job = make_definitions(home).resolve_job_def("kiln_pipeline_job")
+    unknown = unknown_name_line(run_config, job)
+    if unknown:
+        return unknown
+    try:
+        validate_run_config(job, complete_resource_config(select_config(run_config, keys), make_resources(home)))
+    except DagsterInvalidConfigError as e:
+        return config_error_line(e, job)
+    ops = run_config.get("ops") or {}
+    for asset, check in FILE_CHECKS.items():
+        if asset not in keys:
+            continue
+        try:
+            check(dict((ops.get(asset) or {}).get("config") or {}))
+        except Exception as e:  # each loader's own error names the file and the key; keep its first line
+            text = " ".join(str(e).split())
+            return text if text.startswith(asset) or text.startswith("training_plan") else f"{asset}: {text}"
+    return None

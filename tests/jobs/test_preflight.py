@@ -1,0 +1,59 @@
+"""kiln run and kiln status make one decision before anything runs (jobs.preflight): what the run would refuse, the
+dry run refuses in the same words, and neither touches an output."""
+
+import pytest
+import torch
+
+from jobs.cli import main
+
+
+def both(preset, home, capsys) -> tuple[str, str]:
+    """(kiln status's one line, kiln run's one line) for ``preset``; both refuse with exit status 2."""
+    assert main(["status", "--preset", str(preset), "--home", str(home)]) == 2
+    status = capsys.readouterr().err.strip()
+    assert main(["run", "--preset", str(preset), "--home", str(home)]) == 2
+    run = capsys.readouterr().err.strip()
+    assert "\n" not in status and "\n" not in run
+    assert status.removeprefix(f"kiln: fix preset {preset} first: ") == run.removeprefix(f"kiln: preset {preset}: ")
+    assert not (home / "storage").exists()  # refused before any asset ran
+    return status, run
+
+
+@pytest.fixture
+def preset(tmp_path, monkeypatch):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+
+    def write(ops: str, top: str = "") -> object:
+        path = tmp_path / "p.yaml"
+        path.write_text(f"extends: smoke\n{top}ops:\n{ops}")
+        return path
+
+    return write
+
+
+def test_a_probes_file_that_is_not_yaml_is_refused_by_status_as_by_run(tmp_path, preset, capsys):
+    probes = tmp_path / "probes.yaml"
+    probes.write_text("intended_use: [unclosed\n")
+    _, run = both(preset(f"  red_team_report:\n    config:\n      probes: {probes}\n"), tmp_path / "home", capsys)
+    assert f"red_team_report: {probes}" in run and "YAML" in run, run
+
+
+def test_an_unknown_opt_in_and_a_bad_principles_file_are_refused_by_both(tmp_path, preset, capsys):
+    status, _ = both(preset("  tokenizer: {}\n", top="opt_in: [reward_modle]\n"), tmp_path / "home", capsys)
+    assert "opt_in may name" in status and "['reward_modle']" in status
+    principles = tmp_path / "principles.yaml"
+    principles.write_text("principles: 3\n")
+    status, _ = both(preset(f"  judged_preferences:\n    config:\n      principles: {principles}\n",
+                            top="opt_in: [judged_preferences]\n"), tmp_path / "home", capsys)
+    assert status.startswith(f"kiln: fix preset {tmp_path / 'p.yaml'} first: judged_preferences: ") and \
+        str(principles) in status
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU: a cuda preset may run")
+def test_a_gpu_preset_on_a_machine_without_one_is_refused_before_anything_runs(tmp_path, preset, capsys):
+    status, run = both(preset("  training_plan:\n    config:\n      hardware: {device: cuda}\n"), tmp_path / "home",
+                       capsys)
+    assert "training_plan.hardware.device is cuda, but this machine has no CUDA device" in run
+    status, run = both(preset("  training_plan:\n    config:\n      hardware: {device: tpu}\n"), tmp_path / "home",
+                       capsys)
+    assert run.endswith("training_plan.hardware.device is 'tpu': give cpu, cuda or auto")
