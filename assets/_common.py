@@ -29,6 +29,25 @@ def failing_on_config_errors() -> Iterator[None]:
         raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e
 
 
+@contextlib.contextmanager
+def failing_on_damage() -> Iterator[None]:
+    """Turn a stored file found damaged while read (kiln.common.files.DamagedFileError: a checkpoint failing its
+    checksum, an encoding file its fingerprint) into ``dagster.Failure`` naming it, after setting it aside: the next
+    run's reuse check finds it missing and recomputes the output that holds it (training resumes from its newest
+    good checkpoint), where it would otherwise fail on the same file run after run. No retry: the same read fails."""
+    from kiln.common.files import DamagedFileError, set_aside
+
+    try:
+        yield
+    except DamagedFileError as e:
+        aside = ""
+        if e.path.is_file():
+            aside = f"; set aside as {set_aside(e.path).name}"
+        raise Failure(description=f"{type(e).__name__}: {e}{aside}: run again, and the output that holds it is "
+                                  "recomputed (training resumes from its newest good checkpoint)",
+                      allow_retries=False) from e
+
+
 def content_version(staged: Path, volatile: tuple[str, ...] = ()) -> str:
     """The data version of a folder: a hash of its files' sizes and sha256s, those named in ``volatile`` left out."""
     return stable_hash({k: v for k, v in manifest_of_dir(staged).items() if k not in volatile})[:16]
@@ -121,8 +140,9 @@ def asset_output(context, mlflow, *, parent: Path | None = None, config=None, in
     params, tags, reuse: logged params (default: the config), more tags, more reuse-key entries. With none of
     config, inputs, reuse the output is never reused. ``mlflow`` None: no MLflow run, no reuse.
     No staging folder is made when ``parent`` is None or an earlier run is reused. A config error raised in the
-    body fails the asset at once, without retries (failing_on_config_errors)."""
-    with failing_on_config_errors():
+    body fails the asset at once, without retries (failing_on_config_errors); so does a damaged upstream file, which is
+    set aside so that the next run recomputes it (failing_on_damage)."""
+    with failing_on_config_errors(), failing_on_damage():
         yield from _asset_output(context, mlflow, parent, config, inputs, params, tags, reuse)
 
 

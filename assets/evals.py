@@ -23,7 +23,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from assets._common import asset_output, line_plot, md_table
+from assets._common import asset_output, failing_on_damage, line_plot, md_table
 from kiln.clean.corpus import corpus_texts
 from kiln.common.files import atomic_path, atomic_write_json, stable_hash
 from kiln.evaluation import checkpoints as kckpt
@@ -302,7 +302,8 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
     """The base model's final checkpoint scored on the suite through Kiln's native lm-eval adapter, on all items and on contamination-clean items, each beside its chance baseline; held-out loss and bits per byte; sample generations."""
     docs = held_out_documents(clean_corpus, token_shards["val_permille"], limit=200)
     device = eval_device(config.device)
-    model, enc, meta = load_for_inference(base_model["checkpoint"], map_location=device)
+    with failing_on_damage():  # a damaged checkpoint is set aside: the next run resumes base_model, not fail here
+        model, enc, meta = load_for_inference(base_model["checkpoint"], map_location=device)
     inputs = {"base_model": base_model["version"], "eval_suite": eval_suite["version"],
               "contamination_report": contamination_report["version"]}
     with asset_output(context, mlflow, parent=storage.path("eval_scores"), config=config, inputs=inputs,
@@ -378,7 +379,8 @@ def checkpoint_evals(context: AssetExecutionContext, config: CheckpointEvalsConf
     ref = kckpt.resolve(train_root, context.partition_key)
     suites = kckpt.runnable_suites(config.suites, eval_suite["tasks"], context.log)
     device = eval_device(config.device)
-    model, enc, meta = load_for_inference(ref.path, map_location=device)
+    with failing_on_damage():
+        model, enc, meta = load_for_inference(ref.path, map_location=device)
     inputs = {"eval_suite": eval_suite["version"], "contamination_report": contamination_report["version"]}
     runs = _checkpoint_runs(context, mlflow, train_root, ref, inputs)
     t0 = time.perf_counter()
@@ -441,7 +443,8 @@ def benchmark_matrix(context: AssetExecutionContext, config: BenchmarkMatrixConf
         reused = cell is not None
         if cell is None:
             device = eval_device(config.device)
-            model, enc, _meta = load_for_inference(ref.path, map_location=device)
+            with failing_on_damage():
+                model, enc, _meta = load_for_inference(ref.path, map_location=device)
             context.log.info(f"scoring {name} ({limit} items, seed {seed}) on {ref.key}")
             t0 = time.perf_counter()
             full, clean = score_benchmarks(model, enc, prepared, report, batch_size=config.batch_size, seed=seed,

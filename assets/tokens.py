@@ -11,7 +11,7 @@ from typing import Optional
 from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
 from pydantic import Field
 
-from assets._common import asset_output, md_table
+from assets._common import asset_output, failing_on_damage, md_table
 from kiln.clean.corpus import corpus_texts
 from kiln import shards as kshards
 from kiln import tokenizer as ktok
@@ -102,7 +102,8 @@ class TokenShardsConfig(Config):
 def token_shards(context: AssetExecutionContext, config: TokenShardsConfig, clean_corpus: dict, tokenizer: dict,
                  storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
     """The clean corpus as llm.c token shards (header + uint16/uint32 tokens, end-of-text between documents), a fixed validation split and a checksummed manifest; published to the durable root when it is a URL."""
-    enc = ktok.load_encoding(storage.local_dir("tokenizer", tokenizer["version"], last="tokenizer.json") / "tokenizer.json")
+    with failing_on_damage():  # a tokenizer file failing its fingerprint is set aside: the next run recomputes it
+        enc = ktok.load_encoding(storage.local_dir("tokenizer", tokenizer["version"], last="tokenizer.json") / "tokenizer.json")
     with asset_output(context, mlflow, parent=storage.path("token_shards"), config=config,
                       inputs={"clean_corpus": clean_corpus, "tokenizer": tokenizer}) as run:
         if run.reused:

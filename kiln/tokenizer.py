@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 import tiktoken
 
-from kiln.common.files import atomic_write_text, sha256_bytes, stable_hash
+from kiln.common.files import DamagedFileError, atomic_write_text, sha256_bytes, stable_hash
 
 ENDOFTEXT = "<|endoftext|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, "<|user|>", "<|assistant|>")
@@ -51,6 +51,10 @@ GPT2_LABEL = "GPT-2 (50,257)"  # GPT-2's vocabulary in compression reports
 
 class TokenizerError(ValueError):
     """A tokenizer file is missing, corrupt or does not match its pinned checksum."""
+
+
+class DamagedEncodingError(DamagedFileError, TokenizerError):
+    """An encoding file whose content fails its recorded fingerprint (a DamagedFileError naming it)."""
 
 
 def _with_specials(name: str, pat_str: str, ranks: dict[bytes, int]) -> tiktoken.Encoding:
@@ -210,7 +214,7 @@ def load_encoding(path: str | os.PathLike) -> tiktoken.Encoding:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TokenizerError(f"cannot load encoding file {path}: {type(e).__name__}: {e} (corrupt or truncated?)") from e
     if encoding_fingerprint(enc) != doc.get("fingerprint"):
-        raise TokenizerError(f"encoding file {path}: fingerprint mismatch, the file is corrupt")
+        raise DamagedEncodingError(f"encoding file {path}: fingerprint mismatch, the file is corrupt", path)
     return enc
 
 

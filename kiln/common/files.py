@@ -309,6 +309,16 @@ def check_witness(path: str | os.PathLike, recorded: dict[str, Any], full: bool 
     return None
 
 
+class DamagedFileError(RuntimeError):
+    """A stored file failed its own checksum or fingerprint when read; ``path`` names it. What reads it says so, and
+    the asset layer sets the file aside (assets._common.failing_on_damage) so that the next run recomputes the output
+    that holds it instead of failing on it again."""
+
+    def __init__(self, message: str, path: str | os.PathLike):
+        super().__init__(message)
+        self.path = Path(path)
+
+
 def set_aside(path: str | os.PathLike) -> Path:
     """Rename a damaged file to ``.<name>.damaged`` beside it (hidden, so no manifest or witness counts it), which
     leaves its place free for commit_dir to fill again; returns the new path."""

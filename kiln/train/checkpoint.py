@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import xxhash
 
-from kiln.common.files import DIGEST, _fsync_dir, atomic_write_json, file_digest, stable_hash, witness
+from kiln.common.files import DIGEST, DamagedFileError, _fsync_dir, atomic_write_json, file_digest, stable_hash, witness
 from kiln.train.diskfull import naming
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
@@ -34,6 +34,10 @@ CHECKSUM = DIGEST  # xxh3_128: hashes at several GB/s (file_digest, "sha256" for
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated or fails its checksum; the message names the file."""
+
+
+class DamagedCheckpointError(DamagedFileError, CheckpointError):
+    """A checkpoint file that fails its checksum (a DamagedFileError naming it)."""
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -238,10 +242,9 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{f}: missing from checkpoint")
         actual = file_digest(f, algo)
         if actual != digest:
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"{f}: checksum mismatch (expected {digest[:16]}…, found {actual[:16]}…): the file is truncated or "
-                "damaged; use an earlier checkpoint"
-            )
+                "damaged; use an earlier checkpoint", f)
     return meta
 
 

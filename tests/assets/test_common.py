@@ -5,6 +5,7 @@ Run: python -m pytest tests/assets/test_common.py -q
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,34 @@ def test_a_config_error_fails_at_once_and_other_errors_are_retried():
         if attempts == 1:  # a dagster.Failure naming the error, which stays its cause
             assert failure.message.startswith(f"dagster._core.definitions.events.Failure: {type(error).__name__}: {error}")
             assert failure.cause.cls_name == type(error).__name__
+
+
+def test_a_checkpoint_found_damaged_while_read_is_set_aside_and_fails_once_naming_it(tmp_path):
+    """A reader's own check (a checkpoint's checksum) finding damage is not a dead end: the file is set aside, so
+    the next run's reuse check of the output holding it finds it missing and recomputes it (output_problem)."""
+    import torch
+    from dagster import Failure
+
+    from assets._common import failing_on_damage
+    from kiln.train.checkpoint import load_state, save_checkpoint
+    from resources.tracking import output_problem, output_witnesses
+
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 10, {"model": {"w": torch.arange(64.0)}, "step": 10},
+                           {"model": {}})
+    value = {"checkpoint": str(ckpt)}
+    recorded = {"value": value, "witnesses": output_witnesses(value)}
+    state = ckpt / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[-100] ^= 0xFF  # size and time kept: the quick reuse check passes, the reader's checksum does not
+    st = state.stat()
+    state.write_bytes(bytes(data))
+    os.utime(state, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert output_problem(recorded) is None
+    with pytest.raises(Failure) as failed, failing_on_damage():
+        load_state(ckpt)
+    description = failed.value.description
+    assert description.startswith(f"DamagedCheckpointError: {state}: checksum mismatch (expected ")
+    assert description.endswith("; set aside as .state.pt.damaged: run again, and the output that holds it is "
+                                 "recomputed (training resumes from its newest good checkpoint)")
+    assert not failed.value.allow_retries and (ckpt / ".state.pt.damaged").read_bytes() == bytes(data)
+    assert output_problem(recorded) == f"{state} is missing"  # so the next run recomputes it
