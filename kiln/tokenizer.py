@@ -160,9 +160,26 @@ def with_chat_template(enc: tiktoken.Encoding, template: str | None) -> tiktoken
     return enc
 
 
+def end_token(enc: tiktoken.Encoding) -> int:
+    """The id that ends a generation: an imported model's own end-of-sequence token (SmolLM2-Instruct's
+    ``<|im_end|>``, as its GGUF or tokenizer_config.json names it), else ``<|endoftext|>``."""
+    got = getattr(enc, "end_token", None)
+    return enc.eot_token if got is None else got
+
+
+def with_end_token(enc: tiktoken.Encoding, token: int | None) -> tiktoken.Encoding:
+    """``enc`` ending generations at id ``token`` (an imported model's end of sequence; None or the eot id: Kiln's
+    ``<|endoftext|>``); saved with it and part of its fingerprint when it differs."""
+    if token is not None and not 0 <= int(token) < enc.n_vocab:
+        raise TokenizerError(f"end token id {token} is not an id of encoding {enc.name} (0..{enc.n_vocab - 1})")
+    enc.end_token = None if token in (None, enc.eot_token) else int(token)
+    _FINGERPRINTS.pop(enc, None)
+    return enc
+
+
 def encoding_fingerprint(enc: tiktoken.Encoding) -> str:
     """Stable sha256 of the mergeable ranks, special tokens and split pattern (not the name), and the chat template
-    when the encoding carries one (it decides the tokens post-training sees).
+    and end token when the encoding carries them (they decide the tokens post-training sees and where text ends).
 
     Remembered per Encoding object (an Encoding is immutable): hashing GPT-2's 50k ranks takes ~0.1 s.
     """
@@ -173,6 +190,8 @@ def encoding_fingerprint(enc: tiktoken.Encoding) -> str:
     fields = {"pat_str": enc._pat_str, "special_tokens": enc._special_tokens, "ranks": sha256_bytes(blob)}
     if chat_template(enc):
         fields["chat_template"] = chat_template(enc)
+    if end_token(enc) != enc.eot_token:
+        fields["end_token"] = end_token(enc)
     fp = stable_hash(fields)
     _FINGERPRINTS[enc] = fp
     return fp
@@ -189,6 +208,7 @@ def save_encoding(enc: tiktoken.Encoding, path: str | os.PathLike) -> None:
         "n_vocab": enc.n_vocab,
         "fingerprint": encoding_fingerprint(enc),
         **({"chat_template": chat_template(enc)} if chat_template(enc) else {}),
+        **({"end_token": end_token(enc)} if end_token(enc) != enc.eot_token else {}),
         "mergeable_ranks": [[base64.b64encode(t).decode("ascii"), r] for t, r in ranks],
     }
     atomic_write_text(path, json.dumps(doc, separators=(",", ":")) + "\n")
@@ -211,6 +231,8 @@ def load_encoding(path: str | os.PathLike) -> tiktoken.Encoding:
         )
         if doc.get("chat_template") is not None:
             with_chat_template(enc, str(doc["chat_template"]))
+        if doc.get("end_token") is not None:
+            with_end_token(enc, int(doc["end_token"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TokenizerError(f"cannot load encoding file {path}: {type(e).__name__}: {e} (corrupt or truncated?)") from e
     if encoding_fingerprint(enc) != doc.get("fingerprint"):

@@ -30,6 +30,7 @@ from lm_eval.api.registry import register_model
 from kiln.model.cache import KVCache
 from kiln.model.generate import generate
 from kiln.model.gpt import GPT
+from kiln.tokenizer import end_token
 from kiln.train.telemetry import format_duration
 
 log = logging.getLogger(__name__)
@@ -473,7 +474,8 @@ class KilnLM(LM):
     ) -> list[str]:
         """Decode up to max_new tokens per context, all rows together through one KV cache (kiln.model.generate).
 
-        Greedy when temperature <= 0. A row stops at EOT or once its text holds a stop string; the rest go on.
+        Greedy when temperature <= 0. A row stops at the model's end token (kiln.tokenizer.end_token: an imported
+        model's end of sequence, else EOT) or once its text holds a stop string; the rest go on.
         Rows are right-padded; a longer context is fed a token a step while the shorter ones already decode.
         A context is left-truncated to max_length - max_new tokens, as lm-eval's HFLM truncates it, so the answer
         is decoded with the same context in view (and through the KV cache). ``skip_special`` leaves special
@@ -485,11 +487,12 @@ class KilnLM(LM):
         T = max(len(s) for s in seqs)
         x = torch.tensor([s + [self.eot] * (T - len(s)) for s in seqs], dtype=torch.long, device=self._device)  # (B, T)
         stop = (lambda i, toks: any(s in self.enc.decode(toks) for s in until)) if until else None
-        out = generate(self.model, x, max_new, temperature=temperature, top_k=top_k, stop_token=self.eot,
+        end = end_token(self.enc)  # the model's own end of sequence (an imported one's, as HFLM stops at its eos)
+        out = generate(self.model, x, max_new, temperature=temperature, top_k=top_k, stop_token=end,
                        n_vocab=self.n_vocab, generator=self.generator, lengths=[len(s) for s in seqs],
                        window=self.max_length, stop=stop).tolist()
         new = [row[len(s) : len(s) + max_new] for row, s in zip(out, seqs)]
-        new = [n[: n.index(self.eot)] if self.eot in n else n for n in new]
+        new = [n[: n.index(end)] if end in n else n for n in new]
         if skip_special:
             specials = {self.enc.encode_single_token(t) for t in self.enc.special_tokens_set}
             new = [[t for t in n if t not in specials] for n in new]

@@ -72,20 +72,37 @@ def _config_and_tokenizer(folder: Path) -> tuple[ModelConfig, dict[str, Any], Im
     if not folder.is_dir():
         raise PretrainedError(f"{folder}: not a folder; give the Hugging Face model's local folder "
                               "(huggingface-cli download NAME --local-dir FOLDER makes one)")
+    from kiln.tokenizer import with_end_token
+
     cfg, doc = model_config(folder)
     tok = encoding_from_hf(folder / "tokenizer.json", name=f"hf-{folder.name}")
     _check_vocab(folder, tok, cfg)
+    with_end_token(tok.encoding, tok.encoding._special_tokens.get(hf_eos_token(folder) or ""))
     return cfg, doc, tok
+
+
+def hf_eos_token(folder: Path) -> str | None:
+    """The end-of-sequence token a Hugging Face folder's tokenizer_config.json names (transformers' eos_token), or
+    None."""
+    import json
+
+    try:
+        eos = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
 
 
 def _gguf_parts(path: Path, weights: bool) -> tuple[GgufModel, ModelConfig, ImportedTokenizer]:
     """(the GGUF read, its ModelConfig, its imported tokenizer), checked to belong together."""
-    from kiln.tokenizer import with_chat_template
+    from kiln.tokenizer import with_chat_template, with_end_token
 
     g = read_gguf(path, weights=weights)
     cfg = model_config_of(path, g.config)
     tok = encoding_from_hf(path, name=f"gguf-{path.stem}", doc=g.tokenizer)
     with_chat_template(tok.encoding, g.record["chat_template"])  # post-training and chat use the model's own
+    eos = g.record["tokenizer"].get("eos_token")  # tokenizer.ggml.eos_token_id's token: where its text ends
+    with_end_token(tok.encoding, tok.encoding._special_tokens.get(eos) if eos else None)
     if tok.imported_vocab > cfg.vocab_size:
         raise PretrainedError(f"{path}: metadata tokenizer.ggml.tokens has {tok.imported_vocab} tokens but the "
                               f"embedding has {cfg.vocab_size} rows; the tokenizer does not belong to these weights")

@@ -143,6 +143,34 @@ def test_generate_until_stops_and_is_deterministic(enc):
     assert hot[0] == hot[1] and hot[0][0]["prompt"] == "Hello"
 
 
+def test_generation_ends_at_the_models_own_end_token_as_hflm_ends_at_its_eos(tmp_path):
+    """An imported model ends its text with its own end of sequence (SmolLM2-Instruct's <|im_end|>, not
+    <|endoftext|>): HFLM stops there (its tokenizer's eos), so Kiln does too; the end token is saved with the
+    encoding and is part of its fingerprint."""
+    from kiln.tokenizer import encoding_fingerprint, end_token, load_encoding, save_encoding, with_end_token
+
+    ranks = {bytes([i]): i for i in range(256)}
+    enc = tiktoken.Encoding(name="t2", pat_str=PAT, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 256, "<|im_end|>": 257})
+    table = torch.zeros(320, 320)
+    for a, b in (("a", "b"), ("b", "c")):
+        table[ord(a), ord(b)] = 5.0
+    table[ord("c"), 257] = 5.0  # after c the model ends its turn, then would go on with d
+    table[257, ord("d")] = 5.0
+    table[ord("d"), ord("a")] = 5.0
+    gen = lambda: KilnLM(TableLM(table), enc).generate_until(  # noqa: E731
+        [Instance("generate_until", {}, ("a", {"until": ["zz"], "max_gen_toks": 6}), 0)])[0]
+    assert end_token(enc) == 256 and gen() == "bcdab"  # Kiln's own end token only; specials left out, as HFLM does
+    before = encoding_fingerprint(enc)
+    with_end_token(enc, 257)
+    assert gen() == "bc" and encoding_fingerprint(enc) != before
+    save_encoding(enc, tmp_path / "enc.json")
+    back = load_encoding(tmp_path / "enc.json")
+    assert end_token(back) == 257 and encoding_fingerprint(back) == encoding_fingerprint(enc)
+    with pytest.raises(Exception, match="end token id 999 is not an id of encoding t2"):
+        with_end_token(enc, 999)
+
+
 def make_docs(n: int, seed: int = 0) -> list[str]:
     """Documents of 10 sentences mixing filler words with 4 made-up topic words of their own."""
     r = random.Random(seed)
