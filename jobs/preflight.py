@@ -2,7 +2,8 @@
 the dry run never passes a preset the run refuses. ``preflight(name, preset, home, selection)`` returns the one line
 saying what is wrong (None: the run may start): the preset's ``opt_in``, every op and resource name, the run config
 as Dagster types it, the files the selected assets will read (a source manifest, the red-team probes, the judge's
-principles: parsed as the asset parses them), and the device the training plan asks for.
+principles: parsed as the asset parses them), the training plan's numbers (each inside its declared domain,
+kiln.common.config.Domain) and the device it asks for.
 
 Add a check for an asset that reads a file: one function in FILE_CHECKS (the asset's config dict -> raise with the
 reason).
@@ -40,7 +41,14 @@ def _principles(config: dict[str, Any]) -> None:
     read_principles(_project_path(config.get("principles", "conf/judge/principles.yaml")))
 
 
-def _device(config: dict[str, Any]) -> None:
+def _training_plan(config: dict[str, Any]) -> None:
+    """The hardware, batch and parallel blocks parsed as the plan parses them (each number inside its domain: no
+    process count of 0 reaches the arithmetic), then the device."""
+    from kiln.common.config import from_dict
+    from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig
+
+    for key, cls in (("hardware", HardwareConfig), ("batch", BatchConfig), ("parallel", ParallelConfig)):
+        from_dict(cls, config.get(key) or {}, f"training_plan.{key}")
     device = ((config.get("hardware") or {}).get("device")) or "cpu"
     if device not in ("cpu", "cuda", "auto"):
         raise ValueError(f"training_plan.hardware.device is {device!r}: give cpu, cuda or auto")
@@ -58,7 +66,7 @@ FILE_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "raw_documents": _manifest,
     "red_team_report": _probes,
     "judged_preferences": _principles,
-    "training_plan": _device,
+    "training_plan": _training_plan,
 }
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Annotated
 
-from kiln.common.config import ConfigError, from_dict
+from kiln.common.config import ConfigError, Domain, from_dict
 from kiln.common.files import stable_hash
 from kiln.model.config import ModelConfig, model_dict, padded_vocab, preset_fields
 from kiln.model.families import flops_per_token, of
@@ -45,18 +46,18 @@ RUNTIME_GIB = {"cpu": 0.1, "cuda": 1.0}
 @dataclass
 class HardwareConfig:
     device: str = "cpu"  # "cpu" or "cuda"; "auto" picks cuda when present
-    nproc_per_node: int = 1  # worker processes per node (one per GPU on CUDA)
-    nnodes: int = 1  # machines in the job
-    memory_gb: float | None = None  # memory per device in GiB; None reads it (host RAM shared by CPU ranks)
-    peak_tflops: float | None = None  # per-device peak for MFU and the time estimate; None: GPU table / CPU guess
+    nproc_per_node: Annotated[int, Domain(1)] = 1  # worker processes per node (one per GPU on CUDA)
+    nnodes: Annotated[int, Domain(1)] = 1  # machines in the job
+    memory_gb: Annotated[float | None, Domain(0, low_open=True, none=True)] = None  # memory per device in GiB; None reads it (host RAM shared by CPU ranks)
+    peak_tflops: Annotated[float | None, Domain(0, low_open=True, none=True)] = None  # per-device peak for MFU and the time estimate; None: GPU table / CPU guess
 
 
 @dataclass
 class BatchConfig:
-    seq_len: int = 256  # tokens per training sequence (at most model.block_size)
-    global_batch: int = 8  # sequences per optimizer step, summed over all ranks and accumulation steps
-    micro_batch: int | None = None  # sequences per rank per forward pass; None lets the planner choose
-    max_steps: int = 700  # optimizer steps to train
+    seq_len: Annotated[int, Domain(1)] = 256  # tokens per training sequence (at most model.block_size)
+    global_batch: Annotated[int, Domain(1)] = 8  # sequences per optimizer step, summed over all ranks and accumulation steps
+    micro_batch: Annotated[int | None, Domain(1, none=True)] = None  # sequences per rank per forward pass; None lets the planner choose
+    max_steps: Annotated[int, Domain(1)] = 700  # optimizer steps to train
 
 
 @dataclass
@@ -64,8 +65,8 @@ class ParallelConfig:
     strategy: str = "auto"  # "auto", "ddp" (replicate the model) or "fsdp" (FSDP2 fully_shard); one rank runs unwrapped
     activation_checkpointing: bool | None = None  # recompute block activations in backward; None: only when needed
     compile: bool = False  # torch.compile each transformer block (CPU needs a C++ compiler)
-    saturating_tokens: int | None = None  # micro_batch x seq_len that keeps a device busy (None: 16384 on CUDA, 1024 on CPU)
-    headroom: float = 0.8  # share of device memory the plan may use (the rest covers allocator slack, buffers)
+    saturating_tokens: Annotated[int | None, Domain(1, none=True)] = None  # micro_batch x seq_len that keeps a device busy (None: 16384 on CUDA, 1024 on CPU)
+    headroom: Annotated[float, Domain(0, 1, low_open=True)] = 0.8  # share of device memory the plan may use (the rest covers allocator slack, buffers)
 
 
 @dataclass

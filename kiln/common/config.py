@@ -35,10 +35,70 @@ def read_yaml(path: Any, what: str, instead: str) -> Any:
         raise ConfigError(f"{path}: cannot read {what} ({e}); {instead}") from e
 
 
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """The legal values of a numeric config field, declared with its type: ``nnodes: Annotated[int, Domain(1)] = 1``
+    (at least 1), ``Domain(0, 1, low_open=True)`` (0 < x <= 1), ``also=(-1,)`` for a marker value ("-1: what the
+    others leave"), ``none=True`` where None means "choose for me". from_dict checks every declared field when a
+    config is parsed, so 0 processes or a negative degree is one line naming the key, not a ZeroDivisionError."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    also: tuple = ()
+    none: bool = False
+
+    def describe(self) -> str:
+        parts = []
+        if self.low is not None and self.high is not None:
+            parts.append(f"{self.low:g} {'<' if self.low_open else '<='} x <= {self.high:g}")
+        elif self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        elif self.high is not None:
+            parts.append(f"<= {self.high:g}")
+        parts += [repr(a) for a in self.also] + (["None"] if self.none else [])
+        return " or ".join(parts)
+
+    def check(self, value: Any, kind: type, key: str) -> None:
+        if value is None and self.none:
+            return
+        ok_type = (isinstance(value, (int, float)) if kind is float else isinstance(value, int))
+        if not ok_type or isinstance(value, bool):
+            raise ConfigError(f"{key} must be {'a number' if kind is float else 'a whole number'} "
+                              f"({self.describe()}), got {value!r}")
+        if value in self.also:
+            return
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and value > self.high
+        if below or above:
+            raise ConfigError(f"{key} is {value!r}: give {self.describe()}")
+
+
+def domains(cls: type) -> dict[str, tuple[type, Domain]]:
+    """{field: (int or float, its Domain)} of the fields of dataclass ``cls`` that declare one."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        if typing.get_origin(hint) is not typing.Annotated:
+            continue
+        base, *extra = typing.get_args(hint)
+        found = [d for d in extra if isinstance(d, Domain)]
+        if found:
+            args = [a for a in (typing.get_args(base) or (base,)) if a is not type(None)]
+            out[name] = (float if float in args else int, found[0])
+    return out
+
+
+def check_domains(obj: Any, where: str) -> None:
+    """ConfigError naming ``where.<field>`` for the first field of dataclass ``obj`` outside its declared Domain."""
+    for name, (kind, domain) in domains(type(obj)).items():
+        domain.check(getattr(obj, name), kind, f"{where}.{name}")
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config") -> T:
     """Build dataclass ``cls`` from ``data``; nested dataclass fields are built recursively.
 
-    Raises ConfigError for an unknown key (with a close-match suggestion) or a non-mapping.
+    Raises ConfigError for an unknown key (with a close-match suggestion), a non-mapping, or a value outside the
+    Domain its field declares (check_domains).
     """
     data = dict(data or {})
     if not dataclasses.is_dataclass(cls):
@@ -59,7 +119,9 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config") 
         if dataclasses.is_dataclass(ftype) and isinstance(value, dict):
             value = from_dict(ftype, value, f"{where}.{name}")
         kwargs[name] = value
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    check_domains(obj, where)
+    return obj
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

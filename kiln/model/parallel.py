@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Annotated, Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.model.quant import dequantize
 
 STRATEGIES = ("none", "ddp", "fsdp")
@@ -32,11 +32,11 @@ class MeshLayout:
     to the world size. Ranks next to each other (one server's GPUs) form the tensor-parallel groups, which talk most;
     pipeline stages, which pass only activations, are the farthest apart."""
 
-    dp_replicate: int = 1  # model copies that all-reduce their gradients (DDP; with dp_shard > 1, HSDP)
-    dp_shard: int = -1  # ranks that shard parameters, gradients and optimizer state (FSDP2); -1: what the others leave
-    tp: int = 1  # ranks that split each layer (tensor + sequence parallelism, kiln.model.tensor_parallel)
-    pp: int = 1  # ranks that each run consecutive blocks (pipeline parallelism, kiln.model.pipeline_parallel)
-    ep: int = 1  # ranks that each hold 1/ep of every mixture-of-experts block's experts (expert parallelism,
+    dp_replicate: Annotated[int, Domain(1)] = 1  # model copies that all-reduce their gradients (DDP; with dp_shard > 1, HSDP)
+    dp_shard: Annotated[int, Domain(1, also=(-1,))] = -1  # ranks that shard parameters, gradients and optimizer state (FSDP2); -1: what the others leave
+    tp: Annotated[int, Domain(1)] = 1  # ranks that split each layer (tensor + sequence parallelism, kiln.model.tensor_parallel)
+    pp: Annotated[int, Domain(1)] = 1  # ranks that each run consecutive blocks (pipeline parallelism, kiln.model.pipeline_parallel)
+    ep: Annotated[int, Domain(1)] = 1  # ranks that each hold 1/ep of every mixture-of-experts block's experts (expert parallelism,
     # kiln.model.moe.apply_ep); not a mesh dim of its own: the experts are split over the dp_shard ranks (ep = dp_shard)
 
     def resolve(self, world_size: int, cfg: Any = None, where: str = "parallel") -> "MeshLayout":

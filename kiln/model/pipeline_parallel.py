@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Annotated, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.model.families import of
 from kiln.model.parallel import align_grads, apply_fsdp, full_value, is_dtensor
 
@@ -35,10 +35,10 @@ class PipelineConfig:
     """How pipeline stages run (when layout.pp > 1): the schedule, the stages each rank holds, the micro-batches."""
 
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b or interleaved_zero_bubble
-    virtual_stages: int = 1  # stages per rank: 1 for gpipe and 1f1b, 2 or more for the looped schedules
+    virtual_stages: Annotated[int, Domain(1)] = 1  # stages per rank: 1 for gpipe and 1f1b, 2 or more for the looped schedules
     # micro-batches a step's batch is cut into: a multiple of pp (0: in a training job, grad_accum, so that each is
     # one micro_batch; elsewhere pp)
-    microbatches: int = 0
+    microbatches: Annotated[int, Domain(0)] = 0
 
     def check(self, cfg, pp: int, batch: int | None = None, where: str = "pipeline", pp_field: str = "layout.pp"
               ) -> None:

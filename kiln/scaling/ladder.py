@@ -66,6 +66,11 @@ def design(base: dict[str, Any], widths: list[int], budgets: list[float], n_voca
 
     if len(widths) < 3 or len(set(widths)) != len(widths):
         raise ConfigError(f"{where}.widths: {widths}: give at least three different widths")
+    bad = [w for w in widths if isinstance(w, bool) or not isinstance(w, int) or w < 1]
+    if bad:
+        raise ConfigError(f"{where}.widths: {bad[0]!r} is not a width: give whole numbers >= 1 (the model's n_embd)")
+    if not isinstance(min_steps, int) or min_steps < 1:
+        raise ConfigError(f"{where}.min_steps is {min_steps!r}: give a whole number >= 1")
     if len(budgets) < 2 or len(set(budgets)) != len(budgets) or any(b <= 0 for b in budgets):
         raise ConfigError(f"{where}.budgets: {budgets}: give at least two different positive budgets (FLOPs)")
     rungs, skipped, problems = [], [], []

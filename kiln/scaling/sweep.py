@@ -64,10 +64,16 @@ def field_type(path: str, where: str = "sweep") -> tuple[str, str, type]:
     if name not in known:
         raise ConfigError(f"{where}: {path!r}: {block_class(block).__name__} has no field {name!r}; choose one of "
                           f"{', '.join(sorted(known))}")
+    import types
+    import typing
+
+    tp = typing.get_type_hints(block_class(block))[name]  # a declared Domain (Annotated) left out
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]  # "int | None" sweeps as int
+    if tp in (bool, int, float, str):
+        return block, name, tp
     hint = str(known[name].type).replace(" ", "")
-    for kind in (bool, int, float, str):  # "int|None" sweeps as int
-        if hint in (kind.__name__, f"{kind.__name__}|None"):
-            return block, name, kind
     raise ConfigError(f"{where}: {path!r} is a {hint}, which a sweep cannot vary; sweep numbers, strings or flags")
 
 

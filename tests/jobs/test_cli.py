@@ -503,3 +503,11 @@ def test_chat_with_a_gguf_file_keeps_the_conversation(tmp_path, capsys):
     assert template.startswith("{% for m in messages %}<|im_start|>")  # the GGUF's own ChatML template
     assert main(["generate", str(path), "--chat", "--prompt", "hello", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("hello ->")
+
+
+def test_a_process_count_of_0_is_one_line_from_kiln_plan_not_a_traceback(tmp_path, capsys):
+    preset = tmp_path / "zero.yaml"
+    preset.write_text("extends: smoke\nops:\n  training_plan:\n    config:\n      hardware: {nproc_per_node: 0}\n")
+    assert main(["plan", "--preset", str(preset)]) == 2
+    assert capsys.readouterr().err.strip() == (f"kiln: preset {preset}: training_plan.hardware.nproc_per_node is 0: "
+                                               "give >= 1")
