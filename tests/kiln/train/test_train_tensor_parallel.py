@@ -128,6 +128,16 @@ def faulted(job: Path, faults_file: Path, nproc: int, **faults):
                           timeout=300)
 
 
+def assert_restart_is_bit_identical(resumed: Path, res: dict, train_runner, nproc: int = 2) -> None:
+    """Job ``resumed`` (a copy of the run of result ``res`` cut back to RESUME_AT) ends as that run did, bit for bit."""
+    proc = train_runner(resumed, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = result_of(resumed)
+    assert again["resumed_from"].endswith(f"step_{RESUME_AT:07d}")
+    assert again["rank_param_digests"] == res["rank_param_digests"]
+    assert again["curve"] == res["curve"] and again["history"] == res["history"]
+
+
 def assert_sigkill_during_a_save_resumes_bit_identical(job: Path, res: dict, train_runner, nproc: int = 2) -> None:
     """Job ``job`` (the config of the run of result ``res``, in a new folder) is SIGKILLed at step KILL_AT while its
     step-20 checkpoint is being written in the background (every write held 2 s): that checkpoint never commits, the
