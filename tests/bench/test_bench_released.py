@@ -24,12 +24,20 @@ def test_a_parity_runs_kiln_side_goes_beside_the_card_with_the_arc_mean_and_its_
     result = bench.main(["--from-parity", str(parity), "--out", str(out)])
     rows = {r["benchmark"]: r for r in result["rows"]}
     assert rows["hellaswag"]["score"] == 0.41 and rows["hellaswag"]["chance"] == 0.25 and rows["mmlu"]["score"] is None
-    assert result["measured_by"]["commit"] == "abc" and result["seed"] == 7
+    assert result["measured_by"][0]["commit"] == "abc" and result["seed"] == 7
     md = out.with_suffix(".md").read_text()
     # ARC (Average): (44 + 30) / 2 = 37.0, interval 1.96 * sqrt(3^2 + 4^2) / 2 = 4.9; card 37.3
     assert "| ARC (Average) | 37.3 | 37.0 ± 4.9 | -0.3 |" in md
     assert "| HellaSwag | 40.9 | 41.0 ± 6.9 | +0.1 |" in md and "| MMLU (cloze) | 29.3 | not scored | - |" in md
     assert "`python bench/bench_parity.py --hf m.gguf` at commit abc" in md
+    later = tmp_path / "later.json"  # a benchmark measured again: the later file's row is taken
+    later.write_text(json.dumps({"command": "python bench/bench_parity.py --tasks hellaswag", "commit": "def",
+                                 "date": "2026-01-02", "machine": "cpu | 2 cores", "model": "/x/m.gguf", "args": {},
+                                 "rows": [parity_row("hellaswag", "acc_norm,none", 0.43, 0.035)]}))
+    again = bench.main(["--from-parity", str(parity), str(later), "--out", str(out)])
+    assert {r["benchmark"]: r["score"] for r in again["rows"] if r["score"] is not None} == {
+        "arc_easy": 0.44, "arc_challenge": 0.30, "hellaswag": 0.43}
+    assert [r["commit"] for r in again["measured_by"]] == ["abc", "def"]
 
 
 def test_a_file_that_is_not_a_parity_run_is_named(tmp_path):
