@@ -134,8 +134,10 @@ class MlflowResource(ConfigurableResource):
                 continue
             recorded, moved_from = relocated(recorded, root)
             problem = output_problem(recorded, set_aside, full)
-            if problem is not None and moved_from is not None:
-                problem = f"it was computed in the home whose storage is {moved_from}, and its files are not here"
+            if problem is not None and moved_from is not None and problem.endswith(" is missing"):
+                # a copied home without this output's files; a file that is here but damaged keeps its own reason
+                problem = (f"it was computed in the home whose storage is {moved_from}, and its files are not here "
+                           f"({problem})")
             if problem is None:
                 return r.info.run_id, recorded
             if log is not None and problem not in said:

@@ -329,3 +329,25 @@ def test_a_copied_or_moved_home_reuses_its_outputs_with_their_paths_moved(tmp_pa
     shutil.copy(tmp_path / "db-only.db", tmp_path / "d" / "mlflow.db")  # the records, but not the files
     fresh, _ = run_in(tmp_path / "d")
     assert calls == [1, 1] and fresh["path"].startswith(str((tmp_path / "d").resolve()))
+
+    def why_not(root: Path) -> list[str]:
+        """What find_reusable says of the moved home's record, looked at from the home at ``root``."""
+        mlflow = home(root)["mlflow"]
+        client = mlflow.client()
+        exp = client.get_experiment_by_name("moves")
+        run = client.search_runs([exp.experiment_id], "tags.`dagster.asset_key` = 'notes'", max_results=1)[0]
+        said: list[str] = []
+        found = mlflow.find_reusable(client, exp.experiment_id, "notes", run.data.tags["kiln.reuse_key"], said.append,
+                                     set_aside=False, root=str((root / "storage").resolve()))
+        assert found is None
+        return said
+
+    shutil.copytree(tmp_path / "c", tmp_path / "e")  # a copy whose file is there, but damaged: the damage is the reason
+    (tmp_path / "e" / "storage" / "notes" / "notes.txt").write_text("kapt\n")  # 5 bytes, as recorded
+    (said,) = set(why_not(tmp_path / "e"))
+    assert "notes.txt: checksum mismatch" in said and "not here" not in said, said
+    shutil.copytree(tmp_path / "c", tmp_path / "f")  # a copy without the file: it is not here
+    (tmp_path / "f" / "storage" / "notes" / "notes.txt").unlink()
+    (said,) = set(why_not(tmp_path / "f"))
+    assert "and its files are not here (" in said and said.endswith("notes.txt is missing). Recomputing it (a training "
+                                                                    "run resumes from its newest good checkpoint).")
