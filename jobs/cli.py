@@ -160,7 +160,7 @@ def run_in_home(args: argparse.Namespace, home: Path) -> int:
         raise SystemExit(f"kiln: pick --select from {', '.join(names)}: unknown asset(s) {bad}")
     # the checks kiln status makes too (jobs.preflight): names on the whole preset (select_config drops the ops
     # outside the selection), types, the files the selected assets read, the device
-    refused = preflight(args.preset, preset, home, keys)
+    refused = preflight(preset, home, keys)
     preset.pop("opt_in", None)
     if refused:
         print(f"kiln: preset {args.preset}: {refused}", file=sys.stderr)
@@ -518,19 +518,21 @@ def preset_pretrained(ops: dict[str, Any], preset: str, home: Path = PROJECT / "
     return {"path": str(folder), "model": model_dict(cfg)}, shown
 
 
-def preset_error(preset: dict[str, Any], home: Path) -> str | None:
+def preset_error(preset: dict[str, Any], home: Path, keys: list[str] | None = None) -> str | None:
     """What Dagster refuses in a preset (an unknown op or resource, an unknown key, a wrong type), as one line, or
-    None: the check ``kiln run`` makes before any asset runs, made here without running (for ``kiln plan``)."""
+    None: the check ``kiln run`` makes before any asset runs (jobs.preflight, with the run's assets ``keys``: their
+    config is typed, every name checked), made here without running (for ``kiln plan``)."""
     from dagster import DagsterInvalidConfigError, validate_run_config
 
     from jobs.definitions import complete_resource_config, make_definitions, make_resources
 
     job = make_definitions(home).resolve_job_def("kiln_pipeline_job")
-    unknown = unknown_name_line(preset, job)
+    unknown = unknown_name_line(preset, job)  # on the whole preset: select_config drops the ops outside the keys
     if unknown:
         return unknown
+    chosen = preset if keys is None else select_config(preset, keys)
     try:
-        validate_run_config(job, complete_resource_config(preset, make_resources(home)))
+        validate_run_config(job, complete_resource_config(chosen, make_resources(home)))
     except DagsterInvalidConfigError as e:
         return config_error_line(e, job)
     return None
@@ -623,21 +625,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources
     from jobs.status import StatusReader, format_status, status_json
-    from resources.tracking import MlflowResource
 
     from jobs.preflight import preflight
 
     defs = make_definitions(home)
     preset = load_preset(args.preset, keep_opt_in=True)
-    refused = preflight(args.preset, preset, home)  # what kiln run would refuse, refused here in the same words
+    refused = preflight(preset, home)  # what kiln run would refuse, refused here in the same words
     opt_in = preset.pop("opt_in", None) or []  # as kiln run reads it: the opt-in assets this preset runs
     if refused:
         print(f"kiln: fix preset {args.preset} first: {refused}", file=sys.stderr)
         return 2
     resources = make_resources(home)
     config = complete_resource_config(preset, resources)
-    mlflow_conf = ((config.get("resources") or {}).get("mlflow") or {}).get("config")
-    mlflow = MlflowResource(**mlflow_conf) if mlflow_conf else resources["mlflow"]
+    mlflow = preset_mlflow(config, resources)
     running = lock_holder(home)
     if running:  # what that run has not finished shows as still to run
         print(f"kiln status: {running} is running in {home} now", file=sys.stderr)
@@ -654,6 +654,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def preset_mlflow(config: dict[str, Any], resources: dict[str, Any]):
+    """The MlflowResource a completed run config names (a preset's own tracking server or store), else the home's."""
+    from resources.tracking import MlflowResource
+
+    conf = ((config.get("resources") or {}).get("mlflow") or {}).get("config")
+    return MlflowResource(**conf) if conf else resources["mlflow"]
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """``kiln verify``: hash every recorded output of the home against its witness (jobs.verify)."""
     import logging
@@ -661,7 +669,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from jobs.definitions import complete_resource_config, make_resources
     from jobs.home import writable_home
     from jobs.verify import summary_line, verify_home
-    from resources.tracking import MlflowResource
 
     home = Path(args.home).resolve()
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
@@ -670,11 +677,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per record read is not output
     resources = make_resources(home)
     config = complete_resource_config(load_preset(args.preset), resources)
-    conf = (config.get("resources") or {})
-    mlflow_conf = (conf.get("mlflow") or {}).get("config")
-    mlflow = MlflowResource(**mlflow_conf) if mlflow_conf else resources["mlflow"]
-    root = ((conf.get("storage") or {}).get("config") or {}).get("root") or resources["storage"].root
-    result = verify_home(mlflow, str(Path(root).resolve()), say=lambda line: print(line, file=sys.stderr))
+    root = (((config.get("resources") or {}).get("storage") or {}).get("config") or {}).get("root")
+    result = verify_home(preset_mlflow(config, resources), str(Path(root or resources["storage"].root).resolve()),
+                         say=lambda line: print(line, file=sys.stderr))
     print(json.dumps(result, indent=2) if args.json else summary_line(result))
     return 1 if result["damaged"] else 0
 

@@ -1,5 +1,5 @@
 """What ``kiln run`` checks before the first asset runs, and ``kiln status`` before it predicts: one decision, so that
-the dry run never passes a preset the run refuses. ``preflight(name, preset, home, selection)`` returns the one line
+the dry run never passes a preset the run refuses. ``preflight(preset, home, selection)`` returns the one line
 saying what is wrong (None: the run may start): the preset's ``opt_in``, every op and resource name, the run config
 as Dagster types it, the files the selected assets will read (a source manifest, the red-team probes, the judge's
 principles: parsed as the asset parses them), the training plan's numbers (each inside its declared domain,
@@ -14,31 +14,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-PROJECT = Path(__file__).resolve().parent.parent
-
-
-def _project_path(p: str) -> Path:
-    path = Path(p).expanduser()
-    return path if path.is_absolute() else PROJECT / path
-
-
 def _manifest(config: dict[str, Any]) -> None:
+    from assets.collect import RawDocumentsConfig, project_path
     from kiln.sources.manifest import load_manifest
 
-    if config.get("manifest", "conf/sources/demo.yaml"):
-        load_manifest(_project_path(config.get("manifest", "conf/sources/demo.yaml")))
+    manifest = RawDocumentsConfig(**config).manifest  # the asset's own default where the preset gives none
+    if manifest:
+        load_manifest(project_path(manifest))
 
 
 def _probes(config: dict[str, Any]) -> None:
+    from assets.collect import project_path
+    from assets.redteam import RedTeamReportConfig
     from kiln.evaluation.redteam import read_probes
 
-    read_probes(_project_path(config.get("probes", "conf/redteam/probes.yaml")))
+    read_probes(project_path(RedTeamReportConfig(**config).probes))
 
 
 def _principles(config: dict[str, Any]) -> None:
+    from assets.collect import project_path
+    from assets.feedback import JudgedPreferencesConfig
     from kiln.posttrain.judge import read_principles
 
-    read_principles(_project_path(config.get("principles", "conf/judge/principles.yaml")))
+    read_principles(project_path(JudgedPreferencesConfig(**config).principles))
 
 
 def _training_plan(config: dict[str, Any]) -> None:
@@ -70,32 +68,21 @@ FILE_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
-def preflight(name: str, preset: dict[str, Any], home: Path, selection: list[str] | None = None) -> str | None:
-    """The first reason a ``kiln run`` of ``preset`` (named ``name``, already loaded with its opt_in) over
-    ``selection`` (default: the assets it runs) would be refused before any asset runs, as one line; None when it
-    may start. ``kiln status`` prints the same line and predicts nothing else."""
-    from dagster import DagsterInvalidConfigError, validate_run_config
-
-    from jobs.cli import config_error_line, run_selection, select_config, unknown_name_line
-    from jobs.definitions import ALL_ASSETS, OPT_IN, complete_resource_config, make_definitions, make_resources
+def preflight(preset: dict[str, Any], home: Path, selection: list[str] | None = None) -> str | None:
+    """The first reason a ``kiln run`` of ``preset`` (loaded with its opt_in) over ``selection`` (default: the assets
+    it runs) would be refused before any asset runs, as one line; None when it may start. ``kiln status`` prints the
+    same line and predicts nothing else."""
+    from jobs.cli import preset_error, run_selection
+    from jobs.definitions import ALL_ASSETS, OPT_IN
 
     opt_in = preset.get("opt_in") or []
     if set(opt_in) - set(OPT_IN):
         return f"opt_in may name {', '.join(OPT_IN)}: unknown {sorted(set(opt_in) - set(OPT_IN))}"
-    names = [a.key.to_user_string() for a in ALL_ASSETS]
-    keys = selection if selection is not None else run_selection(names, opt_in)
-    bad = [k for k in keys if k not in names]
-    if bad:
-        return f"pick --select from {', '.join(names)}: unknown asset(s) {bad}"
+    keys = selection if selection is not None else run_selection([a.key.to_user_string() for a in ALL_ASSETS], opt_in)
     run_config = {k: v for k, v in preset.items() if k != "opt_in"}
-    job = make_definitions(home).resolve_job_def("kiln_pipeline_job")
-    unknown = unknown_name_line(run_config, job)
-    if unknown:
-        return unknown
-    try:
-        validate_run_config(job, complete_resource_config(select_config(run_config, keys), make_resources(home)))
-    except DagsterInvalidConfigError as e:
-        return config_error_line(e, job)
+    refused = preset_error(run_config, home, keys)  # names, keys and types, as Dagster checks them
+    if refused:
+        return refused
     ops = run_config.get("ops") or {}
     for asset, check in FILE_CHECKS.items():
         if asset not in keys:

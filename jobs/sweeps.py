@@ -44,35 +44,37 @@ def run_sweep(defs, instance, ops: dict[str, Any], say: Callable[[str], None] = 
     tags = tags or {}
     pick = lambda names: {k: v for k, v in ops.items() if k in names}  # noqa: E731
 
+    def one_line(job, what: str, call: Callable[[], Any]) -> Any:
+        """``call()``, a config Dagster refuses (a typo or a wrong type in the preset) as one SweepFailed line."""
+        try:
+            return call()
+        except DagsterInvalidConfigError as e:
+            raise SweepFailed(f"{what}: {config_error_line(e, job)}") from None
+
     def execute(name: str, what: str, run_config: dict[str, Any] | None = None, **kwargs):
         job = defs.resolve_job_def(name)
         run_config = dict(run_config or {})
         if console is not None:
             job = job.with_logger_defs(console.logger_defs())
             run_config["loggers"] = console.loggers_config()
-        try:
-            result = job.execute_in_process(run_config=run_config, instance=instance, raise_on_error=False,
-                                            tags=tags, **kwargs)
-        except DagsterInvalidConfigError as e:  # refused before it ran: a typo or a wrong type in the preset
-            raise SweepFailed(f"{what}: {config_error_line(e, job)}") from None
+        result = one_line(job, what, lambda: job.execute_in_process(run_config=run_config, instance=instance,
+                                                                    raise_on_error=False, tags=tags, **kwargs))
         _check(result, what)
         return result
 
-    steps = [("kiln_pipeline_job", "the data assets (raw_documents .. token_shards)", DATA_ASSETS),
-             ("sweep_grid_job", "sweep_grid", ["sweep_grid"]), ("sweep_results_job", "sweep_results", ["sweep_results"])]
-    for name, what, names in steps:  # every setting checked before anything runs
+    # (job, what a failure names, its run config): every setting checked before anything runs
+    data, grid, results = [(name, what, {"ops": pick(names)}) for name, what, names in (
+        ("kiln_pipeline_job", "the data assets (raw_documents .. token_shards)", DATA_ASSETS),
+        ("sweep_grid_job", "sweep_grid", ["sweep_grid"]), ("sweep_results_job", "sweep_results", ["sweep_results"]))]
+    for name, what, run_config in (data, grid, results):
         job = defs.resolve_job_def(name)
-        try:
-            validate_run_config(job, {"ops": pick(names)})
-        except DagsterInvalidConfigError as e:
-            raise SweepFailed(f"{what}: {config_error_line(e, job)}") from None
-    execute("kiln_pipeline_job", "the data assets (raw_documents .. token_shards)", {"ops": pick(DATA_ASSETS)},
-            asset_selection=[AssetKey(k) for k in DATA_ASSETS])
-    grid = execute("sweep_grid_job", "sweep_grid", {"ops": pick(["sweep_grid"])}).output_for_node("sweep_grid")
-    keys = [p["key"] for p in grid["points"]]
+        one_line(job, what, lambda: validate_run_config(job, run_config))
+    execute(*data, asset_selection=[AssetKey(k) for k in DATA_ASSETS])
+    points = execute(*grid).output_for_node("sweep_grid")["points"]
+    keys = [p["key"] for p in points]
     say(f"kiln sweep: {len(keys)} points: {', '.join(keys)}")
     for i, key in enumerate(keys):
         value = execute("sweep_job", f"point {i + 1}/{len(keys)} ({key})", partition_key=key).output_for_node("sweep")
         say(f"kiln sweep: point {i + 1}/{len(keys)} {key}: final val loss {value['final_val_loss']:.4f}")
-    result = execute("sweep_results_job", "sweep_results", {"ops": pick(["sweep_results"])})
+    result = execute(*results)
     return result.output_for_node("sweep_results")
