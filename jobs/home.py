@@ -60,27 +60,21 @@ def ready_databases(home: Path, dagster_home: Path | None = None) -> None:
         import logging
 
         from dagster import DagsterInstance
+        from dagster._core.instance.ref import InstanceRef
         from mlflow.tracking import MlflowClient
 
-        saved = os.environ.get("DAGSTER_HOME")
-        os.environ["DAGSTER_HOME"] = str(dagster_home)
         quiet = [logging.getLogger(n) for n in ("alembic", "mlflow")]  # the migrations' INFO lines are not output
         levels = [log.level for log in quiet]
         for log in quiet:
             log.setLevel(logging.WARNING)
-        try:
-            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null), \
-                    DagsterInstance.get() as instance:  # sqlite run, event-log and schedule storage, migrated
-                instance.get_runs(limit=1)  # (Dagster's note that the folder has no dagster.yaml goes to null)
+        try:  # the instance DagsterInstance.get() opens for this DAGSTER_HOME: sqlite runs, event logs, schedules
+            with DagsterInstance.from_ref(InstanceRef.from_dir(str(dagster_home))) as instance:
+                instance.get_runs(limit=1)
                 instance.all_instigator_state()
             MlflowClient(f"sqlite:///{home / 'mlflow.db'}").search_experiments(max_results=1)
         finally:
             for log, level in zip(quiet, levels):
                 log.setLevel(level)
-            if saved is None:
-                os.environ.pop("DAGSTER_HOME", None)
-            else:
-                os.environ["DAGSTER_HOME"] = saved
         from kiln.common.files import atomic_write_text
 
         atomic_write_text(home / READY, f"created by pid {os.getpid()} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
