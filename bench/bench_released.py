@@ -124,15 +124,13 @@ def from_parity(parities: list[Path], out: Path, argv: list[str]) -> dict:
             by_bench[b.name] = {"benchmark": b.name, "version": b.version, "primary": r["primary"],
                                 "items": r["items"], "score": r["kiln_score"], "stderr": r["kiln_stderr"],
                                 "chance": b.chance, "seconds": r["kiln_seconds"], "from": str(parity)}
-    rows = [by_bench[b.name] for b in BENCHMARKS if b.name in by_bench]
-    run = runs[0]
-    done = {r["benchmark"] for r in rows}
-    rows += [{"benchmark": b.name, "score": None, "why": "not in the parity run"} for b in BENCHMARKS
-             if b.name not in done]
-    args = run.get("args", {})
-    result = {**header(argv), "model": Path(run["model"]).name, "gguf": run["model"], "gpu": run.get("gpu", ""),
+    rows = [by_bench[b.name] if b.name in by_bench else {"benchmark": b.name, "score": None,
+                                                         "why": "not in the parity run"} for b in BENCHMARKS]
+    first = runs[0]
+    args = first.get("args", {})
+    result = {**header(argv), "model": Path(first["model"]).name, "gguf": first["model"], "gpu": first.get("gpu", ""),
               "device": args.get("device", "cpu"), "batch_size": args.get("batch_size"), "limit": "parity",
-              "seed": args.get("seed"), "lm_eval": run.get("lm_eval", "0.4.13"), "import_s": None,
+              "seed": args.get("seed"), "lm_eval": first.get("lm_eval", "0.4.13"), "import_s": None,
               "published": PUBLISHED, "card": CARD, "rows": rows,
               "total_s": round(sum(r["seconds"] for r in rows if r.get("score") is not None), 1),
               "measured_by": [{k: r.get(k) for k in ("command", "commit", "date", "machine")} for r in runs],

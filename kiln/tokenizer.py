@@ -167,9 +167,12 @@ def end_token(enc: tiktoken.Encoding) -> int:
     return enc.eot_token if got is None else got
 
 
-def with_end_token(enc: tiktoken.Encoding, token: int | None) -> tiktoken.Encoding:
-    """``enc`` ending generations at id ``token`` (an imported model's end of sequence; None or the eot id: Kiln's
-    ``<|endoftext|>``); saved with it and part of its fingerprint when it differs."""
+def with_end_token(enc: tiktoken.Encoding, token: int | str | None) -> tiktoken.Encoding:
+    """``enc`` ending generations at ``token`` (an imported model's end of sequence, by id or by the text of one of
+    its special tokens; None, an unknown text or the eot id: Kiln's ``<|endoftext|>``); saved with it and part of its
+    fingerprint when it differs."""
+    if isinstance(token, str):
+        token = enc._special_tokens.get(token)
     if token is not None and not 0 <= int(token) < enc.n_vocab:
         raise TokenizerError(f"end token id {token} is not an id of encoding {enc.name} (0..{enc.n_vocab - 1})")
     enc.end_token = None if token in (None, enc.eot_token) else int(token)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import io
 import textwrap
@@ -74,8 +75,9 @@ class Domain:
             raise ConfigError(f"{key} is {value!r}: give {self.describe()}")
 
 
+@functools.cache
 def domains(cls: type) -> dict[str, tuple[type, Domain]]:
-    """{field: (int or float, its Domain)} of the fields of dataclass ``cls`` that declare one."""
+    """{field: (int or float, its Domain)} of the fields of dataclass ``cls`` that declare one (read once a class)."""
     out = {}
     for name, hint in typing.get_type_hints(cls, include_extras=True).items():
         if typing.get_origin(hint) is not typing.Annotated:

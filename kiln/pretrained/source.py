@@ -77,7 +77,7 @@ def _config_and_tokenizer(folder: Path) -> tuple[ModelConfig, dict[str, Any], Im
     cfg, doc = model_config(folder)
     tok = encoding_from_hf(folder / "tokenizer.json", name=f"hf-{folder.name}")
     _check_vocab(folder, tok, cfg)
-    with_end_token(tok.encoding, tok.encoding._special_tokens.get(hf_eos_token(folder) or ""))
+    with_end_token(tok.encoding, hf_eos_token(folder))
     return cfg, doc, tok
 
 
@@ -101,8 +101,7 @@ def _gguf_parts(path: Path, weights: bool) -> tuple[GgufModel, ModelConfig, Impo
     cfg = model_config_of(path, g.config)
     tok = encoding_from_hf(path, name=f"gguf-{path.stem}", doc=g.tokenizer)
     with_chat_template(tok.encoding, g.record["chat_template"])  # post-training and chat use the model's own
-    eos = g.record["tokenizer"].get("eos_token")  # tokenizer.ggml.eos_token_id's token: where its text ends
-    with_end_token(tok.encoding, tok.encoding._special_tokens.get(eos) if eos else None)
+    with_end_token(tok.encoding, g.record["tokenizer"].get("eos_token"))  # tokenizer.ggml.eos_token_id's token
     if tok.imported_vocab > cfg.vocab_size:
         raise PretrainedError(f"{path}: metadata tokenizer.ggml.tokens has {tok.imported_vocab} tokens but the "
                               f"embedding has {cfg.vocab_size} rows; the tokenizer does not belong to these weights")

@@ -372,11 +372,14 @@ def _red_team(report: dict | None, gate: dict | None) -> str:
     skipped = stages[gate["stage"]]["summary"].get("judge_skipped")
     counted = ("by rules" if gate["gate_on"] == "rules" else
                f"by {gate['gate_on']} for the released weights ({gate['stage']}) and by rules for each stage")
-    override = gate.get("override")
-    verdict = ("Within every limit." if not gate["reasons"] else
-               "Released despite the red team (release_bundle.red_team_override): " + override + ". Limits exceeded: "
-               + "; ".join(gate["reasons"]) + "." if override else
-               "Held back (the registry alias did not move): " + "; ".join(gate["reasons"]) + ".")
+    exceeded = "; ".join(gate["reasons"])
+    if not exceeded:
+        verdict = "Within every limit."
+    elif gate.get("override"):
+        verdict = (f"Released despite the red team (release_bundle.red_team_override): {gate['override']}. "
+                   f"Limits exceeded: {exceeded}.")
+    else:
+        verdict = f"Held back (the registry alias did not move): {exceeded}."
     return f"""## Intended use and red team
 {p['intended_use']}
 
