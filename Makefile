@@ -34,11 +34,13 @@ smoke: setup
 
 # scripts/test-deps.sh installs the Debian packages the tests need (scripts/test-packages.txt) or says how; pytest
 # then fails if a test was skipped for a missing one (KILN_ALLOW_SKIPS=1 allows that). The tests run on TEST_WORKERS
-# pytest-xdist workers, one file per worker at a time (tests/conftest.py); TEST_WORKERS=0 runs them in one process.
+# pytest-xdist workers, one file per worker at a time (tests/conftest.py); TEST_WORKERS=0 runs them in one process;
+# PYTEST_ARGS adds options (PYTEST_ARGS=-v names each test as it ends).
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 test: $(VENV)/.installed-test
 	@bash scripts/test-deps.sh
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 ui: setup
 	DAGSTER_HOME=$(KILN_HOME)/dagster bash scripts/ui.sh $(BIN) $(KILN_HOME)
