@@ -11,17 +11,58 @@ import dataclasses
 import json
 import types
 import typing
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from dagster import Config
 from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validator
 
-from kiln.common.config import ConfigError, class_docstring, deep_merge, field_docs, from_dict
+from kiln.common.config import (ConfigError, check_model_domains, class_docstring, deep_merge, domains, field_docs,
+                                from_dict, model_domains)
 
-__all__ = ["DataclassConfig", "field_docs", "schema_of"]
+__all__ = ["DataclassConfig", "KilnConfig", "check_config_values", "field_docs", "schema_of"]
 
 
-class DataclassConfig(Config):
+class KilnConfig(Config):
+    """Base of every asset's config: each number inside the Domain its field declares
+    (``n: Annotated[int, Domain(1)] = Field(...)``, kiln.common.config.Domain), checked when Dagster builds the
+    config for a step, and by ``kiln run``'s preflight for the whole run before the first asset."""
+
+    @model_validator(mode="after")
+    def _numbers_in_their_domains(self):
+        check_model_domains(self, type(self).__name__, nested=False)  # nested blocks check themselves
+        return self
+
+
+def _block_class(annotation: Any) -> type | None:
+    """The config block class of a field's annotation (``Block``, ``Optional[Block]``), else None."""
+    for a in (annotation, *typing.get_args(annotation)):
+        if isinstance(a, type) and issubclass(a, Config):
+            return a
+    return None
+
+
+def check_config_values(cls: type, data: dict[str, Any] | None, where: str) -> None:
+    """ConfigError naming ``where.<path>`` for the first value in run-config ``data`` (for Config class ``cls``) that
+    is outside its field's Domain, blocks included: what a step would refuse when it starts, checked before any
+    runs (kiln run's preflight). Keys that are no field are left to Dagster's check, which names them."""
+    declared = model_domains(cls)
+    for name, value in (data or {}).items():
+        f = cls.model_fields.get(name)
+        if f is None or (value is None and f.default is None):
+            continue
+        if name in declared:
+            kind, domain = declared[name]
+            domain.check(value, kind, f"{where}.{name}")
+        elif (block := _block_class(f.annotation)) is not None:
+            if isinstance(value, dict):
+                check_config_values(block, value, f"{where}.{name}")
+            elif isinstance(value, list):  # a list of blocks (raw_documents.sources)
+                for i, item in enumerate(value):
+                    if isinstance(item, dict):
+                        check_config_values(block, item, f"{where}.{name}[{i}]")
+
+
+class DataclassConfig(KilnConfig):
     """Base of the classes schema_of makes: the dataclass mirrored and the conversions back to it."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -168,13 +209,17 @@ def _nested_field(hint: type, default: Any, optional: bool, override: Any, doc: 
 
 def _field(cls: type, f: dataclasses.Field, hint: Any, optional: bool, defaults: dict[str, Any],
            doc: str | None) -> tuple[Any, Any]:
-    """(annotation, pydantic Field) mirroring one dataclass field."""
+    """(annotation, pydantic Field) mirroring one dataclass field (with its Domain, checked when the block is made)."""
     default = _core_default(f)
     if dataclasses.is_dataclass(hint):
         return _nested_field(hint, default, optional, defaults.get(f.name), doc)
     annotation = _annotation(hint, default, f"{cls.__name__}.{f.name}")
     if optional:
-        return Optional[annotation], Field(default=None, description=doc)  # noqa: UP045
+        annotation = Optional[annotation]  # noqa: UP045
+    if f.name in domains(cls):
+        annotation = Annotated[annotation, domains(cls)[f.name][1]]
+    if optional:
+        return annotation, Field(default=None, description=doc)
     if f.name in defaults:
         default = copy.deepcopy(defaults[f.name])
     if default is dataclasses.MISSING:

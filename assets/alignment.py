@@ -1,15 +1,16 @@
 """Step 9 as assets: instruction and preference data, then SFT -> DPO -> RL, each evaluated before and after."""
 
 
-from typing import Any, Callable, Optional, Union
+from typing import Annotated, Any, Callable, Optional, Union
 
-from dagster import AssetExecutionContext, Config, Failure, MetadataValue, Output, asset
+from dagster import AssetExecutionContext, Failure, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
-from assets._config import schema_of
+from assets._config import KilnConfig, schema_of
 from assets.pretrained import import_folder, lineage_of
 from assets.training import Lora
+from kiln.common.config import Domain
 from kiln.evaluation.contamination import DEFAULT_N
 from kiln.model.config import ModelConfig
 from kiln.posttrain import instructions as kinst
@@ -30,15 +31,15 @@ from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
 
-class InstructionDataConfig(Config):
-    n_arithmetic: int = Field(default=4000, description="Addition/subtraction problems with exact answers (duplicates dropped).")
-    max_operand: int = Field(default=20, description="Largest operand of the arithmetic problems (small enough for the demo model to learn some).")
-    max_doc_pairs: int = Field(default=3000, description="At most this many documentation heading -> section pairs.")
-    val_permille: int = Field(default=50, description="Pairs per thousand (by prompt hash) held out for evaluation.")
-    arithmetic_val_permille: int = Field(default=200, description="The same for arithmetic problems: there are only 2 x (max_operand + 1)^2 distinct ones, so a larger share is held out to measure each stage on enough of them.")
-    seed: int = Field(default=7, description="Seed for generated problems.")
-    overlap_words: int = Field(default=DEFAULT_N, description="Drop a pair sharing this many consecutive words with an eval_suite item (the contamination report's n).")
-    eval_items: int = Field(default=200, description="Held-out items per measure (at most) that every post-training stage is scored on, before and after; each change is shown with its paired standard error over them. The demo holds out 167 arithmetic problems and 175 other pairs.")
+class InstructionDataConfig(KilnConfig):
+    n_arithmetic: Annotated[int, Domain(0)] = Field(default=4000, description="Addition/subtraction problems with exact answers (duplicates dropped).")
+    max_operand: Annotated[int, Domain(1)] = Field(default=20, description="Largest operand of the arithmetic problems (small enough for the demo model to learn some).")
+    max_doc_pairs: Annotated[int, Domain(0)] = Field(default=3000, description="At most this many documentation heading -> section pairs.")
+    val_permille: Annotated[int, Domain(0, 1000)] = Field(default=50, description="Pairs per thousand (by prompt hash) held out for evaluation.")
+    arithmetic_val_permille: Annotated[int, Domain(0, 1000)] = Field(default=200, description="The same for arithmetic problems: there are only 2 x (max_operand + 1)^2 distinct ones, so a larger share is held out to measure each stage on enough of them.")
+    seed: Annotated[int, Domain(0)] = Field(default=7, description="Seed for generated problems.")
+    overlap_words: Annotated[int, Domain(1)] = Field(default=DEFAULT_N, description="Drop a pair sharing this many consecutive words with an eval_suite item (the contamination report's n).")
+    eval_items: Annotated[int, Domain(1)] = Field(default=200, description="Held-out items per measure (at most) that every post-training stage is scored on, before and after; each change is shown with its paired standard error over them. The demo holds out 167 arithmetic problems and 175 other pairs.")
 
 
 @asset(code_version="1", group_name="posttraining")
@@ -76,8 +77,8 @@ def instruction_data(context: AssetExecutionContext, config: InstructionDataConf
         })
 
 
-class PreferenceDataConfig(Config):
-    seed: int = Field(default=0, description="Seed for choosing wrong answers and other sections.")
+class PreferenceDataConfig(KilnConfig):
+    seed: Annotated[int, Domain(0)] = Field(default=0, description="Seed for choosing wrong answers and other sections.")
 
 
 @asset(code_version="1", group_name="posttraining")
@@ -266,7 +267,7 @@ RL_FIELDS = ("reward", "max_steps", "group_size", "max_new_tokens", "temperature
 class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defaults={
         "max_steps": 120, "temperature": 0.7, "partial_credit": 0.2, "kl_coef": 0.1, "eval_interval": 20,
         "preference_coef": 0.1})):
-    prompts_per_step: int = Field(default=RlJob.micro_batch, description="Prompts per rank per step (the job's micro_batch).")
+    prompts_per_step: Annotated[int, Domain(1)] = Field(default=RlJob.micro_batch, description="Prompts per rank per step (the job's micro_batch).")
     optim: RlOptim = Field(default_factory=RlOptim, description="AdamW and its schedule for RL.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains adapters only.")
     init_from: str = init_from_field()

@@ -8,11 +8,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
+from dagster import AssetExecutionContext, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, md_table
-from assets._config import schema_of
+from assets._config import KilnConfig, schema_of
 from kiln.clean import corpus as kcorpus
 from kiln.clean import report as kreport
 from kiln.clean import run as krun
@@ -35,7 +35,7 @@ Source = schema_of(ksources.SourceSpec, name="Source")
 Clean = schema_of(CleanConfig, name="Clean")
 
 
-class RawDocumentsConfig(Config):
+class RawDocumentsConfig(KilnConfig):
     manifest: str = Field(default="conf/sources/demo.yaml", description="Source manifest (YAML, `sources:` list); empty for none.")
     sources: list[Source] = Field(default=[], description="More sources inline, e.g. {name: mine, kind: local, path: /data/*.jsonl, format: jsonl, license: CC0}.")
 
@@ -73,7 +73,7 @@ def raw_documents(context: AssetExecutionContext, config: RawDocumentsConfig, st
         })
 
 
-class CleanCorpusConfig(Config):
+class CleanCorpusConfig(KilnConfig):
     clean: Clean = Field(default_factory=Clean, description="The rules, dedup, PII scrubbing, quality classifier and source mix.")
 
 

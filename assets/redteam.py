@@ -2,14 +2,16 @@
 (kiln.evaluation.redteam); release_bundle's red-team gate reads the released stage's failure rates."""
 
 import time
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
-from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
+from dagster import AssetExecutionContext, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_config_errors, md_table
+from assets._config import KilnConfig
 from assets.collect import project_path
+from kiln.common.config import Domain
 from kiln.common.files import atomic_write_json
 from kiln.evaluation import redteam as krt
 from kiln.posttrain import instructions as kinst
@@ -18,13 +20,13 @@ from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
 
-class RedTeamReportConfig(Config):
+class RedTeamReportConfig(KilnConfig):
     probes: str = Field(default="conf/redteam/probes.yaml", description="The probes file: intended use, kinds of probe, their rules and judge principles (relative to the project or absolute).")
-    malformed_items: int = Field(default=40, description="Naughty strings asked, a seeded sample of the 200 (0: all).")
-    injection_items: int = Field(default=20, description="Prompt injections asked, a seeded sample of task x text x injection (0: all).")
-    max_new_tokens: int = Field(default=48, description="Tokens of each greedy answer.")
+    malformed_items: Annotated[int, Domain(0)] = Field(default=40, description="Naughty strings asked, a seeded sample of the 200 (0: all).")
+    injection_items: Annotated[int, Domain(0)] = Field(default=20, description="Prompt injections asked, a seeded sample of task x text x injection (0: all).")
+    max_new_tokens: Annotated[int, Domain(1)] = Field(default=48, description="Tokens of each greedy answer.")
     judge: str = Field(default="", description="The judge model: a Hugging Face folder, release bundle or Kiln checkpoint; empty: the SFT model, as judged_preferences.")
-    seed: int = Field(default=0, description="Seed of the probe samples.")
+    seed: Annotated[int, Domain(0)] = Field(default=0, description="Seed of the probe samples.")
 
 
 def _stages(sft_model: dict, dpo_model: dict, rl_model: dict, ppo_model: Optional[dict]) -> dict[str, dict]:

@@ -5,7 +5,7 @@ Neither runs by default (jobs.definitions.OPT_IN): ``kiln run --preset rlhf`` ru
 """
 
 
-from typing import Optional
+from typing import Annotated, Optional
 
 from dagster import AssetExecutionContext, Output, asset
 from pydantic import Field
@@ -13,6 +13,7 @@ from pydantic import Field
 from assets._common import report_metadata
 from assets._config import schema_of
 from assets.alignment import Feedback, Lora, align, feedback_field, init_from_field, start_weights
+from kiln.common.config import Domain
 from kiln.posttrain.measures import heldout_suite, suite_key
 from kiln.posttrain.ppo import PpoJob
 from kiln.posttrain.report import ppo_report, reward_report
@@ -66,7 +67,7 @@ PPO_FIELDS = ("prompt_kinds", "max_steps", "max_new_tokens", "temperature", "kl_
 
 class PpoModelConfig(schema_of(PpoJob, include=PPO_FIELDS, name="PpoJobFields", defaults={
         "max_steps": 30, "temperature": 0.7, "kl_coef": 0.05, "eval_interval": 10, "eval_items": 50})):
-    prompts_per_step: int = Field(default=PpoJob.micro_batch, description="Prompts per rank per rollout (the job's micro_batch).")
+    prompts_per_step: Annotated[int, Domain(1)] = Field(default=PpoJob.micro_batch, description="Prompts per rank per rollout (the job's micro_batch).")
     optim: PpoOptim = Field(default_factory=PpoOptim, description="AdamW and its schedule for the policy.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains policy adapters only.")
     init_from: str = init_from_field()

@@ -11,15 +11,16 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-from dagster import (AssetExecutionContext, Config, DynamicPartitionsDefinition, Failure, MetadataValue, Output,
+from dagster import (AssetExecutionContext, DynamicPartitionsDefinition, Failure, MetadataValue, Output,
                      asset)
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_config_errors, line_plot, md_table, report_metadata
+from assets._config import KilnConfig
 from assets.training import Batch, ModelOverrides, Optim, TrainingPlanConfig
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.common.files import atomic_write_json, stable_hash
 from kiln.scaling import ladder as kladder
 from kiln.scaling.sweep import Point, Swept, expand, marginals, overrides, ranked
@@ -32,25 +33,25 @@ SWEEP_POINTS = "sweep_points"  # the dynamic partitions set: one key per point o
 sweep_partitions = DynamicPartitionsDefinition(name=SWEEP_POINTS)
 
 
-class SweptField(Config):
+class SweptField(KilnConfig):
     field: str = Field(description="<block>.<field> of the training run: optim.* (kiln.train.optim.OptimConfig: lr, muon_lr, warmup_steps, name, schedule, ...), batch.* (global_batch, seq_len, ...) or model.* (n_embd, n_layer, ...).")
-    values: list[float] = Field(default=[], description="Numbers to try (a grid axis; in random mode one is drawn per sample).")
+    values: Annotated[list[float], Domain()] = Field(default=[], description="Numbers to try (a grid axis; in random mode one is drawn per sample).")
     choices: list[str] = Field(default=[], description="Strings to try (optim.name: [adamw, muon]; flags as true/false).")
-    low: Optional[float] = Field(default=None, description="Random mode: the lower end of the range drawn from.")
-    high: Optional[float] = Field(default=None, description="Random mode: the upper end of the range drawn from.")
+    low: Annotated[Optional[float], Domain(none=True)] = Field(default=None, description="Random mode: the lower end of the range drawn from.")
+    high: Annotated[Optional[float], Domain(none=True)] = Field(default=None, description="Random mode: the upper end of the range drawn from.")
     log: bool = Field(default=True, description="Random mode: draw uniformly in log space (learning rates), else linearly.")
 
 
-class SweepGridConfig(Config):
+class SweepGridConfig(KilnConfig):
     fields: list[SweptField] = Field(default=[], description="The fields swept and their values or ranges.")
     mode: str = Field(default="grid", description="grid: every combination of the values; random: `samples` seeded draws.")
-    samples: int = Field(default=8, description="Random mode: how many points to draw.")
-    seed: int = Field(default=0, description="Random mode: the draw's seed (the points are the same for the same seed).")
+    samples: Annotated[int, Domain(1)] = Field(default=8, description="Random mode: how many points to draw.")
+    seed: Annotated[int, Domain(0)] = Field(default=0, description="Random mode: the draw's seed (the points are the same for the same seed).")
     plan: TrainingPlanConfig = Field(default_factory=TrainingPlanConfig, description="The run every point varies: training_plan's fields (model preset and overrides, batch, hardware, parallel).")
     optim: Optim = Field(default_factory=Optim, description="The optimizer every point starts from (the pretraining recipe's by default); optim.* fields of a point override it.")
-    max_steps: int = Field(default=0, description="Steps of each point's run; 0 keeps the plan's batch.max_steps. Short runs rank settings cheaply.")
-    eval_batches: int = Field(default=16, description="Validation batches behind each point's final loss.")
-    train_seed: int = Field(default=1337, description="The training seed every point shares (data order and init).")
+    max_steps: Annotated[int, Domain(0)] = Field(default=0, description="Steps of each point's run; 0 keeps the plan's batch.max_steps. Short runs rank settings cheaply.")
+    eval_batches: Annotated[int, Domain(1)] = Field(default=16, description="Validation batches behind each point's final loss.")
+    train_seed: Annotated[int, Domain(0)] = Field(default=1337, description="The training seed every point shares (data order and init).")
 
 
 def point_plan(config: SweepGridConfig, point: Point | dict, n_vocab: int) -> dict[str, Any]:
@@ -212,18 +213,18 @@ def sweep_results(context: AssetExecutionContext, sweep_grid: dict, storage: Kil
 
 # -- the scaling ladder
 
-class ScalingLadderConfig(Config):
+class ScalingLadderConfig(KilnConfig):
     model_preset: str = Field(default="demo", description="The named size whose shape (family, depth, heads) the ladder's models share, at smaller widths.")
     model: ModelOverrides = Field(default=ModelOverrides(family="llama"), description="Family and fields overriding the named size (the width is the ladder's).")
-    widths: list[int] = Field(default=[16, 24, 32, 48, 64, 80, 96], description="n_embd of the ladder's models (at least three; the demo's vocabulary makes these 0.08M to 0.80M parameters). A width a budget gives too few or too many steps is left out of that budget.")
-    budgets: list[float] = Field(default=[1e12, 2.5e12, 6e12], description="Compute budgets in training FLOPs (the planner's count): one IsoFLOP profile each; every width trains the steps its budget buys.")
+    widths: Annotated[list[int], Domain(1)] = Field(default=[16, 24, 32, 48, 64, 80, 96], description="n_embd of the ladder's models (at least three; the demo's vocabulary makes these 0.08M to 0.80M parameters). A width a budget gives too few or too many steps is left out of that budget.")
+    budgets: Annotated[list[float], Domain(0, low_open=True)] = Field(default=[1e12, 2.5e12, 6e12], description="Compute budgets in training FLOPs (the planner's count): one IsoFLOP profile each; every width trains the steps its budget buys.")
     batch: Batch = Field(default_factory=Batch, description="Sequence length and global batch of every rung (the demo's by default); max_steps is the budget's.")
     optim: Optim = Field(default_factory=Optim, description="The recipe every rung trains with (the pretraining recipe by default).")
-    min_steps: int = Field(default=100, description="A rung its budget gives fewer steps is left out (too short for the schedule).")
-    max_epochs: float = Field(default=4.0, description="A rung that would read the training split more often than this is left out (repeated tokens do not follow the law).")
-    eval_batches: int = Field(default=16, description="Validation batches behind each rung's final loss.")
-    bootstrap: int = Field(default=200, description="Bootstrap resamples behind the law's intervals.")
-    seed: int = Field(default=1337, description="Training seed of every rung.")
+    min_steps: Annotated[int, Domain(1)] = Field(default=100, description="A rung its budget gives fewer steps is left out (too short for the schedule).")
+    max_epochs: Annotated[float, Domain(0, low_open=True)] = Field(default=4.0, description="A rung that would read the training split more often than this is left out (repeated tokens do not follow the law).")
+    eval_batches: Annotated[int, Domain(1)] = Field(default=16, description="Validation batches behind each rung's final loss.")
+    bootstrap: Annotated[int, Domain(1)] = Field(default=200, description="Bootstrap resamples behind the law's intervals.")
+    seed: Annotated[int, Domain(0)] = Field(default=1337, description="Training seed of every rung.")
 
 
 def ladder_plan(config: ScalingLadderConfig, rung: kladder.Rung, n_vocab: int) -> dict[str, Any]:

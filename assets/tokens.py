@@ -6,26 +6,28 @@ Materialize with the pipeline (``kiln run --preset smoke``) or alone: ``kiln run
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
-from dagster import AssetExecutionContext, Config, MetadataValue, Output, asset
+from dagster import AssetExecutionContext, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_damage, md_table
+from assets._config import KilnConfig
 from kiln.clean.corpus import corpus_texts
 from kiln import shards as kshards
 from kiln import tokenizer as ktok
+from kiln.common.config import Domain
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 
 TOKENIZER_HOLDOUT_PERMILLE = 50  # documents per thousand kept out of BPE training; a superset of every val split up to 5 %
 
 
-class TokenizerConfig(Config):
+class TokenizerConfig(KilnConfig):
     kind: str = Field(default="bpe", description="'bpe': train a byte-level BPE on the clean corpus; 'gpt2': GPT-2's vocabulary from a pinned package.")
-    vocab_size: int = Field(default=4096, description="Vocabulary size of a trained BPE, special tokens included.")
-    train_mb: float = Field(default=20.0, description="MB of clean text the BPE trains on (the first documents outside the held-out 5 %).")
-    heldout_mb: float = Field(default=2.0, description="MB of held-out documents (never trained on) on which compression is measured.")
+    vocab_size: Annotated[int, Domain(259)] = Field(default=4096, description="Vocabulary size of a trained BPE, special tokens included.")
+    train_mb: Annotated[float, Domain(0, low_open=True)] = Field(default=20.0, description="MB of clean text the BPE trains on (the first documents outside the held-out 5 %).")
+    heldout_mb: Annotated[float, Domain(0, low_open=True)] = Field(default=2.0, description="MB of held-out documents (never trained on) on which compression is measured.")
     compare: bool = Field(default=True, description="Also measure the other vocabulary on the same held-out text: GPT-2's for a trained BPE, a BPE of vocab_size for GPT-2.")
     split_digits: bool = Field(default=True, description="Split numbers into single digits before BPE (split pattern's number rule \\p{N}, not GPT-4's \\p{N}{1,3}), so no token spans two digits, as in Llama, PaLM and DeepSeek (the demo's default: RL's held-out arithmetic moves beyond noise with it, bench/results/digit_split.md); false keeps GPT-4's pattern. A trained BPE only: GPT-2's vocabulary keeps its own.")
 
@@ -92,10 +94,10 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, clean_cor
         })
 
 
-class TokenShardsConfig(Config):
-    shard_tokens: int = Field(default=10_000_000, description="Tokens per shard file (llm.c uses 100M).")
-    val_permille: int = Field(default=50, description="Documents per thousand (by a hash of their id) in the fixed validation split.")
-    num_workers: int = Field(default=2, description="Encoding threads (tiktoken's encoder releases the GIL, so they use as many cores).")
+class TokenShardsConfig(KilnConfig):
+    shard_tokens: Annotated[int, Domain(1)] = Field(default=10_000_000, description="Tokens per shard file (llm.c uses 100M).")
+    val_permille: Annotated[int, Domain(0, 1000)] = Field(default=50, description="Documents per thousand (by a hash of their id) in the fixed validation split.")
+    num_workers: Annotated[int, Domain(1)] = Field(default=2, description="Encoding threads (tiktoken's encoder releases the GIL, so they use as many cores).")
 
 
 @asset(code_version="1", group_name="data")

@@ -5,15 +5,15 @@ Materialize with the pipeline (``kiln run --preset smoke``); ``kiln plan --prese
 """
 
 
-from typing import Optional
+from typing import Annotated, Optional
 
-from dagster import AssetExecutionContext, Backoff, Config, MetadataValue, Output, RetryPolicy, asset
+from dagster import AssetExecutionContext, Backoff, MetadataValue, Output, RetryPolicy, asset
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
-from assets._config import schema_of
+from assets._config import KilnConfig, schema_of
 from assets.pretrained import recorded_start, start_of
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.layout import LayoutPlan, LayoutRequest, layout_from_config, training_plan_of
 from kiln.model.config import ModelConfig, preset_fields
 from kiln.plan import (PREDICTIONS, BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, model_from_config,
@@ -44,7 +44,7 @@ Spikes = schema_of(SpikeConfig, name="Spikes")
 Lora = schema_of(LoRAConfig, name="Lora")  # the adapters of any training stage (alignment's and RLHF's too)
 
 
-class TrainingPlanConfig(Config):
+class TrainingPlanConfig(KilnConfig):
     model_preset: str = Field(default="", description="Named size of the model's family from kiln.model.config.MODEL_PRESETS (gpt2: tiny, demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl; llama: tiny, demo, 125m, smollm-135m, llama3.2-1b); `model` overrides its fields.")
     model: ModelOverrides = Field(default_factory=ModelOverrides, description="The family (`family: llama`; gpt2 when unset) and fields overriding its named size (or the ModelConfig defaults); vocab_size comes from the tokenizer. A field another family uses is an error.")
     batch: Batch = Field(default_factory=Batch, description="The token budget: sequence length, global batch, steps.")
@@ -53,7 +53,7 @@ class TrainingPlanConfig(Config):
     layout: Optional[LayoutBlock] = Field(default=None, description="Plan tensor, pipeline and data parallelism for the hardware block's GPUs over these links (kiln.layout): base_model trains the fastest layout that fits, `kiln plan` explains the choice. Unset: data parallelism alone.")
     from_sweep: bool = Field(default=False, description="Train the best point of sweep_results: its model, batch and optim fields replace these (and base_model's optim).")
     sizing: str = Field(default="preset", description="preset: the configured model and steps; law: the width and steps the scaling_ladder's fitted law finds compute-optimal for compute_budget (the model keeps the configured shape: family, depth, heads).")
-    compute_budget: float = Field(default=0.0, description="sizing: law: the training FLOPs to spend; 0 is what the configured model and steps would spend.")
+    compute_budget: Annotated[float, Domain(0)] = Field(default=0.0, description="sizing: law: the training FLOPs to spend; 0 is what the configured model and steps would spend.")
 
     def plan(self, n_vocab: int, pretrained: dict | None = None) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
         """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it); with an imported

@@ -2,8 +2,8 @@
 the dry run never passes a preset the run refuses. ``preflight(preset, home, selection)`` returns the one line
 saying what is wrong (None: the run may start): the preset's ``opt_in``, every op and resource name, the run config
 as Dagster types it, the files the selected assets will read (a source manifest, the red-team probes, the judge's
-principles: parsed as the asset parses them), the training plan's numbers (each inside its declared domain,
-kiln.common.config.Domain) and the device it asks for.
+principles: parsed as the asset parses them), every number of every selected step and resource (inside the
+Domain its field declares, kiln.common.config.Domain) and the device the plan asks for.
 
 Add a check for an asset that reads a file: one function in FILE_CHECKS (the asset's config dict -> raise with the
 reason).
@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable
+
+from kiln.common.config import ConfigError
+
 
 def _manifest(config: dict[str, Any]) -> None:
     from assets.collect import RawDocumentsConfig, project_path
@@ -40,13 +43,7 @@ def _principles(config: dict[str, Any]) -> None:
 
 
 def _training_plan(config: dict[str, Any]) -> None:
-    """The hardware, batch and parallel blocks parsed as the plan parses them (each number inside its domain: no
-    process count of 0 reaches the arithmetic), then the device."""
-    from kiln.common.config import from_dict
-    from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig
-
-    for key, cls in (("hardware", HardwareConfig), ("batch", BatchConfig), ("parallel", ParallelConfig)):
-        from_dict(cls, config.get(key) or {}, f"training_plan.{key}")
+    """The device the plan asks for is on this machine (its numbers were checked with every other's: check_numbers)."""
     device = ((config.get("hardware") or {}).get("device")) or "cpu"
     if device not in ("cpu", "cuda", "auto"):
         raise ValueError(f"training_plan.hardware.device is {device!r}: give cpu, cuda or auto")
@@ -68,6 +65,37 @@ FILE_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
+def asset_configs() -> dict[str, type]:
+    """{asset: its Config class}, read from each asset function's ``config`` parameter."""
+    import typing
+
+    from jobs.definitions import ALL_ASSETS
+
+    out = {}
+    for a in ALL_ASSETS:
+        hint = typing.get_type_hints(a.op.compute_fn.decorated_fn).get("config")
+        if hint is not None:
+            out[a.key.to_user_string()] = hint
+    return out
+
+
+def check_numbers(run_config: dict[str, Any], home: Path, keys: list[str]) -> None:
+    """ConfigError naming ``<asset>.<path>`` (or ``resources.<name>.<field>``) for the first number of the run config
+    outside the Domain its field declares (kiln.common.config.Domain): the check each step makes when it starts,
+    made for every selected step and resource before the first runs."""
+    from assets._config import check_config_values
+    from jobs.definitions import make_resources
+
+    ops = run_config.get("ops") or {}
+    for asset, cls in asset_configs().items():
+        if asset in keys:
+            check_config_values(cls, (ops.get(asset) or {}).get("config"), asset)
+    bound = make_resources(home)
+    for name, block in (run_config.get("resources") or {}).items():
+        if name in bound:
+            check_config_values(type(bound[name]), (block or {}).get("config"), f"resources.{name}")
+
+
 def preflight(preset: dict[str, Any], home: Path, selection: list[str] | None = None) -> str | None:
     """The first reason a ``kiln run`` of ``preset`` (loaded with its opt_in) over ``selection`` (default: the assets
     it runs) would be refused before any asset runs, as one line; None when it may start. ``kiln status`` prints the
@@ -84,6 +112,10 @@ def preflight(preset: dict[str, Any], home: Path, selection: list[str] | None = 
     if refused:
         return refused
     ops = run_config.get("ops") or {}
+    try:
+        check_numbers(run_config, home, keys)
+    except ConfigError as e:
+        return str(e)
     for asset, check in FILE_CHECKS.items():
         if asset not in keys:
             continue

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Annotated, Any, Iterator
 
-from kiln.common.config import ConfigError, from_dict
+from kiln.common.config import ConfigError, Domain, from_dict
 from kiln.model.config import ModelConfig
 from kiln.model.families import flops_per_token, of
 from kiln.model.loss import CE_CHUNK_BYTES
@@ -77,14 +77,14 @@ class ClusterConfig:
     """The GPUs a run gets and the links between them."""
 
     gpu: str = "H100"  # GPU model, as shown in the plan
-    gpus: int = 8  # GPUs in the job
-    gpus_per_node: int = 8  # GPUs per server (tensor parallelism stays inside one)
-    memory_gb: float = 80.0  # memory per GPU in GiB
-    peak_tflops: float = 989.4  # dense BF16 peak per GPU in TFLOP/s (kiln.plan.GPU_PEAK_TFLOPS)
-    intra_node_gb_s: float = 450.0  # GB/s per GPU each way inside a server (H100 SXM NVLink 4: 900 GB/s both ways)
-    inter_node_gb_s: float = 50.0  # GB/s per GPU each way between servers (one 400 Gb/s InfiniBand NIC per GPU)
-    latency_us: float = 10.0  # microseconds per step of a collective algorithm, and per point-to-point send
-    headroom: float = 0.8  # share of GPU memory a plan may fill (the rest: allocator slack, NCCL buffers, spikes)
+    gpus: Annotated[int, Domain(1)] = 8  # GPUs in the job
+    gpus_per_node: Annotated[int, Domain(1)] = 8  # GPUs per server (tensor parallelism stays inside one)
+    memory_gb: Annotated[float, Domain(0, low_open=True)] = 80.0  # memory per GPU in GiB
+    peak_tflops: Annotated[float, Domain(0, low_open=True)] = 989.4  # dense BF16 peak per GPU in TFLOP/s (kiln.plan.GPU_PEAK_TFLOPS)
+    intra_node_gb_s: Annotated[float, Domain(0, low_open=True)] = 450.0  # GB/s per GPU each way inside a server (H100 SXM NVLink 4: 900 GB/s both ways)
+    inter_node_gb_s: Annotated[float, Domain(0, low_open=True)] = 50.0  # GB/s per GPU each way between servers (one 400 Gb/s InfiniBand NIC per GPU)
+    latency_us: Annotated[float, Domain(0)] = 10.0  # microseconds per step of a collective algorithm, and per point-to-point send
+    headroom: Annotated[float, Domain(0, 1, low_open=True)] = 0.8  # share of GPU memory a plan may fill (the rest: allocator slack, NCCL buffers, spikes)
 
 
 @dataclass
@@ -92,14 +92,14 @@ class ReferenceLayout:
     """A layout to evaluate beside the planner's choice (a published one, say): the Layout fields it fixes; a field
     left unset is chosen as the fastest that fits."""
 
-    dp_replicate: int | None = None  # model copies that all-reduce their gradients
-    dp_shard: int | None = None  # ranks that shard weights, gradients and optimizer state (FSDP)
-    tp: int | None = None  # ranks that split each block, inside one server
-    pp: int | None = None  # pipeline stages
-    virtual_stages: int | None = None  # chunks of blocks per pipeline rank (interleaved 1F1B)
+    dp_replicate: Annotated[int | None, Domain(1, none=True)] = None  # model copies that all-reduce their gradients
+    dp_shard: Annotated[int | None, Domain(1, none=True)] = None  # ranks that shard weights, gradients and optimizer state (FSDP)
+    tp: Annotated[int | None, Domain(1, none=True)] = None  # ranks that split each block, inside one server
+    pp: Annotated[int | None, Domain(1, none=True)] = None  # pipeline stages
+    virtual_stages: Annotated[int | None, Domain(1, none=True)] = None  # chunks of blocks per pipeline rank (interleaved 1F1B)
     schedule: str | None = None  # "1f1b" or "interleaved_1f1b"
-    micro_batch: int | None = None  # sequences per forward pass of a data-parallel replica
-    checkpoint_every: int | None = None  # every n-th block recomputed in backward (0: none)
+    micro_batch: Annotated[int | None, Domain(1, none=True)] = None  # sequences per forward pass of a data-parallel replica
+    checkpoint_every: Annotated[int | None, Domain(0, none=True)] = None  # every n-th block recomputed in backward (0: none)
     reshard_after_forward: bool | None = None  # FSDP gathers the weights per micro-batch (True) or once per step
 
     def fields(self) -> dict[str, Any]:
@@ -113,9 +113,9 @@ class LayoutRequest:
     peak) over these links."""
 
     gpu: str = "H100"  # GPU model, as shown in the plan (memory and peak come from training_plan.hardware)
-    intra_node_gb_s: float = 450.0  # GB/s per GPU each way inside a server (H100 SXM NVLink 4: 900 GB/s both ways)
-    inter_node_gb_s: float = 50.0  # GB/s per GPU each way between servers (one 400 Gb/s InfiniBand NIC per GPU)
-    latency_us: float = 10.0  # microseconds per step of a collective algorithm, and per point-to-point send
+    intra_node_gb_s: Annotated[float, Domain(0, low_open=True)] = 450.0  # GB/s per GPU each way inside a server (H100 SXM NVLink 4: 900 GB/s both ways)
+    inter_node_gb_s: Annotated[float, Domain(0, low_open=True)] = 50.0  # GB/s per GPU each way between servers (one 400 Gb/s InfiniBand NIC per GPU)
+    latency_us: Annotated[float, Domain(0)] = 10.0  # microseconds per step of a collective algorithm, and per point-to-point send
     reference: ReferenceLayout = field(default_factory=ReferenceLayout)  # a layout to evaluate beside the choice, e.g. a published one
     reference_name: str = ""  # what the plan calls the reference
 

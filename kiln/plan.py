@@ -540,9 +540,9 @@ COST_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 
 @dataclass
 class CostConfig:
-    price_per_device_hour: float = 0.0  # money per device-hour (one GPU, or one CPU rank)
+    price_per_device_hour: Annotated[float, Domain(0)] = 0.0  # money per device-hour (one GPU, or one CPU rank)
     currency: str = "USD"
-    watts_per_device: float = 0.0  # power per device for energy estimates where no counter is read
+    watts_per_device: Annotated[float, Domain(0)] = 0.0  # power per device for energy estimates where no counter is read
 
 
 def load_cost(device: str, path: str | None = None) -> CostConfig:

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Annotated, Any, Iterator
 
 from dagster import (
     ConfigurableResource,
@@ -33,9 +33,9 @@ from dagster import (
     RetryRequested,
     open_pipes_session,
 )
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain, check_model_domains
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.common.metrics import operations_metrics
 from kiln.train.checkpoint import checkpoint_identity
@@ -201,22 +201,27 @@ def check_local_devices(device: str, nproc_per_node: int) -> None:
 class TorchrunResource(ConfigurableResource):
     """How training processes are started: torchrun locally or across nodes (c10d rendezvous)."""
 
-    nnodes: int = Field(default=1, description="Machines in the job; each runs this same launch.")
-    node_rank: int = Field(default=0, description="This machine's rank among nnodes (multi-node only).")
+    nnodes: Annotated[int, Domain(1)] = Field(default=1, description="Machines in the job; each runs this same launch.")
+    node_rank: Annotated[int, Domain(0)] = Field(default=0, description="This machine's rank among nnodes (multi-node only).")
     rdzv_endpoint: str = Field(default="", description="host:port of the c10d rendezvous for multi-node runs.")
     rdzv_id: str = Field(default="", description="Rendezvous job id (defaults to the Dagster run id).")
-    max_restarts: int = Field(default=3, description="torchrun restarts the whole worker group this many times after a worker dies; each restart resumes from the newest good checkpoint. A full disk (ENOSPC) stops the job instead (resources.pipes_worker).")
-    timeout_s: int = Field(default=6 * 3600, description="Upper bound on the whole launch; the job is killed past it.")
-    pg_timeout_s: int = Field(default=600, description="Process-group timeout: a hung collective fails after this.")
+    max_restarts: Annotated[int, Domain(0)] = Field(default=3, description="torchrun restarts the whole worker group this many times after a worker dies; each restart resumes from the newest good checkpoint. A full disk (ENOSPC) stops the job instead (resources.pipes_worker).")
+    timeout_s: Annotated[int, Domain(1)] = Field(default=6 * 3600, description="Upper bound on the whole launch; the job is killed past it.")
+    pg_timeout_s: Annotated[int, Domain(1)] = Field(default=600, description="Process-group timeout: a hung collective fails after this.")
     python: str = Field(default="", description="Python interpreter for the workers (default: this one).")
     launcher: str = Field(default="local", description="'local': torchrun on this machine (one node of a multi-node job); 'slurm': submit (sbatch) and follow (scontrol) a script that runs the same torchrun command on every node of an allocation (the run folder must be on storage the nodes share).")
     slurm_partition: str = Field(default="", description="Slurm partition for launcher 'slurm' (empty: the cluster's default).")
     slurm_account: str = Field(default="", description="Slurm account for launcher 'slurm' (empty: the user's default).")
-    slurm_cpus_per_node: int = Field(default=0, description="CPUs to ask for per node with launcher 'slurm' (0: the cluster's default).")
-    slurm_signal_s: int = Field(default=120, description="Slurm sends SIGUSR1 this many seconds before the job's time limit (sbatch --signal): the workers save and stop as if preempted.")
-    slurm_poll_s: float = Field(default=2.0, description="Seconds between looks at a Slurm job's state (scontrol show job).")
-    preempt_retries: int = Field(default=3, description="A preempted launch (stop signal, checkpoint saved) is retried this many times, each resuming from that checkpoint.")
-    preempt_retry_wait_s: float = Field(default=10.0, description="Seconds before the retry of a preempted launch.")
+    slurm_cpus_per_node: Annotated[int, Domain(0)] = Field(default=0, description="CPUs to ask for per node with launcher 'slurm' (0: the cluster's default).")
+    slurm_signal_s: Annotated[int, Domain(0)] = Field(default=120, description="Slurm sends SIGUSR1 this many seconds before the job's time limit (sbatch --signal): the workers save and stop as if preempted.")
+    slurm_poll_s: Annotated[float, Domain(0, low_open=True)] = Field(default=2.0, description="Seconds between looks at a Slurm job's state (scontrol show job).")
+    preempt_retries: Annotated[int, Domain(0)] = Field(default=3, description="A preempted launch (stop signal, checkpoint saved) is retried this many times, each resuming from that checkpoint.")
+    preempt_retry_wait_s: Annotated[float, Domain(0)] = Field(default=10.0, description="Seconds before the retry of a preempted launch.")
+
+    @model_validator(mode="after")
+    def _numbers_in_their_domains(self):
+        check_model_domains(self, "resources.torchrun")
+        return self
 
     # -- the command and the cluster files (kiln.train.cluster renders them)
 

@@ -7,21 +7,22 @@ sampler (kiln.model.generate), in the chat template when the tokenizer has its m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Annotated, Callable
 
 import torch
 import torch.nn as nn
 
+from kiln.common.config import Domain
 from kiln.common.files import stable_hash
 from kiln.model.generate import generate
 
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 60  # longest answer, in tokens
-    temperature: float = 0.0  # 0 answers greedily (the same answer every time); above 0 samples
-    top_k: int = 50  # with temperature > 0: draw among the k likeliest tokens
-    seed: int = 0  # sampling seed (each prompt draws from its own generator seeded by this and the prompt)
+    max_new_tokens: Annotated[int, Domain(1)] = 60  # longest answer, in tokens
+    temperature: Annotated[float, Domain(0)] = 0.0  # 0 answers greedily (the same answer every time); above 0 samples
+    top_k: Annotated[int, Domain(1)] = 50  # with temperature > 0: draw among the k likeliest tokens
+    seed: Annotated[int, Domain(0)] = 0  # sampling seed (each prompt draws from its own generator seeded by this and the prompt)
 
     def key(self) -> str:
         """What an answer depends on besides the model and the prompt (cached answers are kept per key)."""

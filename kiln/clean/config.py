@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import keyword
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from kiln.clean.dedup import LineDedupConfig, MinHashConfig
 from kiln.clean.mixing import MixConfig
 from kiln.clean.pii import PiiConfig
 from kiln.clean.quality import QualityModelConfig, TokenOutlierConfig
 from kiln.clean.schema import DOC_COLUMNS, STAGE_SIGNALS
-from kiln.common.config import ConfigError, check_types, from_dict
+from kiln.common.config import ConfigError, Domain, check_types, from_dict
 from kiln.common.files import stable_hash
 from kiln.filters import registry
 from kiln.filters.base import Filter
@@ -50,8 +50,8 @@ class CleanSettings(GopherQualityConfig):
     the top level; ``CleanConfig`` adds one section per other registered filter (repetition, language, c4, ...)."""
 
     fix_unicode: bool = True  # repair mojibake and odd Unicode with ftfy before anything else
-    max_input_bytes: int = 8 << 20  # a larger raw document is skipped as extract:too_large before any work on it
-    max_html_depth: int = 512  # an HTML page nesting deeper (a tag scan before parsing) is skipped as extract:too_deep
+    max_input_bytes: Annotated[int, Domain(1)] = 8 << 20  # a larger raw document is skipped as extract:too_large before any work on it
+    max_html_depth: Annotated[int, Domain(1)] = 512  # an HTML page nesting deeper (a tag scan before parsing) is skipped as extract:too_deep
     exempt: dict[str, list[str]] = field(default_factory=dict)  # source glob -> globs of rules not applied to it
     pii: PiiConfig = field(default_factory=PiiConfig)  # e-mail, IP and phone placeholders
     url_dedup: bool = True  # drop documents whose normalised http(s) URL an earlier kept document had
@@ -61,13 +61,13 @@ class CleanSettings(GopherQualityConfig):
     token_outliers: TokenOutlierConfig = field(default_factory=TokenOutlierConfig)  # token-distribution outliers
     quality_model: QualityModelConfig = field(default_factory=QualityModelConfig)  # corpus-trained classifier
     mix: MixConfig = field(default_factory=MixConfig)  # target shares per group of sources
-    shard_docs: int = 4000  # documents per shard of the per-document stage (the unit run in parallel and cached)
+    shard_docs: Annotated[int, Domain(1)] = 4000  # documents per shard of the per-document stage (the unit run in parallel and cached)
     executor: str = "local"  # "local": this process (and cfg.workers); "ray": a Ray cluster (kiln.clean.ray_run)
-    workers: int = 1  # processes for the per-document stage on the local executor (1: in this process)
-    batch_size: int = 1024  # documents read from Parquet per batch
-    progress_every: int = 2000  # call the progress callback about every this many documents
-    progress_seconds: float = 60.0  # a shard also calls the progress callback at least this often when docs are slow
-    examples_per_reason: int = 3  # removed documents sampled per reason for the report (a few lines each)
+    workers: Annotated[int, Domain(1)] = 1  # processes for the per-document stage on the local executor (1: in this process)
+    batch_size: Annotated[int, Domain(1)] = 1024  # documents read from Parquet per batch
+    progress_every: Annotated[int, Domain(1)] = 2000  # call the progress callback about every this many documents
+    progress_seconds: Annotated[float, Domain(0, low_open=True)] = 60.0  # a shard also calls the progress callback at least this often when docs are slow
+    examples_per_reason: Annotated[int, Domain(0)] = 3  # removed documents sampled per reason for the report (a few lines each)
 
     def __post_init__(self) -> None:
         nested = {f.name: f.default_factory for f in dataclasses.fields(self)
@@ -91,11 +91,6 @@ class CleanSettings(GopherQualityConfig):
             raise ConfigError("clean: min_mean_word_length exceeds max_mean_word_length.")
         if self.executor not in EXECUTORS:
             raise ConfigError(f"clean.executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}.")
-        if min(self.batch_size, self.progress_every, self.shard_docs, self.workers) < 1:
-            raise ConfigError("clean: batch_size, progress_every, shard_docs and workers must be >= 1.")
-        if min(self.max_input_bytes, self.max_html_depth) < 1 or self.progress_seconds <= 0:
-            raise ConfigError(f"clean: max_input_bytes={self.max_input_bytes}, max_html_depth={self.max_html_depth} "
-                              f"and progress_seconds={self.progress_seconds} must be positive.")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, where: str = "clean") -> Any:

@@ -30,13 +30,13 @@ import unicodedata
 import zlib
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Callable, Iterable, Protocol
+from typing import Annotated, Any, Callable, Iterable, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from kiln.common.config import ConfigError, check_types
+from kiln.common.config import ConfigError, Domain, check_types
 from kiln.common.text import ngram_hashes
 
 CleanSettings = Any  # kiln.clean.config.CleanSettings, which imports this module's config classes
@@ -47,11 +47,11 @@ NORMALISE = ("none", "datatrove")  # text normalisation before shingling (see no
 @dataclass
 class MinHashConfig:
     enabled: bool = True  # drop near-duplicates (FineWeb: 5-gram word shingles, 14 bands x 8 rows, Jaccard ~0.75)
-    ngram: int = 5  # words per shingle
-    num_perm: int = 112  # hash permutations per signature; must equal bands * rows
-    bands: int = 14  # LSH bands: documents that agree on any whole band are near-duplicates
-    rows: int = 8  # hashes per band
-    seed: int = 1  # permutation seed, fixed so reruns drop the same documents
+    ngram: Annotated[int, Domain(1)] = 5  # words per shingle
+    num_perm: Annotated[int, Domain(1)] = 112  # hash permutations per signature; must equal bands * rows
+    bands: Annotated[int, Domain(1)] = 14  # LSH bands: documents that agree on any whole band are near-duplicates
+    rows: Annotated[int, Domain(1)] = 8  # hashes per band
+    seed: Annotated[int, Domain(0)] = 1  # permutation seed, fixed so reruns drop the same documents
     normalise: str = "none"  # "datatrove": numbers to 0, punctuation and accents stripped before shingling (FineWeb)
 
     def __post_init__(self) -> None:
@@ -94,8 +94,8 @@ class LineDedupConfig:
     """Line-level dedup across the corpus (Llama 3: lines seen more than 6 times per 30M documents go)."""
 
     enabled: bool = True  # remove lines that repeat across documents
-    max_repeats: int = 6  # a line seen in more documents than this is removed from every document
-    min_line_chars: int = 20  # shorter lines are never removed (code braces, short headings, list markers)
+    max_repeats: Annotated[int, Domain(1)] = 6  # a line seen in more documents than this is removed from every document
+    min_line_chars: Annotated[int, Domain(0)] = 20  # shorter lines are never removed (code braces, short headings, list markers)
 
     def __post_init__(self) -> None:
         check_types(self, "clean.line_dedup")

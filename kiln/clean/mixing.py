@@ -9,17 +9,17 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 
 
 @dataclass
 class MixConfig:
     # Glob of source names -> weight. Empty: the natural mix (nothing sampled). A source joins the first group
     # whose glob matches it; groups' weights are normalised to shares of the kept bytes.
-    weights: dict[str, float] = field(default_factory=dict)
-    seed: int = 0  # which documents a down-sampled group keeps (hash of id and seed)
+    weights: Annotated[dict[str, float], Domain(0)] = field(default_factory=dict)
+    seed: Annotated[int, Domain(0)] = 0  # which documents a down-sampled group keeps (hash of id and seed)
 
     def __post_init__(self) -> None:
         if not isinstance(self.weights, dict):

@@ -12,11 +12,11 @@ import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable
 
 import numpy as np
 
-from kiln.common.config import ConfigError, check_types
+from kiln.common.config import ConfigError, Domain, check_types
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
@@ -25,15 +25,15 @@ _TOKEN = re.compile(r"\w+|[^\w\s]")
 class QualityModelConfig:
     enabled: bool = True  # train the classifier and drop documents it scores below min_score
     reference_sources: list[str] = field(default_factory=lambda: ["wikipedia"])  # globs of reference-quality sources
-    min_score: float = 0.02  # probability of "reference-like" below this drops the document
-    buckets: int = 1 << 18  # hashed feature buckets (unigrams and bigrams of lower-cased tokens)
-    max_tokens: int = 1000  # tokens read per document (the opening is enough and keeps training fast)
-    max_train_docs: int = 4000  # documents per class sampled for training (reservoir sample, fixed seed)
-    epochs: int = 8  # passes over the training set
-    lr: float = 0.2  # Adam learning rate
-    weight_decay: float = 1e-6  # L2 penalty (as AdamW decay) on the bucket weights
-    val_fraction: float = 0.2  # share of the sample held out to report accuracy
-    seed: int = 0  # sampling and initialisation seed
+    min_score: Annotated[float, Domain(0, 1)] = 0.02  # probability of "reference-like" below this drops the document
+    buckets: Annotated[int, Domain(1)] = 1 << 18  # hashed feature buckets (unigrams and bigrams of lower-cased tokens)
+    max_tokens: Annotated[int, Domain(1)] = 1000  # tokens read per document (the opening is enough and keeps training fast)
+    max_train_docs: Annotated[int, Domain(1)] = 4000  # documents per class sampled for training (reservoir sample, fixed seed)
+    epochs: Annotated[int, Domain(1)] = 8  # passes over the training set
+    lr: Annotated[float, Domain(0, low_open=True)] = 0.2  # Adam learning rate
+    weight_decay: Annotated[float, Domain(0)] = 1e-6  # L2 penalty (as AdamW decay) on the bucket weights
+    val_fraction: Annotated[float, Domain(0, 1, high_open=True)] = 0.2  # share of the sample held out to report accuracy
+    seed: Annotated[int, Domain(0)] = 0  # sampling and initialisation seed
 
     def __post_init__(self) -> None:
         check_types(self, "clean.quality_model")
@@ -165,10 +165,10 @@ class TokenOutlierConfig:
     """Documents whose word distribution is far from the corpus's (Llama 3's token-distribution KL rule)."""
 
     enabled: bool = True  # score every document and drop the outliers
-    max_mad: float = 8.0  # drop when KL is more than this many median absolute deviations above the corpus median
-    vocab_size: int = 50_000  # the corpus's most frequent words kept as the reference distribution; the rest pool
-    max_words: int = 2000  # words of a document read for its distribution
-    min_docs: int = 50  # fewer documents than this: no corpus distribution to speak of, the rule is skipped
+    max_mad: Annotated[float, Domain(0, low_open=True)] = 8.0  # drop when KL is more than this many median absolute deviations above the corpus median
+    vocab_size: Annotated[int, Domain(1)] = 50_000  # the corpus's most frequent words kept as the reference distribution; the rest pool
+    max_words: Annotated[int, Domain(1)] = 2000  # words of a document read for its distribution
+    min_docs: Annotated[int, Domain(1)] = 50  # fewer documents than this: no corpus distribution to speak of, the rule is skipped
 
     def __post_init__(self) -> None:
         check_types(self, "clean.token_outliers")

@@ -39,29 +39,43 @@ def read_yaml(path: Any, what: str, instead: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Domain:
     """The legal values of a numeric config field, declared with its type: ``nnodes: Annotated[int, Domain(1)] = 1``
-    (at least 1), ``Domain(0, 1, low_open=True)`` (0 < x <= 1), ``also=(-1,)`` for a marker value ("-1: what the
-    others leave"), ``none=True`` where None means "choose for me". from_dict checks every declared field when a
-    config is parsed, so 0 processes or a negative degree is one line naming the key, not a ZeroDivisionError."""
+    (at least 1), ``Domain(0, 1, low_open=True)`` (0 < x <= 1), ``Domain(0, 1, high_open=True)`` (0 <= x < 1),
+    ``also=(-1,)`` for a marker value ("-1: what the others leave"), ``none=True`` where None means "choose for me";
+    ``Domain()`` declares a number with no bounds. On a list or a mapping it holds for each element or value
+    (``widths: Annotated[list[int], Domain(8)]``). from_dict checks every declared field when a config is parsed,
+    so 0 processes or a negative degree is one line naming the key, not a ZeroDivisionError."""
 
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    high_open: bool = False
     also: tuple = ()
     none: bool = False
 
     def describe(self) -> str:
         parts = []
+        lt, gt = ("<" if self.low_open else "<="), ("<" if self.high_open else "<=")
         if self.low is not None and self.high is not None:
-            parts.append(f"{self.low:g} {'<' if self.low_open else '<='} x <= {self.high:g}")
+            parts.append(f"{self.low:g} {lt} x {gt} {self.high:g}")
         elif self.low is not None:
             parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
         elif self.high is not None:
-            parts.append(f"<= {self.high:g}")
+            parts.append(f"{gt} {self.high:g}")
+        else:
+            parts.append("any number" if not self.also else "")
         parts += [repr(a) for a in self.also] + (["None"] if self.none else [])
-        return " or ".join(parts)
+        return " or ".join(p for p in parts if p)
 
     def check(self, value: Any, kind: type, key: str) -> None:
         if value is None and self.none:
+            return
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                self.check(v, kind, f"{key}[{i}]")
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                self.check(v, kind, f"{key}.{k}")
             return
         ok_type = (isinstance(value, (int, float)) if kind is float else isinstance(value, int))
         if not ok_type or isinstance(value, bool):
@@ -70,7 +84,7 @@ class Domain:
         if value in self.also:
             return
         below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-        above = self.high is not None and value > self.high
+        above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
         if below or above:
             raise ConfigError(f"{key} is {value!r}: give {self.describe()}")
 
@@ -85,15 +99,61 @@ def domains(cls: type) -> dict[str, tuple[type, Domain]]:
         base, *extra = typing.get_args(hint)
         found = [d for d in extra if isinstance(d, Domain)]
         if found:
-            args = [a for a in (typing.get_args(base) or (base,)) if a is not type(None)]
-            out[name] = (float if float in args else int, found[0])
+            out[name] = (_number_kind(base), found[0])
     return out
 
 
+def _number_kind(hint: Any) -> type:
+    """float or int: the number type inside a field's hint (``int | None``, ``list[int]``, ``dict[str, float]``)."""
+    args = [a for a in (typing.get_args(hint) or (hint,)) if a is not type(None)]
+    if float in args:
+        return float
+    if int in args:
+        return int
+    for a in args:
+        if typing.get_args(a):
+            return _number_kind(a)
+    return int
+
+
+def model_domains(cls: type) -> dict[str, tuple[type, Domain]]:
+    """{field: (int or float, its Domain)} of a pydantic model class (the Dagster configs and resources built on
+    the core's dataclasses): the Domain in each field's ``Annotated`` metadata."""
+    out = {}
+    for name, f in getattr(cls, "model_fields", {}).items():
+        found = [d for d in f.metadata if isinstance(d, Domain)]
+        if found:
+            out[name] = (_number_kind(f.annotation), found[0])
+    return out
+
+
+def check_model_domains(model: Any, where: str, nested: bool = True) -> None:
+    """ConfigError naming ``where.<field>`` for the first field of pydantic ``model`` (and, with ``nested``, of a
+    block inside it) outside its declared Domain. None in a field whose default is None means "not set": never out
+    of its domain."""
+    declared = model_domains(type(model))
+    for name, f in type(model).model_fields.items():
+        value = getattr(model, name)
+        if value is None and f.default is None:
+            continue
+        if name in declared:
+            kind, domain = declared[name]
+            domain.check(value, kind, f"{where}.{name}")
+        elif nested and hasattr(type(value), "model_fields"):
+            check_model_domains(value, f"{where}.{name}")
+
+
 def check_domains(obj: Any, where: str) -> None:
-    """ConfigError naming ``where.<field>`` for the first field of dataclass ``obj`` outside its declared Domain."""
-    for name, (kind, domain) in domains(type(obj)).items():
-        domain.check(getattr(obj, name), kind, f"{where}.{name}")
+    """ConfigError naming ``where.<field>`` for the first field of dataclass ``obj``, or of a dataclass inside it,
+    outside its declared Domain (for objects made in code rather than by from_dict)."""
+    declared = domains(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in declared:
+            kind, domain = declared[f.name]
+            domain.check(value, kind, f"{where}.{f.name}")
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_domains(value, f"{where}.{f.name}")
 
 
 def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config") -> T:
@@ -121,9 +181,12 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config") 
         if dataclasses.is_dataclass(ftype) and isinstance(value, dict):
             value = from_dict(ftype, value, f"{where}.{name}")
         kwargs[name] = value
-    obj = cls(**kwargs)
-    check_domains(obj, where)
-    return obj
+    declared = domains(cls)
+    for name, value in kwargs.items():  # before the class sees them: its own checks assume numbers in range
+        if name in declared:
+            kind, domain = declared[name]
+            domain.check(value, kind, f"{where}.{name}")
+    return cls(**kwargs)
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -142,8 +205,19 @@ _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bo
 
 
 def _type_name(tp: Any) -> str:
-    """A field's annotation as written: a string under ``from __future__ import annotations``, else the type."""
-    return tp if isinstance(tp, str) else tp.__name__ if isinstance(tp, type) else str(tp)
+    """A field's annotation as written: a string under ``from __future__ import annotations``, else the type; the
+    type inside ``Annotated[type, Domain(...)]``."""
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    name = tp if isinstance(tp, str) else tp.__name__ if isinstance(tp, type) else str(tp)
+    if name.startswith("Annotated[") and name.endswith("]"):
+        depth = 0
+        for i, ch in enumerate(name[len("Annotated["):], len("Annotated[")):
+            depth += ch == "["
+            depth -= ch == "]"
+            if ch == "," and depth == 0:
+                return name[len("Annotated["):i].strip()
+    return name
 
 
 def check_types(cfg: Any, where: str) -> None:

@@ -75,7 +75,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
+
+from kiln.common.config import Domain
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 OUTCOMES = ("passed", "failed", "timeout", "killed", "blocked")
@@ -98,14 +100,14 @@ class SandboxError(RuntimeError):
 class Limits:
     """What one program may use; the kernel enforces each (per process for memory, per sandbox for processes)."""
 
-    timeout_s: float = 10.0  # wall clock from the program's start to its kill (and so to its pid namespace's end)
-    cpu_s: int = 5  # RLIMIT_CPU: SIGKILL at this many CPU seconds of one process (the program's; the test's apart)
-    memory_mb: int = 512  # RLIMIT_AS: address space of each process
-    file_size_mb: int = 16  # RLIMIT_FSIZE: largest file a program may write, its stdout and stderr included
-    disk_mb: int = 32  # all the program's folder may hold (a tmpfs of this size; no quota in mode none)
-    processes: int = 8  # RLIMIT_NPROC: processes and threads beyond the program's own (its uid's, or namespace's)
-    open_files: int = 64  # RLIMIT_NOFILE
-    output_chars: int = 2000  # the head of stdout and the tail of stderr kept in each result
+    timeout_s: Annotated[float, Domain(0, low_open=True)] = 10.0  # wall clock from the program's start to its kill (and so to its pid namespace's end)
+    cpu_s: Annotated[int, Domain(1)] = 5  # RLIMIT_CPU: SIGKILL at this many CPU seconds of one process (the program's; the test's apart)
+    memory_mb: Annotated[int, Domain(1)] = 512  # RLIMIT_AS: address space of each process
+    file_size_mb: Annotated[int, Domain(1)] = 16  # RLIMIT_FSIZE: largest file a program may write, its stdout and stderr included
+    disk_mb: Annotated[int, Domain(1)] = 32  # all the program's folder may hold (a tmpfs of this size; no quota in mode none)
+    processes: Annotated[int, Domain(1)] = 8  # RLIMIT_NPROC: processes and threads beyond the program's own (its uid's, or namespace's)
+    open_files: Annotated[int, Domain(1)] = 64  # RLIMIT_NOFILE
+    output_chars: Annotated[int, Domain(0)] = 2000  # the head of stdout and the tail of stderr kept in each result
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

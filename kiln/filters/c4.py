@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Annotated
 
+from kiln.common.config import Domain
 from kiln.filters.base import END_PUNCTUATION, Doc, Filter
 
 
@@ -19,12 +21,12 @@ class C4Config:
     enabled: bool = True  # apply the rules below
     lorem_ipsum: bool = True  # drop pages containing "lorem ipsum" (placeholder text)
     curly_bracket: bool = False  # drop pages containing "{": C4 did, but it drops every page with code
-    min_sentences: int = 0  # pages with fewer sentences are dropped (C4: 5; 0 disables, as fits short docs)
+    min_sentences: Annotated[int, Domain(0)] = 0  # pages with fewer sentences are dropped (C4: 5; 0 disables, as fits short docs)
     # line removal, before the page rules: the lines go, the page stays
     javascript_lines: bool = True  # remove lines mentioning "javascript" ("please enable JavaScript")
     policy_lines: bool = True  # remove lines about terms of use, privacy or cookie policies
-    max_word_chars: int = 1000  # remove lines with a "word" longer than this (minified code, base64)
-    min_words_per_line: int = 0  # remove lines with fewer words (C4: 3; 0 keeps them, as headings and code need)
+    max_word_chars: Annotated[int, Domain(1)] = 1000  # remove lines with a "word" longer than this (minified code, base64)
+    min_words_per_line: Annotated[int, Domain(0)] = 0  # remove lines with fewer words (C4: 3; 0 keeps them, as headings and code need)
     terminal_punct_lines: bool = False  # remove lines not ending in terminal punctuation (C4 did; FineWeb did not)
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.filters.base import Doc, ThresholdFilter
 
 # Entries of better-profanity's list that are ordinary words in news and encyclopedic text (identity, religion,
@@ -34,7 +35,7 @@ class DirtyWordsConfig:
     """Share of words on a list of obscene words (C4 dropped any page with one; a ratio is gentler)."""
 
     enabled: bool = True  # apply the rule
-    max_fraction: float = 0.01  # dirty words per word above this drops the document
+    max_fraction: Annotated[float, Domain(0, 1)] = 0.01  # dirty words per word above this drops the document
     words_file: str = ""  # one word or phrase per line; empty: the list shipped in better-profanity 0.7.0
     ignore_words: list[str] = field(default_factory=lambda: list(ORDINARY_WORDS))  # list entries not counted
 

@@ -7,7 +7,9 @@ Try: ``python -m kiln.filters page.txt`` prints these signals of one file with e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
+from kiln.common.config import Domain
 from kiln.filters.base import END_PUNCTUATION, Doc, ThresholdFilter, duplicate_chars
 
 
@@ -16,11 +18,11 @@ class FineWebConfig:
     """FineWeb's own rules (Penedo et al. 2024), datatrove's FineWebQualityFilter defaults."""
 
     enabled: bool = True  # apply the rules below
-    min_line_punct_fraction: float = 0.12  # share of lines ending in terminal punctuation below this: menus, lists
-    max_short_line_fraction: float = 0.67  # share of lines of at most short_line_chars characters above this
-    short_line_chars: int = 30  # what a short line is
-    max_duplicate_line_char_fraction: float = 0.01  # characters in repeated lines over all non-newline characters
-    max_newline_word_ratio: float = 0.3  # newlines per word above this: one-word-per-line lists
+    min_line_punct_fraction: Annotated[float, Domain(0, 1)] = 0.12  # share of lines ending in terminal punctuation below this: menus, lists
+    max_short_line_fraction: Annotated[float, Domain(0, 1)] = 0.67  # share of lines of at most short_line_chars characters above this
+    short_line_chars: Annotated[int, Domain(0)] = 30  # what a short line is
+    max_duplicate_line_char_fraction: Annotated[float, Domain(0, 1)] = 0.01  # characters in repeated lines over all non-newline characters
+    max_newline_word_ratio: Annotated[float, Domain(0)] = 0.3  # newlines per word above this: one-word-per-line lists
 
 
 class FineWebFilter(ThresholdFilter):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Annotated
 
+from kiln.common.config import Domain
 from kiln.filters.base import Doc, ThresholdFilter
 
 _LETTER = re.compile(r"[^\W\d_]")
@@ -21,16 +23,16 @@ class GopherQualityConfig:
     """Gopher quality rules (Rae et al. 2021, appendix A), datatrove's defaults; the keys sit at the top of
     the clean config (clean.min_words, ...)."""
 
-    min_words: int = 50  # fewer whitespace-separated words than this: too short to be prose
-    max_words: int = 100_000  # more words than this: dumps, logs, concatenated pages
-    min_mean_word_length: float = 3.0  # mean word length (punctuation stripped) below this: lists of tokens
-    max_mean_word_length: float = 10.0  # ... above this: URLs, hashes, base64
-    max_symbol_to_word_ratio: float = 0.1  # max of '#' count and '...'/'…' count, per word
-    min_alpha_word_fraction: float = 0.8  # share of words with at least one letter
-    max_duplicate_line_fraction: float = 0.3  # share of non-empty lines that repeat an earlier line
-    max_bullet_lines_fraction: float = 0.9  # share of lines starting with a bullet (•, -, *, ...)
-    max_ellipsis_lines_fraction: float = 0.3  # share of lines ending in '...' or '…' (C4's truncated teasers)
-    min_stop_words: int = 2  # fewer of "the, be, to, of, and, that, have, with" than this: not running English
+    min_words: Annotated[int, Domain(0)] = 50  # fewer whitespace-separated words than this: too short to be prose
+    max_words: Annotated[int, Domain(1)] = 100_000  # more words than this: dumps, logs, concatenated pages
+    min_mean_word_length: Annotated[float, Domain(0)] = 3.0  # mean word length (punctuation stripped) below this: lists of tokens
+    max_mean_word_length: Annotated[float, Domain(0, low_open=True)] = 10.0  # ... above this: URLs, hashes, base64
+    max_symbol_to_word_ratio: Annotated[float, Domain(0)] = 0.1  # max of '#' count and '...'/'…' count, per word
+    min_alpha_word_fraction: Annotated[float, Domain(0, 1)] = 0.8  # share of words with at least one letter
+    max_duplicate_line_fraction: Annotated[float, Domain(0, 1)] = 0.3  # share of non-empty lines that repeat an earlier line
+    max_bullet_lines_fraction: Annotated[float, Domain(0, 1)] = 0.9  # share of lines starting with a bullet (•, -, *, ...)
+    max_ellipsis_lines_fraction: Annotated[float, Domain(0, 1)] = 0.3  # share of lines ending in '...' or '…' (C4's truncated teasers)
+    min_stop_words: Annotated[int, Domain(0)] = 2  # fewer of "the, be, to, of, and, that, have, with" than this: not running English
 
 
 class GopherQuality(ThresholdFilter):

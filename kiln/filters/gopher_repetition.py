@@ -7,9 +7,11 @@ Try: ``python -m kiln.filters page.txt`` prints these signals of one file with e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 
+from kiln.common.config import Domain
 from kiln.common.text import ngram_hashes
 from kiln.filters.base import Doc, ThresholdFilter, duplicate_chars
 
@@ -23,20 +25,20 @@ class RepetitionConfig:
     clean.max_duplicate_line_fraction."""
 
     enabled: bool = True  # apply the rules below
-    max_duplicate_paragraph_fraction: float = 0.3  # share of paragraphs that repeat an earlier one
-    max_duplicate_line_char_fraction: float = 0.2  # share of characters in lines that repeat an earlier line
-    max_duplicate_paragraph_char_fraction: float = 0.2  # share of characters in repeated paragraphs
+    max_duplicate_paragraph_fraction: Annotated[float, Domain(0, 1)] = 0.3  # share of paragraphs that repeat an earlier one
+    max_duplicate_line_char_fraction: Annotated[float, Domain(0, 1)] = 0.2  # share of characters in lines that repeat an earlier line
+    max_duplicate_paragraph_char_fraction: Annotated[float, Domain(0, 1)] = 0.2  # share of characters in repeated paragraphs
     # most frequent n-gram (n=2, 3, 4): its characters times its count, over all characters
-    max_top_2gram_char_fraction: float = 0.20
-    max_top_3gram_char_fraction: float = 0.18
-    max_top_4gram_char_fraction: float = 0.16
+    max_top_2gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.20
+    max_top_3gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.18
+    max_top_4gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.16
     # characters covered by repeated occurrences of any n-gram (n=5..10), over all word characters
-    max_dup_5gram_char_fraction: float = 0.15
-    max_dup_6gram_char_fraction: float = 0.14
-    max_dup_7gram_char_fraction: float = 0.13
-    max_dup_8gram_char_fraction: float = 0.12
-    max_dup_9gram_char_fraction: float = 0.11
-    max_dup_10gram_char_fraction: float = 0.10
+    max_dup_5gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.15
+    max_dup_6gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.14
+    max_dup_7gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.13
+    max_dup_8gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.12
+    max_dup_9gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.11
+    max_dup_10gram_char_fraction: Annotated[float, Domain(0, 1)] = 0.10
 
 
 class GopherRepetition(ThresholdFilter):

@@ -6,9 +6,11 @@ Try: ``python -c "from kiln.filters.language import *; print(LanguageFilter(Lang
 
 from __future__ import annotations
 
+from typing import Annotated
 import unicodedata
 from dataclasses import dataclass, field
 
+from kiln.common.config import Domain
 from kiln.filters.base import Doc, Filter
 
 
@@ -18,8 +20,8 @@ class LanguageConfig:
 
     enabled: bool = True  # apply the rules below
     allowed: list[str] = field(default_factory=lambda: ["en"])  # ISO 639-1 codes kept; empty keeps every language
-    max_rank: int = 1200  # out-of-place rank above this (a distance; resiliparse: >1200 is usually wrong) drops
-    sample_chars: int = 5000  # characters of the document read by the detector (speed; the start is enough)
+    max_rank: Annotated[int, Domain(1)] = 1200  # out-of-place rank above this (a distance; resiliparse: >1200 is usually wrong) drops
+    sample_chars: Annotated[int, Domain(1)] = 5000  # characters of the document read by the detector (speed; the start is enough)
 
 
 class LanguageFilter(Filter):

@@ -7,9 +7,11 @@ Try: ``python -c "import numpy as np; from kiln.filters.olmo2 import *; print(lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 
+from kiln.common.config import Domain
 from kiln.common.text import word_hashes
 from kiln.filters.base import Doc, ThresholdFilter
 
@@ -19,9 +21,9 @@ class Olmo2Config:
     """OLMo 2's two repetition rules (OLMo et al. 2024, DCLM baseline pool)."""
 
     enabled: bool = True  # apply the rules below
-    max_ngram_repeats: int = 31  # a run of more consecutive repeats of one n-gram than this drops the doc (32+)
-    max_ngram: int = 13  # n-gram lengths 1..max_ngram are checked for runs
-    max_top_word_fraction: float = 0.3  # the most frequent word's share of all words above this drops the doc
+    max_ngram_repeats: Annotated[int, Domain(1)] = 31  # a run of more consecutive repeats of one n-gram than this drops the doc (32+)
+    max_ngram: Annotated[int, Domain(1)] = 13  # n-gram lengths 1..max_ngram are checked for runs
+    max_top_word_fraction: Annotated[float, Domain(0, 1)] = 0.3  # the most frequent word's share of all words above this drops the doc
 
 
 def longest_repeat_run(h: np.ndarray, max_n: int) -> tuple[int, int]:

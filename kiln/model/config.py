@@ -7,39 +7,42 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Annotated
+
+from kiln.common.config import Domain
 
 
 @dataclass
 class ModelConfig:
     family: str = "gpt2"  # architecture: gpt2 (LayerNorm, learned positions, GELU MLP), llama (RMSNorm, RoPE, SwiGLU,
     # GQA) or moe (llama's attention with QK-norm and a mixture of SwiGLU experts per block, Qwen3-MoE's layout)
-    vocab_size: int = 8192  # tokens the embedding covers (padded up to a multiple of 64 for speed)
-    block_size: int = 256  # longest context: the position table (gpt2) or the rotary cache (llama)
-    n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # attention (query) heads per block
-    n_embd: int = 256  # residual stream width; must divide by n_head
-    dropout: float = 0.0  # dropout on attention and MLP outputs (0 for pretraining)
+    vocab_size: Annotated[int, Domain(1)] = 8192  # tokens the embedding covers (padded up to a multiple of 64 for speed)
+    block_size: Annotated[int, Domain(1)] = 256  # longest context: the position table (gpt2) or the rotary cache (llama)
+    n_layer: Annotated[int, Domain(1)] = 4  # transformer blocks
+    n_head: Annotated[int, Domain(1)] = 4  # attention (query) heads per block
+    n_embd: Annotated[int, Domain(1)] = 256  # residual stream width; must divide by n_head
+    dropout: Annotated[float, Domain(0, 1, high_open=True)] = 0.0  # dropout on attention and MLP outputs (0 for pretraining)
     bias: bool = True  # gpt2: biases in Linear and LayerNorm, as GPT-2 has (llama has none)
-    n_kv_head: int = 0  # llama: key/value heads (grouped-query attention); 0 means n_head (multi-head attention)
-    intermediate_size: int = 0  # llama: SwiGLU hidden width; 0 means 8/3 n_embd rounded up to a multiple of 64
-    rope_theta: float = 10000.0  # llama: rotary embedding base
-    norm_eps: float = 1e-5  # llama: RMSNorm epsilon
+    n_kv_head: Annotated[int, Domain(0)] = 0  # llama: key/value heads (grouped-query attention); 0 means n_head (multi-head attention)
+    intermediate_size: Annotated[int, Domain(0)] = 0  # llama: SwiGLU hidden width; 0 means 8/3 n_embd rounded up to a multiple of 64
+    rope_theta: Annotated[float, Domain(0, low_open=True)] = 10000.0  # llama: rotary embedding base
+    norm_eps: Annotated[float, Domain(0, low_open=True)] = 1e-5  # llama: RMSNorm epsilon
     qk_norm: bool = False  # llama: RMSNorm on each query and key head before the rotation (as Qwen 3, OLMo 2)
     tie_embeddings: bool = True  # llama: the output head shares the token embedding (gpt2 always ties)
-    n_experts: int = 8  # moe: routed experts in each block's mixture of experts
-    n_experts_per_token: int = 2  # moe: experts each token is sent to (top-k token choice)
-    moe_intermediate_size: int = 0  # moe: each expert's SwiGLU width; 0 means intermediate_size / n_experts_per_token
+    n_experts: Annotated[int, Domain(1)] = 8  # moe: routed experts in each block's mixture of experts
+    n_experts_per_token: Annotated[int, Domain(1)] = 2  # moe: experts each token is sent to (top-k token choice)
+    moe_intermediate_size: Annotated[int, Domain(0)] = 0  # moe: each expert's SwiGLU width; 0 means intermediate_size / n_experts_per_token
     # (the active MLP parameters of the dense llama of the same shape)
-    n_shared_experts: int = 0  # moe: experts every token also passes through (one SwiGLU this many experts wide)
+    n_shared_experts: Annotated[int, Domain(0)] = 0  # moe: experts every token also passes through (one SwiGLU this many experts wide)
     norm_topk_prob: bool = True  # moe: renormalise the chosen experts' router probabilities to sum to 1 (Qwen3-MoE)
     router_balance: str = "aux_loss"  # moe: load balancing: aux_loss (switch/GShard loss), aux_free (DeepSeek-V3's
     # per-expert routing bias moved toward balance after each step, no loss) or none
-    router_aux_loss_coef: float = 0.001  # moe: weight of the balance loss E * sum_i f_i P_i (aux_loss)
-    router_bias_rate: float = 0.001  # moe: how far aux_free moves each expert's bias per step (DeepSeek-V3's gamma)
-    router_z_loss_coef: float = 0.0  # moe: weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 is off
-    capacity_factor: float = 0.0  # moe: an expert takes at most this x its even share of a batch's token slots, the
+    router_aux_loss_coef: Annotated[float, Domain(0)] = 0.001  # moe: weight of the balance loss E * sum_i f_i P_i (aux_loss)
+    router_bias_rate: Annotated[float, Domain(0)] = 0.001  # moe: how far aux_free moves each expert's bias per step (DeepSeek-V3's gamma)
+    router_z_loss_coef: Annotated[float, Domain(0)] = 0.0  # moe: weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 is off
+    capacity_factor: Annotated[float, Domain(0)] = 0.0  # moe: an expert takes at most this x its even share of a batch's token slots, the
     # rest are dropped (counted as moe/dropped); 0 means dropless: every token reaches its experts
-    mup_base_width: int = 0  # gpt2, llama: muP relative to a base model of this n_embd (0: standard parametrisation)
+    mup_base_width: Annotated[int, Domain(0)] = 0  # gpt2, llama: muP relative to a base model of this n_embd (0: standard parametrisation)
     # (kiln.model.mup): width multiplier m = n_embd / mup_base_width, heads and depth fixed across widths; AdamW's lr
     # and the init tuned at the base width carry over to any n_embd
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Annotated, Iterator, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.common.config import Domain
 from kiln.model.quant import check_nf4_shape, dequantize, is_nf4, nf4_linear, to_nf4_weight
 
 # The default targets, GPT-2's four projections, mean every Linear layer of the model's family
@@ -38,16 +39,14 @@ QUANTIZE = ("none", "nf4")  # LoRAConfig.quantize values
 @dataclass
 class LoRAConfig:
     enabled: bool = False  # train adapters instead of every weight
-    rank: int = 8  # inner dimension r of B (out, r) @ A (r, in)
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapter's input
+    rank: Annotated[int, Domain(1)] = 8  # inner dimension r of B (out, r) @ A (r, in)
+    alpha: Annotated[float, Domain(0, low_open=True)] = 16.0  # the update is scaled by alpha / rank
+    dropout: Annotated[float, Domain(0, 1, high_open=True)] = 0.0  # dropout on the adapter's input
     # module name suffixes that get adapters; the default (GPT-2's four) means every projection of the model's family
     targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
     quantize: Literal["none", "nf4"] = "none"  # the targets' frozen weights: as they are, or 4-bit NF4 (QLoRA)
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
         if self.quantize not in QUANTIZE:
             raise ValueError(f"lora.quantize: unknown value {self.quantize!r}; choose 'none' (the frozen weights as "
                              "they are) or 'nf4' (4-bit NormalFloat, QLoRA)")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable
 
 import torch
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.model.families import build_model
 from kiln.model.lora import LoRAConfig, adapters_disabled
 from kiln.posttrain.logprobs import model_token_logps
@@ -31,11 +31,11 @@ class PosttrainJob(TrainJob):
     train_files: list = field(default_factory=list)  # JSONL: preference pairs (dpo, reward: each file's train split) or
     # instruction pairs (rl, ppo: the first file)
     init_from: str = ""  # checkpoint the policy starts from (required)
-    seq_len: int = 256  # longest prompt + response, in tokens
-    micro_batch: int = 8  # pairs (dpo) or prompts (rl) per rank per forward
-    eval_interval: int = 25  # steps between held-out passes
-    keep_last: int = 1  # checkpoints kept on disk
-    seed: int = 1337  # seeds data order and sampling
+    seq_len: Annotated[int, Domain(1)] = 256  # longest prompt + response, in tokens
+    micro_batch: Annotated[int, Domain(1)] = 8  # pairs (dpo) or prompts (rl) per rank per forward
+    eval_interval: Annotated[int, Domain(1)] = 25  # steps between held-out passes
+    keep_last: Annotated[int, Domain(0)] = 1  # checkpoints kept on disk
+    seed: Annotated[int, Domain(0)] = 1337  # seeds data order and sampling
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # enabled=true trains adapters on frozen weights
     reference: str = ""  # frozen reference checkpoint; empty means init_from
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Annotated, Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
+from kiln.common.config import Domain
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_preference_splits
 from kiln.posttrain.logprobs import model_sequence_logps
 from kiln.posttrain.sft import PackedLoader, encode_example, pad_rows, to_xy, trim_padding
@@ -29,13 +30,13 @@ from kiln.train.trainer import StepReport, Trainer
 class DpoJob(PosttrainJob):
     task: str = "dpo"
     loss: str = "dpo"  # the preference loss (kiln.posttrain.preference_losses): dpo, ipo, simpo (no reference), kto
-    beta: float = 0.0  # the loss's beta (dpo: the implicit KL strength; ipo: tau); 0: its paper's default (dpo, ipo,
+    beta: Annotated[float, Domain(0)] = 0.0  # the loss's beta (dpo: the implicit KL strength; ipo: tau); 0: its paper's default (dpo, ipo,
     # kto 0.1; simpo 2.0)
-    label_smoothing: float = 0.0  # dpo: assumed share of flipped labels (conservative DPO); 0 is plain DPO
-    simpo_gamma_ratio: float = 0.5  # simpo: the target reward margin gamma as a share of beta (the paper's 0.5)
-    kto_desirable_weight: float = 1.0  # kto: lambda_D, the weight of the chosen (desirable) responses
-    kto_undesirable_weight: float = 1.0  # kto: lambda_U, the weight of the rejected (undesirable) responses
-    eval_pairs: int = 256  # held-out (split=val) pairs scored at each evaluation
+    label_smoothing: Annotated[float, Domain(0, 0.5, high_open=True)] = 0.0  # dpo: assumed share of flipped labels (conservative DPO); 0 is plain DPO
+    simpo_gamma_ratio: Annotated[float, Domain(0)] = 0.5  # simpo: the target reward margin gamma as a share of beta (the paper's 0.5)
+    kto_desirable_weight: Annotated[float, Domain(0)] = 1.0  # kto: lambda_D, the weight of the chosen (desirable) responses
+    kto_undesirable_weight: Annotated[float, Domain(0)] = 1.0  # kto: lambda_U, the weight of the rejected (undesirable) responses
+    eval_pairs: Annotated[int, Domain(1)] = 256  # held-out (split=val) pairs scored at each evaluation
     val_files: list = field(default_factory=list)  # the held-out pairs' JSONL (its split=val rows); empty: train_files[0]
 
     def check(self, where: str = "job") -> None:
@@ -44,8 +45,6 @@ class DpoJob(PosttrainJob):
         from kiln.posttrain.preference_losses import preference_loss
 
         preference_loss(self.loss, where)  # an unknown name lists the known ones
-        if self.beta < 0:
-            raise ConfigError(f"{where}.beta: {self.beta} must not be negative (0: the loss's default)")
         if self.label_smoothing and self.loss != "dpo":
             raise ConfigError(f"{where}.label_smoothing applies to loss dpo, not {self.loss!r}: set it to 0")
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Annotated, Any, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.reward import RewardModel, load_reward_model, pad_ids, reward_ids
@@ -39,16 +39,16 @@ class PpoJob(PosttrainJob):
     task: str = "ppo"
     reward_model: str = ""  # reward checkpoint (kiln.posttrain.reward) that scores answers; the value model starts from it
     prompt_kinds: list = field(default_factory=lambda: ["arithmetic"])  # instruction kinds prompts are drawn from
-    max_new_tokens: int = 16  # longest sampled answer, in tokens
-    temperature: float = 1.0  # sampling temperature of the rollouts
-    kl_coef: float = 0.05  # per-token KL penalty to the reference, in the reward
-    gamma: float = 1.0  # discount of GAE
-    lam: float = 0.95  # GAE's lambda
-    clip_range: float = 0.2  # PPO's policy ratio clip
-    value_clip: float = 0.2  # how far a value may move from its rollout value before its loss is clipped
-    ppo_epochs: int = 2  # optimizer steps per rollout (each on the whole rollout)
-    value_lr: float = 1e-4  # AdamW learning rate of the value model
-    eval_items: int = 100  # held-out (split=val) prompts answered greedily and scored by the reward model
+    max_new_tokens: Annotated[int, Domain(1)] = 16  # longest sampled answer, in tokens
+    temperature: Annotated[float, Domain(0, low_open=True)] = 1.0  # sampling temperature of the rollouts
+    kl_coef: Annotated[float, Domain(0)] = 0.05  # per-token KL penalty to the reference, in the reward
+    gamma: Annotated[float, Domain(0, 1)] = 1.0  # discount of GAE
+    lam: Annotated[float, Domain(0, 1)] = 0.95  # GAE's lambda
+    clip_range: Annotated[float, Domain(0, low_open=True)] = 0.2  # PPO's policy ratio clip
+    value_clip: Annotated[float, Domain(0, low_open=True)] = 0.2  # how far a value may move from its rollout value before its loss is clipped
+    ppo_epochs: Annotated[int, Domain(1)] = 2  # optimizer steps per rollout (each on the whole rollout)
+    value_lr: Annotated[float, Domain(0, low_open=True)] = 1e-4  # AdamW learning rate of the value model
+    eval_items: Annotated[int, Domain(1)] = 100  # held-out (split=val) prompts answered greedily and scored by the reward model
     # the PPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
     spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))
 
@@ -57,8 +57,6 @@ class PpoJob(PosttrainJob):
         if not self.reward_model:
             raise ConfigError(f"{where}.reward_model is empty: give the reward model checkpoint (the reward_model "
                               "asset's)")
-        if self.ppo_epochs < 1:
-            raise ConfigError(f"{where}.ppo_epochs must be >= 1, got {self.ppo_epochs}")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

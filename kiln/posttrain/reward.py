@@ -12,14 +12,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Annotated, Any, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.model.lora import LoRAConfig
 from kiln.model.loss import head_inputs
 from kiln.posttrain.common import PosttrainJob, read_preference_splits
@@ -34,7 +34,7 @@ from kiln.train.trainer import Stage, StepReport, Trainer
 class RewardJob(PosttrainJob):
     task: str = "reward"
     pair_kinds: list[str] = field(default_factory=list)  # preference kinds to train and hold out on (arithmetic, doc_section); empty: all
-    eval_pairs: int = 256  # held-out (split=val) pairs scored at each evaluation
+    eval_pairs: Annotated[int, Domain(1)] = 256  # held-out (split=val) pairs scored at each evaluation
     val_files: list = field(default_factory=list)  # the held-out pairs' JSONL (its split=val rows); empty: train_files[0]
 
     def check(self, where: str = "job") -> None:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Annotated, Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.instructions import arithmetic_reward, final_number
 from kiln.posttrain.logprobs import encode_rows, model_token_logps
@@ -103,12 +103,12 @@ AGGREGATIONS = ("sequence", "token")
 class RlJob(PosttrainJob):
     task: str = "rl"
     reward: str = "arithmetic"  # checkable task (a key of kiln.posttrain.rl.REWARDS)
-    group_size: int = 8  # answers sampled per prompt; advantages are relative within each group
-    max_new_tokens: int = 16  # longest sampled answer, in tokens
-    temperature: float = 1.0  # sampling temperature for the groups
-    partial_credit: float = 0.0  # reward scale for a near miss (arithmetic: within 10 of the answer); 0 is exact only
-    kl_coef: float = 0.05  # weight of the per-token KL penalty to the reference (k3 estimator)
-    eval_items: int = 100  # held-out (split=val) prompts answered greedily at each evaluation
+    group_size: Annotated[int, Domain(2)] = 8  # answers sampled per prompt; advantages are relative within each group
+    max_new_tokens: Annotated[int, Domain(1)] = 16  # longest sampled answer, in tokens
+    temperature: Annotated[float, Domain(0, low_open=True)] = 1.0  # sampling temperature for the groups
+    partial_credit: Annotated[float, Domain(0, 1)] = 0.0  # reward scale for a near miss (arithmetic: within 10 of the answer); 0 is exact only
+    kl_coef: Annotated[float, Domain(0)] = 0.05  # weight of the per-token KL penalty to the reference (k3 estimator)
+    eval_items: Annotated[int, Domain(1)] = 100  # held-out (split=val) prompts answered greedily at each evaluation
     # the GRPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
     spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))
     # grpo or dapo: what eps_low, eps_high, loss_aggregation, dynamic_sampling and overlong_buffer take when left unset
@@ -117,63 +117,45 @@ class RlJob(PosttrainJob):
     algorithm: str = "grpo"
     # optimizer steps per sampled batch, each on all of it against the log-probs it was sampled with (max_steps counts
     # steps: a run samples max_steps / ppo_epochs batches); 1 is on-policy, one update per batch as GRPO here always was
-    ppo_epochs: int = 1
+    ppo_epochs: Annotated[int, Domain(1)] = 1
     # the ratio pi/pi_old is clipped to [1 - eps_low, 1 + eps_high] (it moves only with ppo_epochs > 1: the first
     # update of a batch has ratio 1). Unset: grpo 0.2 / 0.2; dapo 0.2 / 0.28, DAPO's clip-higher (section 3.1)
-    eps_low: float | None = None
-    eps_high: float | None = None
+    eps_low: Annotated[float | None, Domain(0, 1, low_open=True, high_open=True, none=True)] = None
+    eps_high: Annotated[float | None, Domain(0, low_open=True, none=True)] = None
     # how per-token terms make the loss: sequence (each answer's mean, then the mean over answers) or token (a group's
     # terms summed over its token count, then the mean over groups; DAPO section 3.3). Unset: grpo sequence, dapo token
     loss_aggregation: str | None = None
     # drop prompt groups whose answers all score the same (no advantage) and sample more prompts until micro_batch
     # groups carry signal or max_sampling_rounds is reached (DAPO's dynamic sampling, 3.2). Unset: grpo off, dapo on
     dynamic_sampling: bool | None = None
-    max_sampling_rounds: int = 3  # dynamic sampling: rounds of micro_batch prompts sampled at most per micro-batch
+    max_sampling_rounds: Annotated[int, Domain(1)] = 3  # dynamic sampling: rounds of micro_batch prompts sampled at most per micro-batch
     # DAPO's soft overlong punishment (3.4): an answer longer than max_new_tokens - overlong_buffer tokens loses reward
     # linearly, down to -1 at max_new_tokens; 0 is off. Unset: grpo 0; dapo max_new_tokens // 5 (the paper's 4K of 20K)
-    overlong_buffer: int | None = None
+    overlong_buffer: Annotated[int | None, Domain(0, none=True)] = None
     # weight of a supervised term added to each step's loss: the mean negative log-likelihood per token of micro_batch
     # of the task's reference answers (training split), InstructGPT's PPO-ptx (Ouyang et al. 2022, eq. 2) with the
     # task's own supervised pairs in place of pretraining text. After DPO it narrows the held-out preference margin
     # further (bench/results/digit_split.md); preference_coef is the term that keeps it. 0 is off
-    ptx_coef: float = 0.0
+    ptx_coef: Annotated[float, Domain(0)] = 0.0
     # weight of DPO's loss (Rafailov et al. 2023; beta preference_beta, against the reference: the starting weights) on
     # micro_batch pairs of preference_file's training split, added to each step's loss: the preference stage's own
     # objective replayed, so that RL after DPO keeps what DPO taught (the held-out preference margin) while the
     # policy term trains the task. 0 is off
-    preference_coef: float = 0.0
-    preference_beta: float = 0.1  # DPO's beta for the replayed pairs (the dpo stage's default)
+    preference_coef: Annotated[float, Domain(0)] = 0.0
+    preference_beta: Annotated[float, Domain(0, low_open=True)] = 0.1  # DPO's beta for the replayed pairs (the dpo stage's default)
     preference_file: str = ""  # preference pairs JSONL (preference_data's), needed when preference_coef > 0
 
     def check(self, where: str = "job") -> None:
         super().check(where)
         if self.reward not in REWARDS:
             raise ConfigError(f"{where}.reward {self.reward!r} is not a checkable task; choose from {', '.join(REWARDS)}")
-        if self.group_size < 2:
-            raise ConfigError(f"{where}.group_size must be >= 2 (advantages are relative within a group), "
-                              f"got {self.group_size}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"{where}.algorithm {self.algorithm!r} is not known; choose from {', '.join(ALGORITHMS)}")
-        if self.ppo_epochs < 1:
-            raise ConfigError(f"{where}.ppo_epochs must be >= 1 (1: one on-policy update per batch), "
-                              f"got {self.ppo_epochs}")
-        for key in ("eps_low", "eps_high"):
-            value = getattr(self, key)
-            if value is not None and not 0 < value < (1 if key == "eps_low" else float("inf")):
-                raise ConfigError(f"{where}.{key} must be > 0{' and < 1' if key == 'eps_low' else ''} (the ratio's "
-                                  f"clip range), got {value}; leave it unset for the algorithm's")
         if self.loss_aggregation is not None and self.loss_aggregation not in AGGREGATIONS:
             raise ConfigError(f"{where}.loss_aggregation {self.loss_aggregation!r} is not known; choose from "
                               f"{', '.join(AGGREGATIONS)} or leave it unset for the algorithm's")
-        for key in ("ptx_coef", "preference_coef"):
-            if not getattr(self, key) >= 0:
-                raise ConfigError(f"{where}.{key} must be >= 0 (0 is off), got {getattr(self, key)}")
         if self.preference_coef and not self.preference_file:
             raise ConfigError(f"{where}.preference_coef {self.preference_coef} needs preference_file (the pairs to replay)")
-        if not self.preference_beta > 0:
-            raise ConfigError(f"{where}.preference_beta must be > 0, got {self.preference_beta}")
-        if self.max_sampling_rounds < 1:
-            raise ConfigError(f"{where}.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
             raise ConfigError(f"{where}.overlong_buffer must be between 0 (off) and max_new_tokens "
                               f"({self.max_new_tokens}), got {self.overlong_buffer}")

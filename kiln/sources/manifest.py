@@ -11,11 +11,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import yaml
 
-from kiln.common.config import ConfigError, from_dict
+from kiln.common.config import ConfigError, Domain, from_dict
 
 KINDS = ("pip", "apt", "local")
 FORMATS = ("html", "text", "jsonl", "parquet", "warc", "wet")
@@ -65,7 +65,7 @@ class SourceSpec:
     path: str = ""
     """local: a folder, a file or a glob (relative to the working directory), or an fsspec URL of one
     (s3://bucket/crawl/*.warc.gz, file:///data/pages); files are streamed in place."""
-    max_docs: int | None = None
+    max_docs: Annotated[int | None, Domain(1, none=True)] = None
     """Optional cap on the documents taken from this source (the first ones in sorted file order)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """local with an fsspec URL: options for its filesystem, e.g. {anon: true} or {endpoint_url: http://...}."""
@@ -75,7 +75,7 @@ class SourceSpec:
     record or Parquet file without a string `text_field` stops the run (usually `text_field` is wrong); "skip":
     those records are skipped and counted too (missing_field, wrong_type); "fail" (or "error"): the first bad input
     stops the run. WARC records that are not HTTP 200 text/HTML and second names of a file are counted, never bad."""
-    max_record_bytes: int = 64 << 20
+    max_record_bytes: Annotated[int, Domain(1)] = 64 << 20
     """A file (html, text), line (jsonl) or record (warc, wet) larger than this is skipped as too_large."""
 
     def __post_init__(self) -> None:

@@ -14,9 +14,9 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
 
 WORKER_MODULE = "resources.pipes_worker"  # the module every torchrun worker runs by default
@@ -63,15 +63,15 @@ def _volume_mounts(mount: str) -> list[dict[str, Any]]:
 class TorchrunSpec:
     """How torchrun starts a job's workers: nodes, c10d rendezvous, restarts, time limits, interpreter, worker."""
 
-    nnodes: int = 1  # machines in the job; each runs the same command
-    node_rank: int = 0  # this machine's rank among nnodes (informative: c10d assigns ranks)
+    nnodes: Annotated[int, Domain(1)] = 1  # machines in the job; each runs the same command
+    node_rank: Annotated[int, Domain(0)] = 0  # this machine's rank among nnodes (informative: c10d assigns ranks)
     rdzv_endpoint: str = ""  # host:port of the c10d rendezvous for several nodes
     rdzv_id: str = ""  # rendezvous job id (default: the run id)
-    max_restarts: int = 3  # torchrun restarts the whole worker group this many times after a worker dies
-    timeout_s: int = 6 * 3600  # upper bound on the whole launch (Slurm time limit, Kubernetes active deadline)
-    pg_timeout_s: int = 600  # process-group timeout: a hung collective fails after this
+    max_restarts: Annotated[int, Domain(0)] = 3  # torchrun restarts the whole worker group this many times after a worker dies
+    timeout_s: Annotated[int, Domain(1)] = 6 * 3600  # upper bound on the whole launch (Slurm time limit, Kubernetes active deadline)
+    pg_timeout_s: Annotated[int, Domain(1)] = 600  # process-group timeout: a hung collective fails after this
     python: str = ""  # the workers' interpreter (default: this one)
-    slurm_signal_s: int = 120  # Slurm sends SIGUSR1 this many seconds before the time limit (sbatch --signal)
+    slurm_signal_s: Annotated[int, Domain(0)] = 120  # Slurm sends SIGUSR1 this many seconds before the time limit (sbatch --signal)
     worker: str = WORKER_MODULE  # the module every worker runs
 
     def command(self, nproc_per_node: int, job_path: Path | str, device: str, run_id: str = "kiln",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from kiln.common.config import ConfigError, from_dict
+from kiln.common.config import ConfigError, Domain, check_domains, from_dict
 from kiln.model.config import ModelConfig, model_dict
 from kiln.model.lora import LoRAConfig
 from kiln.model.parallel import MeshLayout
@@ -61,10 +61,10 @@ class TrainJob:
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer, learning rates and schedule
     train_files: list = field(default_factory=list)  # the stage's training data
     init_from: str = ""  # checkpoint whose weights start this run (fine-tuning)
-    seq_len: int = 256  # tokens per sequence
-    micro_batch: int = 8  # sequences per rank per forward
-    grad_accum: int = 1  # micro-batches per optimizer step
-    max_steps: int = 100  # optimizer steps
+    seq_len: Annotated[int, Domain(1)] = 256  # tokens per sequence
+    micro_batch: Annotated[int, Domain(1)] = 8  # sequences per rank per forward
+    grad_accum: Annotated[int, Domain(1)] = 1  # micro-batches per optimizer step
+    max_steps: Annotated[int, Domain(1)] = 100  # optimizer steps
     parallelism: str = "auto"  # "auto" (ddp on several ranks), "none", "ddp" or "fsdp"; one rank always runs "none"
     # how the ranks split the model (kiln.model.parallel.MeshLayout): tp > 1 splits each layer over that many
     # neighbouring ranks (tensor + sequence parallelism), the data-parallel ranks left shard it with FSDP2
@@ -74,22 +74,24 @@ class TrainJob:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
     compile: bool = False  # torch.compile each block
-    eval_interval: int = 100  # steps between validation passes
-    ckpt_interval: int = 200  # steps between checkpoints (the last step is always saved)
-    keep_last: int = 2  # newest checkpoints kept on disk (0 keeps all)
-    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (0: none)
+    eval_interval: Annotated[int, Domain(1)] = 100  # steps between validation passes
+    ckpt_interval: Annotated[int, Domain(1)] = 200  # steps between checkpoints (the last step is always saved)
+    keep_last: Annotated[int, Domain(0)] = 2  # newest checkpoints kept on disk (0 keeps all)
+    keep_every: Annotated[int, Domain(0)] = 0  # also keep every checkpoint whose step is a multiple of this (0: none)
     async_save: bool = True  # write checkpoints in the background while training continues
     spikes: SpikeConfig = field(default_factory=SpikeConfig)  # loss/gradient spike thresholds, rollback, skip
-    log_interval: int = 25  # steps between progress lines
-    seed: int = 1337  # seeds init, data order and dropout
+    log_interval: Annotated[int, Domain(1)] = 25  # steps between progress lines
+    seed: Annotated[int, Domain(0)] = 1337  # seeds init, data order and dropout
     mlflow_tracking_uri: str = ""  # where rank 0 streams metrics
     mlflow_run_id: str = ""  # the MLflow run that receives them
-    preempt_grace_s: float = 30.0  # seconds a stop signal leaves to save (Slurm's KillWait, Kubernetes' grace period)
-    system_metrics_s: float = 10.0  # seconds between MLflow system-metric samples on rank 0 (CPU, memory, GPU; 0: off)
-    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0: GPU table, or a matmul measured on CPU; <0: no MFU
+    preempt_grace_s: Annotated[float, Domain(0)] = 30.0  # seconds a stop signal leaves to save (Slurm's KillWait, Kubernetes' grace period)
+    system_metrics_s: Annotated[float, Domain(0)] = 10.0  # seconds between MLflow system-metric samples on rank 0 (CPU, memory, GPU; 0: off)
+    peak_flops: Annotated[float, Domain()] = 0.0  # per-device peak FLOP/s for MFU; 0: GPU table, or a matmul measured on CPU; <0: no MFU
 
     def check(self, where: str = "job") -> None:
-        """Fields that do not go together (each block checked its own fields when it was built): ConfigError."""
+        """Every number inside its declared Domain (for a job made in code; from_dict checked them already), then
+        fields that do not go together: ConfigError naming the key."""
+        check_domains(self, where)
         lora = getattr(self, "lora", None)
         if lora is not None and lora.enabled and self.parallelism == "fsdp":
             raise ConfigError(f"{where}.parallelism is 'fsdp' but lora.enabled: a LoRA run replicates its model; "
@@ -180,7 +182,7 @@ class JobConfig(TrainJob):
     """A pretraining job on token shards, or supervised fine-tuning on instruction pairs (task "sft")."""
 
     val_files: list = field(default_factory=list)  # validation shards; for sft the same JSONL (split=val)
-    eval_batches: int = 16  # micro-batches per validation pass
+    eval_batches: Annotated[int, Domain(1)] = 16  # micro-batches per validation pass
     # attend within documents only (pretraining; kiln.model.masks): an EOT opens the document after it; training and
     # validation both masked; the EOT id is read from the shards' manifest.json (eot_token) or the tokenizer
     document_mask: bool = False

@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, Domain
 from kiln.model import mup
 from kiln.model.parallel import is_dtensor
 
@@ -60,17 +60,17 @@ PRETRAIN_OPTIM: dict = {"name": "muon", "schedule": "wsd"}
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # "adamw", or "muon": Muon on the blocks' weight matrices, AdamW on the rest
-    lr: float = 2e-3  # peak learning rate after warmup (AdamW's; Muon's is muon_lr)
-    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio at max_steps
-    warmup_steps: int = 50  # linear warmup from 0 to lr
+    lr: Annotated[float, Domain(0, low_open=True)] = 2e-3  # peak learning rate after warmup (AdamW's; Muon's is muon_lr)
+    min_lr_ratio: Annotated[float, Domain(0, 1)] = 0.1  # the schedule ends at lr * min_lr_ratio at max_steps
+    warmup_steps: Annotated[int, Domain(0)] = 50  # linear warmup from 0 to lr
     schedule: str = "cosine"  # "cosine" decay after warmup, or "wsd": warmup, stable, then linear decay
-    decay_fraction: float = 0.3  # wsd: share of max_steps spent decaying at the end
-    weight_decay: float = 0.1  # decoupled decay on matrices (not on biases, norms)
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.95  # AdamW second-moment decay
-    grad_clip: float = 1.0  # clip the global gradient norm to this (0 disables)
-    muon_lr: float = 0.02  # muon: peak learning rate of the block matrices (scaled by sqrt(max(1, rows/cols)))
-    muon_momentum: float = 0.95  # muon: momentum (Nesterov)
+    decay_fraction: Annotated[float, Domain(0, 1)] = 0.3  # wsd: share of max_steps spent decaying at the end
+    weight_decay: Annotated[float, Domain(0)] = 0.1  # decoupled decay on matrices (not on biases, norms)
+    beta1: Annotated[float, Domain(0, 1, high_open=True)] = 0.9  # AdamW first-moment decay
+    beta2: Annotated[float, Domain(0, 1, high_open=True)] = 0.95  # AdamW second-moment decay
+    grad_clip: Annotated[float, Domain(0)] = 1.0  # clip the global gradient norm to this (0 disables)
+    muon_lr: Annotated[float, Domain(0, low_open=True)] = 0.02  # muon: peak learning rate of the block matrices (scaled by sqrt(max(1, rows/cols)))
+    muon_momentum: Annotated[float, Domain(0, 1, high_open=True)] = 0.95  # muon: momentum (Nesterov)
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:

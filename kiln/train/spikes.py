@@ -9,21 +9,23 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from kiln.common.config import Domain
 
 
 @dataclass
 class SpikeConfig:
     enabled: bool = True  # watch loss and gradient norm, and roll back on a spike
-    warmup_steps: int = 50  # first steps left out of the baseline (early loss falls too fast to be a yardstick)
-    window: int = 100  # most recent healthy steps after warmup the baseline statistics cover (at least 5 are needed)
-    loss_zscore: float = 6.0  # a loss this many standard deviations above the recent mean ...
-    loss_rise: float = 0.2  # ... and at least this fraction above it is a loss spike
-    grad_ratio: float = 10.0  # a gradient norm this many times its recent median is reported (the leading indicator; 0: off)
+    warmup_steps: Annotated[int, Domain(0)] = 50  # first steps left out of the baseline (early loss falls too fast to be a yardstick)
+    window: Annotated[int, Domain(5)] = 100  # most recent healthy steps after warmup the baseline statistics cover (at least 5 are needed)
+    loss_zscore: Annotated[float, Domain(0, low_open=True)] = 6.0  # a loss this many standard deviations above the recent mean ...
+    loss_rise: Annotated[float, Domain(0)] = 0.2  # ... and at least this fraction above it is a loss spike
+    grad_ratio: Annotated[float, Domain(0)] = 10.0  # a gradient norm this many times its recent median is reported (the leading indicator; 0: off)
     rollback_on_grad: bool = False  # roll back on such a gradient norm too, not only on a loss spike
-    rollback_steps: int = 100  # restore the newest checkpoint at least this many steps before the spike
-    skip_batches: int = 200  # batches skipped from that checkpoint on (never fewer than were seen up to the spike)
-    max_rollbacks: int = 3  # after this many rollbacks the run fails instead of looping
+    rollback_steps: Annotated[int, Domain(0)] = 100  # restore the newest checkpoint at least this many steps before the spike
+    skip_batches: Annotated[int, Domain(0)] = 200  # batches skipped from that checkpoint on (never fewer than were seen up to the spike)
+    max_rollbacks: Annotated[int, Domain(0)] = 3  # after this many rollbacks the run fails instead of looping
 
 
 MIN_BASELINE = 5  # healthy steps after warmup before any verdict

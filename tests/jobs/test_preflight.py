@@ -57,3 +57,16 @@ def test_a_gpu_preset_on_a_machine_without_one_is_refused_before_anything_runs(t
     status, run = both(preset("  training_plan:\n    config:\n      hardware: {device: tpu}\n"), tmp_path / "home",
                        capsys)
     assert run.endswith("training_plan.hardware.device is 'tpu': give cpu, cuda or auto")
+
+
+def test_a_number_outside_its_domain_anywhere_in_the_run_is_refused_by_both_naming_the_key(tmp_path, preset, capsys):
+    """Not only the plan's numbers: any step's (here the tokenizer's, and a block of the RL step's) and a
+    resource's, each the one line its field's Domain gives."""
+    status, run = both(preset("  tokenizer:\n    config:\n      vocab_size: 0\n"), tmp_path / "home", capsys)
+    assert run.endswith("tokenizer.vocab_size is 0: give >= 259"), run
+    status, run = both(preset("  rl_model:\n    config:\n      optim: {lr: -0.001}\n"), tmp_path / "home", capsys)
+    assert run.endswith("rl_model.optim.lr is -0.001: give > 0"), run
+    path = tmp_path / "r.yaml"
+    path.write_text("extends: smoke\nresources:\n  torchrun:\n    config: {pg_timeout_s: 0}\n")
+    status, run = both(path, tmp_path / "home", capsys)
+    assert run.endswith("resources.torchrun.pg_timeout_s is 0: give >= 1"), run

@@ -289,7 +289,7 @@ def test_unknown_config_key_is_an_error() -> None:
 
 
 def test_wrong_value_type_names_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"clean\.min_words must be int, got '50'"):
+    with pytest.raises(ConfigError, match=r"clean\.min_words must be a whole number \(>= 0\), got '50'"):
         CleanConfig.from_dict({"min_words": "50"})
     with pytest.raises(ConfigError, match=r"clean\.minhash\.enabled must be bool, got 1"):
         CleanConfig.from_dict({"minhash": {"enabled": 1}})

@@ -262,11 +262,11 @@ def test_the_algorithm_presets_fill_only_the_fields_left_unset() -> None:
 
 @pytest.mark.parametrize("fields, message", [
     ({"algorithm": "ppo"}, "job.algorithm 'ppo' is not known; choose from grpo, dapo"),
-    ({"ppo_epochs": 0}, "job.ppo_epochs must be >= 1"),
-    ({"eps_low": 1.0}, "job.eps_low must be > 0 and < 1"),
-    ({"eps_high": 0.0}, "job.eps_high must be > 0 (the ratio's clip range), got 0.0"),
+    ({"ppo_epochs": 0}, "job.ppo_epochs is 0: give >= 1"),
+    ({"eps_low": 1.0}, "job.eps_low is 1.0: give 0 < x < 1 or None"),
+    ({"eps_high": 0.0}, "job.eps_high is 0.0: give > 0 or None"),
     ({"loss_aggregation": "tokens"}, "job.loss_aggregation 'tokens' is not known; choose from sequence, token"),
-    ({"max_sampling_rounds": 0}, "job.max_sampling_rounds must be >= 1"),
+    ({"max_sampling_rounds": 0}, "job.max_sampling_rounds is 0: give >= 1"),
     ({"overlong_buffer": 17}, "job.overlong_buffer must be between 0 (off) and max_new_tokens (16), got 17"),
 ])
 def test_bad_dapo_fields_are_config_errors_naming_the_key(fields, message) -> None:
@@ -572,7 +572,7 @@ def test_the_stage_draws_ptx_pairs_only_when_asked_and_leaves_the_prompts_as_the
         assert p.ptx == [] and p.items == m.items  # the prompts do not depend on the supervised term
         assert len(m.ptx) == 4 and all(r["response"] and r["kind"] == "arithmetic" for r in m.ptx)
     assert list(mixed.batches(0))[0].ptx != list(mixed.batches(1))[0].ptx  # drawn anew each step
-    with pytest.raises(ConfigError, match="ptx_coef must be >= 0"):
+    with pytest.raises(ConfigError, match=r"job\.ptx_coef is -0\.1: give >= 0"):
         RlJob(**base, ptx_coef=-0.1).check()
 
 
