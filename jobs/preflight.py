@@ -5,8 +5,8 @@ as Dagster types it, the files the selected assets will read (a source manifest,
 principles: parsed as the asset parses them), every number of every selected step and resource (inside the
 Domain its field declares, kiln.common.config.Domain) and the device the plan asks for.
 
-Add a check for an asset that reads a file: one function in FILE_CHECKS (the asset's config dict -> raise with the
-reason).
+Add a check for an asset that reads a file: one function in FILE_CHECKS (the asset's config dict and the run's ops ->
+raise with the reason).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable
 from kiln.common.config import ConfigError
 
 
-def _manifest(config: dict[str, Any]) -> None:
+def _manifest(config: dict[str, Any], ops: dict[str, Any]) -> None:
     from assets.collect import RawDocumentsConfig, project_path
     from kiln.sources.manifest import load_manifest
 
@@ -26,7 +26,7 @@ def _manifest(config: dict[str, Any]) -> None:
         load_manifest(project_path(manifest))
 
 
-def _probes(config: dict[str, Any]) -> None:
+def _probes(config: dict[str, Any], ops: dict[str, Any]) -> None:
     from assets.collect import project_path
     from assets.redteam import RedTeamReportConfig
     from kiln.evaluation.redteam import read_probes
@@ -34,7 +34,7 @@ def _probes(config: dict[str, Any]) -> None:
     read_probes(project_path(RedTeamReportConfig(**config).probes))
 
 
-def _principles(config: dict[str, Any]) -> None:
+def _principles(config: dict[str, Any], ops: dict[str, Any]) -> None:
     from assets.collect import project_path
     from assets.feedback import JudgedPreferencesConfig
     from kiln.posttrain.judge import read_principles
@@ -42,8 +42,29 @@ def _principles(config: dict[str, Any]) -> None:
     read_principles(project_path(JudgedPreferencesConfig(**config).principles))
 
 
-def _training_plan(config: dict[str, Any]) -> None:
-    """The device the plan asks for is on this machine (its numbers were checked with every other's: check_numbers)."""
+def _training_plan(config: dict[str, Any], ops: dict[str, Any]) -> None:
+    """The device the plan asks for is on this machine (its numbers were checked with every other's: check_numbers),
+    and the planner finds a plan for the hardware (the layout against the processes and nodes, the model against
+    memory): what the asset plans, as ``kiln plan`` does, with the tokenizer config's vocabulary. Left to the asset
+    when the plan depends on what runs first: an imported model's architecture, a sweep's best point, the
+    ladder's law."""
+    _device(config)
+    pretrained = (ops.get("pretrained_model") or {}).get("config") or {}
+    if pretrained.get("path") or pretrained.get("package") or config.get("from_sweep") or \
+            config.get("sizing", "preset") != "preset":
+        return
+    from assets.training import TrainingPlanConfig
+    from jobs.cli import preset_n_vocab
+
+    plan = TrainingPlanConfig(**config)
+    n_vocab = preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
+    if plan.layout is not None:
+        plan.layout_plan(n_vocab)
+    else:
+        plan.plan(n_vocab)
+
+
+def _device(config: dict[str, Any]) -> None:
     device = ((config.get("hardware") or {}).get("device")) or "cpu"
     if device not in ("cpu", "cuda", "auto"):
         raise ValueError(f"training_plan.hardware.device is {device!r}: give cpu, cuda or auto")
@@ -56,8 +77,8 @@ def _training_plan(config: dict[str, Any]) -> None:
                              "(demo, smoke) or device auto")
 
 
-# asset -> the check of what its config makes it read or need before it runs
-FILE_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+# asset -> the check of what its config (and the run's other ops' configs) make it read or need before it runs
+FILE_CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
     "raw_documents": _manifest,
     "red_team_report": _probes,
     "judged_preferences": _principles,
@@ -120,7 +141,7 @@ def preflight(preset: dict[str, Any], home: Path, selection: list[str] | None = 
         if asset not in keys:
             continue
         try:
-            check(dict((ops.get(asset) or {}).get("config") or {}))
+            check(dict((ops.get(asset) or {}).get("config") or {}), ops)
         except Exception as e:  # each loader's own error names the file and the key; keep its first line
             text = " ".join(str(e).split())
             return text if text.startswith(asset) or text.startswith("training_plan") else f"{asset}: {text}"

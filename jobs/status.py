@@ -151,34 +151,44 @@ class StatusReader:
         return st
 
     def leftover(self, name: str, after: float) -> "Attempt | None":
-        """The newest attempt of ``name`` whose run folder got a checkpoint after time ``after`` and ended before
-        its result: a failed or killed materialization that the next run continues, as its run folder is keyed by
-        the same config and inputs (kiln.train.launch.RunSpec.key). None when there is none, its newest good
-        checkpoint fails verification, or the next run's config or inputs differ from the attempt's."""
-        from kiln.train.checkpoint import latest_good_checkpoint, list_checkpoints, step_of
+        """The newest unfinished attempt of ``name`` (a checkpoint, no result: a failed or killed materialization)
+        that the next run continues, as its run folder is keyed by the same config and inputs
+        (kiln.train.launch.RunSpec.key): one whose recorded run had the next run's config and inputs, however old
+        (a setting changed and changed back finds it again, as the run does), or, where no run is on record, one
+        whose checkpoint is newer than ``after`` (the last materialization). None when there is none or its
+        newest good checkpoint fails verification."""
+        from kiln.train.checkpoint import list_checkpoints
 
-        newest: tuple[float, Path] | None = None
+        unfinished = []
         for folder in _run_folders(self.storage_dir(name)):
             found = list_checkpoints(folder / "checkpoints")
-            when = (found[-1] / "meta.json").stat().st_mtime if found else 0.0
-            if found and when > after and not (folder / "result.json").exists() and (newest is None or when > newest[0]):
-                newest = (when, folder)
-        if newest is None:
-            return None
-        when, folder = newest
-        good = latest_good_checkpoint(folder / "checkpoints", log=lambda _m: None)
+            if found and not (folder / "result.json").exists():
+                unfinished.append(((found[-1] / "meta.json").stat().st_mtime, folder))
+        for when, folder in sorted(unfinished, key=lambda x: x[0], reverse=True):
+            attempt = self._attempt(name, folder, when, after)
+            if attempt is not None:
+                return attempt
+        return None
+
+    def _attempt(self, name: str, folder: Path, when: float, after: float) -> "Attempt | None":
+        """The attempt in run folder ``folder`` (newest checkpoint at ``when``) if the next run continues it."""
+        from kiln.train.checkpoint import latest_good_checkpoint, step_of
+
         job = _read_json(folder / "job.json")
+        run = self._mlflow_run(job.get("mlflow_run_id"))
+        dagster_run = self.instance.get_run_by_id(run.data.tags.get("dagster.run_id", "")) if run is not None else None
+        if dagster_run is None:
+            if when <= after:
+                return None  # no record of its settings: only one newer than the last materialization is its retry
+        elif config_changes(resolved_ops(self.job, dagster_run.run_config).get(name, {}), self.new_ops.get(name, {})):
+            return None  # the next run trains with other settings, in another run folder
+        good = latest_good_checkpoint(folder / "checkpoints", log=lambda _m: None)
         if good is None or not job.get("max_steps"):
             return None
         attempt = Attempt(folder, step_of(good), int(job["max_steps"]), "unfinished", None, when)
-        run = self._mlflow_run(job.get("mlflow_run_id"))
         if run is not None:
             attempt.state = {"FAILED": "failed", "KILLED": "killed", "RUNNING": "killed"}.get(run.info.status, "unfinished")
             attempt.started = run.info.start_time / 1000 if run.info.start_time else None
-            dagster_run = self.instance.get_run_by_id(run.data.tags.get("dagster.run_id", ""))
-            if dagster_run is not None and config_changes(
-                    resolved_ops(self.job, dagster_run.run_config).get(name, {}), self.new_ops.get(name, {})):
-                return None  # the next run trains with other settings, in another run folder
         if not self.same_inputs(name, attempt.started or when):
             return None
         return attempt

@@ -2,6 +2,7 @@
 tracking, then reruns of parts of it against what ``kiln status`` predicts."""
 
 import math
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -500,6 +501,14 @@ def test_a_failed_training_attempt_resumes_from_its_verified_checkpoint(smoke_ru
     assert "    a failed attempt left step 5 of 60 (checkpoint verified)" in format_status(list(rows.values()))
     other = status(smoke_run, smoke_ops(base_model={"config": {"ckpt_interval": 10}}))["base_model"]
     assert other.action == "recompute" and other.reasons == ["config ckpt_interval 20 -> 10"]
+    # a setting changed and changed back: runs with other settings materialized after the attempt, whose run folder
+    # the next run with its settings still continues (the folder is keyed by config and inputs); status says so
+    attempt = reader.leftover("base_model", 0.0)
+    latest = instance.get_latest_materialization_event(AssetKey("base_model")).timestamp
+    for meta in (attempt.folder / "checkpoints").glob("*/meta.json"):
+        os.utime(meta, (latest - 3600, latest - 3600))
+    again = {r.asset: r for r in StatusReader(defs, instance, {"ops": ops}, defs.resources["mlflow"]).status(NAMES)}
+    assert again["base_model"].action == "resume" and again["base_model"].reasons == base.reasons
 
 
 # The stages trained from base_model on (and the release): launches of the same kind as base_model's, left out of the

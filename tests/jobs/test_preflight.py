@@ -70,3 +70,13 @@ def test_a_number_outside_its_domain_anywhere_in_the_run_is_refused_by_both_nami
     path.write_text("extends: smoke\nresources:\n  torchrun:\n    config: {pg_timeout_s: 0}\n")
     status, run = both(path, tmp_path / "home", capsys)
     assert run.endswith("resources.torchrun.pg_timeout_s is 0: give >= 1"), run
+
+
+def test_a_plan_the_hardware_cannot_run_is_refused_by_both_before_anything_runs(tmp_path, preset, capsys):
+    """The planner's own decision, made before the first asset: 16 sequences a step over 3 processes, a layout block
+    on a CPU plan; the same words the training_plan asset would fail with after every asset above it ran."""
+    _, run = both(preset("  training_plan:\n    config:\n      hardware: {nproc_per_node: 3}\n"), tmp_path / "home",
+                  capsys)
+    assert run.endswith("training_plan: batch.global_batch=16 is not divisible by 3 ranks; use a multiple of 3"), run
+    _, run = both(preset("  training_plan:\n    config:\n      layout: {}\n"), tmp_path / "home", capsys)
+    assert "training_plan.layout plans GPU clusters: set training_plan.hardware.device to cuda" in run, run
