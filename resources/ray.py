@@ -9,23 +9,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from dagster import ConfigurableResource
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from kiln.common.config import Domain, check_model_domains
+from kiln.common.config import Domain
+from resources.base import KilnResource
 
 
-class RayResource(ConfigurableResource):
+class RayResource(KilnResource):
     """Where ``clean.executor: ray`` submits the clean step: a running Ray cluster's head (``ray start --head``)."""
 
     address: str = Field(default="127.0.0.1:6379", description="host:port of the Ray head's GCS (what `ray start --head --port=PORT` prints), or 'auto' for the cluster started on this machine.")
     max_retries: Annotated[int, Domain(0)] = Field(default=3, description="Times Ray reruns a task whose worker died (killed, out of memory) before the step fails.")
     partitions: Annotated[int, Domain(0)] = Field(default=0, description="Hash partitions of the sharded dedup; 0: two per CPU of the cluster. The result does not depend on it.")
-
-    @model_validator(mode="after")
-    def _numbers_in_their_domains(self):
-        check_model_domains(self, "resources.ray")
-        return self
 
     def connect(self):
         """Connect this process to the cluster (kiln.clean.ray_run.RayInfo: job id, dashboard link, nodes, CPUs);

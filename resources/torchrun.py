@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Annotated, Any, Iterator
 
 from dagster import (
-    ConfigurableResource,
     DagsterExecutionInterruptedError,
     Failure,
     PipesFileContextInjector,
@@ -33,9 +32,9 @@ from dagster import (
     RetryRequested,
     open_pipes_session,
 )
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from kiln.common.config import ConfigError, Domain, check_model_domains
+from kiln.common.config import ConfigError, Domain
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.common.metrics import operations_metrics
 from kiln.train.checkpoint import checkpoint_identity
@@ -43,6 +42,7 @@ from kiln.train.cluster import WORKER_MODULE, TorchrunSpec  # WORKER_MODULE: tes
 from kiln.train.diskfull import describe, no_space, record
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
+from resources.base import KilnResource
 from resources.pipes_worker import LAUNCHER_ENV, STOP_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -198,7 +198,7 @@ def check_local_devices(device: str, nproc_per_node: int) -> None:
         raise Failure(problem)
 
 
-class TorchrunResource(ConfigurableResource):
+class TorchrunResource(KilnResource):
     """How training processes are started: torchrun locally or across nodes (c10d rendezvous)."""
 
     nnodes: Annotated[int, Domain(1)] = Field(default=1, description="Machines in the job; each runs this same launch.")
@@ -217,11 +217,6 @@ class TorchrunResource(ConfigurableResource):
     slurm_poll_s: Annotated[float, Domain(0, low_open=True)] = Field(default=2.0, description="Seconds between looks at a Slurm job's state (scontrol show job).")
     preempt_retries: Annotated[int, Domain(0)] = Field(default=3, description="A preempted launch (stop signal, checkpoint saved) is retried this many times, each resuming from that checkpoint.")
     preempt_retry_wait_s: Annotated[float, Domain(0)] = Field(default=10.0, description="Seconds before the retry of a preempted launch.")
-
-    @model_validator(mode="after")
-    def _numbers_in_their_domains(self):
-        check_model_domains(self, "resources.torchrun")
-        return self
 
     # -- the command and the cluster files (kiln.train.cluster renders them)
 
