@@ -14,6 +14,7 @@ from kiln.common.config import ConfigError
 from kiln.common.files import commit_dir, manifest_of_dir, stable_hash, staging_dir
 from kiln.common.plots import line_plot_png
 from kiln.plan import PlanError
+from resources.base import failing_on_damage
 
 # Errors in the run config (a wrong key or value, a plan that cannot fit): the same config fails the same way again.
 CONFIG_ERRORS = (ConfigError, PlanError)
@@ -27,25 +28,6 @@ def failing_on_config_errors() -> Iterator[None]:
         yield
     except CONFIG_ERRORS as e:
         raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e
-
-
-@contextlib.contextmanager
-def failing_on_damage() -> Iterator[None]:
-    """Turn a stored file found damaged while read (kiln.common.files.DamagedFileError: a checkpoint failing its
-    checksum, an encoding file its fingerprint) into ``dagster.Failure`` naming it, after setting it aside: the next
-    run's reuse check finds it missing and recomputes the output that holds it (training resumes from its newest
-    good checkpoint), where it would otherwise fail on the same file run after run. No retry: the same read fails."""
-    from kiln.common.files import DamagedFileError, set_aside
-
-    try:
-        yield
-    except DamagedFileError as e:
-        aside = ""
-        if e.path.is_file():
-            aside = f"; set aside as {set_aside(e.path).name}"
-        raise Failure(description=f"{type(e).__name__}: {e}{aside}: run again, and the output that holds it is "
-                                  "recomputed (training resumes from its newest good checkpoint)",
-                      allow_retries=False) from e
 
 
 def content_version(staged: Path, volatile: tuple[str, ...] = ()) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import tiktoken
 
-from kiln.common.files import atomic_path, atomic_write_json, sha256_file
+from kiln.common.files import DamagedFileError, atomic_path, atomic_write_json, sha256_file
 from kiln.tokenizer import encoding_fingerprint
 
 MAGIC = 20240520
@@ -34,6 +34,14 @@ BATCH_CHARS = 1 << 18  # text handed to one encode task
 
 class ShardError(ValueError):
     """A shard or manifest is missing, truncated, corrupt or inconsistent; the message names the file."""
+
+
+class DamagedShardError(ShardError, DamagedFileError):
+    """A shard whose bytes no longer match its manifest's sha256 (bit rot, a stray write): the asset layer sets it
+    aside so that the next run recomputes the token shards (assets._common.failing_on_damage)."""
+
+    def __init__(self, message: str, path: str | os.PathLike):
+        DamagedFileError.__init__(self, message, path)
 
 
 def split_of(doc_id: str, val_permille: int) -> str:
@@ -306,7 +314,8 @@ def read_shard(path: str | os.PathLike, expected_sha256: str | None = None, voca
     if expected_sha256 is not None:
         got = sha256_file(path)
         if got != expected_sha256:
-            raise ShardError(f"shard {path}: checksum mismatch, sha256 {got} but the manifest says {expected_sha256}")
+            raise DamagedShardError(f"shard {path}: checksum mismatch, sha256 {got} but the manifest says "
+                                    f"{expected_sha256}", path)
     if n_tokens == 0:
         return np.zeros(0, dtype=dt)  # memmap cannot map zero bytes
     return np.memmap(path, dtype=dt, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
@@ -372,14 +381,16 @@ def mark_verified(shard_dir: str | os.PathLike, checked: dict[str, str]) -> None
 
 
 def verify_shards(shard_dir: str | os.PathLike, files: Iterable[str] | None = None,
-                  manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+                  manifest: dict[str, Any] | None = None, full: bool = False) -> dict[str, Any]:
     """Check that every shard named in the manifest (or only ``files``) exists and matches its entry.
 
     Each shard's header, size, token count, dtype and sha256 are checked. A shard hashed before and
     unchanged since (same size and modification time, remembered in the hidden ``.verified.json``
     beside it, which the folder's content hash ignores) is not hashed again, so checking a large
     cache on every loader start costs a ``stat`` per shard. ``manifest`` defaults to the folder's
-    ``manifest.json``. Returns the manifest; any mismatch is a ShardError naming the file.
+    ``manifest.json``. ``full``: hash every shard, remembered or not (a byte flipped with size and time kept is
+    found only so). Returns the manifest; any mismatch is a ShardError naming the file (DamagedShardError for a
+    checksum).
     """
     shard_dir = Path(shard_dir)
     if manifest is None:
@@ -397,7 +408,7 @@ def verify_shards(shard_dir: str | os.PathLike, files: Iterable[str] | None = No
         if not path.exists():
             raise ShardError(f"shard {name} named in {shard_dir / MANIFEST} is missing from {shard_dir}")
         st = path.stat()
-        known = marks.get(name) == [st.st_size, st.st_mtime_ns, sh["sha256"]]
+        known = not full and marks.get(name) == [st.st_size, st.st_mtime_ns, sh["sha256"]]
         tokens = read_shard(path, None if known else sh["sha256"], manifest.get("vocab_size"))
         if len(tokens) != sh["tokens"] or tokens.dtype.name != manifest.get("dtype", tokens.dtype.name):
             raise ShardError(f"shard {path}: {len(tokens)} {tokens.dtype.name} tokens, "
@@ -410,8 +421,9 @@ def verify_shards(shard_dir: str | os.PathLike, files: Iterable[str] | None = No
     return manifest
 
 
-def check_shard_files(paths: Sequence[str | os.PathLike]) -> None:
-    """Verify shards against the manifest of the folder they sit in, where there is one (see verify_shards).
+def check_shard_files(paths: Sequence[str | os.PathLike], full: bool = False) -> None:
+    """Verify shards against the manifest of the folder they sit in, where there is one (see verify_shards; ``full``
+    hashes every one).
 
     Shards in a folder without ``manifest.json`` (e.g. llm.c's own) get the header and size check
     of ``read_shard`` only.
@@ -422,7 +434,7 @@ def check_shard_files(paths: Sequence[str | os.PathLike]) -> None:
         by_dir.setdefault(p.parent, []).append(p.name)
     for folder, names in by_dir.items():
         if (folder / MANIFEST).exists():
-            verify_shards(folder, names)
+            verify_shards(folder, names, full=full)
 
 
 def decode_documents(enc: tiktoken.Encoding, shard_paths: Sequence[str | os.PathLike]) -> list[str]:

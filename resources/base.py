@@ -1,10 +1,14 @@
-"""The base of Kiln's configurable resources: each number inside the Domain its field declares
-(``n: Annotated[int, Domain(1)] = Field(...)``, kiln.common.config.Domain), checked when Dagster builds the resource;
-``kiln run``'s preflight checks a run's resource config before the first asset (jobs.preflight.check_numbers)."""
+"""What Kiln's resources share: their base class, whose numbers stay inside the Domain each field declares
+(``n: Annotated[int, Domain(1)] = Field(...)``, kiln.common.config.Domain), checked when Dagster builds the resource
+(``kiln run``'s preflight checks a run's resource config before the first asset: jobs.preflight.check_numbers); and
+the turn of a stored file found damaged into a Failure that sets it aside (failing_on_damage)."""
 
 from __future__ import annotations
 
-from dagster import ConfigurableResource
+import contextlib
+from typing import Iterator
+
+from dagster import ConfigurableResource, Failure
 from pydantic import model_validator
 
 from kiln.common.config import check_model_domains
@@ -15,3 +19,22 @@ class KilnResource(ConfigurableResource):
     def _numbers_in_their_domains(self):
         check_model_domains(self, type(self).__name__)
         return self
+
+
+@contextlib.contextmanager
+def failing_on_damage() -> Iterator[None]:
+    """Turn a stored file found damaged while read (kiln.common.files.DamagedFileError: a checkpoint failing its
+    checksum, an encoding file its fingerprint) into ``dagster.Failure`` naming it, after setting it aside: the next
+    run's reuse check finds it missing and recomputes the output that holds it (training resumes from its newest
+    good checkpoint), where it would otherwise fail on the same file run after run. No retry: the same read fails."""
+    from kiln.common.files import DamagedFileError, set_aside
+
+    try:
+        yield
+    except DamagedFileError as e:
+        aside = ""
+        if e.path.is_file():
+            aside = f"; set aside as {set_aside(e.path).name}"
+        raise Failure(description=f"{type(e).__name__}: {e}{aside}: run again, and the output that holds it is "
+                                  "recomputed (training resumes from its newest good checkpoint)",
+                      allow_retries=False) from e

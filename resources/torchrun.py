@@ -37,17 +37,19 @@ from pydantic import Field
 from kiln.common.config import ConfigError, Domain
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.common.metrics import operations_metrics
+from kiln.shards import check_shard_files
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.train.cluster import WORKER_MODULE, TorchrunSpec  # WORKER_MODULE: tests swap in tests.faults here
 from kiln.train.diskfull import describe, no_space, record
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
-from resources.base import KilnResource
+from resources.base import KilnResource, failing_on_damage
 from resources.pipes_worker import LAUNCHER_ENV, STOP_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+FULL_HASH_MAX_BYTES = 8 << 30  # token shards hashed in full before each launch up to this much (a few s at most)
 
 
 SLURM_DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -493,12 +495,29 @@ class TrainingLaunch:
         self.reused = run.reused  # the Output of an identical earlier run, to return as it is
         self.result: dict[str, Any] = {}
 
+    def verify_shards(self, job: dict[str, Any]) -> None:
+        """Hash every token shard the job reads against its folder's manifest before launching, however recently the
+        loader's quick check (size and time) passed it: a byte flipped with both kept is found here, named and set
+        aside, so that the next run recomputes the token shards (failing_on_damage) instead of training on it.
+        Skipped where the shards outweigh FULL_HASH_MAX_BYTES (the loader's quick check still runs): hashing costs
+        about a second per GB here (bench/results/full_hash.md)."""
+        shards = [f for f in [*job.get("train_files", []), *job.get("val_files", [])] if str(f).endswith(".bin")]
+        total = sum(Path(f).stat().st_size for f in shards if Path(f).is_file())
+        if not shards or total > FULL_HASH_MAX_BYTES:
+            return
+        start = time.perf_counter()
+        with failing_on_damage():
+            check_shard_files(shards, full=True)
+        self.context.log.info(f"verified {len(shards)} token shards ({total / 1e6:,.1f} MB) by sha256 in "
+                              f"{time.perf_counter() - start:.2f} s")
+
     def launch(self) -> dict[str, Any]:
         """Write the job file, run it to the end, tag the MLflow run with its checkpoint; return result.json with the
         run's logbook, its cost and energy ledger, the Slurm job id and the peaks of the system metrics added. The
         logbook reaches MLflow however the launch ends (completed, preempted, failed)."""
         hardware = self.spec.plan["hardware"]
         job = self.spec.job(self.out_dir, self.run.tracking_uri, self.run.run_id)
+        self.verify_shards(job)
         try:
             self.result = self.torchrun.launch(self.context, job, hardware["nproc_per_node"], hardware["device"])
         finally:

@@ -274,3 +274,36 @@ def test_a_checkpoint_found_damaged_while_read_is_set_aside_and_fails_once_namin
                                  "recomputed (training resumes from its newest good checkpoint)")
     assert not failed.value.allow_retries and (ckpt / ".state.pt.damaged").read_bytes() == bytes(data)
     assert output_problem(recorded) == f"{state} is missing"  # so the next run recomputes it
+
+
+def test_a_damaged_token_shard_is_found_before_a_launch_set_aside_and_named(tmp_path):
+    """TrainingLaunch.verify_shards hashes every shard in full before the job starts: a shard whose bytes changed
+    with its size and time kept fails the step once, set aside, so the next run recomputes the token shards."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from dagster import Failure
+
+    from kiln.shards import MANIFEST, _write_shard, check_shard_files
+    from resources.torchrun import TrainingLaunch
+
+    entry = _write_shard(tmp_path / "train_000000.bin", np.arange(1, 3000, dtype=np.uint16), np.dtype("<u2"), 0)
+    (tmp_path / MANIFEST).write_text(json.dumps({"dtype": "uint16", "vocab_size": 4096,
+                                                 "shards": [{"file": "train_000000.bin", "split": "train", **entry}]}))
+    shard = tmp_path / "train_000000.bin"
+    check_shard_files([shard])
+    logged: list[str] = []
+    launch = TrainingLaunch.__new__(TrainingLaunch)
+    launch.context = SimpleNamespace(log=SimpleNamespace(info=logged.append))
+    launch.verify_shards({"train_files": [str(shard)], "val_files": []})
+    assert logged[0].startswith("verified 1 token shards (0.0 MB) by sha256 in ")
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 0x01
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(Failure) as failed:
+        launch.verify_shards({"train_files": [str(shard)], "val_files": []})
+    assert f"DamagedShardError: shard {shard}: checksum mismatch" in failed.value.description
+    assert "set aside as .train_000000.bin.damaged" in failed.value.description
+    assert not shard.exists() and (tmp_path / ".train_000000.bin.damaged").read_bytes() == bytes(data)

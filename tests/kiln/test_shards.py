@@ -176,3 +176,22 @@ def test_split_stability_and_errors(enc: tiktoken.Encoding, tmp_path: Path) -> N
         sh.write_shards(enc, [], tmp_path / "empty", 100, 10, 1)
     with pytest.raises(sh.ShardError, match="already holds shards"):
         sh.write_shards(enc, old, tmp_path / "v1", 100, 10, 1)
+
+
+def test_a_byte_flipped_with_size_and_time_kept_is_found_only_by_the_full_check(enc: tiktoken.Encoding,
+                                                                                 tmp_path: Path) -> None:
+    import os
+
+    sh.write_shards(enc, random_docs(60, seed=3), tmp_path, 400, 0, 1)
+    paths = sh.shard_paths(tmp_path, "train")
+    sh.check_shard_files(paths)  # hashed once and remembered
+    path = paths[1]
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[1500] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # bit rot: the size and the time are what they were
+    sh.check_shard_files(paths)  # the quick check cannot see it
+    with pytest.raises(sh.DamagedShardError, match=rf"{path.name}: checksum mismatch") as e:
+        sh.check_shard_files(paths, full=True)
+    assert e.value.path == path and isinstance(e.value, sh.ShardError)
