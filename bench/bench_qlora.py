@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import math
 import multiprocessing as mp
 import sys
@@ -28,6 +29,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from provenance import header, header_md, machine_line  # noqa: E402
 
 
 def rss_kib(field: str = "VmRSS") -> int:
@@ -116,7 +120,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2, help="timed forward+backward+AdamW steps after one warm-up")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "qlora",
+                    help="writes OUT.md and OUT.json with the command, commit, date and machine")
     args = ap.parse_args()
+    print(f"machine: {machine_line()}", flush=True)
     a, b = run("none", args), run("nf4", args)
     mib = lambda kib: kib / 1024  # noqa: E731
     print(f"{args.family} {args.preset} ({a['params'] / 1e6:.1f}M parameters, vocab {args.vocab}), LoRA rank "
@@ -134,8 +141,21 @@ def main() -> None:
         print(f"{name:28}{u:12.2f}{v:14.2f}{u / v:8.2f}x")
     gap = abs(a["loss"] - b["loss"])
     rel = float(np.linalg.norm(a["logits"] - b["logits"]) / np.linalg.norm(a["logits"]))
-    print(f"loss on the same batch: bf16 {a['loss']:.5f}, NF4 {b['loss']:.5f}, gap {gap:.2e} "
-          f"({gap / a['loss']:.3%}; ln(vocab) = {math.log(args.vocab):.5f}); logits' relative RMS gap {rel:.3f}")
+    said = (f"loss on the same batch: bf16 {a['loss']:.5f}, NF4 {b['loss']:.5f}, gap {gap:.2e} "
+            f"({gap / a['loss']:.3%}; ln(vocab) = {math.log(args.vocab):.5f}); logits' relative RMS gap {rel:.3f}")
+    print(said)
+    setup = (f"{args.family} {args.preset} ({a['params'] / 1e6:.1f}M parameters, vocab {args.vocab}), LoRA rank "
+             f"{args.rank} on {a['n_targets']} layers ({a['trainable']:,} trainable), batch {args.batch} x {args.seq}, "
+             f"{args.steps} timed steps after one warm-up, each side in a process of its own; memory is "
+             f"{'CUDA max_memory_allocated' if a['cuda'] else 'peak RSS (VmHWM)'}.")
+    args.out.with_suffix(".json").write_text(json.dumps({**header(), "setup": setup, "rows": [
+        {"measure": n, "bf16_lora": u, "qlora_nf4": v} for n, u, v in rows], "loss_bf16": a["loss"],
+        "loss_nf4": b["loss"], "logits_relative_rms_gap": rel}, indent=1) + "\n")
+    lines = ["# QLoRA (NF4 frozen base) against bf16 LoRA", "", *header_md(), setup, "",
+             "| measure | bf16 LoRA | QLoRA (NF4) | ratio |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {u:,.2f} | {v:,.2f} | {u / v:.2f}x |" for n, u, v in rows]
+    args.out.with_suffix(".md").write_text("\n".join(lines + ["", said]) + "\n")
+    print(f"wrote {args.out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from the one-process run, tokens/s against it, and whether a restart from its st
 SIGKILL) ends bit-identical to the uninterrupted run. Then the resharding matrix: a checkpoint saved under one layout
 resumed under another, with the largest difference of the continued curve from one process.
 
-python bench/layouts.py [--json out.json] [--only NAME ...]
+python bench/layouts.py [--out bench/results/layouts] [--only NAME ...]: prints the machine line first; writes OUT.md
+(both tables) and OUT.json with the command, commit, date and machine.
 
 On two cores the tokens/s ratios show communication and process overhead, not what a layout gains on GPUs
 (bench/gpu.sh measures those); the loss differences and bit-identical restarts are the point.
@@ -26,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from provenance import header, header_md, machine_line  # noqa: E402
 
 STEPS, RESUME_AT = 30, 20
 FAMILIES = {"gpt2": {"n_layer": 2},
@@ -113,9 +117,10 @@ def differences(res: dict, ref: dict) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", type=Path)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "layouts")
     p.add_argument("--only", nargs="*", default=None, help="layout names to run (default: all)")
     a = p.parse_args()
+    print(f"machine: {machine_line()}", flush=True)
     names = [n for n in LAYOUTS if a.only is None or n in a.only]
     with tempfile.TemporaryDirectory(prefix="kiln-layouts-") as tmp:
         data = Data(Path(tmp))
@@ -153,8 +158,27 @@ def main() -> None:
                              "max_loss_diff": differences(res, refs[family])})
             print(f"{saved} -> {resumed or 'one process'}: resumed from step {RESUME_AT}: {ok}, max|dloss| vs one "
                   f"process {reshards[-1]['max_loss_diff']:.1e}", flush=True)
-    if a.json:
-        a.json.write_text(json.dumps({"layouts": rows, "reshards": reshards}, indent=1) + "\n")
+    write(a.out, rows, reshards)
+
+
+def write(out: Path, rows: list[dict], reshards: list[dict]) -> None:
+    """OUT.json and OUT.md: the layouts against one process, then the resharding matrix."""
+    out.with_suffix(".json").write_text(json.dumps({**header(), "layouts": rows, "reshards": reshards}, indent=1)
+                                        + "\n")
+    lines = ["# Every layout of the training job against one process, on CPU processes (gloo)", "", *header_md(),
+             "The tiny job of the tests: 30 steps of 2 micro-batches of 4 sequences, width 48. On two cores tokens/s "
+             "shows communication and process overhead, not what a layout gains on GPUs.", "",
+             "| layout | processes | max abs loss difference | tokens/s (x one process) | restart from step 20 |",
+             "|---|---:|---:|---|---|"]
+    lines += [f"| {r['layout']} | {r['processes']} | {r['max_loss_diff']:.1e} | {r['tokens_per_s']:,.0f} "
+              f"(x{r['vs_one_process']:.2f}) | {r['restart_from_step_20']} |" for r in rows]
+    lines += ["", "Resharding: a step-20 checkpoint saved under one layout, resumed under another; the largest "
+              "difference of the whole curve from one process.", "",
+              "| saved under | resumed under | resumed from step 20 | max abs loss difference |", "|---|---|---|---:|"]
+    lines += [f"| {r['saved_under']} | {r['resumed_under']} | {'yes' if r['resumed'] else 'NO'} | "
+              f"{r['max_loss_diff']:.1e} |" for r in reshards]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out.with_suffix('.md')}", flush=True)
 
 
 if __name__ == "__main__":
