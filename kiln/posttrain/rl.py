@@ -116,7 +116,7 @@ class RlJob(PosttrainJob):
     # // 5). DAPO also drops the KL term; algorithm leaves kl_coef as it is set (0 for the paper's recipe)
     algorithm: str = "grpo"
     # optimizer steps per sampled batch, each on all of it against the log-probs it was sampled with (max_steps counts
-    # steps: a run samples max_steps / ppo_epochs batches); 1 is on-policy, one update per batch as GRPO here always was
+    # steps: a run samples max_steps / ppo_epochs batches); 1 is on-policy, one update per batch (GRPO's)
     ppo_epochs: Annotated[int, Domain(1)] = 1
     # the ratio pi/pi_old is clipped to [1 - eps_low, 1 + eps_high] (it moves only with ppo_epochs > 1: the first
     # update of a batch has ratio 1). Unset: grpo 0.2 / 0.2; dapo 0.2 / 0.28, DAPO's clip-higher (section 3.1)
@@ -190,7 +190,7 @@ def grpo_loss(logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tens
     The policy term is PPO's clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token, r = pi/pi_old,
     with DAPO's decoupled clip range (section 3.1). Without ``old_logp`` the update is on-policy: r is exactly 1, no
     clip can bind, and the term is -r A with r = exp(logp - logp.detach()), whose gradient is the policy gradient
-    A * grad log pi (GRPO's one update per batch, computed as it always was). The KL to the reference uses the k3
+    A * grad log pi (GRPO's one update per batch). The KL to the reference uses the k3
     estimator exp(d) - d - 1 with d = log pi_ref - log pi (non-negative, unbiased).
 
     ``aggregation`` sequence: per-token terms are averaged per answer, then over answers. token: each group's terms
