@@ -8,27 +8,11 @@ import contextlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from dagster import DataVersion, Failure, MetadataValue, Output
+from dagster import DataVersion, MetadataValue, Output
 
-from kiln.common.config import ConfigError
 from kiln.common.files import commit_dir, manifest_of_dir, stable_hash, staging_dir
 from kiln.common.plots import line_plot_png
-from kiln.plan import PlanError
-from resources.base import failing_on_damage
-
-# Errors in the run config (a wrong key or value, a plan that cannot fit): the same config fails the same way again.
-CONFIG_ERRORS = (ConfigError, PlanError)
-
-
-@contextlib.contextmanager
-def failing_on_config_errors() -> Iterator[None]:
-    """Turn a config error raised inside into ``dagster.Failure(allow_retries=False)``, so the asset's retry policy
-    does not rerun a typo; its message becomes the failure's description (the error stays its ``__cause__``)."""
-    try:
-        yield
-    except CONFIG_ERRORS as e:
-        raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e
-
+from resources.base import failing_on_config_errors, failing_on_damage
 
 def content_version(staged: Path, volatile: tuple[str, ...] = ()) -> str:
     """The data version of a folder: a hash of its files' sizes and sha256s, those named in ``volatile`` left out."""

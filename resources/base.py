@@ -1,7 +1,9 @@
 """What Kiln's resources share: their base class, whose numbers stay inside the Domain each field declares
 (``n: Annotated[int, Domain(1)] = Field(...)``, kiln.common.config.Domain), checked when Dagster builds the resource
 (``kiln run``'s preflight checks a run's resource config before the first asset: jobs.preflight.check_numbers); and
-the turn of a stored file found damaged into a Failure that sets it aside (failing_on_damage)."""
+the two ways an error becomes a step's Failure without a retry: a config error (failing_on_config_errors, the one
+helper the assets and the torchrun launcher use) and a stored file found damaged, which is set aside
+(failing_on_damage)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Iterator
 from dagster import ConfigurableResource, Failure
 from pydantic import model_validator
 
-from kiln.common.config import check_model_domains
+from kiln.common.config import ConfigError, check_model_domains
+from kiln.plan import PlanError
 
 
 class KilnResource(ConfigurableResource):
@@ -38,3 +41,17 @@ def failing_on_damage() -> Iterator[None]:
         raise Failure(description=f"{type(e).__name__}: {e}{aside}: run again, and the output that holds it is "
                                   "recomputed (training resumes from its newest good checkpoint)",
                       allow_retries=False) from e
+
+
+# Errors in the run config (a wrong key or value, a plan that cannot fit): the same config fails the same way again.
+CONFIG_ERRORS = (ConfigError, PlanError)
+
+
+@contextlib.contextmanager
+def failing_on_config_errors() -> Iterator[None]:
+    """Turn a config error raised inside into ``dagster.Failure(allow_retries=False)``, so the asset's retry policy
+    does not rerun a typo; its message becomes the failure's description (the error stays its ``__cause__``)."""
+    try:
+        yield
+    except CONFIG_ERRORS as e:
+        raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e

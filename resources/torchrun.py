@@ -34,7 +34,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from kiln.common.config import ConfigError, Domain
+from kiln.common.config import Domain
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.common.metrics import operations_metrics
 from kiln.shards import check_shard_files
@@ -43,7 +43,7 @@ from kiln.train.cluster import WORKER_MODULE, TorchrunSpec  # WORKER_MODULE: tes
 from kiln.train.diskfull import describe, no_space, record
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
-from resources.base import KilnResource, failing_on_damage
+from resources.base import KilnResource, failing_on_config_errors, failing_on_damage
 from resources.pipes_worker import LAUNCHER_ENV, STOP_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -152,16 +152,6 @@ def die_with_parent():
     return arm
 
 
-@contextlib.contextmanager
-def _as_failure() -> Iterator[None]:
-    """A config error (the job's, or the launch's from kiln.train.cluster) as a Dagster Failure with the same
-    message; it is not retried, since a retry would fail the same way."""
-    try:
-        yield
-    except ConfigError as e:
-        raise Failure(description=str(e), allow_retries=False) from None
-
-
 def full_disk_failure(rec: dict[str, Any], log_path: Path) -> Failure:
     """The Failure for a full disk (a worker's stop request, or the launcher's own write): the path, the space left,
     what to do. Not retried: another attempt would find the same full disk."""
@@ -234,7 +224,7 @@ class TorchrunResource(KilnResource):
                 rdzv_id: str | None = None, worker: str | None = None) -> list[str]:
         """The exact torchrun command line (the same one an sbatch script or a Kubernetes Job runs): see
         kiln.train.cluster.TorchrunSpec.command. Several nodes without a rendezvous endpoint are a Failure."""
-        with _as_failure():
+        with failing_on_config_errors():
             return self.torchrun_spec().command(nproc_per_node, job_path, device, run_id, python=python,
                                                 rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, rdzv_id=rdzv_id,
                                                 worker=worker)
@@ -244,7 +234,7 @@ class TorchrunResource(KilnResource):
                      output: str = "") -> str:
         """An sbatch script that runs this resource's torchrun command once per node: see
         kiln.train.cluster.TorchrunSpec.slurm_script."""
-        with _as_failure():
+        with failing_on_config_errors():
             return self.torchrun_spec().slurm_script(job_path, nproc_per_node, device, project_dir, run_id, partition,
                                                      account, cpus_per_node, python=python, output=output)
 
@@ -253,7 +243,7 @@ class TorchrunResource(KilnResource):
                       cpus_per_node: int = 8, memory_gb: int = 64) -> list[dict[str, Any]]:
         """A headless Service and an Indexed Job of ``nnodes`` pods running this resource's torchrun command: see
         kiln.train.cluster.TorchrunSpec.k8s_manifests."""
-        with _as_failure():
+        with failing_on_config_errors():
             return self.torchrun_spec().k8s_manifests(job_path, nproc_per_node, device, image, run_id, pvc=pvc,
                                                       mount=mount, workdir=workdir, namespace=namespace,
                                                       cpus_per_node=cpus_per_node, memory_gb=memory_gb)
@@ -449,7 +439,7 @@ class TorchrunResource(KilnResource):
         """The MLflow run of a training asset, its run folder keyed by ``spec`` (so a rerun resumes): the handle
         holds an identical earlier run's Output in ``reused``, or ``launch()`` runs the job."""
         where = context.asset_key.to_user_string()
-        with _as_failure():  # the one config check: a worker never fails on config the resource let through
+        with failing_on_config_errors():  # the one config check: a worker never fails on config the resource let through
             spec.validate(where)
         base = storage.local_base()
         spec = dataclasses.replace(spec, root=str(base))
