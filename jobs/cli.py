@@ -543,8 +543,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kiln.plan import describe_costs, describe_plan, load_cost
     from kiln.pretrained.config import PretrainedError
 
+    from jobs.preflight import check_numbers
+    from kiln.common.config import ConfigError
+
     preset = load_preset(args.preset)
     refused = preset_error(preset, PROJECT / ".kiln")  # the resources are objects only: nothing there is touched
+    if refused is None:  # each number inside its field's domain, as kiln run checks it before the first asset
+        try:
+            check_numbers(preset, PROJECT / ".kiln", ["pretrained_model", "tokenizer", "training_plan"])
+        except ConfigError as e:
+            refused = str(e)
     if refused:  # the preset as `kiln run` types it: a string for an integer is refused here as there
         print(f"kiln: preset {args.preset}: {refused}", file=sys.stderr)
         return 2
