@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.common.config import ConfigError
+from kiln.common.config import ConfigError, domains
 
 BLOCKS = ("model", "batch", "optim")  # where a swept field may live
 
@@ -75,6 +75,18 @@ def field_type(path: str, where: str = "sweep") -> tuple[str, str, type]:
         return block, name, tp
     hint = str(known[name].type).replace(" ", "")
     raise ConfigError(f"{where}: {path!r} is a {hint}, which a sweep cannot vary; sweep numbers, strings or flags")
+
+
+def in_domain(path: str, values: list[Any], where: str) -> list[Any]:
+    """``values`` of swept field ``path``, each inside the Domain the field declares (a point's run would refuse it
+    when it starts; the grid refuses it first): a ConfigError naming the field and the legal values."""
+    block, _, name = path.partition(".")
+    declared = domains(block_class(block)).get(name)
+    if declared is not None:
+        kind, domain = declared
+        for v in values:
+            domain.check(v, kind, where)
+    return values
 
 
 def typed(value: Any, kind: type, where: str) -> Any:
@@ -137,12 +149,13 @@ def expand(swept: list[Swept], mode: str = "grid", samples: int = 8, seed: int =
             if s.low is None or s.high is None or not s.low < s.high or (s.log and s.low <= 0):
                 raise ConfigError(f"{at}: the range needs low < high{' and low > 0 (log: true)' if s.log else ''}; "
                                   f"got low={s.low}, high={s.high}")
+            in_domain(s.field, [s.low, s.high], f"{at} range")  # every draw lies between the two
             axes.append([])  # drawn below
             continue
         if not given:
             raise ConfigError(f"{at}: no values: give values (numbers), choices (strings) or, with mode: random, "
                               "a low..high range")
-        axes.append([typed(v, kind, f"{at} value") for v in given])
+        axes.append(in_domain(s.field, [typed(v, kind, f"{at} value") for v in given], f"{at} value"))
     if mode == "grid":
         combos = list(itertools.product(*axes))
     else:

@@ -74,3 +74,11 @@ def test_ranking_puts_diverged_points_last_and_marginals_take_the_best():
     pts = [{"values": {"optim.lr": 1e-3, "optim.name": "adamw"}}, {"values": {"optim.lr": 1e-3, "optim.name": "muon"}},
            {"values": {"optim.lr": 2e-3, "optim.name": "muon"}}]
     assert marginals(pts, [3.0, 2.0, math.inf]) == {"optim.lr": [(1e-3, 2.0)]}
+
+
+def test_a_swept_value_or_range_outside_its_fields_domain_is_refused_by_the_grid_naming_it():
+    with pytest.raises(ConfigError, match=r"^sweep\.fields\[1\] \(optim\.lr\) value is -0\.5: give > 0$"):
+        expand([Swept("batch.global_batch", values=[8, 16]), Swept("optim.lr", values=[1e-3, -0.5])])
+    with pytest.raises(ConfigError, match=r"^sweep\.fields\[0\] \(optim\.beta2\) range is 1\.5: give 0 <= x < 1$"):
+        expand([Swept("optim.beta2", low=0.9, high=1.5)], mode="random", samples=2)
+    assert len(expand([Swept("optim.beta2", low=0.9, high=0.99)], mode="random", samples=3)) == 3
