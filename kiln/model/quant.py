@@ -1,8 +1,10 @@
 """4-bit NormalFloat (NF4) storage for frozen Linear weights, the base of QLoRA (kiln.model.lora, ``quantize: nf4``).
 
 ``w4 = to_nf4_weight(linear.weight, "blocks.0.mlp.c_fc")`` stores the weight as torchao's NF4Tensor (blocks of 64
-values, each block's absmax scale itself quantised to 8 bits in blocks of 256, as torchtune's QLoRA); ``nf4_linear``
-multiplies by it, dequantising on the fly in the activations' dtype. torchao is imported only when asked for.
+values, each block's absmax scale itself quantised to 8 bits in blocks of 256, as torchtune's QLoRA; a weight whose
+block count 256 does not divide, SmolLM2's 576 x 576 attention projections say, takes the largest divisor below it:
+scaler_block); ``nf4_linear`` multiplies by it, dequantising on the fly in the activations' dtype. torchao is imported
+only when asked for.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 
 NF4_BLOCK = 64  # weights sharing one absmax scale
-NF4_SCALER_BLOCK = 256  # block scales sharing one 8-bit quantisation factor (double quantisation)
+NF4_SCALER_BLOCK = 256  # block scales sharing one 8-bit quantisation factor (double quantisation), at most
 NF4_LEVELS = 16  # the 4-bit codebook: quantiles of N(0, 1) scaled to [-1, 1]
 NF4_MAX_GAP = 1.0 - 0.6962  # widest gap between neighbouring codebook levels (-1.0 .. -0.6962)
 
@@ -32,24 +34,26 @@ def _nf4():
 
 
 def check_nf4_shape(name: str, weight: torch.Tensor) -> None:
-    """Refuse a weight NF4 cannot hold, naming the layer: in_features must be a multiple of the block size and the
-    number of blocks a multiple of the scaler block."""
+    """Refuse a weight NF4 cannot hold, naming the layer: in_features must be a multiple of the block size."""
     out_f, in_f = weight.shape
     if in_f % NF4_BLOCK:
         raise ValueError(f"lora.quantize nf4: layer {name!r} has in_features {in_f}, not a multiple of the NF4 block "
                          f"size {NF4_BLOCK}; choose a model width that is, leave {name.rsplit('.', 1)[-1]!r} out of "
                          "lora.targets (it then stays unquantised), or set lora.quantize: none")
-    if (out_f * in_f // NF4_BLOCK) % NF4_SCALER_BLOCK:
-        raise ValueError(f"lora.quantize nf4: layer {name!r} ({out_f} x {in_f}) has {out_f * in_f // NF4_BLOCK} NF4 "
-                         f"blocks, not a multiple of the scaler block {NF4_SCALER_BLOCK} (out x in must be a multiple "
-                         f"of {NF4_BLOCK * NF4_SCALER_BLOCK}); choose wider layers, leave "
-                         f"{name.rsplit('.', 1)[-1]!r} out of lora.targets, or set lora.quantize: none")
+
+
+def scaler_block(n_blocks: int) -> int:
+    """Block scales per 8-bit quantisation factor for a weight of ``n_blocks`` NF4 blocks: 256 (QLoRA's) where it
+    divides them, else the largest divisor below 256 (torchao needs a whole number of scaler blocks; a smaller one
+    stores a few more factors, 4 bytes each, and the same or finer scales). Fixed by the shape alone, so a resumed
+    run quantises its base to the same bits."""
+    return max(d for d in range(1, min(NF4_SCALER_BLOCK, n_blocks) + 1) if n_blocks % d == 0)
 
 
 def to_nf4_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
     """(out, in) weight -> NF4Tensor of the same shape and dtype (its dtype is what it dequantises to)."""
     check_nf4_shape(name, weight)
-    return _nf4().to_nf4(weight.detach().contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
+    return _nf4().to_nf4(weight.detach().contiguous(), NF4_BLOCK, scaler_block(weight.numel() // NF4_BLOCK))
 
 
 def is_nf4(t: torch.Tensor) -> bool:
