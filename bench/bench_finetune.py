@@ -49,7 +49,10 @@ def variant_preset(variant: str, seed: int, path: Path) -> Path:
     if variant == "full":  # every weight trains: the demo's fine-tuning rates, not the adapters' tenfold ones
         ops["base_model"]["config"]["optim"] = {"lr": 1.0e-4}
         ops["sft_model"]["config"]["optim"] = {"lr": 5.0e-5}
-    path.write_text(json.dumps({"extends": "finetune", "ops": ops}, indent=1))
+    import yaml
+
+    # YAML, not JSON text: PyYAML reads JSON's 5e-05 as a string (its floats need a dot), which the preset refuses
+    path.write_text(yaml.safe_dump({"extends": "finetune", "ops": ops}, sort_keys=False))
     return path
 
 
