@@ -17,7 +17,7 @@ from kiln.clean.mixing import MixConfig
 from kiln.clean.pii import PiiConfig
 from kiln.clean.quality import QualityModelConfig, TokenOutlierConfig
 from kiln.clean.schema import DOC_COLUMNS, STAGE_SIGNALS
-from kiln.common.config import ConfigError, Domain, check_types, from_dict
+from kiln.common.config import ConfigError, Domain, check_domains, check_types, from_dict
 from kiln.common.files import stable_hash
 from kiln.filters import registry
 from kiln.filters.base import Filter
@@ -80,6 +80,7 @@ class CleanSettings(GopherQualityConfig):
                 raise ConfigError(f"clean.{name} must be a mapping of {cls.__name__} fields, got {value!r}.")
             check_types(getattr(self, name), f"clean.{name}")
         check_types(self, "clean")
+        check_domains(self, "clean")  # every number in its Domain, for a config made in code as from_dict checks it
         if not isinstance(self.exempt, dict) or not all(
                 isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
                 for k, v in self.exempt.items()):
