@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.common.config import Domain
+from kiln.common.config import Domain, check_domains
 from kiln.model.quant import check_nf4_shape, dequantize, is_nf4, nf4_linear, to_nf4_weight
 
 # The default targets, GPT-2's four projections, mean every Linear layer of the model's family
@@ -47,6 +47,7 @@ class LoRAConfig:
     quantize: Literal["none", "nf4"] = "none"  # the targets' frozen weights: as they are, or 4-bit NF4 (QLoRA)
 
     def __post_init__(self) -> None:
+        check_domains(self, "lora")  # rank >= 1 and the rest, for a config made in code as from_dict checks it
         if self.quantize not in QUANTIZE:
             raise ValueError(f"lora.quantize: unknown value {self.quantize!r}; choose 'none' (the frozen weights as "
                              "they are) or 'nf4' (4-bit NormalFloat, QLoRA)")
