@@ -46,7 +46,7 @@ from typing import Annotated, Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from kiln.common.config import ConfigError, Domain
+from kiln.common.config import ConfigError, Domain, check_domains
 from kiln.model import mup
 from kiln.model.parallel import is_dtensor
 
@@ -78,8 +78,7 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"optim.schedule: {self.schedule!r} is not a schedule; "
                               f"choose one of {', '.join(SCHEDULES)}")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ConfigError(f"optim.decay_fraction: {self.decay_fraction} must be between 0 and 1")
+        check_domains(self, "optim")  # every number in its Domain, for a config made in code as from_dict checks it
 
 
 # -- schedules: after warmup, the multiplier of each group's peak lr at ``step``

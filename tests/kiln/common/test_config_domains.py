@@ -121,5 +121,9 @@ def test_a_domain_holds_for_each_element_of_a_list_or_mapping_and_names_it():
 def test_a_job_made_in_code_is_checked_too():
     from kiln.posttrain.rl import RlJob
 
+    optim = resolve("kiln.train.optim.OptimConfig")()
+    optim.lr = 0  # changed after it was made (its own __post_init__ refuses lr=0 when it is made)
     with pytest.raises(ConfigError, match=r"^job\.optim\.lr is 0: give > 0$"):
-        RlJob(init_from="c", train_files=["p"], optim=resolve("kiln.train.optim.OptimConfig")(lr=0)).check()
+        RlJob(init_from="c", train_files=["p"], optim=optim).check()
+    with pytest.raises(ConfigError, match=r"^optim\.lr is 0: give > 0$"):
+        resolve("kiln.train.optim.OptimConfig")(lr=0)

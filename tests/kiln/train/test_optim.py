@@ -159,7 +159,7 @@ def test_one_lambda_lr_drives_both_optimizers() -> None:
 @pytest.mark.parametrize("key,value,message", [
     ("name", "sgd", r"optim\.name: 'sgd' is not an optimizer; choose one of adamw, muon"),
     ("schedule", "linear", r"optim\.schedule: 'linear' is not a schedule; choose one of cosine, wsd"),
-    ("decay_fraction", 1.5, r"optim\.decay_fraction: 1\.5 must be between 0 and 1"),
+    ("decay_fraction", 1.5, r"optim\.decay_fraction is 1\.5: give 0 <= x <= 1"),
 ])
 def test_unknown_optimizer_or_schedule_is_an_error_naming_the_key(key, value, message) -> None:
     with pytest.raises(ConfigError, match=message):
