@@ -29,7 +29,7 @@ class KilnConfig(Config):
 
     @model_validator(mode="after")
     def _numbers_in_their_domains(self):
-        check_model_domains(self, type(self).__name__, nested=False)  # nested blocks check themselves
+        check_model_domains(self, type(self).__name__)
         return self
 
 

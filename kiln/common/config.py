@@ -116,9 +116,10 @@ def _number_kind(hint: Any) -> type:
     return int
 
 
+@functools.cache
 def model_domains(cls: type) -> dict[str, tuple[type, Domain]]:
     """{field: (int or float, its Domain)} of a pydantic model class (the Dagster configs and resources built on
-    the core's dataclasses): the Domain in each field's ``Annotated`` metadata."""
+    the core's dataclasses): the Domain in each field's ``Annotated`` metadata (read once a class)."""
     out = {}
     for name, f in getattr(cls, "model_fields", {}).items():
         found = [d for d in f.metadata if isinstance(d, Domain)]
@@ -127,20 +128,15 @@ def model_domains(cls: type) -> dict[str, tuple[type, Domain]]:
     return out
 
 
-def check_model_domains(model: Any, where: str, nested: bool = True) -> None:
-    """ConfigError naming ``where.<field>`` for the first field of pydantic ``model`` (and, with ``nested``, of a
-    block inside it) outside its declared Domain. None in a field whose default is None means "not set": never out
-    of its domain."""
-    declared = model_domains(type(model))
-    for name, f in type(model).model_fields.items():
+def check_model_domains(model: Any, where: str) -> None:
+    """ConfigError naming ``where.<field>`` for the first field of pydantic ``model`` outside its declared Domain (a
+    block inside it is a model that checked its own when it was made). None in a field whose default is None means
+    "not set": never out of its domain."""
+    fields = type(model).model_fields
+    for name, (kind, domain) in model_domains(type(model)).items():
         value = getattr(model, name)
-        if value is None and f.default is None:
-            continue
-        if name in declared:
-            kind, domain = declared[name]
+        if not (value is None and fields[name].default is None):
             domain.check(value, kind, f"{where}.{name}")
-        elif nested and hasattr(type(value), "model_fields"):
-            check_model_domains(value, f"{where}.{name}")
 
 
 def check_domains(obj: Any, where: str) -> None:
