@@ -36,12 +36,14 @@ what the next run would redo and why. Examples:
   kiln lineage .kiln/storage/release_bundle/<version>      (or models:/kiln-demo@candidate; --json for JSON)
   kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware, without running anything
   kiln sweep --preset sweep-demo      a hyper-parameter sweep: every point a short training run, then the ranking
+  kiln ablate --preset ablation-demo  a data ablation: each rule's proxies over seeds, verdicts against the baseline
   kiln logbook RUN_OR_RELEASE                 every attempt of a training run (or each stage of a release), how it ended
   kiln arena RELEASE_A models:/kiln-demo/2    a blind side-by-side vote between models in the browser, with ratings
 """
 
 
-SWEEP_OPS = ("sweep_grid", "sweep_results")  # a preset's blocks for `kiln sweep` (jobs.sweeps), outside the pipeline job
+# a preset's blocks for `kiln sweep` and `kiln ablate` (jobs.sweeps), outside the pipeline job
+SWEEP_OPS = ("sweep_grid", "sweep_results", "ablation_grid", "ablation_report")
 
 
 def load_preset(name_or_path: str, keep_opt_in: bool = False, _chain: tuple[Path, ...] = (),
@@ -92,42 +94,81 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_in_home(args, home)
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    """``kiln sweep``: jobs.sweeps.run_sweep in the home, then the ranked points."""
+def run_points(args: argparse.Namespace, kind) -> dict[str, Any] | int:
+    """jobs.sweeps.run_sweep of ``kind`` in the home with the preset's blocks: its results asset's value, or the exit
+    code when the preset has no grid block (2) or a step failed (1; 2 for a refused config)."""
     from dagster import DagsterInstance
 
+    from jobs.console import RunConsole
     from jobs.definitions import make_definitions
     from jobs.home import home_lock, writable_home
-    from jobs.sweeps import DATA_ASSETS, SweepFailed, run_sweep
+    from jobs.sweeps import SweepFailed, run_sweep
 
+    verb = "sweep" if kind.grid == "sweep_grid" else "ablate"
     home = Path(args.home).resolve()
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
     preset = load_preset(args.preset, sweep=True)
-    if not (preset.get("ops") or {}).get("sweep_grid"):
-        print(f"kiln: preset {args.preset} has no sweep_grid block: say which fields to sweep (see conf/presets/sweep-demo.yaml)",
-              file=sys.stderr)
+    if not (preset.get("ops") or {}).get(kind.grid):
+        example = "sweep-demo" if verb == "sweep" else "ablation-demo"
+        print(f"kiln: preset {args.preset} has no {kind.grid} block: say which fields to vary (see "
+              f"conf/presets/{example}.yaml)", file=sys.stderr)
         return 2
-    from jobs.console import RunConsole
-    start = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    console = RunConsole(home / "logs" / f"sweep-{stamp}-events.log", [*DATA_ASSETS, "sweep_grid", "sweep", "sweep_results"],
+    console = RunConsole(home / "logs" / f"{verb}-{stamp}-events.log", [*kind.data, kind.grid, kind.point, kind.results],
                          verbose=args.verbose)
-    print(f"kiln sweep: preset {args.preset}; full log: {console.log_path}", flush=True)
-    with home_lock(writable_home(home), f"sweep {args.preset}"):
+    print(f"kiln {verb}: preset {args.preset}; full log: {console.log_path}", flush=True)
+    with home_lock(writable_home(home), f"{verb} {args.preset}"):
         try:
             with console, run_output(console), DagsterInstance.get() as instance:
-                results = run_sweep(make_definitions(home), instance, preset.get("ops") or {}, console.say,
-                                    tags={"kiln/preset": args.preset}, console=console)
+                return run_sweep(make_definitions(home), instance, preset.get("ops") or {}, console.say,
+                                 tags={"kiln/preset": args.preset}, console=console, kind=kind)
         except SweepFailed as e:
             if e.result is not None:
                 report_failure(e.result, home, args.verbose)
-            print(f"kiln sweep: {e}", file=sys.stderr)
+            print(f"kiln {verb}: {e}", file=sys.stderr)
             return 1 if e.result is not None else 2
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """``kiln sweep``: jobs.sweeps.run_sweep in the home, then the ranked points."""
+    from jobs.sweeps import SWEEP
+
+    start = time.time()
+    results = run_points(args, SWEEP)
+    if isinstance(results, int):
+        return results
     print(f"kiln sweep: {len(results['rows'])} points in {format_seconds(time.time() - start)}; best {results['best']['key']} "
           f"(final val loss {results['best']['final_val_loss']:.4f})")
     for r in results["rows"]:
         print(f"  {r['rank'] or '-':>3}  {r['key']:<40} {r['final_val_loss']:.4f}")
     print("Train the best point with training_plan.from_sweep: true (sweep-demo sets it): kiln run --preset sweep-demo")
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    """``kiln ablate``: a data ablation (jobs.sweeps.run_sweep with ABLATION), then each point beside the baseline."""
+    from jobs.sweeps import ABLATION
+
+    start = time.time()
+    report = run_points(args, ABLATION)
+    if isinstance(report, int):
+        return report
+    print(f"kiln ablate: {report['points']} points in {format_seconds(time.time() - start)} "
+          f"({report['reused_points']} reused whole); bits per byte on the fixed evaluation set, point minus baseline, "
+          "95% interval over seeds:")
+    for r in report["rows"]:
+        if "bpb" not in r:
+            print(f"  {r['point']:<32} {r['verdict']}: {r.get('note', '')}")
+            continue
+        interval = f"[{r['low']:+.4f}, {r['high']:+.4f}]" if r.get("low") is not None else ""
+        print(f"  {r['point']:<32} {r['kept_docs']:>6,} docs {r['train_tokens']:>10,} tokens  bpb {r['bpb']:.4f}  "
+              f"{r['diff']:+.4f} {interval:<20} {r['verdict']}")
+    mix = report.get("mixture")
+    if mix:
+        fit, ver = mix["fit"], mix["verification"]
+        print(f"kiln ablate: mixture regression over {fit['n']} mixtures: leave-one-out MAE {fit['loo_mae']:.4f} bpb "
+              f"(predicting the mean: {fit['loo_mae_mean']:.4f}); predicted best {mix['best']['shares']}; verified "
+              f"against the default: {ver['diff']:+.4f} [{ver['low']:+.4f}, {ver['high']:+.4f}] {ver['verdict']}")
     return 0
 
 
@@ -810,6 +851,12 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
                     "terminal as well as in the log file")
     sw.set_defaults(fn=cmd_sweep)
+    ab = sub.add_parser("ablate", help="run a preset's data ablation: the grid and evaluation set, every point's proxies (reused when they ran), the verdicts")
+    ab.add_argument("--preset", default="ablation-demo", help="name under conf/presets or a YAML path (its ablation_grid block)")
+    ab.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
+    ab.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
+                    "terminal as well as in the log file")
+    ab.set_defaults(fn=cmd_ablate)
     gen = sub.add_parser("generate", help="sample text from a release bundle, checkpoint or registered model")
     gen.add_argument("model", help="release bundle folder, checkpoint (or run folder), GGUF file, or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default 'The')")

@@ -16,6 +16,7 @@ from dagster import (
     in_process_executor,
 )
 
+from assets.ablation import ablation, ablation_grid, ablation_report
 from assets.collect import clean_corpus, raw_documents
 from assets.tokens import token_shards, tokenizer
 from assets.evals import benchmark_matrix, checkpoint_evals, contamination_below_threshold, contamination_report, eval_scores, eval_suite
@@ -45,8 +46,9 @@ OPT_IN = ("scaling_ladder", "judged_preferences", "reward_model", "ppo_model")
 # outside the pipeline job: checkpoint_evals (one partition per training checkpoint), benchmark_matrix (one per
 # checkpoint and standard benchmark) and the sweep (sweep_grid
 # makes sweep's partitions, one per point, which must all run before sweep_results): ``kiln sweep`` runs them
-PARTITIONED_ASSETS = [checkpoint_evals, benchmark_matrix, sweep]
-SWEEP_ASSETS = [sweep_grid, sweep_results]
+# and the data ablation (ablation_grid makes ablation's partitions; ablation_report reads them): ``kiln ablate``
+PARTITIONED_ASSETS = [checkpoint_evals, benchmark_matrix, sweep, ablation]
+SWEEP_ASSETS = [sweep_grid, sweep_results, ablation_grid, ablation_report]
 
 PIPELINE_DESCRIPTION = "Raw text to released model: every Kiln asset in order."
 kiln_pipeline_job = define_asset_job("kiln_pipeline_job", selection=AssetSelection.assets(*ALL_ASSETS),
@@ -57,6 +59,12 @@ sweep_job = define_asset_job("sweep_job", selection=AssetSelection.assets(sweep)
                              description="One point of the sweep (a partition of sweep); backfill every partition.")
 sweep_results_job = define_asset_job("sweep_results_job", selection=AssetSelection.assets(sweep_results),
                                      description="Rank the sweep's points once every partition of sweep has run.")
+ablation_grid_job = define_asset_job("ablation_grid_job", selection=AssetSelection.assets(ablation_grid),
+                                     description="Expand a data ablation into partitions of ablation and fix its evaluation set.")
+ablation_job = define_asset_job("ablation_job", selection=AssetSelection.assets(ablation),
+                                description="One point of the data ablation (a partition of ablation); backfill every partition.")
+ablation_report_job = define_asset_job("ablation_report_job", selection=AssetSelection.assets(ablation_report),
+                                       description="Compare every point with the baseline once every partition of ablation has run.")
 
 
 def launchpad_job(home: Path):
@@ -122,7 +130,7 @@ def make_definitions(home: Path = KILN_HOME, source_cache: str = "", launchpad: 
         assets=ALL_ASSETS + PARTITIONED_ASSETS + SWEEP_ASSETS,
         asset_checks=[contamination_below_threshold, release_no_regression, release_red_team],
         jobs=[launchpad_job(home) if launchpad else kiln_pipeline_job, checkpoint_eval_job, benchmark_matrix_job, sweep_grid_job, sweep_job,
-              sweep_results_job],
+              sweep_results_job, ablation_grid_job, ablation_job, ablation_report_job],
         schedules=[nightly_eval_schedule],
         sensors=[new_checkpoint_sensor],
         resources={**make_resources(home, source_cache), **resources},

@@ -1,17 +1,36 @@
-"""``kiln sweep``: a hyper-parameter sweep from start to end, as the UI would run it by hand: the data assets,
-``sweep_grid`` (which registers one partition of ``sweep`` per point), every partition of ``sweep`` (each a short
-training run, reused when it already ran), then ``sweep_results``.
+"""``kiln sweep`` and ``kiln ablate``: a sweep from start to end, as the UI would run it by hand: the data assets,
+the grid asset (which registers one partition of the point asset per point), every partition of the point asset
+(each a short training run, or a data point's proxies, reused when it already ran), then the results asset.
 
-``run_sweep(defs, instance, ops, say)`` is the whole of it; the CLI passes the preset's op settings.
+``run_sweep(defs, instance, ops, say)`` is the whole of it (``kind=ABLATION`` for an ablation); the CLI passes the
+preset's op settings.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from dagster import AssetKey
 
 DATA_ASSETS = ["pretrained_model", "raw_documents", "clean_corpus", "tokenizer", "token_shards"]
+
+
+@dataclass(frozen=True)
+class SweepKind:
+    """The assets and jobs of one kind of sweep."""
+
+    data: tuple[str, ...]  # the pipeline's assets it reads, materialized (or reused) first
+    grid: str  # asset that registers the partitions; its job is <grid>_job
+    point: str  # the partitioned asset; its job is <point>_job
+    results: str  # asset that reads every point; its job is <results>_job
+    show: Callable[[dict[str, Any]], str]  # a point's output as a few words for the progress line
+
+
+SWEEP = SweepKind(tuple(DATA_ASSETS), "sweep_grid", "sweep", "sweep_results",
+                  lambda v: f"final val loss {v['final_val_loss']:.4f}")
+ABLATION = SweepKind(("pretrained_model", "raw_documents", "clean_corpus", "tokenizer"), "ablation_grid", "ablation",
+                     "ablation_report", lambda v: "done")
 
 
 class SweepFailed(RuntimeError):
@@ -33,9 +52,9 @@ def _check(result, what: str) -> None:
 
 
 def run_sweep(defs, instance, ops: dict[str, Any], say: Callable[[str], None] = print,
-              tags: dict[str, str] | None = None, console=None) -> dict[str, Any]:
-    """Materialize the data, the grid, every point and the results; return sweep_results' value. ``ops`` is a
-    preset's op settings (those of the data assets, sweep_grid and sweep_results are used). ``console``: a
+              tags: dict[str, str] | None = None, console=None, kind: SweepKind = SWEEP) -> dict[str, Any]:
+    """Materialize the data, the grid, every point and the results; return the results asset's value. ``ops`` is
+    a preset's op settings (those of the data assets, the grid and the results are used). ``console``: a
     jobs.console.RunConsole that every run logs to (kiln sweep's), as kiln run's does; None: Dagster's default."""
     from dagster import DagsterInvalidConfigError, validate_run_config
 
@@ -63,18 +82,20 @@ def run_sweep(defs, instance, ops: dict[str, Any], say: Callable[[str], None] = 
         return result
 
     # (job, what a failure names, its run config): every setting checked before anything runs
+    verb = "kiln sweep" if kind is SWEEP else "kiln ablate"
     data, grid, results = [(name, what, {"ops": pick(names)}) for name, what, names in (
-        ("kiln_pipeline_job", "the data assets (raw_documents .. token_shards)", DATA_ASSETS),
-        ("sweep_grid_job", "sweep_grid", ["sweep_grid"]), ("sweep_results_job", "sweep_results", ["sweep_results"]))]
+        ("kiln_pipeline_job", f"the data assets ({kind.data[1]} .. {kind.data[-1]})", kind.data),
+        (f"{kind.grid}_job", kind.grid, [kind.grid]), (f"{kind.results}_job", kind.results, [kind.results]))]
     for name, what, run_config in (data, grid, results):
         job = defs.resolve_job_def(name)
         one_line(job, what, lambda: validate_run_config(job, run_config))
-    execute(*data, asset_selection=[AssetKey(k) for k in DATA_ASSETS])
-    points = execute(*grid).output_for_node("sweep_grid")["points"]
+    execute(*data, asset_selection=[AssetKey(k) for k in kind.data])
+    points = execute(*grid).output_for_node(kind.grid)["points"]
     keys = [p["key"] for p in points]
-    say(f"kiln sweep: {len(keys)} points: {', '.join(keys)}")
+    say(f"{verb}: {len(keys)} points: {', '.join(keys)}")
     for i, key in enumerate(keys):
-        value = execute("sweep_job", f"point {i + 1}/{len(keys)} ({key})", partition_key=key).output_for_node("sweep")
-        say(f"kiln sweep: point {i + 1}/{len(keys)} {key}: final val loss {value['final_val_loss']:.4f}")
+        value = execute(f"{kind.point}_job", f"point {i + 1}/{len(keys)} ({key})",
+                        partition_key=key).output_for_node(kind.point)
+        say(f"{verb}: point {i + 1}/{len(keys)} {key}: {kind.show(value)}")
     result = execute(*results)
-    return result.output_for_node("sweep_results")
+    return result.output_for_node(kind.results)

@@ -38,3 +38,28 @@ def line_plot_png(series: dict[str, list[tuple[float, float]]], title: str, xlab
     fig.savefig(buf, format="png", metadata={"Software": None})
     plt.close(fig)
     return buf.getvalue()
+
+
+def interval_plot_png(rows: list[tuple[str, float, float | None, float | None]], title: str, xlabel: str) -> bytes:
+    """One horizontal bar per (label, value, low, high): the value as a dot, its interval as a line (left out where
+    low is None), and a dashed line at 0: a difference from a baseline and its confidence interval, for each point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 0.9 + 0.35 * max(len(rows), 1)), dpi=90)
+    for i, (label, value, low, high) in enumerate(rows):
+        if low is not None and high is not None:
+            ax.plot([low, high], [i, i], color="tab:blue", linewidth=2)
+        ax.plot([value], [i], "o", color="tab:blue")
+    ax.axvline(0.0, linestyle="--", color="grey", linewidth=1)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.invert_yaxis()
+    ax.set(title=title, xlabel=xlabel)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kiln.common.config import ConfigError, domains
 
@@ -119,12 +119,20 @@ def show(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def training_kind(path: str, where: str) -> type:
+    """The python type of a training field (``field_type``), checking that it may be swept."""
+    return field_type(path, where)[2]
+
+
 def expand(swept: list[Swept], mode: str = "grid", samples: int = 8, seed: int = 0,
-           where: str = "sweep") -> list[Point]:
+           where: str = "sweep", kind_of: Callable[[str, str], type] = training_kind,
+           check: Callable[[str, list[Any], str], list[Any]] = in_domain) -> list[Point]:
     """The sweep's points: every combination of the fields' values (``grid``), or ``samples`` draws (``random``:
     ranges drawn uniformly, in log space where ``log``; values and choices picked uniformly) seeded by ``seed``.
     Duplicates are dropped. An empty grid, a field swept twice, a value of the wrong type or a range with
-    low >= high is a ConfigError naming the field."""
+    low >= high is a ConfigError naming the field. ``kind_of(path, where)`` types a field (and refuses one that
+    may not be swept) and ``check(path, values, where)`` holds the values to its domain: a training run's fields by
+    default; kiln.scaling.ablation passes its data fields'."""
     import numpy as np
 
     if mode not in ("grid", "random"):
@@ -137,7 +145,7 @@ def expand(swept: list[Swept], mode: str = "grid", samples: int = 8, seed: int =
     axes: list[list[Any]] = []
     for i, s in enumerate(swept):
         at = f"{where}.fields[{i}] ({s.field})"
-        _, _, kind = field_type(s.field, f"{where}.fields[{i}].field")
+        kind = kind_of(s.field, f"{where}.fields[{i}].field")
         given = list(s.values) + list(s.choices)
         if s.low is not None or s.high is not None:
             if mode != "random":
@@ -149,13 +157,13 @@ def expand(swept: list[Swept], mode: str = "grid", samples: int = 8, seed: int =
             if s.low is None or s.high is None or not s.low < s.high or (s.log and s.low <= 0):
                 raise ConfigError(f"{at}: the range needs low < high{' and low > 0 (log: true)' if s.log else ''}; "
                                   f"got low={s.low}, high={s.high}")
-            in_domain(s.field, [s.low, s.high], f"{at} range")  # every draw lies between the two
+            check(s.field, [s.low, s.high], f"{at} range")  # every draw lies between the two
             axes.append([])  # drawn below
             continue
         if not given:
             raise ConfigError(f"{at}: no values: give values (numbers), choices (strings) or, with mode: random, "
                               "a low..high range")
-        axes.append(in_domain(s.field, [typed(v, kind, f"{at} value") for v in given], f"{at} value"))
+        axes.append(check(s.field, [typed(v, kind, f"{at} value") for v in given], f"{at} value"))
     if mode == "grid":
         combos = list(itertools.product(*axes))
     else:
@@ -172,7 +180,7 @@ def expand(swept: list[Swept], mode: str = "grid", samples: int = 8, seed: int =
                 lo, hi = (math.log(s.low), math.log(s.high)) if s.log else (s.low, s.high)
                 x = float(rng.uniform(lo, hi))
                 x = math.exp(x) if s.log else x
-                kind = field_type(s.field)[2]
+                kind = kind_of(s.field, where)
                 combo.append(int(round(x)) if kind is int else float(f"{x:.4g}"))
             combos.append(tuple(combo))
     names = short_names(paths)
