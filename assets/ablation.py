@@ -22,6 +22,7 @@ from assets._common import asset_output, failing_on_config_errors, md_table
 from assets._config import KilnConfig
 from assets.collect import Clean
 from assets.scaling import SweptField
+from assets.tokens import TOKENIZER_HOLDOUT_PERMILLE  # a point's own BPE, as the shared one, never trains on these
 from assets.training import Batch, Hardware, ModelOverrides, Optim
 from kiln.common.config import ConfigError, Domain
 from kiln.common.files import atomic_write_json, stable_hash
@@ -34,7 +35,6 @@ from resources.tracking import MlflowResource
 
 ABLATION_POINTS = "ablation_points"  # the dynamic partitions set: one key per point of the grid ablation_grid expanded
 ablation_partitions = DynamicPartitionsDefinition(name=ABLATION_POINTS)
-TOKENIZER_HOLDOUT_PERMILLE = 50  # assets.tokens': a point's own BPE never trains on the evaluation documents
 
 
 class MixtureConfig(KilnConfig):

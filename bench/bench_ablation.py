@@ -67,18 +67,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="results path without suffix (writes .md and .json)")
     ap.add_argument("--home", default="", help="the home to run in (default: a fresh temporary folder)")
     ap.add_argument("--cache-from", default="", help="a home's storage/cache to copy in first (the source packages)")
+    ap.add_argument("--seeds", default="", help="comma-separated proxy seeds replacing the preset's (a second run on "
+                    "seeds that took no part in the first)")
     args = ap.parse_args(argv)
     print(f"machine: {machine_line()}", flush=True)
     home = Path(args.home or tempfile.mkdtemp(prefix="kiln-ablate-"))
     if args.cache_from:
         shutil.copytree(args.cache_from, home / "storage" / "cache", dirs_exist_ok=True)
-    first, out1 = ablate(args.preset, home)
+    preset = args.preset
+    if args.seeds:  # the preset, extended with other seeds
+        import yaml
+
+        seeds = [int(s) for s in args.seeds.split(",")]
+        preset = str(home / f"{Path(args.preset).stem}-seeds.yaml")
+        Path(preset).write_text(yaml.safe_dump({"extends": args.preset, "ops": {"ablation_grid": {"config": {"seeds": seeds}}}}))
+    first, out1 = ablate(preset, home)
     print(out1[-3000:], flush=True)
     report1 = newest_report(home)
-    second, out2 = ablate(args.preset, home)
+    second, out2 = ablate(preset, home)
     report2 = newest_report(home)
     argv = argv if argv is not None else sys.argv
-    result = {**header(argv), "preset": args.preset, "first_s": round(first, 1), "second_s": round(second, 1),
+    result = {**header(argv), "preset": args.preset, "seeds": args.seeds, "first_s": round(first, 1), "second_s": round(second, 1),
               "report": report1, "rerun_reused_points": report2["reused_points"], "rerun_points": report2["points"],
               "rerun_same_rows": report1["rows"] == report2["rows"], "stdout": out1[-6000:]}
     out = Path(args.out)

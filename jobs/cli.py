@@ -851,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
                     "terminal as well as in the log file")
     sw.set_defaults(fn=cmd_sweep)
-    ab = sub.add_parser("ablate", help="run a preset's data ablation: the grid and evaluation set, every point's proxies (reused when they ran), the verdicts")
+    ab = sub.add_parser("ablate", help="run a preset's data ablation: every point's proxies (reused when they ran), the verdicts")
     ab.add_argument("--preset", default="ablation-demo", help="name under conf/presets or a YAML path (its ablation_grid block)")
     ab.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
     ab.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "

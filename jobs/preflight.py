@@ -87,13 +87,14 @@ FILE_CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
 
 
 def asset_configs() -> dict[str, type]:
-    """{asset: its Config class}, read from each asset function's ``config`` parameter."""
+    """{asset: its Config class}, read from each asset function's ``config`` parameter (the pipeline's, the sweep's
+    and the ablation's)."""
     import typing
 
-    from jobs.definitions import ALL_ASSETS
+    from jobs.definitions import ALL_ASSETS, SWEEP_ASSETS
 
     out = {}
-    for a in ALL_ASSETS:
+    for a in ALL_ASSETS + SWEEP_ASSETS:
         hint = typing.get_type_hints(a.op.compute_fn.decorated_fn).get("config")
         if hint is not None:
             out[a.key.to_user_string()] = hint

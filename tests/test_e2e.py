@@ -270,6 +270,72 @@ def test_a_sweep_runs_every_point_as_a_partition_ranks_them_and_reuses_them(smok
     assert notes["sweep"]["point"] == first["best"]["key"]
 
 
+ABLATION_PROXY = {"model": {"family": "llama"}, "batch": {"seq_len": 64, "global_batch": 4}, "tokens": 2560,
+                  "seeds": [0, 1], "eval_mb": 0.05}  # the tiny llama, 10 steps a seed
+
+
+def test_a_data_ablation_scores_each_rule_over_seeds_shares_equal_corpora_and_reuses_every_point(smoke_run):
+    """kiln ablate's steps (jobs.sweeps.run_sweep with ABLATION) on the smoke home: MinHash dedup off, OLMo 2's rules
+    off (they remove nothing here: the point shares the baseline's corpus, tokens and runs) and a Gopher length
+    threshold no document passes (an empty point, marked); each scored point trains a proxy per seed, the report
+    compares it with the baseline and makes an MLflow child per point and seed; run again, every point is reused."""
+    from mlflow.tracking import MlflowClient
+
+    from jobs.sweeps import ABLATION, run_sweep
+
+    home, defs, instance, _ = smoke_run
+    ops = {**load_preset("smoke")["ops"], "ablation_grid": {"config": {**ABLATION_PROXY, "fields": [
+        {"field": "clean.minhash.enabled", "choices": ["false"]}, {"field": "clean.olmo2.enabled", "choices": ["false"]},
+        {"field": "clean.min_words", "values": [99999]}, {"field": "tokenizer.vocab_size", "values": [384]}]}}}
+    said: list[str] = []
+    first = run_sweep(defs, instance, ops, said.append, kind=ABLATION)
+    keys = ["baseline", "minhash.enabled=false", "olmo2.enabled=false", "min_words=99999", "vocab_size=384"]
+    assert said[0] == f"kiln ablate: 4 points: {', '.join(keys)}" and set(keys) <= set(instance.get_dynamic_partitions("ablation_points"))
+    rows = {r["point"]: r for r in first["rows"]}
+    assert list(rows) == keys and first["reused_points"] == 0
+    base, minhash, olmo2 = rows["baseline"], rows["minhash.enabled=false"], rows["olmo2.enabled=false"]
+    assert base["verdict"] == "baseline" and base["seeds"] == 2 and 0 < base["bpb"] < 10
+    assert minhash["kept_docs"] > base["kept_docs"] and minhash["verdict"] in ("helps", "hurts", "within noise")
+    assert minhash["low"] <= minhash["diff"] <= minhash["high"]
+    assert first["samples"]["minhash.enabled=false"]["let_in_count"] == minhash["kept_docs"] - base["kept_docs"]
+    assert olmo2["verdict"] == "same corpus" and olmo2["bpb"] == base["bpb"]  # the same runs, reused
+    assert rows["min_words=99999"]["verdict"] == "empty corpus" and "bpb" not in rows["min_words=99999"]
+    assert base["eval_overlap_removed"] >= first["eval"]["documents"]  # the evaluation documents never train
+    assert base["epochs"] == pytest.approx(2560 / base["train_tokens"], rel=1e-3)
+    vocab = rows["vocab_size=384"]  # its own BPE on the baseline's corpus: more tokens, bits per byte still comparable
+    assert vocab["kept_docs"] == base["kept_docs"] and vocab["train_tokens"] > base["train_tokens"]
+    assert abs(vocab["bpb"] - base["bpb"]) < 1.0
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("kiln")
+    parent = client.search_runs([exp.experiment_id], "tags.`dagster.asset_key` = 'ablation_report'", max_results=1)[0]
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(c.data.tags["mlflow.runName"] for c in children) == sorted(
+        f"{k} seed {s}" for k in keys[:3] + keys[4:] for s in (0, 1))
+    assert all(c.data.metrics["bpb"] > 0 for c in children)
+    again = run_sweep(defs, instance, ops, said.append, kind=ABLATION)
+    assert again["rows"] == first["rows"] and again["reused_points"] == 5
+
+
+def test_a_mixture_sweep_fits_the_regression_and_verifies_the_predicted_best_against_the_default(smoke_run):
+    """Three random mixtures of two groups (one seed each), the regression on their shares, and the predicted best
+    mixture trained with both seeds against the default mixture (the baseline, reused from the ablation above when
+    it ran first)."""
+    from jobs.sweeps import ABLATION, run_sweep
+
+    home, defs, instance, _ = smoke_run
+    ops = {**load_preset("smoke")["ops"], "ablation_grid": {"config": {**ABLATION_PROXY, "mixture": {
+        "groups": ["owt*", "*"], "samples": 3}}}}
+    report = run_sweep(defs, instance, ops, lambda _: None, kind=ABLATION)
+    assert [r["point"] for r in report["rows"]] == ["baseline", "mixture-01", "mixture-02", "mixture-03"]
+    assert all(r["seeds"] == 1 and r["verdict"] == "one seed" for r in report["rows"][1:])
+    mix = report["mixture"]
+    assert mix["fit"]["n"] == 3 and mix["fit"]["groups"] == ["owt*", "*"] and len(mix["trained"]) == 3
+    assert sum(mix["best"]["shares"].values()) == pytest.approx(1.0)
+    assert mix["record"]["values"] == {f"mix.{g}": w for g, w in mix["best"]["shares"].items()}
+    assert [r["seed"] for r in mix["record"]["runs"]] == [0, 1]
+    assert mix["verification"]["seeds"] == [0, 1] and mix["verification"]["verdict"] in ("helps", "hurts", "within noise")
+
+
 def rerun(smoke_run, select: list[str], ops: dict):
     _, defs, instance, _ = smoke_run
     job = defs.resolve_job_def("kiln_pipeline_job")

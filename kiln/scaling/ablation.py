@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import time
 import typing
 from dataclasses import dataclass, field
@@ -193,7 +194,10 @@ def point_clean(base: dict[str, Any], values: dict[str, Any], sources: list[str]
                 raise ConfigError(f"{where}: {path} is {show(v)} in the base clean config already: the point would "
                                   "be the baseline; give a value that differs")
             _set(merged, parts, v)
-    cfg = CleanConfig.from_dict(merged, f"{where}: clean")
+    try:
+        cfg = CleanConfig.from_dict(merged, f"{where}: clean")
+    except ConfigError as e:
+        raise (e if str(e).startswith(where) else ConfigError(f"{where}: {e}")) from None
     for path in values:
         parts = path.split(".")[1:]
         if path.startswith("clean.") and len(parts) > 1 and parts[-1] != "enabled":
@@ -358,8 +362,6 @@ def _commit(stage: Path, final: Path, record: dict[str, Any]) -> dict[str, Any]:
                                   if p.is_file()}}
     atomic_write_json(stage / "done.json", record)
     if final.exists() and _done(final) is None:
-        import shutil
-
         shutil.rmtree(final)  # a folder left incomplete: replaced whole
     commit_dir(stage, final)
     return record
@@ -375,20 +377,26 @@ def clean_point(raw: dict[str, Any], cfg, root: Path, shard_cache: Path, say: Sa
 
     conf = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_ONLY}
     folder = root / "clean" / stable_hash([STAGE_VERSION, raw["version"], conf])[:16]
-    if (rec := _done(folder)) is not None:
-        return {**rec, "path": str(folder / "corpus.parquet"), "removed": str(folder / "removed.parquet"), "reused": True}
-    shards = kshard.plan_shards(raw["path"], cfg.shard_docs)
-    with staging_dir(folder.parent) as stage:
-        try:
-            results = krun.clean_shards(raw["path"], shards, lambda s: shard_cache / kshard.shard_stage_key(s, cfg), cfg, say)
-            rep = kcorpus.write_clean_corpus(results, stage, cfg, raw["path"], progress=say).to_dict()
-        except EmptyCorpusError as e:
-            return {"empty": str(e).splitlines()[0], "reused": False}
-        record = {"content": corpus_content(str(stage / "corpus.parquet")), "kept_docs": rep["kept_docs"],
-                  "kept_bytes": rep["kept_bytes"], "dropped_docs": rep["dropped_docs"],
-                  "removed_by_rule": {r: v["docs"] for r, v in rep["reasons"].items()}}
-        rec = _commit(stage, folder, record)
-    return {**rec, "path": str(folder / "corpus.parquet"), "removed": str(folder / "removed.parquet"), "reused": False}
+    if (rec := _done(folder)) is None:
+        shards = kshard.plan_shards(raw["path"], cfg.shard_docs)
+        with staging_dir(folder.parent) as stage:
+            try:
+                results = krun.clean_shards(raw["path"], shards, lambda s: shard_cache / kshard.shard_stage_key(s, cfg),
+                                            cfg, say)
+                rep = kcorpus.write_clean_corpus(results, stage, cfg, raw["path"], progress=say).to_dict()
+                record = {"content": corpus_content(str(stage / "corpus.parquet")), "kept_docs": rep["kept_docs"],
+                          "kept_bytes": rep["kept_bytes"], "dropped_docs": rep["dropped_docs"],
+                          "removed_by_rule": {r: v["docs"] for r, v in rep["reasons"].items()}}
+            except EmptyCorpusError as e:  # kept as an outcome: a rerun reuses it too
+                for f in stage.iterdir():
+                    shutil.rmtree(f) if f.is_dir() else f.unlink()
+                record = {"empty": str(e).splitlines()[0]}
+            rec = {**_commit(stage, folder, record), "reused": False}
+    else:
+        rec = {**rec, "reused": True}
+    if "empty" in rec:
+        return {"empty": rec["empty"], "reused": rec["reused"]}
+    return {**rec, "path": str(folder / "corpus.parquet"), "removed": str(folder / "removed.parquet")}
 
 
 def point_tokenizer(clean: dict[str, Any], vocab_size: int, settings: dict[str, Any], root: Path,
@@ -543,7 +551,8 @@ def run_point(point: PointPlan, raw: dict[str, Any], shared_tok: dict[str, Any],
     clean = clean_point(raw, point.clean, root, shard_cache, say)
     record: dict[str, Any] = {"key": point.key, "values": point.values, "clean_reused": clean["reused"]}
     if "empty" in clean:
-        return {**record, "empty": clean["empty"], "runs": [], "wall_s": round(time.perf_counter() - start, 1)}
+        return {**record, "empty": clean["empty"], "runs": [], "wall_s": round(time.perf_counter() - start, 1),
+                "reused": clean["reused"]}
     tok = shared_tok if point.vocab_size is None else point_tokenizer(clean, point.vocab_size, tok_settings, root, say)
     tokens = point_tokens(clean, tok, eval_info, evalset, root, num_workers, say)
     if tokens["tokens"] == 0:
@@ -587,7 +596,8 @@ def changes(base: dict[str, Any], point: dict[str, Any], n: int = 3, chars: int 
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per point: documents and tokens kept, epochs, mean bits per byte, and its comparison with the
-    baseline (``compare``); an empty point is marked, never scored."""
+    baseline (``compare``); an empty point is marked, never scored, and a point whose clean corpus is the baseline's
+    (its change touched no document) says so instead of a difference."""
     base = next((r for r in records if r["key"] == BASELINE), None)
     if base is None or base.get("empty"):
         raise ConfigError("ablation: the baseline point " + ("has not run" if base is None else
@@ -603,7 +613,10 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row.update({"kept_docs": rec["kept_docs"], "train_tokens": rec["train_tokens"], "epochs": rec["epochs"],
                     "bpb": float(np.mean(list(bpb.values()))), "seeds": len(bpb),
                     "eval_overlap_removed": rec["eval_overlap_removed"]})
-        if rec["key"] != BASELINE:
+        if rec["key"] != BASELINE and rec.get("content") == base.get("content"):
+            row.update({"diff": 0.0, "verdict": "same corpus", "note": "the change removes or lets in nothing: the "
+                        "point shares the baseline's corpus, tokens and runs"})
+        elif rec["key"] != BASELINE:
             row.update(compare(base_bpb, bpb))
         else:
             row.update({"diff": 0.0, "verdict": "baseline", "base_sd": _sd(list(bpb.values())),

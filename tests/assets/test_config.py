@@ -438,17 +438,20 @@ def pipeline_schema():
 
     assert defs.resolve_job_def("kiln_pipeline_job") is not None and defs.resolve_job_def("checkpoint_eval_job") is not None
     return {name: defs.resolve_job_def(name).run_config_schema.config_type
-            for name in ("kiln_pipeline_job", "checkpoint_eval_job", "sweep_grid_job", "sweep_results_job")}
+            for name in ("kiln_pipeline_job", "checkpoint_eval_job", "sweep_grid_job", "sweep_results_job",
+                         "ablation_grid_job")}
 
 
 def test_every_asset_config_field_is_typed_documented_and_defaulted(pipeline_schema):
     from assets.evals import checkpoint_evals
+    from assets.ablation import ablation_grid
     from assets.scaling import sweep_grid, sweep_results
     from jobs.definitions import ALL_ASSETS
 
     seen, required = 0, []
     for job, assets in (("kiln_pipeline_job", ALL_ASSETS), ("checkpoint_eval_job", [checkpoint_evals]),
-                        ("sweep_grid_job", [sweep_grid]), ("sweep_results_job", [sweep_results])):
+                        ("sweep_grid_job", [sweep_grid]), ("sweep_results_job", [sweep_results]),
+                        ("ablation_grid_job", [ablation_grid])):
         for a in assets:
             name = a.key.to_user_string()
             for path, f in _all_fields(_block(pipeline_schema[job], f"ops.{name}.config")):
@@ -463,7 +466,7 @@ def test_every_asset_config_field_is_typed_documented_and_defaulted(pipeline_sch
     assert seen > 250
     # only a source entry's identity has no default: each inline source must say what it is
     assert required == [f"raw_documents.sources.{k}" for k in ("name", "kind", "format", "license")] + [
-        "sweep_grid.fields.field"]  # each list entry names what it is (a source, a swept field)
+        "sweep_grid.fields.field", "ablation_grid.fields.field"]  # each list entry names what it is (a source, a field)
 
 
 def test_every_registered_filter_has_its_section_in_the_clean_schema_and_its_rule_keys(pipeline_schema):

@@ -57,16 +57,16 @@ def test_help_lists_the_commands_with_examples(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: kiln [-h] {run,sweep,generate,chat,status,verify,config,plan,lineage,logbook,arena} ...")
+    assert out.startswith("usage: kiln [-h] {run,sweep,ablate,generate,chat,status,verify,config,plan,lineage,logbook,arena} ...")
     assert "kiln run --preset smoke --select eval_scores,release_bundle" in out
     assert "kiln plan --preset gpt2-124m-8gpu  the training plan a preset gets on its hardware" in out
     verbs = out.split("\ncommands:\n", 1)[1].split("\noptions:", 1)[0].splitlines()[1:]
-    assert [line.split()[0] for line in verbs if line.strip()] == ["run", "sweep", "generate", "chat", "status", "verify",
-                                                                  "config", "plan", "lineage", "logbook", "arena"]
+    assert [line.split()[0] for line in verbs if line.strip()] == ["run", "sweep", "ablate", "generate", "chat", "status",
+                                                                  "verify", "config", "plan", "lineage", "logbook", "arena"]
     assert all(len(line.split(None, 1)) == 2 for line in verbs if line.strip())  # each verb with its one line
 
 
-@pytest.mark.parametrize("verb", ["run", "sweep", "generate", "chat", "status", "verify", "config", "plan", "lineage",
+@pytest.mark.parametrize("verb", ["run", "sweep", "ablate", "generate", "chat", "status", "verify", "config", "plan", "lineage",
                                   "logbook", "arena"])
 def test_each_verbs_help_says_what_it_does_and_its_defaults(capsys, verb):
     with pytest.raises(SystemExit) as exit_:
@@ -198,6 +198,25 @@ def test_kiln_sweep_speaks_like_kiln_run_and_a_wrong_typed_value_is_one_line_bef
     assert "kiln sweep: 2 points: lr=0.001, lr=0.01" in lines and len(lines) <= 30, lines
     assert not any("DEBUG" in line or "STEP_" in line or "Traceback" in line for line in lines)
     assert "STEP_SUCCESS" in log.read_text()  # Dagster's events are all in the log file
+
+
+@pytest.mark.slow
+def test_kiln_ablate_refuses_a_mistyped_data_field_in_one_line_naming_the_valid_ones_before_anything_trains(
+        tmp_path, capsys, monkeypatch, source_cache):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    preset = tmp_path / "ablate.yaml"
+    preset.write_text(f"extends: smoke\nresources:\n  storage:\n    config: {{source_cache: {source_cache}}}\n"
+                      "ops:\n  ablation_grid:\n    config:\n      fields:\n        - {field: clean.olmo3.enabled, "
+                      "choices: [\"false\"]}\n")
+    home = tmp_path / "home"
+    assert main(["ablate", "--preset", str(preset), "--home", str(home)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("kiln ablate: ablation_grid failed: ConfigError: ablation_grid.fields[0].field: "
+                              "'clean.olmo3.enabled': clean has no data field 'olmo3'; choose one of ")
+    assert "olmo2" in err[-1] and not (home / "storage" / "ablation" / "runs").exists()  # nothing trained
+    preset.write_text("extends: smoke\n")
+    assert main(["ablate", "--preset", str(preset), "--home", str(home)]) == 2
+    assert "has no ablation_grid block" in capsys.readouterr().err
 
 
 def test_the_innermost_error_is_the_one_the_asset_raised():

@@ -8,7 +8,7 @@ EXPECTED = {"pretrained_model", "raw_documents", "clean_corpus", "tokenizer", "t
             "eval_suite", "contamination_report", "eval_scores", "checkpoint_evals", "benchmark_matrix", "instruction_data",
             "preference_data", "sft_model", "dpo_model", "rl_model", "judged_preferences", "reward_model", "ppo_model", "red_team_report",
             "release_bundle",
-            "scaling_ladder", "sweep_grid", "sweep", "sweep_results"}
+            "scaling_ladder", "sweep_grid", "sweep", "sweep_results", "ablation_grid", "ablation", "ablation_report"}
 
 
 def test_definitions_load_with_every_asset():
@@ -32,6 +32,8 @@ def test_lineage_edges():
     assert parents("token_shards") == {"clean_corpus", "tokenizer"}
     assert {"scaling_ladder", "sweep_results", "tokenizer", "token_shards"} <= parents("training_plan")
     assert parents("sweep") == {"sweep_grid"} and parents("sweep_results") == {"sweep_grid", "sweep"}
+    assert parents("ablation_grid") == {"raw_documents", "tokenizer"} and parents("ablation") == {"ablation_grid"}
+    assert parents("ablation_report") == {"ablation_grid", "ablation"}
     assert parents("tokenizer") == {"clean_corpus", "pretrained_model"}  # released weights -> tokenizer, plan -> base
     assert "pretrained_model" in parents("training_plan") and "training_plan" in parents("base_model")
     assert {"training_plan", "token_shards", "tokenizer"} <= parents("base_model")
@@ -66,10 +68,12 @@ def test_every_preset_is_valid_run_config():
         validate_run_config(job, {"ops": {"tokenizr": {"config": {}}}})
     for name in names:  # a preset's sweep blocks are kiln sweep's: valid for the sweep's own jobs
         ops = load_preset(name, sweep=True).get("ops", {})
-        for op in ("sweep_grid", "sweep_results"):
+        for op in ("sweep_grid", "sweep_results", "ablation_grid", "ablation_report"):
             if op in ops:
                 validate_run_config(defs.resolve_job_def(f"{op}_job"), {"ops": {op: ops[op]}})
     assert "sweep_grid" in load_preset("sweep-demo", sweep=True)["ops"] and "sweep_grid" not in load_preset("sweep-demo")["ops"]
+    assert "ablation_grid" in load_preset("ablation-demo", sweep=True)["ops"]
+    assert "ablation_grid" not in load_preset("ablation-demo")["ops"]
 
 
 def test_gpu_preset_8gpu_differs_only_in_hardware():
