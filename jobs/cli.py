@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import json
 import os
 import sys
@@ -18,6 +17,7 @@ from typing import Any, Callable
 import yaml
 
 from jobs.console import format_seconds
+from jobs.errors import config_error_line, innermost_error, unknown_name_line
 from kiln.common.config import deep_merge
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -252,25 +252,6 @@ def run_output(console):
         yield
 
 
-# Dagster's own exceptions wrap the error raised in an asset body (as its cause); they are not what went wrong.
-WRAPPERS = ("RetryRequested", "RetryRequestedFromPolicy")
-
-
-def innermost_error(error) -> tuple[str, str]:
-    """(class name, message) of the deepest error in a SerializableErrorInfo's cause / context chain that is not a
-    Dagster wrapper: the error the asset raised (a dagster.Failure counts when nothing is beneath it)."""
-    found, seen = error, error
-    while seen is not None:
-        if not seen.cls_name or not (seen.cls_name.startswith("Dagster") or seen.cls_name in WRAPPERS):
-            found = seen
-        seen = seen.cause or seen.context
-    message = found.message.strip()
-    head = message.split(":", 1)
-    if len(head) == 2 and head[0].rsplit(".", 1)[-1] == found.cls_name:  # "pkg.mod.Cls: text" -> "text"
-        message = head[1].strip()
-    return found.cls_name, " ".join(line.strip() for line in message.splitlines() if line.strip())
-
-
 def report_failure(result, home: Path, verbose: bool) -> Path:
     """Say on stderr, first, why each failed step failed (one line each: step, error class, message), then where
     the full traces are: ``<home>/logs/<run id>.log`` (written atomically); ``verbose`` prints the traces too."""
@@ -463,54 +444,6 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     else:
         print(lineage_tree(info, full=args.full), end="")
     return 0
-
-
-def config_error_line(error, job) -> str:
-    """Dagster's refusal of a run config as one line: the first error's key and where it is (dotted, as in the
-    preset), with the closest allowed key for a typo, and how many errors follow."""
-    first, more = error.errors[0], len(error.errors) - 1
-    path = [str(getattr(e, "field_name", getattr(e, "list_index", "?"))) for e in first.stack.entries]
-    where = ".".join(path) or "the top level"
-    names = getattr(first.error_data, "field_names", None) or [getattr(first.error_data, "field_name", "")]
-    if first.reason.name in ("FIELD_NOT_DEFINED", "FIELDS_NOT_DEFINED"):
-        close = difflib.get_close_matches(names[0], _allowed_keys(job.run_config_schema.config_type, path), n=1)
-        line = f"unknown key '{names[0]}' in {where}" + (f"; did you mean '{close[0]}'?" if close else "")
-    else:
-        line = first.message.split(" Expected")[0].rstrip(".") + f" ({where})"
-    return line + (f" (and {more} more error{'s' * (more > 1)})" if more else "")
-
-
-def unknown_name_line(run_config: dict[str, Any], job) -> str | None:
-    """The ops and resources a preset names that ``job`` does not have, as one line (the first, with the closest
-    known name, and how many more); None when every name is known."""
-    schema = job.run_config_schema.config_type
-    found = []
-    for section, what in (("ops", "op"), ("resources", "resource")):
-        allowed = _allowed_keys(schema, [section])
-        block = run_config.get(section) or {}
-        for name in (block if isinstance(block, dict) else {}):
-            if name not in allowed:
-                close = difflib.get_close_matches(name, allowed, n=1)
-                hint = f"did you mean '{close[0]}'?" if close else f"{what}s are: {', '.join(sorted(allowed))}"
-                found.append(f"unknown {what} '{name}' in {section}; {hint}")
-    if not found:
-        return None
-    more = len(found) - 1
-    return found[0] + (f" (and {more} more error{'s' * (more > 1)})" if more else "")
-
-
-def _allowed_keys(config_type, path: list[str]) -> list[str]:
-    """The field names of the config block at ``path`` in a Dagster config type ([] when it is not a block)."""
-    for name in [*path, None]:
-        while getattr(config_type, "inner_type", None) is not None:  # Noneable / Array wrappers
-            config_type = config_type.inner_type
-        fields = getattr(config_type, "fields", None) or {}
-        if name is None:
-            return list(fields)
-        if name not in fields:
-            return []
-        config_type = fields[name].config_type
-    return []
 
 
 def preset_n_vocab(tok: dict[str, Any]) -> int:

@@ -44,7 +44,7 @@ class SweepFailed(RuntimeError):
 def _check(result, what: str) -> None:
     if result.success:
         return
-    from jobs.cli import innermost_error
+    from jobs.errors import innermost_error
 
     failed = [e for e in result.all_events if e.is_step_failure]
     kind, message = innermost_error(failed[0].step_failure_data.error) if failed else ("", "the run failed")
@@ -58,7 +58,7 @@ def run_sweep(defs, instance, ops: dict[str, Any], say: Callable[[str], None] = 
     jobs.console.RunConsole that every run logs to (kiln sweep's), as kiln run's does; None: Dagster's default."""
     from dagster import DagsterInvalidConfigError, validate_run_config
 
-    from jobs.cli import config_error_line
+    from jobs.errors import config_error_line
 
     tags = tags or {}
     pick = lambda names: {k: v for k, v in ops.items() if k in names}  # noqa: E731

@@ -574,23 +574,30 @@ def run_point(point: PointPlan, raw: dict[str, Any], shared_tok: dict[str, Any],
 def changes(base: dict[str, Any], point: dict[str, Any], n: int = 3, chars: int = 300) -> dict[str, list[dict]]:
     """What the point's change removed (documents the baseline kept and the point did not, with the rule that
     dropped each in the point) and let in (kept by the point, dropped by the baseline, with the baseline's rule):
-    counts and ``n`` samples of each, their openings ``chars`` long."""
+    counts and ``n`` samples of each (a seeded draw), their openings ``chars`` long."""
     import pyarrow.parquet as pq
 
-    def kept(rec: dict[str, Any]) -> dict[str, str]:
-        t = pq.read_table(rec["clean"], columns=["id", "text"])
-        return dict(zip(t.column("id").to_pylist(), t.column("text").to_pylist()))
+    def ids(path: str) -> list[str]:
+        return pq.read_table(path, columns=["id"]).column("id").to_pylist()
 
-    def reasons(rec: dict[str, Any], ids: set[str]) -> dict[str, str]:
-        t = pq.read_table(rec["removed"], columns=["id", "reason"])
-        return {i: r for i, r in zip(t.column("id").to_pylist(), t.column("reason").to_pylist()) if i in ids}
+    def rows(path: str, wanted: list[str], column: str) -> dict[str, str]:  # only the sampled rows are read whole
+        if not wanted:
+            return {}
+        t = pq.read_table(path, columns=["id", column], filters=[("id", "in", wanted)])
+        return dict(zip(t.column("id").to_pylist(), t.column(column).to_pylist()))
 
-    b, p = kept(base), kept(point)
-    gone, new = sorted(set(b) - set(p)), sorted(set(p) - set(b))
-    why_gone, why_new = reasons(point, set(gone[:n])), reasons(base, set(new[:n]))
-    sample = lambda ids, texts, why: [{"id": i, "reason": why.get(i, "-"),  # noqa: E731
-                                       "text": " ".join(texts[i].split())[:chars]} for i in ids[:n]]
-    return {"removed": sample(gone, b, why_gone), "let_in": sample(new, p, why_new),
+    b, p = set(ids(base["clean"])), set(ids(point["clean"]))
+    gone, new = sorted(b - p), sorted(p - b)
+
+    def sample(picked: list[str], corpus: str, removed: str) -> list[dict[str, str]]:
+        texts, why = rows(corpus, picked, "text"), rows(removed, picked, "reason")
+        return [{"id": i, "reason": why.get(i, "-"), "text": " ".join(texts.get(i, "").split())[:chars]} for i in picked]
+
+    import random
+
+    pick = lambda ids: sorted(random.Random(0).sample(ids, min(n, len(ids))))  # noqa: E731 (seeded: the same each time)
+    return {"removed": sample(pick(gone), base["clean"], point["removed"]),
+            "let_in": sample(pick(new), point["clean"], base["removed"]),
             "removed_count": len(gone), "let_in_count": len(new)}
 
 
