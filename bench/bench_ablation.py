@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"Predicted best mixture (mean of the {best['top']} best of {best['candidates']:,} candidates): "
                   f"{best['shares']}, predicted {best['predicted_bpb']:.4f} bits per byte.", "",
                   f"Verification, {len(ver['seeds'])} seeds, predicted best minus default mixture: **{ver['diff']:+.4f}** "
-                  f"[{f(ver['low'])}, {f(ver['high'])}], seed sd {f(ver['base_sd'])} (default) and {f(ver['point_sd'])} "
+                  f"[{f(ver['low'])}, {f(ver['high'])}], seed sd {ver['base_sd']:.4f} (default) and {ver['point_sd']:.4f} "
                   f"(best): **{ver['verdict']}**.", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     print(f"wrote {out.with_suffix('.md')}")
