@@ -63,6 +63,8 @@ class AblationGridConfig(KilnConfig):
     optim: Optim = Field(default_factory=Optim, description="The proxy's optimizer (the pretraining recipe's by default).")
     tokens: Annotated[int, Domain(1)] = Field(default=400_000, description="Tokens every point trains on; a point with fewer repeats its data (its epochs are reported).")
     seeds: Annotated[list[int], Domain(0)] = Field(default=[0, 1, 2], description="Proxy seeds (initialisation and data order); at least three for an interval worth reading.")
+    benchmarks: list[str] = Field(default=[], description="Standard benchmarks (eval_suite's names: arc_easy, hellaswag, piqa, ...) each proxy is also scored on, paired by seed against the baseline; worth it only where the proxy is large enough to rise above chance.")
+    benchmark_items: Annotated[int, Domain(2)] = Field(default=200, description="Items per benchmark: a seeded sample, the same for every point and seed.")
     vocab_train_mb: Annotated[float, Domain(0, low_open=True)] = Field(default=20.0, description="tokenizer.vocab_size points: MB of the point's corpus its BPE trains on.")
     split_digits: bool = Field(default=True, description="tokenizer.vocab_size points: split numbers into digits (as the tokenizer asset's default).")
 
@@ -114,6 +116,16 @@ def ablation_grid(context: AssetExecutionContext, config: AblationGridConfig, ra
         if tokenizer.get("kind") == "pretrained" and any(f.field == "tokenizer.vocab_size" for f in config.fields):
             raise ConfigError("ablation_grid: tokenizer.vocab_size with a pretrained model's tokenizer: the proxies "
                               "would not share its vocabulary; drop the field or the pretrained model")
+    if config.benchmarks:  # a bad name or a missing package: one line, before anything is cleaned or trained
+        import tempfile
+
+        from kiln.evaluation.standard import BenchmarkError, prepare
+
+        try:
+            with tempfile.TemporaryDirectory(prefix="kiln-ablation-bench-") as tmp:
+                prepare(list(config.benchmarks), storage.cache_dir, tmp, config.benchmark_items, kabl.BENCHMARK_SEED)
+        except (BenchmarkError, KeyError, ValueError) as e:
+            raise Failure(description=f"ablation_grid.benchmarks: {e}", allow_retries=False) from e
     baseline = kabl.clean_point(raw_documents, cleans[kabl.BASELINE], root, storage.path("clean_shards"), context.log.info)
     if "empty" in baseline:
         raise Failure(f"ablation_grid: the baseline clean config keeps no document: {baseline['empty']}")
@@ -131,6 +143,7 @@ def ablation_grid(context: AssetExecutionContext, config: AblationGridConfig, ra
         "tokenizer_settings": {"train_mb": config.vocab_train_mb, "heldout_mb": 2.0, "split_digits": config.split_digits,
                                "holdout_permille": TOKENIZER_HOLDOUT_PERMILLE},
         "proxy": proxy_settings(config), "optim": config.optim.to_dict(), "tokens": config.tokens, "seeds": seeds,
+        **({"benchmarks": list(config.benchmarks), "benchmark_items": config.benchmark_items} if config.benchmarks else {}),
         "shape": {k: shape[k] for k in ("params", "tokens_per_step", "seq_len", "micro_batch")},
         "base_clean": base, "sources": sources,
     }
@@ -164,7 +177,8 @@ def point_runner(context, grid: dict, storage: KilnStorageResource, torchrun: To
     """run(point dict) -> the point's record: kiln.scaling.ablation.run_point with the grid's inputs and torchrun."""
     from kiln.clean.config import CleanConfig
 
-    proxy = kabl.Proxy(lambda n: proxy_plan(grid["proxy"], n), grid["optim"], grid["tokens"], grid["seeds"])
+    proxy = kabl.Proxy(lambda n: proxy_plan(grid["proxy"], n), grid["optim"], grid["tokens"], grid["seeds"],
+                       grid.get("benchmarks", []), grid.get("benchmark_items", 200), str(storage.cache_dir))
 
     def launch(job: dict, run_dir: Path, name: str) -> dict:
         hw = proxy_plan(grid["proxy"], grid["tokenizer"]["n_vocab"])["hardware"]
@@ -314,6 +328,11 @@ def ablation_report(context: AssetExecutionContext, ablation_grid: dict, storage
                 "differences": MetadataValue.md(f"![differences](data:image/png;base64,{base64.b64encode(png).decode()})"),
                 "changes": MetadataValue.md(examples or "_no point changed the corpus_"),
                 "reused_points": value["reused_points"], "report_s": round(time.perf_counter() - start, 1)}
+        bench = [{"point": r["point"], "benchmark": n, "score": _fmt(b["score"]), "chance": _fmt(b["chance"]),
+                  "diff": _fmt(b["diff"]), "low": _fmt(b["low"]), "high": _fmt(b["high"]), "verdict": b["verdict"]}
+                 for r in rows for n, b in (r.get("benchmarks") or {}).items()]
+        if bench:
+            meta["benchmarks"] = md_table(bench)
         if mixture:
             fit, ver = mixture["fit"], mixture["verification"]
             meta.update({"mixture_fit": md_table([{"n": fit["n"], "r2": _fmt(fit["r2"]), "loo_mae": _fmt(fit["loo_mae"]),

@@ -276,9 +276,10 @@ ABLATION_PROXY = {"model": {"family": "llama"}, "batch": {"seq_len": 64, "global
 
 def test_a_data_ablation_scores_each_rule_over_seeds_shares_equal_corpora_and_reuses_every_point(smoke_run):
     """kiln ablate's steps (jobs.sweeps.run_sweep with ABLATION) on the smoke home: MinHash dedup off, OLMo 2's rules
-    off (they remove nothing here: the point shares the baseline's corpus, tokens and runs) and a Gopher length
-    threshold no document passes (an empty point, marked); each scored point trains a proxy per seed, the report
-    compares it with the baseline and makes an MLflow child per point and seed; run again, every point is reused."""
+    off (they remove nothing here: the point shares the baseline's corpus, tokens and runs), a Gopher length
+    threshold no document passes (an empty point, marked) and a smaller vocabulary; each scored point trains a proxy
+    per seed, scored in bits per byte and on ARC-Easy, the report compares it with the baseline and makes an MLflow
+    child per point and seed; run again, every point is reused."""
     from mlflow.tracking import MlflowClient
 
     from jobs.sweeps import ABLATION, run_sweep
@@ -286,7 +287,8 @@ def test_a_data_ablation_scores_each_rule_over_seeds_shares_equal_corpora_and_re
     home, defs, instance, _ = smoke_run
     ops = {**load_preset("smoke")["ops"], "ablation_grid": {"config": {**ABLATION_PROXY, "fields": [
         {"field": "clean.minhash.enabled", "choices": ["false"]}, {"field": "clean.olmo2.enabled", "choices": ["false"]},
-        {"field": "clean.min_words", "values": [99999]}, {"field": "tokenizer.vocab_size", "values": [384]}]}}}
+        {"field": "clean.min_words", "values": [99999]}, {"field": "tokenizer.vocab_size", "values": [384]}],
+        "benchmarks": ["arc_easy"], "benchmark_items": 8}}}
     said: list[str] = []
     first = run_sweep(defs, instance, ops, said.append, kind=ABLATION)
     keys = ["baseline", "minhash.enabled=false", "olmo2.enabled=false", "min_words=99999", "vocab_size=384"]
@@ -297,6 +299,8 @@ def test_a_data_ablation_scores_each_rule_over_seeds_shares_equal_corpora_and_re
     assert base["verdict"] == "baseline" and base["seeds"] == 2 and 0 < base["bpb"] < 10
     assert minhash["kept_docs"] > base["kept_docs"] and minhash["verdict"] in ("helps", "hurts", "within noise")
     assert minhash["low"] <= minhash["diff"] <= minhash["high"]
+    arc = minhash["benchmarks"]["arc_easy"]  # each proxy scored on ARC-Easy's seeded 8 items too, paired by seed
+    assert 0 <= arc["score"] <= 1 and arc["chance"] == 0.25 and arc["verdict"] in ("helps", "hurts", "within noise")
     assert first["samples"]["minhash.enabled=false"]["let_in_count"] == minhash["kept_docs"] - base["kept_docs"]
     assert olmo2["verdict"] == "same corpus" and olmo2["bpb"] == base["bpb"]  # the same runs, reused
     assert rows["min_words=99999"]["verdict"] == "empty corpus" and "bpb" not in rows["min_words=99999"]

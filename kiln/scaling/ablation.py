@@ -490,6 +490,9 @@ class Proxy:
     optim: dict[str, Any]
     tokens: int  # every point trains this many tokens (repeating its data where it has fewer)
     seeds: list[int]
+    benchmarks: list[str] = field(default_factory=list)  # standard benchmarks each proxy is also scored on
+    benchmark_items: int = 200  # a seeded sample of this many items per benchmark
+    cache_dir: str = ""  # where the benchmarks' data packages are cached
 
     def steps(self, plan: dict[str, Any]) -> int:
         return max(1, math.ceil(self.tokens / plan["tokens_per_step"]))
@@ -524,8 +527,44 @@ def train_seeds(tokens: dict[str, Any], ev: dict[str, Any], tok: dict[str, Any],
                      "bpb": bits_per_byte(result["final_val_loss"], ev["tokens"], ev["bytes"]),
                      "wall_s": round(result["wall_s"], 1), "reused": reused, "run_dir": str(run_dir),
                      "curve": [(h["step"], h["val_loss"]) for h in result.get("history", [])
-                               if h.get("val_loss") is not None]})
+                               if h.get("val_loss") is not None],
+                     **({"benchmarks": benchmark_scores(run_dir, result["checkpoint"], proxy, say)}
+                        if proxy.benchmarks else {})})
     return rows
+
+
+BENCHMARK_SEED = 1234  # the items drawn from each benchmark: the same sample for every point and seed
+
+
+def benchmark_scores(run_dir: Path, checkpoint: str, proxy: Proxy, say: Say) -> dict[str, dict[str, float]]:
+    """The proxy's primary score on each of ``proxy.benchmarks`` (lm-eval's definition, through Kiln's adapter, on
+    a seeded sample of ``benchmark_items`` items), with its chance level; kept beside the run and reused while the
+    benchmarks and the sample are the same."""
+    import tempfile
+
+    from kiln.evaluation.registry import REGISTRY
+    from kiln.evaluation.standard import prepare
+    from kiln.evaluation.standard.suite import score_benchmarks
+    from kiln.train.checkpoint import load_for_inference
+
+    key = {"benchmarks": list(proxy.benchmarks), "items": proxy.benchmark_items, "seed": BENCHMARK_SEED}
+    kept = run_dir / "benchmarks.json"
+    try:
+        found = json.loads(kept.read_text())
+        if found.get("key") == key:
+            return found["scores"]
+    except (OSError, ValueError):
+        pass
+    with tempfile.TemporaryDirectory(prefix="kiln-ablation-bench-") as tmp:
+        prepared = prepare(list(proxy.benchmarks), proxy.cache_dir, tmp, proxy.benchmark_items, BENCHMARK_SEED)
+        model, enc, _ = load_for_inference(checkpoint)
+        full, _ = score_benchmarks(model, enc, prepared, None, seed=BENCHMARK_SEED, progress=say)
+    scores = {}
+    for name, row in full.items():
+        metric = REGISTRY.benchmark(name).primary.split(",", 1)[0]
+        scores[name] = {"score": row[metric], "chance": row["chance"], "items": row["items"], "metric": metric}
+    atomic_write_json(kept, {"key": key, "scores": scores})
+    return scores
 
 
 @dataclass
@@ -601,6 +640,22 @@ def changes(base: dict[str, Any], point: dict[str, Any], n: int = 3, chars: int 
             "removed_count": len(gone), "let_in_count": len(new)}
 
 
+def benchmark_rows(base: list[dict[str, Any]], point: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per benchmark both runs were scored on: the point's mean score, its chance level, and its difference from
+    the baseline paired by seed (``compare``: here a positive difference helps)."""
+    names = [n for n in (base[0].get("benchmarks") or {}) if all(n in (r.get("benchmarks") or {}) for r in point)] \
+        if base else []
+    out = {}
+    for n in names:
+        b = {r["seed"]: r["benchmarks"][n]["score"] for r in base}
+        p = {r["seed"]: r["benchmarks"][n]["score"] for r in point}
+        c = compare(b, p)
+        verdict = {"helps": "hurts", "hurts": "helps"}.get(c["verdict"], c["verdict"])  # higher is better here
+        out[n] = {**c, "verdict": verdict, "score": float(np.mean(list(p.values()))),
+                  "chance": point[0]["benchmarks"][n]["chance"]}
+    return out
+
+
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per point: documents and tokens kept, epochs, mean bits per byte, and its comparison with the
     baseline (``compare``); an empty point is marked, never scored, and a point whose clean corpus is the baseline's
@@ -625,6 +680,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "point shares the baseline's corpus, tokens and runs"})
         elif rec["key"] != BASELINE:
             row.update(compare(base_bpb, bpb))
+            if bench := benchmark_rows(base["runs"], rec["runs"]):
+                row["benchmarks"] = bench
         else:
             row.update({"diff": 0.0, "verdict": "baseline", "base_sd": _sd(list(bpb.values())),
                         "point_sd": _sd(list(bpb.values()))})

@@ -163,3 +163,14 @@ def test_the_regression_finds_a_linear_law_and_the_best_mixture_leans_to_the_che
     assert best["predicted_bpb"] < min(kmix.predict(fit, m) for m in mixes) + 0.05
     with pytest.raises(ConfigError, match="at least 3"):
         kmix.fit(mixes[:2], [1.0, 2.0])
+
+
+def test_benchmark_scores_are_compared_by_seed_with_higher_better():
+    run = lambda seed, acc: {"seed": seed, "benchmarks": {"arc_easy": {"score": acc, "chance": 0.25}}}  # noqa: E731
+    base = [run(0, 0.30), run(1, 0.31), run(2, 0.29)]
+    better = kabl.benchmark_rows(base, [run(0, 0.40), run(1, 0.42), run(2, 0.41)])["arc_easy"]
+    assert better["verdict"] == "helps" and better["diff"] == pytest.approx(0.11) and better["chance"] == 0.25
+    assert better["score"] == pytest.approx(0.41)
+    worse = kabl.benchmark_rows(base, [run(0, 0.20), run(1, 0.21), run(2, 0.19)])["arc_easy"]
+    assert worse["verdict"] == "hurts"
+    assert kabl.benchmark_rows([{"seed": 0}], [{"seed": 0}]) == {}  # no benchmark scored: no rows
