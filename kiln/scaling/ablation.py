@@ -679,7 +679,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row.update({"diff": 0.0, "verdict": "same corpus", "note": "the change removes or lets in nothing: the "
                         "point shares the baseline's corpus, tokens and runs"})
         elif rec["key"] != BASELINE:
-            row.update(compare(base_bpb, bpb))
+            row.update({**compare(base_bpb, bpb), "seeds": len(bpb)})  # the count; compare's list is the paired seeds
             if bench := benchmark_rows(base["runs"], rec["runs"]):
                 row["benchmarks"] = bench
         else:
