@@ -176,3 +176,26 @@ def report_metadata(report: dict[str, Any], run) -> dict[str, Any]:
         elif v is not None:
             meta[key] = v
     return {**meta, **mlflow_meta(run)}
+
+
+def point_records(files: dict[str, Path], results: str, point_asset: str, command: str) -> list[dict[str, Any]]:
+    """The records a sweep's partitions wrote ({point key: its file}), in order, for the results asset ``results``;
+    a point not run yet or an unreadable file fails it in one line naming the partitions of ``point_asset`` to
+    materialize (``command`` runs them all)."""
+    import json
+
+    from dagster import Failure
+
+    records, missing = [], []
+    for key, f in files.items():
+        if not f.is_file():
+            missing.append(key)
+            continue
+        try:
+            records.append(json.loads(f.read_text()))
+        except ValueError as e:
+            raise Failure(f"{results}: {f} is not readable ({e}); rematerialize partition {key!r} of {point_asset}")
+    if missing:
+        raise Failure(f"{results}: {len(missing)} of {len(files)} points have not run: {', '.join(missing)}. "
+                      f"Materialize those partitions of {point_asset} ({command} runs them)")
+    return records

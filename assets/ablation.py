@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from dagster import AssetExecutionContext, DynamicPartitionsDefinition, Failure, MetadataValue, Output, asset
 from pydantic import Field
 
-from assets._common import asset_output, failing_on_config_errors, md_table
+from assets._common import asset_output, failing_on_config_errors, md_table, point_records
 from assets._config import KilnConfig
 from assets.collect import Clean
 from assets.scaling import SweptField
@@ -222,22 +222,8 @@ def ablation(context: AssetExecutionContext, ablation_grid: dict, storage: KilnS
 
 
 def _records(grid: dict, storage: KilnStorageResource) -> list[dict]:
-    import json
-
-    records, missing = [], []
-    for p in grid["points"]:
-        f = point_file(storage, grid["version"], p["key"])
-        if not f.is_file():
-            missing.append(p["key"])
-            continue
-        try:
-            records.append(json.loads(f.read_text()))
-        except ValueError as e:
-            raise Failure(f"ablation_report: {f} is not readable ({e}); rematerialize partition {p['key']!r} of ablation")
-    if missing:
-        raise Failure(f"ablation_report: {len(missing)} of {len(grid['points'])} points have not run: "
-                      f"{', '.join(missing)}. Materialize those partitions of ablation (kiln ablate --preset P runs them)")
-    return records
+    return point_records({p["key"]: point_file(storage, grid["version"], p["key"]) for p in grid["points"]},
+                         "ablation_report", "ablation", "kiln ablate --preset P")
 
 
 def verify_mixture(context, grid: dict, records: list[dict], storage: KilnStorageResource,

@@ -7,7 +7,6 @@ best point with ``from_sweep: true``. The ladder: ``scaling_ladder`` (opt-in, ``
 """
 
 
-import json
 import math
 import time
 from pathlib import Path
@@ -17,14 +16,14 @@ from dagster import (AssetExecutionContext, DynamicPartitionsDefinition, Failure
                      asset)
 from pydantic import Field
 
-from assets._common import asset_output, failing_on_config_errors, line_plot, md_table, report_metadata
+from assets._common import asset_output, failing_on_config_errors, line_plot, md_table, point_records, report_metadata
 from assets._config import KilnConfig
 from assets.training import Batch, ModelOverrides, Optim, TrainingPlanConfig
 from kiln.common.config import ConfigError, Domain
 from kiln.common.files import atomic_write_json, stable_hash
 from kiln.scaling import ladder as kladder
 from kiln.scaling.sweep import Point, Swept, expand, marginals, overrides, ranked
-from kiln.train.launch import RunSpec, pretrain_report
+from kiln.train.launch import RunSpec, finished, pretrain_report
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
@@ -156,19 +155,8 @@ def sweep(context: AssetExecutionContext, sweep_grid: dict, storage: KilnStorage
 def sweep_results(context: AssetExecutionContext, sweep_grid: dict, storage: KilnStorageResource,
                   mlflow: MlflowResource) -> Output[dict]:
     """Every point of the sweep ranked by final validation loss: the table, the loss against each swept field, the best point (training_plan takes it with from_sweep: true), and an MLflow parent run with a child run per point."""
-    rows, missing = [], []
-    for p in sweep_grid["points"]:
-        f = point_file(storage, sweep_grid["version"], p["key"])
-        if not f.is_file():
-            missing.append(p["key"])
-            continue
-        try:
-            rows.append(json.loads(f.read_text()))
-        except ValueError as e:
-            raise Failure(f"sweep_results: {f} is not readable ({e}); rematerialize partition {p['key']!r} of sweep")
-    if missing:
-        raise Failure(f"sweep_results: {len(missing)} of {len(sweep_grid['points'])} points have not run: "
-                      f"{', '.join(missing)}. Materialize those partitions of sweep (kiln sweep --preset P runs them)")
+    rows = point_records({p["key"]: point_file(storage, sweep_grid["version"], p["key"]) for p in sweep_grid["points"]},
+                         "sweep_results", "sweep", "kiln sweep --preset P")
     order = ranked([dict(r) for r in rows])
     best = order[0]
     if best["rank"] is None:
@@ -233,16 +221,6 @@ def ladder_plan(config: ScalingLadderConfig, rung: kladder.Rung, n_vocab: int) -
     batch = {**config.batch.to_dict(), "max_steps": rung.steps}
     made, _, bc, hw = plan_from_config(n_vocab, "", rung.model, batch, {}, {}, "scaling_ladder")
     return {**made.to_dict(), "hardware": hw.__dict__, "max_steps": bc.max_steps}
-
-
-def finished(out_dir: Path, steps: int) -> dict | None:
-    """result.json of a completed run of ``steps`` steps in ``out_dir`` whose final checkpoint is there, else None."""
-    try:
-        result = json.loads((out_dir / "result.json").read_text())
-    except (OSError, ValueError):
-        return None
-    ok = result.get("outcome") == "completed" and result.get("steps") == steps and Path(result.get("checkpoint", "")).is_dir()
-    return result if ok else None
 
 
 @asset(code_version="1", group_name="decisions")

@@ -471,16 +471,6 @@ def point_tokens(clean: dict[str, Any], tok: dict[str, Any], eval_info: dict[str
     return {**rec, "train": [str(p) for p in kshards.shard_paths(folder, "train")], "key": folder.name}
 
 
-def finished(out_dir: Path, steps: int) -> dict | None:
-    """result.json of a completed run of ``steps`` steps in ``out_dir`` whose final checkpoint is there, else None."""
-    try:
-        result = json.loads((out_dir / "result.json").read_text())
-    except (OSError, ValueError):
-        return None
-    ok = result.get("outcome") == "completed" and result.get("steps") == steps and Path(result.get("checkpoint", "")).is_dir()
-    return result if ok else None
-
-
 @dataclass
 class Proxy:
     """The proxy every point trains: its plan (kiln.plan, for the point's vocabulary), the optimizer, the token
@@ -505,7 +495,7 @@ def train_seeds(tokens: dict[str, Any], ev: dict[str, Any], tok: dict[str, Any],
                 root: Path, launch: Launch, say: Say, label: str) -> list[dict[str, Any]]:
     """One proxy run per seed on the point's shards, scored on the evaluation shards (every window of them): its
     bits per byte, epochs over the point's data, and the run folder (reused when it finished)."""
-    from kiln.train.launch import RunSpec
+    from kiln.train.launch import RunSpec, finished
 
     plan = proxy.plan(tok["n_vocab"])
     steps = proxy.steps(plan)

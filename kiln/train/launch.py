@@ -104,6 +104,19 @@ class RunSpec:
         return job
 
 
+def finished(out_dir: Path, steps: int) -> dict | None:
+    """result.json of a completed run of ``steps`` steps in ``out_dir`` whose final checkpoint is there, else None:
+    what a ladder rung or an ablation proxy reuses instead of training again."""
+    import json
+
+    try:
+        result = json.loads((out_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = result.get("outcome") == "completed" and result.get("steps") == steps and Path(result.get("checkpoint", "")).is_dir()
+    return result if ok else None
+
+
 def under_root(value: Any, root: str) -> Any:
     """``value`` with every path under ``root`` written relative to it ("<storage>/..."): what is the same in a
     copied or moved home."""
