@@ -575,8 +575,13 @@ def run_point(point: PointPlan, raw: dict[str, Any], shared_tok: dict[str, Any],
     and tokens kept, epochs, each seed's bits per byte, seconds, and what was reused. A point whose corpus is empty
     is recorded with ``empty`` (and no runs) instead of failing the sweep."""
     start = time.perf_counter()
-    cached: dict[str, EvalSet] = {}
-    evalset = lambda: cached.setdefault("x", EvalSet.of(read_eval_docs(eval_info)))  # noqa: E731 (built once, if needed)
+    cached: list[EvalSet] = []
+
+    def evalset() -> EvalSet:  # built once, and only when a point's tokens are written
+        if not cached:
+            cached.append(EvalSet.of(read_eval_docs(eval_info)))
+        return cached[0]
+
     clean = clean_point(raw, point.clean, root, shard_cache, say)
     record: dict[str, Any] = {"key": point.key, "values": point.values, "clean_reused": clean["reused"]}
     if "empty" in clean:
