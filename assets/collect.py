@@ -111,10 +111,7 @@ def _clean(context: AssetExecutionContext, cfg, storage: KilnStorageResource, ra
     """Both stages on the executor of ``clean.executor``: the per-document stage into the shard cache, then the
     corpus stage into ``folder``. The shard results (each with ``cached``), the report, and the Ray job (None
     locally)."""
-    cache = storage.path("clean_shards")
-    kshard.remove_stale_staging(cache)  # what killed runs left
-    shards = kshard.plan_shards(raw, cfg.shard_docs)
-    out_dir = lambda s: cache / kshard.shard_stage_key(s, cfg)  # noqa: E731
+    shards, out_dir = kshard.cached_shards(raw, cfg, storage.path("clean_shards"))
     say = context.log.info
     say(f"clean_corpus: {len(shards)} shards of up to {cfg.shard_docs} documents")
     if cfg.executor != "ray":

@@ -360,3 +360,13 @@ def remove_stale_staging(cache_root: str | Path) -> list[Path]:
     before = stale_before()
     return [p for d in sorted(root.iterdir()) if SHARD_DIR.fullmatch(d.name) and d.is_dir()
             for p in _remove_stale(d, before)]
+
+
+def cached_shards(in_path: str | Path, cfg: CleanSettings, cache_root: str | Path
+                  ) -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], Path]]:
+    """The shards of ``in_path`` and where each one's per-document output is kept under ``cache_root`` (keyed by its
+    rows and the stage's config, so any corpus cleaned with the same rules reuses it), after removing what killed
+    runs left there: what clean_corpus and a data ablation's points both clean through."""
+    cache_root = Path(cache_root)
+    remove_stale_staging(cache_root)
+    return plan_shards(in_path, cfg.shard_docs), lambda s: cache_root / shard_stage_key(s, cfg)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
+import itertools
 import json
 import math
 import shutil
@@ -34,7 +36,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from kiln.common.config import ConfigError, domains
-from kiln.common.files import atomic_write_json, commit_dir, sha256_file, stable_hash, staging_dir
+from kiln.common.files import (atomic_write_json, check_witness, commit_dir, sha256_file, stable_hash, staging_dir,
+                               witness)
 from kiln.scaling.sweep import Point, Swept, expand, short_names, show, typed
 
 BASELINE = "baseline"  # the key of the point that changes nothing
@@ -154,12 +157,6 @@ def expand_data(swept: list[Swept], mode: str = "one_at_a_time", samples: int = 
 
 # -- a point's clean config, checked
 
-def _get(d: dict[str, Any], parts: list[str]) -> Any:
-    for p in parts:
-        d = d.get(p, {}) if isinstance(d, dict) else {}
-    return d
-
-
 def _set(d: dict[str, Any], parts: list[str], value: Any) -> None:
     for p in parts[:-1]:
         d = d.setdefault(p, {})
@@ -178,7 +175,7 @@ def point_clean(base: dict[str, Any], values: dict[str, Any], sources: list[str]
     from kiln.clean.mixing import group_of
 
     merged = copy.deepcopy(base)
-    defaults = dataclasses.asdict(CleanConfig())
+    base_cfg = CleanConfig.from_dict(base, f"{where}: clean")
     for path, v in values.items():
         block, _, rest = path.partition(".")
         if block == "mix":
@@ -189,8 +186,7 @@ def point_clean(base: dict[str, Any], values: dict[str, Any], sources: list[str]
             merged.setdefault("mix", {}).setdefault("weights", {})[rest] = v
         elif block == "clean":
             parts = rest.split(".")
-            was = _get(merged, parts) if _get(merged, parts) != {} else _get(defaults, parts)
-            if was == v and len(values) == 1:
+            if len(values) == 1 and functools.reduce(getattr, parts, base_cfg) == v:
                 raise ConfigError(f"{where}: {path} is {show(v)} in the base clean config already: the point would "
                                   "be the baseline; give a value that differs")
             _set(merged, parts, v)
@@ -347,22 +343,20 @@ def corpus_content(path: str) -> str:
 
 
 def _done(folder: Path) -> dict[str, Any] | None:
-    """A stage folder's record (done.json) when it and every file it lists are whole, else None."""
+    """A stage folder's record (done.json) when every file its witness lists is still whole
+    (kiln.common.files.check_witness: a changed file is hashed and compared), else None."""
     try:
         rec = json.loads((folder / "done.json").read_text())
     except (OSError, ValueError):
         return None
-    ok = all((folder / name).is_file() and (folder / name).stat().st_size == size
-             for name, size in rec.get("files", {}).items())
-    return rec if ok else None
+    return rec if "witness" in rec and check_witness(folder, rec["witness"]) is None else None
 
 
 def _commit(stage: Path, final: Path, record: dict[str, Any]) -> dict[str, Any]:
-    record = {**record, "files": {str(p.relative_to(stage)): p.stat().st_size for p in sorted(stage.rglob("*"))
-                                  if p.is_file()}}
+    record = {**record, "witness": witness(stage)}  # a rename keeps each file's time: the witness holds at ``final``
     atomic_write_json(stage / "done.json", record)
     if final.exists() and _done(final) is None:
-        shutil.rmtree(final)  # a folder left incomplete: replaced whole
+        shutil.rmtree(final)  # a folder left incomplete or damaged: replaced whole
     commit_dir(stage, final)
     return record
 
@@ -378,11 +372,10 @@ def clean_point(raw: dict[str, Any], cfg, root: Path, shard_cache: Path, say: Sa
     conf = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_ONLY}
     folder = root / "clean" / stable_hash([STAGE_VERSION, raw["version"], conf])[:16]
     if (rec := _done(folder)) is None:
-        shards = kshard.plan_shards(raw["path"], cfg.shard_docs)
+        shards, out_dir = kshard.cached_shards(raw["path"], cfg, shard_cache)
         with staging_dir(folder.parent) as stage:
             try:
-                results = krun.clean_shards(raw["path"], shards, lambda s: shard_cache / kshard.shard_stage_key(s, cfg),
-                                            cfg, say)
+                results = krun.clean_shards(raw["path"], shards, out_dir, cfg, say)
                 rep = kcorpus.write_clean_corpus(results, stage, cfg, raw["path"], progress=say).to_dict()
                 record = {"content": corpus_content(str(stage / "corpus.parquet")), "kept_docs": rep["kept_docs"],
                           "kept_bytes": rep["kept_bytes"], "dropped_docs": rep["dropped_docs"],
@@ -450,16 +443,12 @@ def point_tokens(clean: dict[str, Any], tok: dict[str, Any], eval_info: dict[str
     if (rec := _done(folder)) is None:
         index, removed = evalset(), [0]
 
-        def kept() -> Iterator[tuple[str, str]]:
-            batch: list[tuple[str, str]] = []
-            for doc in [*corpus_texts(clean["path"]), None]:
-                if doc is not None:
-                    batch.append(doc)
-                if batch and (doc is None or len(batch) == 512):
-                    hits = index.overlaps(batch)
-                    removed[0] += sum(hits)
-                    yield from (d for d, hit in zip(batch, hits) if not hit)
-                    batch = []
+        def kept() -> Iterator[tuple[str, str]]:  # the corpus streamed 512 documents at a time
+            docs = corpus_texts(clean["path"])
+            for batch in iter(lambda: list(itertools.islice(docs, 512)), []):
+                hits = index.overlaps(batch)
+                removed[0] += sum(hits)
+                yield from (d for d, hit in zip(batch, hits) if not hit)
 
         with staging_dir(folder.parent) as stage:
             manifest = kshards.write_shards(enc, kept(), stage, 10_000_000, 0, num_workers)
