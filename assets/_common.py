@@ -5,6 +5,7 @@ An asset body: ``with asset_output(context, mlflow, parent=storage.path("x"), co
 
 import base64
 import contextlib
+import math
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -199,3 +200,22 @@ def point_records(files: dict[str, Path], results: str, point_asset: str, comman
         raise Failure(f"{results}: {len(missing)} of {len(files)} points have not run: {', '.join(missing)}. "
                       f"Materialize those partitions of {point_asset} ({command} runs them)")
     return records
+
+
+def log_child_run(out: AssetOutput, name: str, kind: str, params: dict[str, Any], metrics: dict[str, float],
+                  curve: list[tuple[int, float]] = (), tags: dict[str, str] | None = None) -> None:
+    """One finished MLflow child run under the asset's run ``out`` (a sweep's point, an ablation's point and seed):
+    its params (names MLflow refuses, a glob's * or ?, written with _), finite metrics, and a val_loss curve."""
+    import re
+
+    client = out.run.client
+    child = client.create_run(out.run.experiment_id, tags={"mlflow.parentRunId": out.run_id, "mlflow.runName": name,
+                                                           "kiln.kind": kind, **(tags or {})})
+    for k, v in params.items():
+        client.log_param(child.info.run_id, re.sub(r"[^\w\-. :/]", "_", k), v)
+    for k, v in metrics.items():
+        if v is not None and math.isfinite(v):
+            client.log_metric(child.info.run_id, k, v)
+    for step, loss in curve:
+        client.log_metric(child.info.run_id, "val_loss", loss, step=int(step))
+    client.set_terminated(child.info.run_id, "FINISHED")

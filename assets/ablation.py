@@ -8,9 +8,9 @@ trains the predicted best mixture against the default one.
 """
 
 
+import base64
 import dataclasses
 import math
-import re
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,9 +18,10 @@ from typing import Annotated, Any
 from dagster import AssetExecutionContext, DynamicPartitionsDefinition, Failure, MetadataValue, Output, asset
 from pydantic import Field
 
-from assets._common import asset_output, failing_on_config_errors, md_table, point_records
+from assets._common import asset_output, failing_on_config_errors, log_child_run, md_table, point_records
 from assets._config import KilnConfig
 from assets.collect import Clean
+from assets.evals import prepared_benchmarks
 from assets.scaling import SweptField
 from assets.tokens import TOKENIZER_HOLDOUT_PERMILLE  # a point's own BPE, as the shared one, never trains on these
 from assets.training import Batch, Hardware, ModelOverrides, Optim
@@ -102,37 +103,11 @@ def proxy_plan(settings: dict[str, Any], n_vocab: int) -> dict[str, Any]:
     return {**made.to_dict(), "hardware": hw.__dict__}
 
 
-@asset(code_version="1", group_name="decisions")
-def ablation_grid(context: AssetExecutionContext, config: AblationGridConfig, raw_documents: dict, tokenizer: dict,
-                  storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
-    """The points of a data ablation (rules, thresholds, dedup, the quality classifier, the source mixture or the vocabulary, each checked before anything trains), registered as partitions of `ablation`; and the evaluation set, fixed here: documents of the baseline's clean corpus no point trains on."""
-    root = storage.path("ablation")
-    sources = _sources(raw_documents)
-    with failing_on_config_errors():
-        points = _points(config)
-        base = config.clean.to_dict(changed_only=True)
-        cleans = {p.key: kabl.point_clean(base, p.values, sources, f"ablation_grid point {p.key}") for p in points}
-        shape = proxy_plan(proxy_settings(config), tokenizer["n_vocab"])
-        if tokenizer.get("kind") == "pretrained" and any(f.field == "tokenizer.vocab_size" for f in config.fields):
-            raise ConfigError("ablation_grid: tokenizer.vocab_size with a pretrained model's tokenizer: the proxies "
-                              "would not share its vocabulary; drop the field or the pretrained model")
-    if config.benchmarks:  # a bad name or a missing package: one line, before anything is cleaned or trained
-        import tempfile
-
-        from kiln.evaluation.standard import BenchmarkError, prepare
-
-        try:
-            with tempfile.TemporaryDirectory(prefix="kiln-ablation-bench-") as tmp:
-                prepare(list(config.benchmarks), storage.cache_dir, tmp, config.benchmark_items, kabl.BENCHMARK_SEED)
-        except (BenchmarkError, KeyError, ValueError) as e:
-            raise Failure(description=f"ablation_grid.benchmarks: {e}", allow_retries=False) from e
-    baseline = kabl.clean_point(raw_documents, cleans[kabl.BASELINE], root, storage.path("clean_shards"), context.log.info)
-    if "empty" in baseline:
-        raise Failure(f"ablation_grid: the baseline clean config keeps no document: {baseline['empty']}")
-    docs = kabl.choose_eval_docs(baseline["path"], config.eval_permille, config.eval_mb)
-    eval_info = kabl.write_eval_docs(docs, root / "evalsets" / f"{baseline['content'][:16]}-{config.eval_permille}-{config.eval_mb:g}.parquet")
+def _grid_value(config: AblationGridConfig, points: list[Point], cleans: dict, eval_info: dict, raw_documents: dict,
+                tokenizer: dict, shape: dict, base: dict, sources: list[str]) -> dict[str, Any]:
+    """ablation_grid's value: every point with its seeds and clean config, and what every point shares."""
     seeds = list(config.seeds)
-    value = {
+    return {
         "points": [{"key": p.key, "values": p.values,
                     "seeds": seeds[:config.mixture.seeds_per_mixture] if p.key.startswith("mixture-") else seeds,
                     "vocab_size": p.values.get("tokenizer.vocab_size"),
@@ -147,6 +122,31 @@ def ablation_grid(context: AssetExecutionContext, config: AblationGridConfig, ra
         "shape": {k: shape[k] for k in ("params", "tokens_per_step", "seq_len", "micro_batch")},
         "base_clean": base, "sources": sources,
     }
+
+
+@asset(code_version="1", group_name="decisions")
+def ablation_grid(context: AssetExecutionContext, config: AblationGridConfig, raw_documents: dict, tokenizer: dict,
+                  storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:
+    """The points of a data ablation (rules, thresholds, dedup, the quality classifier, the source mixture or the vocabulary, each checked before anything trains), registered as partitions of `ablation`; and the evaluation set, fixed here: documents of the baseline's clean corpus no point trains on."""
+    root = storage.path("ablation")
+    sources = _sources(raw_documents)
+    with failing_on_config_errors():
+        points = _points(config)
+        base = config.clean.to_dict(changed_only=True)
+        cleans = {p.key: kabl.point_clean(base, p.values, sources, f"ablation_grid point {p.key}") for p in points}
+        shape = proxy_plan(proxy_settings(config), tokenizer["n_vocab"])
+        if tokenizer.get("kind") == "pretrained" and any(f.field == "tokenizer.vocab_size" for f in config.fields):
+            raise ConfigError("ablation_grid: tokenizer.vocab_size with a pretrained model's tokenizer: the proxies "
+                              "would not share its vocabulary; drop the field or the pretrained model")
+    # a bad benchmark name or a missing package: one line, before anything is cleaned or trained
+    prepared_benchmarks(list(config.benchmarks), config.benchmark_items, kabl.BENCHMARK_SEED, storage,
+                        where="ablation_grid.benchmarks")
+    baseline = kabl.clean_point(raw_documents, cleans[kabl.BASELINE], root, storage.path("clean_shards"), context.log.info)
+    if "empty" in baseline:
+        raise Failure(f"ablation_grid: the baseline clean config keeps no document: {baseline['empty']}")
+    docs = kabl.choose_eval_docs(baseline["path"], config.eval_permille, config.eval_mb)
+    eval_info = kabl.write_eval_docs(docs, root / "evalsets" / f"{baseline['content'][:16]}-{config.eval_permille}-{config.eval_mb:g}.parquet")
+    value = _grid_value(config, points, cleans, eval_info, raw_documents, tokenizer, shape, base, sources)
     value["version"] = stable_hash(value)[:16]
     known = set(context.instance.get_dynamic_partitions(ABLATION_POINTS))
     new = [p.key for p in points if p.key not in known]
@@ -155,14 +155,14 @@ def ablation_grid(context: AssetExecutionContext, config: AblationGridConfig, ra
     context.log.info(f"ablation_grid: {len(points)} points ({len(new)} new partitions of ablation); evaluation set "
                      f"{eval_info['documents']} documents, {eval_info['bytes'] / 1e6:.2f} MB")
     with asset_output(context, mlflow, params={"points": len(points), "mode": config.mode,
-                                              "seeds": len(seeds), "tokens": config.tokens}) as out:
+                                              "seeds": len(config.seeds), "tokens": config.tokens}) as out:
         steps = math.ceil(config.tokens / shape["tokens_per_step"])
         rows = [{"point": p["key"], "changes": ", ".join(f"{k}={v}" for k, v in p["values"].items()) or "-",
                  "seeds": len(p["seeds"])} for p in value["points"]]
         return out.result(value, {
             "points": len(points), "new_partitions": len(new), "grid": md_table(rows),
             "proxy": f"{shape['params']:,} parameters, {steps} steps of {shape['tokens_per_step']:,} tokens "
-                     f"({config.tokens:,} tokens) per seed, seeds {seeds}",
+                     f"({config.tokens:,} tokens) per seed, seeds {value['seeds']}",
             "eval_documents": eval_info["documents"], "eval_bytes": eval_info["bytes"],
             "eval_set": MetadataValue.path(eval_info["path"]),
             "next": "materialize every partition of ablation (kiln ablate --preset P runs them), then ablation_report",
@@ -180,8 +180,9 @@ def point_runner(context, grid: dict, storage: KilnStorageResource, torchrun: To
     proxy = kabl.Proxy(lambda n: proxy_plan(grid["proxy"], n), grid["optim"], grid["tokens"], grid["seeds"],
                        grid.get("benchmarks", []), grid.get("benchmark_items", 200), str(storage.cache_dir))
 
+    hw = proxy_plan(grid["proxy"], grid["tokenizer"]["n_vocab"])["hardware"]  # every point's (the vocabulary aside)
+
     def launch(job: dict, run_dir: Path, name: str) -> dict:
-        hw = proxy_plan(grid["proxy"], grid["tokenizer"]["n_vocab"])["hardware"]
         context.log.info(f"ablation: training {name} in {run_dir}")
         return torchrun.launch(context, job, hw["nproc_per_node"], hw["device"])
 
@@ -255,19 +256,58 @@ def _fmt(v: Any) -> Any:
     return round(v, 4) if isinstance(v, float) and math.isfinite(v) else v
 
 
+def _changes_md(samples: dict[str, dict]) -> str:
+    """What each point's change removed and let in, with samples, as markdown."""
+    return "\n\n".join(
+        f"**{k}**: removed {s['removed_count']} documents the baseline keeps, let in {s['let_in_count']}\n\n"
+        + "\n".join(f"- removed `{x['id']}` ({x['reason']}): {x['text'][:200]}" for x in s["removed"])
+        + ("\n" if s["removed"] else "") + "\n".join(f"- let in `{x['id']}` (baseline: {x['reason']}): {x['text'][:200]}"
+                                                     for x in s["let_in"]) for k, s in samples.items())
+
+
+def _report_tables(rows: list[dict], mixture: dict | None) -> dict[str, Any]:
+    """ablation_report's tables: the points, their benchmark scores where scored, the mixture's fit and verification."""
+    cols = ["point", "kept_docs", "train_tokens", "epochs", "bpb", "diff", "low", "high", "base_sd", "point_sd",
+            "verdict"]
+    meta: dict[str, Any] = {"results": md_table([{c: _fmt(r.get(c)) for c in cols} for r in rows])}
+    bench = [{"point": r["point"], "benchmark": n, "score": _fmt(b["score"]), "chance": _fmt(b["chance"]),
+              "diff": _fmt(b["diff"]), "low": _fmt(b["low"]), "high": _fmt(b["high"]), "verdict": b["verdict"]}
+             for r in rows for n, b in (r.get("benchmarks") or {}).items()]
+    if bench:
+        meta["benchmarks"] = md_table(bench)
+    if mixture:
+        fit, ver = mixture["fit"], mixture["verification"]
+        meta.update({"mixture_fit": md_table([{"n": fit["n"], "r2": _fmt(fit["r2"]), "loo_mae": _fmt(fit["loo_mae"]),
+                                               "loo_mae_predicting_mean": _fmt(fit["loo_mae_mean"])}]),
+                     "mixture_trained": md_table([{k: _fmt(v) for k, v in r.items()} for r in mixture["trained"]]),
+                     "predicted_best": MetadataValue.json(mixture["best"]),
+                     "verification": md_table([{k: _fmt(ver.get(k)) for k in ("diff", "low", "high", "base_sd",
+                                                                              "point_sd", "verdict")}])})
+    return meta
+
+
+def _differences_png(rows: list[dict], mixture: dict | None) -> bytes:
+    from kiln.common.plots import interval_plot_png
+
+    scored = [(r["point"], r["diff"], r.get("low"), r.get("high")) for r in rows
+              if r["point"] != kabl.BASELINE and "diff" in r]
+    if mixture:
+        ver = mixture["verification"]
+        scored.append(("predicted-best mixture", ver["diff"], ver["low"], ver["high"]))
+    return interval_plot_png(scored, "held-out bits per byte: point minus baseline (95% interval over seeds)",
+                             "Δ bits per byte")
+
+
 @asset(code_version="1", group_name="decisions", deps=[ablation])
 def ablation_report(context: AssetExecutionContext, ablation_grid: dict, storage: KilnStorageResource,
                     torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """Every point of the ablation beside the baseline: documents and tokens kept, what the change removed or let in, the difference in held-out bits per byte with its 95% interval over seeds, and the verdict (helps, hurts, within noise); a plot; an MLflow parent run with a child per point and seed. A mixture sweep adds the regression, the predicted best mixture and its verification against the default."""
-    from kiln.common.plots import interval_plot_png
-
     start = time.perf_counter()
     records = _records(ablation_grid, storage)
     with failing_on_config_errors():
         rows = kabl.summarize(records)
     by_key = {r["key"]: r for r in records}
-    base = by_key[kabl.BASELINE]
-    samples = {r["point"]: kabl.changes(base, by_key[r["point"]]) for r in rows
+    samples = {r["point"]: kabl.changes(by_key[kabl.BASELINE], by_key[r["point"]]) for r in rows
                if r["point"] != kabl.BASELINE and not by_key[r["point"]].get("empty")}
     mixture = verify_mixture(context, ablation_grid, records, storage, torchrun) if ablation_grid["mixture"] else None
     value = {"rows": rows, "grid": ablation_grid["version"], "samples": samples, "mixture": mixture,
@@ -278,55 +318,20 @@ def ablation_report(context: AssetExecutionContext, ablation_grid: dict, storage
     value["version"] = stable_hash({"rows": rows, "mixture": mixture and mixture["verification"]})[:16]
     with asset_output(context, mlflow, params={"points": len(records), "grid": ablation_grid["version"]},
                       parent=storage.path("ablation_report")) as out:
-        client, exp = out.run.client, out.run.experiment_id
         for rec in records + ([mixture["record"]] if mixture else []):
             for run in rec.get("runs", []):  # a child per point and seed under this asset's run
-                child = client.create_run(exp, tags={"mlflow.parentRunId": out.run_id, "kiln.kind": "ablation_point",
-                                                     "mlflow.runName": f"{rec['key']} seed {run['seed']}"})
-                for k, v in rec["values"].items():  # MLflow names: a glob's * and ? as _
-                    client.log_param(child.info.run_id, re.sub(r"[^\w\-. :/]", "_", k), v)
-                client.log_param(child.info.run_id, "seed", run["seed"])
-                client.log_metric(child.info.run_id, "bpb", run["bpb"])
-                client.log_metric(child.info.run_id, "final_val_loss", run["val_loss"])
-                for step, loss in run.get("curve", []):
-                    client.log_metric(child.info.run_id, "val_loss", loss, step=int(step))
-                client.set_terminated(child.info.run_id, "FINISHED")
-        scored = [r for r in rows if r["point"] != kabl.BASELINE and "diff" in r]
-        png = interval_plot_png([(r["point"], r["diff"], r.get("low"), r.get("high")) for r in scored]
-                                + ([("predicted-best mixture", mixture["verification"]["diff"], mixture["verification"]["low"],
-                                     mixture["verification"]["high"])] if mixture else []),
-                                "held-out bits per byte: point minus baseline (95% interval over seeds)", "Δ bits per byte")
+                log_child_run(out, f"{rec['key']} seed {run['seed']}", "ablation_point",
+                              {**rec["values"], "seed": run["seed"]},
+                              {"bpb": run["bpb"], "final_val_loss": run["val_loss"]}, run.get("curve", []))
+        png = _differences_png(rows, mixture)
         (out.stage / "differences.png").write_bytes(png)
         out.log_artifact(out.stage / "differences.png")
         out.log_metrics({"points": len(records), "helps": sum(r.get("verdict") == "helps" for r in rows),
                          "hurts": sum(r.get("verdict") == "hurts" for r in rows)})
-        cols = ["point", "kept_docs", "train_tokens", "epochs", "bpb", "diff", "low", "high", "base_sd", "point_sd",
-                "verdict"]
-        table = [{c: _fmt(r.get(c)) for c in cols} for r in rows]
-        examples = "\n\n".join(
-            f"**{k}**: removed {s['removed_count']} documents the baseline keeps, let in {s['let_in_count']}\n\n"
-            + "\n".join(f"- removed `{x['id']}` ({x['reason']}): {x['text'][:200]}" for x in s["removed"])
-            + ("\n" if s["removed"] else "") + "\n".join(f"- let in `{x['id']}` (baseline: {x['reason']}): {x['text'][:200]}"
-                                                         for x in s["let_in"]) for k, s in samples.items())
-        import base64
-
-        meta = {"points": len(records), "results": md_table(table),
+        meta = {"points": len(records), **_report_tables(rows, mixture),
                 "differences": MetadataValue.md(f"![differences](data:image/png;base64,{base64.b64encode(png).decode()})"),
-                "changes": MetadataValue.md(examples or "_no point changed the corpus_"),
+                "changes": MetadataValue.md(_changes_md(samples) or "_no point changed the corpus_"),
                 "reused_points": value["reused_points"], "report_s": round(time.perf_counter() - start, 1)}
-        bench = [{"point": r["point"], "benchmark": n, "score": _fmt(b["score"]), "chance": _fmt(b["chance"]),
-                  "diff": _fmt(b["diff"]), "low": _fmt(b["low"]), "high": _fmt(b["high"]), "verdict": b["verdict"]}
-                 for r in rows for n, b in (r.get("benchmarks") or {}).items()]
-        if bench:
-            meta["benchmarks"] = md_table(bench)
-        if mixture:
-            fit, ver = mixture["fit"], mixture["verification"]
-            meta.update({"mixture_fit": md_table([{"n": fit["n"], "r2": _fmt(fit["r2"]), "loo_mae": _fmt(fit["loo_mae"]),
-                                                   "loo_mae_predicting_mean": _fmt(fit["loo_mae_mean"])}]),
-                         "mixture_trained": md_table([{k: _fmt(v) for k, v in r.items()} for r in mixture["trained"]]),
-                         "predicted_best": MetadataValue.json(mixture["best"]),
-                         "verification": md_table([{k: _fmt(ver.get(k)) for k in ("diff", "low", "high", "base_sd",
-                                                                                  "point_sd", "verdict")}])})
         atomic_write_json(out.stage / "report.json", value)
         final = out.commit()
         meta["report"] = MetadataValue.path(str(final / "report.json"))

@@ -94,10 +94,10 @@ class EvalSuiteConfig(KilnConfig):
 
 
 def prepared_benchmarks(names: list[str], limit: int | None, seed: int, storage: KilnStorageResource,
-                        out_dir: Path | None = None):
+                        out_dir: Path | None = None, where: str = "eval_suite.benchmarks"):
     """The benchmarks checked, fetched and sampled (kiln.evaluation.standard.prepare) as a record; with ``out_dir``
     also the Prepared tasks written there. A bad name, a missing package or a limit the set cannot give fails the
-    asset in one line, before any model is loaded."""
+    asset in one line naming ``where``, before any model is loaded."""
     import tempfile
 
     from kiln.evaluation.standard import BenchmarkError, prepare
@@ -108,7 +108,7 @@ def prepared_benchmarks(names: list[str], limit: int | None, seed: int, storage:
         with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
             prepared = prepare(list(names), storage.cache_dir, out_dir or tmp, limit, seed)
     except (BenchmarkError, KeyError, ValueError) as e:
-        raise Failure(description=f"eval_suite.benchmarks: {e}", allow_retries=False) from e
+        raise Failure(description=f"{where}: {e}", allow_retries=False) from e
     record = {k: v for k, v in prepared.record.items() if k != "task_dir"}
     sampled = {n: (sum(len(prepared.samples[t]) for t in r["tasks"]) if prepared.samples is not None else r["items"])
                for n, r in prepared.record["benchmarks"].items()}

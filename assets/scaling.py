@@ -7,7 +7,6 @@ best point with ``from_sweep: true``. The ladder: ``scaling_ladder`` (opt-in, ``
 """
 
 
-import math
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -16,7 +15,8 @@ from dagster import (AssetExecutionContext, DynamicPartitionsDefinition, Failure
                      asset)
 from pydantic import Field
 
-from assets._common import asset_output, failing_on_config_errors, line_plot, md_table, point_records, report_metadata
+from assets._common import (asset_output, failing_on_config_errors, line_plot, log_child_run, md_table, point_records,
+                            report_metadata)
 from assets._config import KilnConfig
 from assets.training import Batch, ModelOverrides, Optim, TrainingPlanConfig
 from kiln.common.config import ConfigError, Domain
@@ -170,17 +170,9 @@ def sweep_results(context: AssetExecutionContext, sweep_grid: dict, storage: Kil
                       parent=storage.path("sweep_results")) as out:
         if out.reused:
             return out.reused
-        client, exp = out.run.client, out.run.experiment_id
         for r in order:  # one child run per point under this asset's run: the MLflow UI's sweep view
-            child = client.create_run(exp, tags={"mlflow.parentRunId": out.run_id, "mlflow.runName": r["key"],
-                                                 "kiln.kind": "sweep_point", "kiln.trial_run_id": str(r.get("mlflow_run_id"))})
-            for k, v in r["values"].items():
-                client.log_param(child.info.run_id, k, v)
-            if r["final_val_loss"] is not None and math.isfinite(r["final_val_loss"]):
-                client.log_metric(child.info.run_id, "final_val_loss", r["final_val_loss"])
-            for step, loss in r.get("curve", []):
-                client.log_metric(child.info.run_id, "val_loss", loss, step=int(step))
-            client.set_terminated(child.info.run_id, "FINISHED")
+            log_child_run(out, r["key"], "sweep_point", r["values"], {"final_val_loss": r["final_val_loss"]},
+                          r.get("curve", []), {"kiln.trial_run_id": str(r.get("mlflow_run_id"))})
         out.log_metrics({"best_final_val_loss": best["final_val_loss"]})
         table = [{"rank": r["rank"] or "-", "point": r["key"], "final_val_loss": r["final_val_loss"],
                   "steps": r["steps"], "wall_s": round(r["wall_s"], 1), "reused": r["reused"],
