@@ -104,14 +104,13 @@ def run_points(args: argparse.Namespace, kind) -> dict[str, Any] | int:
     from jobs.home import home_lock, writable_home
     from jobs.sweeps import SweepFailed, run_sweep
 
-    verb = "sweep" if kind.grid == "sweep_grid" else "ablate"
+    verb = kind.verb
     home = Path(args.home).resolve()
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
     preset = load_preset(args.preset, sweep=True)
     if not (preset.get("ops") or {}).get(kind.grid):
-        example = "sweep-demo" if verb == "sweep" else "ablation-demo"
         print(f"kiln: preset {args.preset} has no {kind.grid} block: say which fields to vary (see "
-              f"conf/presets/{example}.yaml)", file=sys.stderr)
+              f"conf/presets/{kind.example}.yaml)", file=sys.stderr)
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
     console = RunConsole(home / "logs" / f"{verb}-{stamp}-events.log", [*kind.data, kind.grid, kind.point, kind.results],

@@ -25,12 +25,14 @@ class SweepKind:
     point: str  # the partitioned asset; its job is <point>_job
     results: str  # asset that reads every point; its job is <results>_job
     show: Callable[[dict[str, Any]], str]  # a point's output as a few words for the progress line
+    verb: str  # the kiln command that runs it
+    example: str  # the preset that shows its grid block
 
 
 SWEEP = SweepKind(tuple(DATA_ASSETS), "sweep_grid", "sweep", "sweep_results",
-                  lambda v: f"final val loss {v['final_val_loss']:.4f}")
+                  lambda v: f"final val loss {v['final_val_loss']:.4f}", "sweep", "sweep-demo")
 ABLATION = SweepKind(("pretrained_model", "raw_documents", "clean_corpus", "tokenizer"), "ablation_grid", "ablation",
-                     "ablation_report", lambda v: "done")
+                     "ablation_report", lambda v: "done", "ablate", "ablation-demo")
 
 
 class SweepFailed(RuntimeError):
@@ -82,7 +84,7 @@ def run_sweep(defs, instance, ops: dict[str, Any], say: Callable[[str], None] = 
         return result
 
     # (job, what a failure names, its run config): every setting checked before anything runs
-    verb = "kiln sweep" if kind is SWEEP else "kiln ablate"
+    verb = f"kiln {kind.verb}"
     data, grid, results = [(name, what, {"ops": pick(names)}) for name, what, names in (
         ("kiln_pipeline_job", f"the data assets ({kind.data[1]} .. {kind.data[-1]})", kind.data),
         (f"{kind.grid}_job", kind.grid, [kind.grid]), (f"{kind.results}_job", kind.results, [kind.results]))]

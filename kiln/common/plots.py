@@ -8,6 +8,17 @@ from __future__ import annotations
 import io
 
 
+def _png(fig) -> bytes:
+    """The figure as PNG bytes, closed; no version stamp is written, so the same plot gives the same bytes."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def line_plot_png(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str,
                   bands: dict[str, list[tuple[float, float, float]]] | None = None,
                   hlines: dict[str, float] | None = None) -> bytes:
@@ -33,11 +44,7 @@ def line_plot_png(series: dict[str, list[tuple[float, float]]], title: str, xlab
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)
 
 
 def interval_plot_png(rows: list[tuple[str, float, float | None, float | None]], title: str, xlabel: str) -> bytes:
@@ -58,8 +65,4 @@ def interval_plot_png(rows: list[tuple[str, float, float | None, float | None]],
     ax.invert_yaxis()
     ax.set(title=title, xlabel=xlabel)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)
