@@ -178,20 +178,26 @@ class KilnLM(LM):
             rows.append((seq[:-1], piece))
         return rows
 
-    def _targets(self, logits: torch.Tensor, b_of: torch.Tensor, n_in: torch.Tensor,
-                 tgts: list[list[int]]) -> list[tuple[float, bool]]:
-        """(sum of target log-probs, all targets greedy) per scored row from a forward pass's logits (B, T, V): row r
+    def _logits_at(self, x: torch.Tensor, b_of: torch.Tensor, n_in: torch.Tensor, tgts: list[list[int]],
+                   cache: KVCache | None = None) -> list[tuple[float, bool]]:
+        """(sum of target log-probs, all targets greedy) per scored row of one forward pass over ``x`` (B, T): row r
         reads batch row ``b_of[r]``, whose input holds ``n_in[r]`` tokens, its targets predicted at the last
-        ``len(tgts[r])`` of them."""
-        dev = logits.device
+        ``len(tgts[r])`` of them. The vocabulary head runs at those positions alone (``_head_at``), not at every
+        position of every row: most of a row is context, whose logits nobody reads."""
+        dev = x.device
         K = max(len(t) for t in tgts)
         y = torch.tensor([t + [0] * (K - len(t)) for t in tgts], dtype=torch.long, device=dev)  # (R, K)
         n_tg = torch.tensor([len(t) for t in tgts], device=dev)  # (R,)
         ar = torch.arange(K, device=dev)  # (K,)
         valid = ar[None, :] < n_tg[:, None]  # (R, K)
         pos = torch.where(valid, (n_in - n_tg)[:, None] + ar[None, :], 0)  # (R, K) positions predicting y
-        sel = logits[b_of[:, None], pos][..., : self.n_vocab]  # (R, K, Vr)
-        logp = F.log_softmax(sel.float(), dim=-1)  # (R, K, Vr)
+        run = (lambda: self.model(x)) if cache is None else (lambda: self.model(x, cache=cache))
+        if self._head() is None:  # a model whose head is unknown: every position's logits, then the targets'
+            sel = run()[b_of[:, None], pos]  # (R, K, V)
+        else:
+            with self._head_at(b_of, pos):
+                sel = run()  # (R, K, V)
+        logp = F.log_softmax(sel[..., : self.n_vocab].float(), dim=-1)  # (R, K, Vr)
         tok = logp.gather(-1, y[..., None]).squeeze(-1)  # (R, K)
         total = torch.where(valid, tok, 0.0).sum(dim=1)  # (R,)
         greedy = ((logp.argmax(dim=-1) == y) | ~valid).all(dim=1)  # (R,)
@@ -226,8 +232,8 @@ class KilnLM(LM):
             ridx = [i for u in us for i in members[u]]  # the R rows scored from this batch
             b_of = torch.tensor([j for j, u in enumerate(us) for _ in members[u]], device=dev)  # (R,) row -> batch index
             n_in = torch.tensor([len(rows[i][0]) for i in ridx], device=dev)  # (R,)
-            logits = self.model(x)  # (B, T, V); right padding cannot reach earlier positions (causal)
-            for i, res in zip(ridx, self._targets(logits, b_of, n_in, [rows[i][1] for i in ridx])):
+            # right padding cannot reach earlier positions (causal)
+            for i, res in zip(ridx, self._logits_at(x, b_of, n_in, [rows[i][1] for i in ridx])):
                 out[i] = res
             done += len(ridx)
             if scored is not None:
@@ -258,58 +264,41 @@ class KilnLM(LM):
         except (AttributeError, KeyError, ValueError, TypeError):
             return None
 
-    def _head_share(self) -> float:
-        """The head's share of a token's matmul work: vocab x width over that plus one token's pass through every
-        block (a mixture of experts' active experts); 0 when the prefill cannot leave the head out."""
-        if self._head() is None:
-            return 0.0
-        try:
-            from kiln.model.families import of
-
-            cfg = self.model.config
-            fam = of(cfg)
-            block = (fam.active_layer_params or fam.layer_params)(cfg)
-            head = cfg.vocab_size * cfg.n_embd
-            return head / (head + cfg.n_layer * block)
-        except (AttributeError, KeyError, ValueError, TypeError):
-            return 0.0
-
     def _shareable(self, pairs: Sequence[tuple[list[int], list[int]]]) -> dict[tuple[int, ...], list[int]]:
         """{context tokens: indices of the requests scored after it by ``_score_shared``}.
 
         A request qualifies when it is one model row without truncation (context + continuation fit max_length + 1,
         so ``_rows`` would give the row ctx + cont[:-1]) and its context has two tokens or more. A context's requests
-        go there when that is less work than their rows: the context less its last token once, without the head
-        (``_head_share`` of a token's work), plus one row per distinct ending input (the last context token and the
-        ending less its last token), against the distinct rows ctx + cont[:-1] of the one-row path (which already
-        runs one-token endings after one context as one row). With the head left out that holds for every context of
-        two tokens or more, a lone request's too: its context's positions make no logits. Which requests go there
-        does not depend on the batch size.
+        go there when they need two distinct rows or more: both paths run the vocabulary head only where a target is
+        predicted (``_head_at``), so the one-row path runs the context's first len(ctx) - 1 tokens once per distinct
+        row ctx + cont[:-1], the shared path once in all; with one row (a lone request, or one-token endings, which
+        the one-row path already answers from one row) the two do the same work. Which requests go there does not
+        depend on the batch size.
         """
         by_ctx: dict[tuple[int, ...], list[int]] = {}
         for i, (ctx, cont) in enumerate(pairs):
             if cont and len(ctx) >= 2 and len(ctx) + len(cont) <= self.max_length + 1:
                 by_ctx.setdefault(tuple(ctx), []).append(i)
-        body = 1.0 - self._head_share()
         out = {}
         for ctx, idx in by_ctx.items():
-            ends = {tuple(pairs[i][1][:-1]) for i in idx}  # the distinct ending inputs
-            rows = {ctx + e for e in ends}  # the distinct inputs the one-row path runs
-            if (len(ctx) - 1) * body + sum(len(e) + 1 for e in ends) < sum(map(len, rows)):
+            if len({tuple(pairs[i][1][:-1]) for i in idx}) >= 2:  # the distinct ending inputs
                 out[ctx] = idx
         return out
 
     @contextlib.contextmanager
-    def _headless(self):
-        """While open, the model's vocabulary head is handed zero positions: a prefill makes its KV cache, not (B, T, V)
-        logits nobody reads. A model without a known head (a stand-in in tests) computes its logits as usual."""
-        head = self._head()
-        handle = None if head is None else head.register_forward_pre_hook(lambda m, a: (a[0][..., :0, :], *a[1:]))
+    def _head_at(self, b_of: torch.Tensor | None = None, pos: torch.Tensor | None = None):
+        """While open, the model's vocabulary head is handed only the hidden states at (``b_of[r]``, ``pos[r, k]``), so
+        the model returns (R, K, V) logits instead of (B, T, V); without ``b_of``, zero positions: a prefill makes its
+        KV cache, not logits nobody reads. Only for a model whose head ``_head`` knows."""
+        def pick(module: torch.nn.Module, args: tuple) -> tuple:
+            h = args[0]  # (B, T, C)
+            return (h[..., :0, :] if b_of is None else h[b_of[:, None], pos], *args[1:])
+
+        handle = self._head().register_forward_pre_hook(pick)
         try:
             yield
         finally:
-            if handle is not None:
-                handle.remove()
+            handle.remove()
 
     @torch.inference_mode()
     def _score_shared(self, groups: list[tuple[list[int], list[list[int]]]],
@@ -365,8 +354,11 @@ class KilnLM(LM):
             if s > 0:
                 prefix = KVCache.for_model(self.model, len(gs), max_len=s)
                 x = torch.tensor([groups[g][0][:s] for g in gs], dtype=torch.long, device=dev)  # (G, s)
-                with self._headless():
+                if self._head() is None:
                     self.model(x, cache=prefix)
+                else:
+                    with self._head_at():
+                        self.model(x, cache=prefix)
             at = {g: j for j, g in enumerate(gs)}
             inputs = [groups[g][0][s:] + list(rowsets[g][j][0]) for g, j in batch]  # rows after the cached prefix
             for part in self._passes([len(t) for t in inputs]):
@@ -379,12 +371,12 @@ class KilnLM(LM):
                     cache.pos = s
                 x = torch.tensor([inputs[i] + [0] * (T - len(inputs[i])) for i in part], dtype=torch.long,
                                  device=dev)  # (R, T)
-                logits = self.model(x, cache=cache)  # (R, T, V); right padding cannot reach earlier positions
-                del cache
                 who = [(r, batch[i][0], k) for r, i in enumerate(part) for k in rowsets[batch[i][0]][batch[i][1]][1]]
                 b_of = torch.tensor([r for r, _, _ in who], device=dev)  # (E,) ending -> row of the pass
                 n_in = torch.tensor([len(inputs[part[r]]) for r, _, _ in who], device=dev)  # (E,)
-                got = self._targets(logits, b_of, n_in, [groups[g][1][k] for _, g, k in who])
+                # right padding cannot reach earlier positions
+                got = self._logits_at(x, b_of, n_in, [groups[g][1][k] for _, g, k in who], cache=cache)
+                del cache
                 for (_, g, k), res in zip(who, got):
                     out[g][k] = res
                 done += len(who)

@@ -119,27 +119,41 @@ def test_a_shared_context_runs_once_and_the_prefill_makes_no_logits(enc):
 def test_which_requests_go_to_the_shared_path(enc):
     lm = KilnLM(tiny("gpt2"), enc)
     pairs = [([1, 2, 3], [4, 5]), ([1, 2, 3], [6]), ([1, 2, 3], [4, 5]),  # a repeated ending is answered twice
-             ([7, 8], [9]), ([7, 8], [10]),  # one-token endings: one row either way; the prefill makes no logits
+             ([7, 8], [9]), ([7, 8], [10]),  # one-token endings: one row either way
              ([11], [12, 13]), ([11], [14, 15]),  # a one-token context: nothing to cache
-             ([20, 21], [22, 23]),  # alone: its context's positions make no logits
+             ([20, 21], [22, 23]),  # alone: one row either way
              ([1] * 41, [2] * 8), ([1] * 41, [3] * 9)]  # 41 + 9 > BLOCK + 1: the second is left-truncated, one row
-    assert 0.1 < lm._head_share() < 0.5
-    assert lm._shareable(pairs) == {(1, 2, 3): [0, 1, 2], (7, 8): [3, 4], (20, 21): [7], (1,) * 41: [8]}
-    lm._head = lambda: None  # a model whose head cannot be left out: only where the shared path runs fewer tokens
-    assert lm._head_share() == 0.0 and lm._shareable(pairs) == {(1, 2, 3): [0, 1, 2]}
+    assert lm._shareable(pairs) == {(1, 2, 3): [0, 1, 2]}
+    lm._head = lambda: None  # a model whose head cannot be left out: the same choice
+    assert lm._shareable(pairs) == {(1, 2, 3): [0, 1, 2]}
 
 
-def test_one_token_answers_read_one_row_after_the_context(enc):
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_head_runs_only_where_a_target_is_predicted(enc, family):
+    model = tiny(family)
+    reqs = [req("a long enough context here", " x"), req("another context", " yz"), req("third", " w")]
+    head = []
+    model.lm_head.register_forward_hook(lambda m, args, out: head.append((tuple(args[0].shape), tuple(out.shape))))
+    lm = KilnLM(model, enc, batch_size=8, share_context=False)
+    got = lm.loglikelihood(reqs)
+    n_cont = [len(enc.encode(r.args[1])) for r in reqs]
+    # one pass of three rows; the head sees (rows, longest continuation) positions, not (rows, longest row)
+    assert [h[0][:2] for h in head] == [(3, max(n_cont))] and head[0][1][-1] == model.config.vocab_size
+    for (v, _), r in zip(got, reqs):
+        assert v == pytest.approx(direct(model, enc, enc.encode(r.args[0]), enc.encode(r.args[1])), abs=1e-4)
+
+
+def test_one_token_answers_read_one_row(enc):
     model = tiny("llama")
     ctx = "Question: which letter?\nAnswer:"
-    reqs = [req(ctx, f" {c}") for c in "ABCD"]  # " A" is two byte tokens: the row is the last context token and " "
+    reqs = [req(ctx, f" {c}") for c in "ABCD"]  # " A" is two byte tokens: all four read the one row ctx + " "
     fed, head = [], []
     model.register_forward_pre_hook(lambda m, args: fed.append(tuple(args[0].shape)))
     model.lm_head.register_forward_hook(lambda m, args, out: head.append(tuple(args[0].shape[:2])))
     lm = KilnLM(model, enc, batch_size=4)
     shared = lm.loglikelihood(reqs)
     n_ctx = len(enc.encode(ctx))
-    assert fed == [(1, n_ctx - 1), (1, 2)] and head == [(1, 0), (1, 2)]
+    assert fed == [(1, n_ctx + 1)] and head == [(4, 2)]  # one row; the head at each answer's two positions
     lm.share_context = False
     close(shared, lm.loglikelihood(reqs))
     assert len({v for v, _ in shared}) == 4
