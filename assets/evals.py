@@ -37,7 +37,7 @@ from kiln.evaluation.registry import REGISTRY
 from kiln.evaluation.scores import bits_per_byte, flat_metrics, score_rows
 from kiln.evaluation.suite import sample_generations, score_full_and_clean
 from kiln.evaluation.tasks import build_suite, retarget_tasks
-from kiln.shards import split_of
+from kiln.tokens.shards import split_of
 from kiln.train.checkpoint import checkpoint_identity, load_for_inference
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource, run_identity

@@ -23,7 +23,7 @@ from kiln.common.config import Domain
 from kiln.posttrain import instructions as kinst
 from kiln.posttrain import judge as kjudge
 from kiln.posttrain.sft import read_pairs
-from kiln.tokenizer import encoding_fingerprint
+from kiln.tokens.tokenizer import encoding_fingerprint
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 

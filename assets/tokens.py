@@ -14,8 +14,8 @@ from pydantic import Field
 from assets._common import asset_output, failing_on_damage, md_table
 from assets._config import KilnConfig
 from kiln.clean.corpus import corpus_texts
-from kiln import shards as kshards
-from kiln import tokenizer as ktok
+from kiln.tokens import shards as kshards
+from kiln.tokens import tokenizer as ktok
 from kiln.common.config import Domain
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource

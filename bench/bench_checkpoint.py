@@ -125,8 +125,8 @@ def bench_blocking(work: Path, layers: int, width: int, vocab: int, repeat: int)
 def bench_goodput(work: Path, steps: int, kills: list[int]) -> dict:
     """A 3.4M-parameter model trained by torchrun (--max_restarts=3) while rank 0 SIGKILLs itself at ``kills``;
     checkpoints every 25 steps, so each kill loses the steps since the last one plus a restart."""
-    from kiln.shards import shard_paths, write_shards
-    from kiln.tokenizer import save_encoding, train_bpe
+    from kiln.tokens.shards import shard_paths, write_shards
+    from kiln.tokens.tokenizer import save_encoding, train_bpe
     from resources.torchrun import TorchrunResource
 
     texts = [p.read_text() for p in sorted((ROOT / "kiln").rglob("*.py"))] * 4  # Kiln's own source as a corpus

@@ -20,7 +20,7 @@ from kiln.evaluation.adapter import KilnLM  # noqa: E402
 from kiln.model.config import ModelConfig  # noqa: E402
 from kiln.model.config import padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
-from kiln.tokenizer import train_bpe  # noqa: E402
+from kiln.tokens.tokenizer import train_bpe  # noqa: E402
 
 TARGET = 1.3  # the adapter may take at most 30% longer than raw forward passes over the same tokens
 

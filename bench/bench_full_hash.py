@@ -3,7 +3,7 @@ verify_shards), beside the quick check the loader makes on every start (a stat p
 
 Run: ``python bench/bench_full_hash.py [--sizes-mb 16 128 512] [--out bench/results/full_hash]``. Writes shards of
 random tokens in the llm.c format (10M-token shards, the token_shards default) into a temporary folder, then times
-kiln.shards.check_shard_files with full=True (sha256 of every byte, read from the page cache as a launch right after
+kiln.tokens.shards.check_shard_files with full=True (sha256 of every byte, read from the page cache as a launch right after
 token_shards reads them) and without (the quick check), twice each; and sha256 of the same bytes in one call as the
 raw library's rate. Prints the machine line first; writes OUT.md and OUT.json.
 """
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kiln.shards import MANIFEST, _write_shard, check_shard_files  # noqa: E402
+from kiln.tokens.shards import MANIFEST, _write_shard, check_shard_files  # noqa: E402
 from provenance import header, header_md, machine_line  # noqa: E402
 
 SHARD_TOKENS = 10_000_000  # the token_shards asset's default shard size

@@ -26,7 +26,7 @@ from kiln.model.generate import generate  # noqa: E402
 from kiln.posttrain.instructions import arithmetic, arithmetic_reward  # noqa: E402
 from kiln.posttrain.logprobs import model_token_logps  # noqa: E402
 from kiln.posttrain.rl import RlJob, rollout_loss  # noqa: E402
-from kiln.tokenizer import train_bpe  # noqa: E402
+from kiln.tokens.tokenizer import train_bpe  # noqa: E402
 
 CASES = [(1, 16, 64), (8, 16, 64), (8, 128, 64), (4, 224, 48)]  # (rows, prompt, new); the last runs 16 tokens past block 256
 RL_SHAPES = {"demo": dict(prompts=8, group_size=8, max_new_tokens=16),  # RlJob's defaults (the demo preset sets none)

@@ -27,13 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_families import val_loss  # noqa: E402  (the same held-out loss as the family comparison)
-from kiln.loader import TokenLoader  # noqa: E402
+from kiln.tokens.loader import TokenLoader  # noqa: E402
 from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
 from kiln.model.moe import end_step, load_measures, sparse_layers, tensor_count  # noqa: E402
 from kiln.model.parallel import clip_grad_norm  # noqa: E402
 from kiln.plan import count_params  # noqa: E402
-from kiln.shards import shard_paths  # noqa: E402
+from kiln.tokens.shards import shard_paths  # noqa: E402
 from kiln.train.optim import OptimConfig, make_optimizer, make_scheduler  # noqa: E402
 
 BALANCES = {"aux_loss": {"router_aux_loss_coef": 0.01}, "aux_free": {"router_bias_rate": 0.001}, "none": {}}

@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.loader import TokenLoader  # noqa: E402
-from kiln.shards import shard_paths, write_shards  # noqa: E402
-from kiln.tokenizer import fetch_gpt2, gpt2_from_files, train_bpe  # noqa: E402
+from kiln.tokens.loader import TokenLoader  # noqa: E402
+from kiln.tokens.shards import shard_paths, write_shards  # noqa: E402
+from kiln.tokens.tokenizer import fetch_gpt2, gpt2_from_files, train_bpe  # noqa: E402
 
 GPT2_8XH100_TOKENS_PER_S = 4e6  # llm.c / nanoGPT GPT-2 124M on 8 H100s: ~4M tokens/s consumed in total
 WRITE_TARGET, LOADER_TARGET = 0.85, 10.0

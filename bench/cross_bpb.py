@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kiln.shards import decode_documents, shard_paths  # noqa: E402
+from kiln.tokens.shards import decode_documents, shard_paths  # noqa: E402
 from kiln.train.checkpoint import load_for_inference  # noqa: E402
 
 

@@ -63,8 +63,8 @@ class Data:
 
     def __init__(self, root: Path):
         from kiln.model.config import padded_vocab
-        from kiln.shards import shard_paths, write_shards
-        from kiln.tokenizer import save_encoding, train_bpe
+        from kiln.tokens.shards import shard_paths, write_shards
+        from kiln.tokens.tokenizer import save_encoding, train_bpe
         from tests.conftest import make_docs
 
         docs = make_docs()

@@ -116,7 +116,7 @@ def rl_child(variant: str, steps: int) -> dict:
     from kiln.posttrain.instructions import arithmetic
     from kiln.posttrain.logprobs import model_token_logps
     from kiln.posttrain.rl import RlJob, make_reward, rollout_loss
-    from kiln.tokenizer import train_bpe
+    from kiln.tokens.tokenizer import train_bpe
 
     enc = train_bpe([" ".join(t.split()) for t in topics.values()], RL["vocab"])  # the demo's size, no download
     cfg = ModelConfig(**preset_fields("demo", "llama"), vocab_size=padded_vocab(enc.n_vocab))

@@ -352,7 +352,7 @@ def load_chat_model(path: str | Path, template_file: str = ""):
         model, enc, meta = load_for_inference(p)
         if meta.get("task") == "import":
             template = ((meta.get("pretrained") or {}).get("gguf") or {}).get("chat_template", "")
-    from kiln.tokenizer import chat_template
+    from kiln.tokens.tokenizer import chat_template
 
     if template_file:
         template = Path(template_file).read_text()
@@ -450,7 +450,7 @@ def preset_n_vocab(tok: dict[str, Any]) -> int:
     tokens, or the configured size of a trained BPE (its upper bound; a small corpus can stop merging early).
     Fields the preset leaves out take the tokenizer asset's defaults."""
     from assets.tokens import TokenizerConfig
-    from kiln.tokenizer import GPT2_N_VOCAB
+    from kiln.tokens.tokenizer import GPT2_N_VOCAB
 
     cfg = TokenizerConfig(**tok)
     return GPT2_N_VOCAB if cfg.kind == "gpt2" else cfg.vocab_size

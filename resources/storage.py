@@ -11,9 +11,9 @@ from typing import Any
 from dagster import ConfigurableResource, FilesystemIOManager, InputContext, IOManager, OutputContext
 from pydantic import Field
 
-from kiln import store
+from kiln.tokens import store
 from kiln.common.files import remove_stale_staging
-from kiln.shards import SPLITS
+from kiln.tokens.shards import SPLITS
 
 
 class KilnStorageResource(ConfigurableResource):

@@ -37,7 +37,7 @@ from pydantic import Field
 from kiln.common.config import Domain
 from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.common.metrics import operations_metrics
-from kiln.shards import check_shard_files
+from kiln.tokens.shards import check_shard_files
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.train.cluster import WORKER_MODULE, TorchrunSpec  # WORKER_MODULE: tests swap in tests.faults here
 from kiln.train.diskfull import describe, no_space, record

@@ -122,7 +122,7 @@ def docs() -> list[tuple[str, str]]:
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory, docs):
     """(encoding, path of its tokenizer.json): a 300-token BPE with <|endoftext|>, <|user|>, <|assistant|>."""
-    from kiln.tokenizer import save_encoding, train_bpe
+    from kiln.tokens.tokenizer import save_encoding, train_bpe
 
     enc = train_bpe((t for _, t in docs), 300)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
@@ -133,7 +133,7 @@ def tiny_tokenizer(tmp_path_factory, docs):
 @pytest.fixture(scope="session")
 def tiny_shards(tmp_path_factory, tiny_tokenizer, docs) -> Path:
     """A folder of train/val token shards (20% of documents in val) with its manifest."""
-    from kiln.shards import write_shards
+    from kiln.tokens.shards import write_shards
 
     enc, _ = tiny_tokenizer
     out = tmp_path_factory.mktemp("shards")
@@ -152,7 +152,7 @@ def model_dict(tiny_tokenizer) -> dict:
 @pytest.fixture(scope="session")
 def pretrain_job(tiny_tokenizer, tiny_shards, model_dict):
     """Factory: write a pretraining job JSON into ``out_dir`` (overrides as keyword arguments)."""
-    from kiln.shards import shard_paths
+    from kiln.tokens.shards import shard_paths
 
     _, tok_path = tiny_tokenizer
 

@@ -14,8 +14,8 @@ from jobs.cli import load_preset
 from jobs.definitions import ALL_ASSETS, complete_resource_config
 from kiln.train.checkpoint import load_for_inference
 from kiln.release.bundle import load_release
-from kiln.shards import decode_documents, split_of
-from kiln.tokenizer import load_encoding
+from kiln.tokens.shards import decode_documents, split_of
+from kiln.tokens.tokenizer import load_encoding
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from jobs.definitions import ALL_ASSETS, make_definitions
 from kiln.model.config import ModelConfig
 from kiln.pretrained.source import folder_hash
 from kiln.release.lineage import checkpoint_lineage, lineage_tree, read_release_info
-from kiln.tokenizer import load_encoding
+from kiln.tokens.tokenizer import load_encoding
 from kiln.train.checkpoint import load_for_inference
 
 pytestmark = pytest.mark.slow

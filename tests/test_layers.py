@@ -68,7 +68,7 @@ def test_imports_flow_one_way():
 
 
 def test_torchrun_worker_does_not_load_dagster():
-    code = ("import sys, resources.pipes_worker, kiln.train.loop, kiln.loader, kiln.posttrain.sft; "
+    code = ("import sys, resources.pipes_worker, kiln.train.loop, kiln.tokens.loader, kiln.posttrain.sft; "
             "bad = [m for m in sys.modules if m == 'dagster' or m.startswith('dagster.')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -264,7 +264,7 @@ def manifest_of_dir(root: Path) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------- witnesses
 # A witness records a file's or folder's files as (bytes, modification time, digest) when an output is recorded, so
 # that later the output can be checked before it is reused: a file whose size and time are unchanged costs a stat;
-# one whose time changed is hashed and compared (the shard cache in kiln.store does the same).
+# one whose time changed is hashed and compared (the shard cache in kiln.tokens.store does the same).
 
 
 def witness(path: str | os.PathLike, digests: dict[str, str] | None = None, algo: str = DIGEST,

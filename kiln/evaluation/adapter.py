@@ -30,7 +30,7 @@ from lm_eval.api.registry import register_model
 from kiln.model.cache import KVCache
 from kiln.model.generate import generate
 from kiln.model.gpt import GPT
-from kiln.tokenizer import end_token
+from kiln.tokens.tokenizer import end_token
 from kiln.train.telemetry import format_duration
 
 log = logging.getLogger(__name__)
@@ -466,7 +466,7 @@ class KilnLM(LM):
     ) -> list[str]:
         """Decode up to max_new tokens per context, all rows together through one KV cache (kiln.model.generate).
 
-        Greedy when temperature <= 0. A row stops at the model's end token (kiln.tokenizer.end_token: an imported
+        Greedy when temperature <= 0. A row stops at the model's end token (kiln.tokens.tokenizer.end_token: an imported
         model's end of sequence, else EOT) or once its text holds a stop string; the rest go on.
         Rows are right-padded; a longer context is fed a token a step while the shorter ones already decode.
         A context is left-truncated to max_length - max_new tokens, as lm-eval's HFLM truncates it, so the answer

@@ -19,7 +19,7 @@ import yaml
 from kiln.common.files import atomic_write_json, atomic_write_text, sha256_file
 from kiln.evaluation.registry import REGISTRY
 from kiln.evaluation.spec import CLEAN_SUFFIX, LOCAL_PREFIX
-from kiln.shards import split_of
+from kiln.tokens.shards import split_of
 
 DEFAULT_N = 13  # GPT-3's and lm-eval's decontamination n-gram length
 _WORD = re.compile(r"\w+")  # case and punctuation are ignored, as in GPT-3's and lm-eval's overlap checks
@@ -243,7 +243,7 @@ def parquet_documents(path: str | Path, keep_id=None) -> Iterable[tuple[str, str
 
 def training_sources(corpus: str | Path, val_permille: int,
                      pairs: str | Path | None = None) -> dict[str, Iterable[tuple[str, str]]]:
-    """What evaluation items are checked against: the corpus's training split (kiln.shards.split_of), and the
+    """What evaluation items are checked against: the corpus's training split (kiln.tokens.shards.split_of), and the
     instruction pairs' training split when ``pairs`` is given. Read lazily, once."""
     sources = {"corpus": parquet_documents(corpus, lambda i: split_of(i, val_permille) == "train")}
     if pairs is not None:

@@ -2,7 +2,7 @@
 
 ``mask = document_mask(idx, eot)`` gives the (B, 1, T, T) boolean mask both families take as ``attn_mask`` in
 training (``model(idx, targets, attn_mask=mask)``; pretraining builds it when the job sets ``document_mask``).
-Kiln's shards write every document as ``[EOT] + tokens`` (kiln.shards), so an end-of-text token opens the document
+Kiln's shards write every document as ``[EOT] + tokens`` (kiln.tokens.shards), so an end-of-text token opens the document
 after it: it belongs to that document, and the tokens before it belong to the one it closes. A window that starts
 mid-document treats its first tokens, up to the first EOT, as one document. Check with ``python -m kiln.model.masks``.
 """

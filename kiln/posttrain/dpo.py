@@ -125,7 +125,7 @@ class DpoStage(PosttrainStage):
     """Preference pairs in a seeded order; the DPO loss against the reference; held-out pair statistics."""
 
     def __init__(self, job: DpoJob, info: DistInfo):
-        from kiln.tokenizer import load_encoding
+        from kiln.tokens.tokenizer import load_encoding
 
         enc = load_encoding(job.tokenizer)
         self.pairs = read_preference_splits(job.train_files, job.val_files, job.eval_pairs)

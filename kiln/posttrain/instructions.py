@@ -165,10 +165,10 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
 
 def training_pages(raw_documents: str | Path, val_permille: int) -> tuple[int, list[tuple[str, str]]]:
     """(HTML pages in the raw documents parquet, the (id, html) of those in the train split): held-out pages are
-    evaluation material (the split is kiln.shards.split_of, the token shards' own)."""
+    evaluation material (the split is kiln.tokens.shards.split_of, the token shards' own)."""
     import pyarrow.parquet as pq
 
-    from kiln.shards import split_of as doc_split
+    from kiln.tokens.shards import split_of as doc_split
 
     t = pq.read_table(raw_documents, columns=["id", "text", "content_type"])
     html = [(i, x) for i, x, c in zip(t.column("id").to_pylist(), t.column("text").to_pylist(),

@@ -189,7 +189,7 @@ class PpoStage(PosttrainStage):
     ``ppo_epochs`` steps; the value model trains beside the policy. Held out: the greedy answers' reward-model score."""
 
     def __init__(self, job: PpoJob, info: DistInfo):
-        from kiln.tokenizer import load_encoding
+        from kiln.tokens.tokenizer import load_encoding
 
         self.enc = load_encoding(job.tokenizer)
         self.items = read_jsonl_split(job.train_files[0], "train", job.prompt_kinds)

@@ -135,7 +135,7 @@ class RewardStage(Stage):
     lora = LoRAConfig()
 
     def __init__(self, job: RewardJob, info: DistInfo):
-        from kiln.tokenizer import load_encoding
+        from kiln.tokens.tokenizer import load_encoding
 
         self.job, self.info = job, info
         self.enc = load_encoding(job.tokenizer)
@@ -221,7 +221,7 @@ def load_reward_model(path: str | Path, map_location: str = "cpu") -> tuple[Rewa
     """(reward model in eval mode, its tokenizer, meta) from a reward checkpoint, its checkpoints root or run folder."""
     from kiln.model.config import ModelConfig
     from kiln.model.families import build_model
-    from kiln.tokenizer import load_encoding
+    from kiln.tokens.tokenizer import load_encoding
     from kiln.train.checkpoint import load_state, resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)

@@ -444,7 +444,7 @@ class RlStage(PosttrainStage):
     loss (or DAPO's, by the job's settings); the held-out measure is the greedy answers' exact reward."""
 
     def __init__(self, job: RlJob, info: DistInfo):
-        from kiln.tokenizer import load_encoding
+        from kiln.tokens.tokenizer import load_encoding
 
         kinds, self.exact_fn, _ = REWARDS[job.reward]
         self.reward_fn = make_reward(job.reward, job.partial_credit)

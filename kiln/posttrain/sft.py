@@ -1,7 +1,7 @@
 """Supervised fine-tuning: the chat template, prompt-masked packing, a resumable loader, and the SFT stage.
 
 Examples are ``<|user|>prompt<|assistant|>response<|endoftext|>``, or the encoding's own chat template when it carries
-one (an imported model's, kiln.tokenizer.chat_template); loss falls on the response only (and the turn's end).
+one (an imported model's, kiln.tokens.tokenizer.chat_template); loss falls on the response only (and the turn's end).
 ``python -m kiln.train --config job.json`` with task "sft" runs SftStage; the DPO and RL stages reuse the template.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kiln.common.files import jsonl_objects
-from kiln.tokenizer import chat_template
+from kiln.tokens.tokenizer import chat_template
 from kiln.train.dist import DistInfo
 from kiln.train.job import JobConfig
 from kiln.train.pretrain import NextTokenStage
@@ -187,7 +187,7 @@ class SftStage(NextTokenStage):
     only; validated on the pairs of its ``val`` split."""
 
     def __init__(self, job: JobConfig, info: DistInfo):
-        from kiln.tokenizer import load_encoding
+        from kiln.tokens.tokenizer import load_encoding
 
         enc = load_encoding(job.tokenizer)
 

@@ -72,7 +72,7 @@ def _config_and_tokenizer(folder: Path) -> tuple[ModelConfig, dict[str, Any], Im
     if not folder.is_dir():
         raise PretrainedError(f"{folder}: not a folder; give the Hugging Face model's local folder "
                               "(huggingface-cli download NAME --local-dir FOLDER makes one)")
-    from kiln.tokenizer import with_end_token
+    from kiln.tokens.tokenizer import with_end_token
 
     cfg, doc = model_config(folder)
     tok = encoding_from_hf(folder / "tokenizer.json", name=f"hf-{folder.name}")
@@ -95,7 +95,7 @@ def hf_eos_token(folder: Path) -> str | None:
 
 def _gguf_parts(path: Path, weights: bool) -> tuple[GgufModel, ModelConfig, ImportedTokenizer]:
     """(the GGUF read, its ModelConfig, its imported tokenizer), checked to belong together."""
-    from kiln.tokenizer import with_chat_template, with_end_token
+    from kiln.tokens.tokenizer import with_chat_template, with_end_token
 
     g = read_gguf(path, weights=weights)
     cfg = model_config_of(path, g.config)
@@ -165,7 +165,7 @@ def import_pretrained(folder: str | Path, out_dir: str | Path, texts: Iterable[s
     """Write ``out_dir``/tokenizer.json (Kiln's encoding), ``checkpoints/step_0000000`` (the weights as a Kiln
     checkpoint whose meta records the source) and pretrained.json (paths relative to ``out_dir``); return the record
     with absolute paths."""
-    from kiln.tokenizer import encoding_fingerprint, save_encoding
+    from kiln.tokens.tokenizer import encoding_fingerprint, save_encoding
     from kiln.train.checkpoint import save_checkpoint, weights_digest
 
     state, cfg, tok, record = load_pretrained(folder, texts)

@@ -16,7 +16,7 @@ import tiktoken
 
 from kiln.pretrained.config import PretrainedError
 from kiln.release.hf import PROBE_TEXTS, bytes_to_unicode
-from kiln.tokenizer import GPT2_PAT_STR, SPECIAL_TOKENS
+from kiln.tokens.tokenizer import GPT2_PAT_STR, SPECIAL_TOKENS
 
 # GPT-2's split with each digit (or run of digits) its own piece first, as Sequence[Digits, ByteLevel(use_regex)]
 # does (SmolLM): a space run now also ends before a digit, the end of its piece.

@@ -38,7 +38,7 @@ def write_release(checkpoint: str | Path, out_dir: Path, card: str, extra: dict[
     ckpt = resolve_checkpoint(checkpoint)
     state, meta = load_state(ckpt)
     cfg = ModelConfig(**meta["model"])
-    from kiln.tokenizer import encoding_fingerprint, load_encoding
+    from kiln.tokens.tokenizer import encoding_fingerprint, load_encoding
 
     enc = load_encoding(ckpt / "tokenizer.json")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,7 @@ def _write_ggufs(state: dict, cfg: ModelConfig, enc, out_dir: Path, types: Seque
         gguf_architecture(cfg)
     except ReleaseError as e:
         return {"files": [], "skipped": str(e)}
-    from kiln.tokenizer import chat_template
+    from kiln.tokens.tokenizer import chat_template
 
     return {"files": [write_gguf(state, cfg, enc, out_dir / f"model-{t}.gguf", t,
                                  chat_template=chat_template(enc) or CHAT_TEMPLATE,
@@ -152,7 +152,7 @@ def verify_release(bundle: Path) -> None:
 
 def load_release(bundle: str | Path, map_location: str = "cpu"):
     """(model of the bundle's family in eval mode, tokenizer) from a release bundle, after verifying its checksums."""
-    from kiln.tokenizer import load_encoding
+    from kiln.tokens.tokenizer import load_encoding
 
     bundle = Path(bundle)
     verify_release(bundle)

@@ -33,7 +33,7 @@ def _split_names() -> dict[str, str]:
     """Kiln's split patterns (trained and imported) -> the llama.cpp pre-tokenizer that splits text the same way."""
     from kiln.pretrained.gguf import PRE_TOKENIZERS, LLAMA3_SPLIT, QWEN2_SPLIT
     from kiln.pretrained.tokenizer import DIGITS_PAT
-    from kiln.tokenizer import DIGITS_PAT_STR, GPT2_PAT_STR, GPT4_PAT_STR
+    from kiln.tokens.tokenizer import DIGITS_PAT_STR, GPT2_PAT_STR, GPT4_PAT_STR
 
     assert {"gpt-2", "smollm", "llama-bpe", "qwen2"} <= set(PRE_TOKENIZERS)
     return {

@@ -17,7 +17,7 @@ from kiln.common.files import atomic_path, atomic_write_json, atomic_write_text
 from kiln.model import mup
 from kiln.model.config import ModelConfig
 from kiln.model.families import of
-from kiln.tokenizer import chat_template
+from kiln.tokens.tokenizer import chat_template
 
 # The chat layout Kiln's SFT trains on (kiln.posttrain.sft.encode_example), as a Jinja template for apply_chat_template.
 CHAT_TEMPLATE = (
@@ -224,7 +224,7 @@ def check_hf_tokenizer(enc, tok, texts=PROBE_TEXTS) -> None:
 
 def uses_gpt2_split(enc) -> bool:
     """True when ``enc`` splits text with GPT-2's pattern, which GPT2Tokenizer's vocab.json/merges.txt reproduce."""
-    from kiln.tokenizer import GPT2_PAT_STR
+    from kiln.tokens.tokenizer import GPT2_PAT_STR
 
     return enc._pat_str == GPT2_PAT_STR
 

@@ -45,7 +45,7 @@ def checkpoint_lineage(path: str | Path) -> dict[str, Any]:
     """What a checkpoint records about its making: its job (data files, tokenizer, init checkpoint, MLflow run),
     followed through ``init_from`` to the checkpoint it was fine-tuned from."""
     from kiln.train.checkpoint import verify_checkpoint
-    from kiln.tokenizer import encoding_fingerprint, load_encoding
+    from kiln.tokens.tokenizer import encoding_fingerprint, load_encoding
 
     ckpt = resolve_checkpoint(path)
     meta = verify_checkpoint(ckpt)

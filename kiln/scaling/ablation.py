@@ -259,10 +259,10 @@ def _band_keys(texts: list[str], per_doc: bool = False):
 
 def choose_eval_docs(corpus: str, permille: int, max_mb: float) -> list[tuple[str, str]]:
     """The evaluation documents: those of the baseline's clean corpus whose id hashes into the first ``permille``
-    per thousand (kiln.shards.split_of, the rule behind every validation split, so the shared tokenizer's held-out
+    per thousand (kiln.tokens.shards.split_of, the rule behind every validation split, so the shared tokenizer's held-out
     documents include them), in corpus order, up to ``max_mb`` MB."""
     from kiln.clean.corpus import corpus_texts
-    from kiln.shards import split_of
+    from kiln.tokens.shards import split_of
 
     out, size = [], 0
     for doc_id, text in corpus_texts(corpus):
@@ -396,9 +396,9 @@ def point_tokenizer(clean: dict[str, Any], vocab_size: int, settings: dict[str, 
                     say: Say) -> dict[str, Any]:
     """A BPE of ``vocab_size`` trained on the point's clean corpus (the tokenizer asset's rule: held-out documents
     never trained on), under ``root/tokenizer/<key>``, reused when whole."""
-    from kiln import tokenizer as ktok
+    from kiln.tokens import tokenizer as ktok
     from kiln.clean.corpus import corpus_texts
-    from kiln.shards import split_of
+    from kiln.tokens.shards import split_of
 
     folder = root / "tokenizer" / stable_hash([STAGE_VERSION, clean["content"], vocab_size, settings])[:16]
     if (rec := _done(folder)) is None:
@@ -415,8 +415,8 @@ def point_tokenizer(clean: dict[str, Any], vocab_size: int, settings: dict[str, 
 
 def eval_shards(eval_info: dict[str, Any], tok: dict[str, Any], root: Path, num_workers: int) -> dict[str, Any]:
     """The evaluation documents as validation shards in the tokenizer ``tok``: files, tokens and bytes."""
-    from kiln import shards as kshards
-    from kiln import tokenizer as ktok
+    from kiln.tokens import shards as kshards
+    from kiln.tokens import tokenizer as ktok
 
     enc = ktok.load_encoding(tok["path"])
     fp = ktok.encoding_fingerprint(enc)
@@ -433,8 +433,8 @@ def point_tokens(clean: dict[str, Any], tok: dict[str, Any], eval_info: dict[str
                  root: Path, num_workers: int, say: Say) -> dict[str, Any]:
     """The point's training shards: its clean corpus less the evaluation documents, their exact copies and their
     near-duplicates (counted: ``eval_overlap_removed``), under ``root/tokens/<key>``, reused when whole."""
-    from kiln import shards as kshards
-    from kiln import tokenizer as ktok
+    from kiln.tokens import shards as kshards
+    from kiln.tokens import tokenizer as ktok
     from kiln.clean.corpus import corpus_texts
 
     enc = ktok.load_encoding(tok["path"])

@@ -320,7 +320,7 @@ def load_for_inference(path: str | Path, map_location: str = "cpu"):
     """(model in eval mode, its tokenizer, meta) from a checkpoint, a checkpoints root or a run folder."""
     from kiln.model.config import ModelConfig
     from kiln.model.families import build_model
-    from kiln.tokenizer import load_encoding
+    from kiln.tokens.tokenizer import load_encoding
 
     ckpt = resolve_checkpoint(path)
     state, meta = load_state(ckpt, map_location)

@@ -30,7 +30,7 @@ def mask_kwargs(x: torch.Tensor, eot: int | None) -> dict[str, torch.Tensor]:
 def document_eot(job: JobConfig) -> int:
     """The end-of-text id separating the documents in the job's shards: ``eot_token`` of the manifest.json beside
     them (every folder's must agree), else the EOT of ``job.tokenizer``; an error naming both when neither is there."""
-    from kiln.shards import MANIFEST, load_manifest
+    from kiln.tokens.shards import MANIFEST, load_manifest
 
     found = {}
     for folder in sorted({Path(p).parent for p in [*job.train_files, *job.val_files]}):
@@ -43,13 +43,13 @@ def document_eot(job: JobConfig) -> int:
     if found:
         return next(iter(found.values()))
     if job.tokenizer:
-        from kiln.tokenizer import load_encoding
+        from kiln.tokens.tokenizer import load_encoding
 
         return load_encoding(job.tokenizer).eot_token
     first = job.train_files[0] if job.train_files else "(no train_files)"
     raise ValueError(f"job.document_mask needs the end-of-text token id: no {MANIFEST} with 'eot_token' beside "
                      f"{first} and job.tokenizer is empty; set job.tokenizer to the tokenizer.json the shards were "
-                     "written with, or write them with kiln.shards.write_shards (which records eot_token)")
+                     "written with, or write them with kiln.tokens.shards.write_shards (which records eot_token)")
 
 
 @torch.no_grad()
@@ -155,10 +155,10 @@ class NextTokenStage(Stage):
 
 
 class PretrainStage(NextTokenStage):
-    """Windows of the token shards in a seeded order (kiln.loader.TokenLoader), each rank its own slice."""
+    """Windows of the token shards in a seeded order (kiln.tokens.loader.TokenLoader), each rank its own slice."""
 
     def __init__(self, job: JobConfig, info: DistInfo):
-        from kiln.loader import TokenLoader, iter_eval_batches
+        from kiln.tokens.loader import TokenLoader, iter_eval_batches
 
         loader = TokenLoader([Path(p) for p in job.train_files], job.micro_batch, job.seq_len, info.data_rank,
                              info.data_world, job.seed)

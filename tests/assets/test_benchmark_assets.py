@@ -21,7 +21,7 @@ from kiln.evaluation.standard.contamination import item_text
 from kiln.evaluation.standard.run import load_tasks, prepare
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT, padded_vocab
-from kiln.shards import split_of
+from kiln.tokens.shards import split_of
 from kiln.train.checkpoint import save_checkpoint
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource

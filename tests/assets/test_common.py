@@ -284,7 +284,7 @@ def test_a_damaged_token_shard_is_found_before_a_launch_set_aside_and_named(tmp_
     import numpy as np
     from dagster import Failure
 
-    from kiln.shards import MANIFEST, _write_shard, check_shard_files
+    from kiln.tokens.shards import MANIFEST, _write_shard, check_shard_files
     from resources.torchrun import TrainingLaunch
 
     entry = _write_shard(tmp_path / "train_000000.bin", np.arange(1, 3000, dtype=np.uint16), np.dtype("<u2"), 0)

@@ -28,7 +28,7 @@ from kiln.train.checkpoint import save_checkpoint
 from kiln.evaluation.checkpoints import checkpoint_key
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT, padded_vocab
-from kiln.shards import split_of
+from kiln.tokens.shards import split_of
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 from tests.kiln.evaluation.test_evaluation import make_docs

@@ -22,7 +22,7 @@ from kiln.evaluation.tasks import build_tasks
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.posttrain.measures import MEASURES, heldout_suite, stage_rows
-from kiln.shards import split_of
+from kiln.tokens.shards import split_of
 from resources.storage import HandleIOManager, KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource

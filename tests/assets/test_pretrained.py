@@ -18,7 +18,7 @@ from assets.training import TrainingPlanConfig, training_plan
 from hfmodels import corpus, save_tiny
 from kiln.model.config import ModelConfig
 from kiln.pretrained.source import folder_hash
-from kiln.tokenizer import load_encoding
+from kiln.tokens.tokenizer import load_encoding
 from kiln.train.checkpoint import checkpoint_identity
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource

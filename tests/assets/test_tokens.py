@@ -16,13 +16,13 @@ import pytest
 from dagster import build_asset_context
 
 from assets.tokens import TOKENIZER_HOLDOUT_PERMILLE, TokenizerConfig, TokenShardsConfig, token_shards, tokenizer
-from kiln import store
-from kiln.loader import TokenLoader
-from kiln.shards import decode_documents, split_of
-from kiln.tokenizer import DIGITS_PAT_STR, GPT4_PAT_STR, encoding_fingerprint, load_encoding, train_bpe
+from kiln.tokens import store
+from kiln.tokens.loader import TokenLoader
+from kiln.tokens.shards import decode_documents, split_of
+from kiln.tokens.tokenizer import DIGITS_PAT_STR, GPT4_PAT_STR, encoding_fingerprint, load_encoding, train_bpe
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
-from tests.kiln.test_store import s3_server
+from tests.kiln.tokens.test_store import s3_server
 
 SOURCE_CACHE = os.environ.get("KILN_SOURCE_CACHE", str(Path.home() / ".cache/kiln/sources"))
 

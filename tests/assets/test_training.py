@@ -12,7 +12,7 @@ from assets.training import base_model
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.plan import BatchConfig, HardwareConfig, make_plan
 from kiln.model.config import ModelConfig
-from kiln.shards import shard_paths
+from kiln.tokens.shards import shard_paths
 from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.shards import ShardError, shard_paths, write_shards
+from kiln.tokens.shards import ShardError, shard_paths, write_shards
 from resources.storage import KilnStorageResource
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_local_root_is_its_own_cache(tmp_path: Path, shards_in) -> None:
 
 
 def test_url_root_publishes_and_refetches_a_lost_cache(tmp_path: Path, shards_in) -> None:
-    durable = (tmp_path / "bucket" / "kiln").as_uri()  # any fsspec URL; s3:// is tested in tests/kiln/test_store.py
+    durable = (tmp_path / "bucket" / "kiln").as_uri()  # any fsspec URL; s3:// is tested in tests/kiln/tokens/test_store.py
     storage = KilnStorageResource(root=durable, cache=str(tmp_path / "cache"))
     assert storage.durable and storage.url("token_shards", "v1") == durable + "/token_shards/v1"
     value = shards_in(storage)

@@ -129,7 +129,7 @@ def save_tiny_llama(folder: str | Path, positions: int = 512, vocab: int = 512, 
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from kiln.tokenizer import SPECIAL_TOKENS
+    from kiln.tokens.tokenizer import SPECIAL_TOKENS
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -147,7 +147,7 @@ def test_generation_ends_at_the_models_own_end_token_as_hflm_ends_at_its_eos(tmp
     """An imported model ends its text with its own end of sequence (SmolLM2-Instruct's <|im_end|>, not
     <|endoftext|>): HFLM stops there (its tokenizer's eos), so Kiln does too; the end token is saved with the
     encoding and is part of its fingerprint."""
-    from kiln.tokenizer import encoding_fingerprint, end_token, load_encoding, save_encoding, with_end_token
+    from kiln.tokens.tokenizer import encoding_fingerprint, end_token, load_encoding, save_encoding, with_end_token
 
     ranks = {bytes([i]): i for i in range(256)}
     enc = tiktoken.Encoding(name="t2", pat_str=PAT, mergeable_ranks=ranks,
@@ -306,7 +306,7 @@ def test_lm_eval_command_line_loads_a_checkpoint_as_model_kiln(tmp_path, enc, ca
 
     from kiln.train.checkpoint import save_checkpoint
     from kiln.evaluation import lm_eval_cli
-    from kiln.tokenizer import save_encoding
+    from kiln.tokens.tokenizer import save_encoding
 
     model = tiny_gpt(block_size=64, seed=6)
     save_encoding(enc, tmp_path / "tokenizer.json")

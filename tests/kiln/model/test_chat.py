@@ -57,7 +57,7 @@ def test_a_turn_streams_greedy_generation_and_later_turns_reuse_the_cache(model,
 
 
 def test_turn_end_token_stops_the_answer(tiny_tokenizer):
-    from kiln.tokenizer import train_bpe
+    from kiln.tokens.tokenizer import train_bpe
 
     enc = train_bpe(["hello there friend"] * 20, 280)
     import tiktoken

@@ -30,7 +30,7 @@ def make(family: str) -> torch.nn.Module:
 
 
 def doc(n: int, seed: int) -> torch.Tensor:
-    """[EOT] + n tokens, as kiln.shards writes a document: (n + 1,) int64."""
+    """[EOT] + n tokens, as kiln.tokens.shards writes a document: (n + 1,) int64."""
     g = torch.Generator().manual_seed(seed)
     return torch.cat([torch.tensor([EOT]), torch.randint(1, 64, (n,), generator=g)])
 

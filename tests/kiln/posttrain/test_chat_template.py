@@ -10,7 +10,7 @@ from kiln.model.config import ModelConfig, padded_vocab
 from kiln.model.families import build_model
 from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import chat_prompt_ids, encode_example, turn_end
-from kiln.tokenizer import chat_template, encoding_fingerprint, load_encoding, save_encoding, with_chat_template
+from kiln.tokens.tokenizer import chat_template, encoding_fingerprint, load_encoding, save_encoding, with_chat_template
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -221,7 +221,7 @@ def test_labelled_rows_have_preference_datas_format_and_train_dpo(tmp_path):
 
 
 def save_counting_checkpoint(folder: Path) -> Path:
-    from kiln.tokenizer import save_encoding
+    from kiln.tokens.tokenizer import save_encoding
     from kiln.train.checkpoint import save_checkpoint, weights_digest
 
     model = counting_model()

@@ -207,7 +207,7 @@ def test_the_parity_reference_splits_text_as_the_gguf_says(files, hf):
     from transformers import AutoTokenizer
 
     from kiln.evaluation.standard.parity import use_gguf_pretokenizer
-    from kiln.tokenizer import load_encoding
+    from kiln.tokens.tokenizer import load_encoding
 
     path = files["F32"]
     text = "Mix  3 eggs,  12 cups\n\n  7 times"

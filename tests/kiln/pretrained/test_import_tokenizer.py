@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 from hfmodels import corpus, tiny_tokenizer
 from kiln.pretrained.config import PretrainedError
 from kiln.pretrained.tokenizer import check_same_ids, encoding_from_hf
-from kiln.tokenizer import GPT2_PAT_STR, load_encoding, save_encoding
+from kiln.tokens.tokenizer import GPT2_PAT_STR, load_encoding, save_encoding
 
 STYLES = ("gpt2", "llama3", "qwen2", "smollm")
 

@@ -112,7 +112,7 @@ def test_kiln_reimports_its_own_file_exactly(written, tiny_tokenizer):
 
 
 def test_qwen3_and_digit_split_round_trip(tiny_tokenizer, tmp_path):
-    from kiln.tokenizer import DIGITS_PAT_STR, train_bpe
+    from kiln.tokens.tokenizer import DIGITS_PAT_STR, train_bpe
 
     enc = train_bpe(["numbers 12345 and 678 in text " * 5, "more text with 90210 and words"] * 20, 300, DIGITS_PAT_STR)
     cfg, m = tiny_llama(enc, qk_norm=True)

@@ -39,7 +39,7 @@ def smol_release(tmp_path_factory):
     kiln.pretrained and released by kiln.release."""
     from kiln.pretrained.source import import_pretrained
     from kiln.release.bundle import write_release
-    from kiln.tokenizer import load_encoding
+    from kiln.tokens.tokenizer import load_encoding
 
     root = tmp_path_factory.mktemp("smol")
     folder = save_tiny(root / "smol", "llama", "smollm")

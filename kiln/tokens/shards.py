@@ -20,7 +20,7 @@ import numpy as np
 import tiktoken
 
 from kiln.common.files import DamagedFileError, atomic_path, atomic_write_json, sha256_file
-from kiln.tokenizer import encoding_fingerprint
+from kiln.tokens.tokenizer import encoding_fingerprint
 
 MAGIC = 20240520
 HEADER_INTS = 256

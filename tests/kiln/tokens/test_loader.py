@@ -1,6 +1,6 @@
-"""Tests for kiln.loader: determinism, disjoint ranks, exact resume, resume on other world sizes counting every token, eval windows.
+"""Tests for kiln.tokens.loader: determinism, disjoint ranks, exact resume, resume on other world sizes counting every token, eval windows.
 
-Run: python -m pytest tests/kiln/test_loader.py -q
+Run: python -m pytest tests/kiln/tokens/test_loader.py -q
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.loader import TokenLoader, iter_eval_batches
-from kiln.shards import ShardError, shard_header, shard_paths, write_shards
+from kiln.tokens.loader import TokenLoader, iter_eval_batches
+from kiln.tokens.shards import ShardError, shard_header, shard_paths, write_shards
 
 T = 16
 N_WINDOWS = 103  # (1649 - 1) // 16

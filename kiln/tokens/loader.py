@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from kiln.shards import check_shard_files, read_shard
+from kiln.tokens.shards import check_shard_files, read_shard
 
 
 class TokenStream:
@@ -21,7 +21,7 @@ class TokenStream:
     one token (the last target of one is the first input of the next), so the inputs of all windows
     tile the stream: every token but the final < ``seq_len`` of the tail is an input exactly once.
     Shards sitting beside a ``manifest.json`` are checked against it first (sizes, token counts,
-    sha256, with hashes remembered per unchanged file: see ``kiln.shards.verify_shards``).
+    sha256, with hashes remembered per unchanged file: see ``kiln.tokens.shards.verify_shards``).
     """
 
     def __init__(self, shard_paths: Sequence[str | os.PathLike], seq_len: int, verify: bool = True):
@@ -29,7 +29,7 @@ class TokenStream:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.paths = list(shard_paths)
         if not self.paths:
-            raise ValueError("no shard files given: pass the paths of a split's shards (kiln.shards.shard_paths)")
+            raise ValueError("no shard files given: pass the paths of a split's shards (kiln.tokens.shards.shard_paths)")
         if verify:
             check_shard_files(self.paths)
         # plain ndarray views of the memory maps: slicing an np.memmap costs more than copying a window

@@ -1,7 +1,7 @@
-"""Tests for kiln.shards: llm.c header bytes, round trips, uint32 path, checksum/truncation errors, split stability,
+"""Tests for kiln.tokens.shards: llm.c header bytes, round trips, uint32 path, checksum/truncation errors, split stability,
 the table of shards.
 
-Run: python -m pytest tests/kiln/test_shards.py -q
+Run: python -m pytest tests/kiln/tokens/test_shards.py -q
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tiktoken
 
-from kiln import shards as sh
+from kiln.tokens import shards as sh
 from kiln.common.files import sha256_file
-from kiln.tokenizer import encoding_fingerprint, train_bpe
+from kiln.tokens.tokenizer import encoding_fingerprint, train_bpe
 
 
 @pytest.fixture(scope="module")
