@@ -89,14 +89,14 @@ def _points(config: AblationGridConfig) -> list[Point]:
 
 
 def proxy_settings(config: AblationGridConfig) -> dict[str, Any]:
-    """The proxy's training_plan fields (kiln.plan.plan_from_config's arguments), as plain values."""
+    """The proxy's training_plan fields (kiln.plan.memory.plan_from_config's arguments), as plain values."""
     return {"model_preset": config.model_preset, "model": config.model.to_dict(), "batch": config.batch.to_dict(),
             "hardware": config.hardware.to_dict()}
 
 
 def proxy_plan(settings: dict[str, Any], n_vocab: int) -> dict[str, Any]:
     """The proxy's training plan for a tokenizer of ``n_vocab`` tokens (the planner's, as training_plan makes it)."""
-    from kiln.plan import plan_from_config
+    from kiln.plan.memory import plan_from_config
 
     made, _, _, hw = plan_from_config(n_vocab, settings["model_preset"], settings["model"], settings["batch"],
                                       settings["hardware"], {}, "ablation_grid")

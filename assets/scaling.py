@@ -208,7 +208,7 @@ class ScalingLadderConfig(KilnConfig):
 
 
 def ladder_plan(config: ScalingLadderConfig, rung: kladder.Rung, n_vocab: int) -> dict[str, Any]:
-    from kiln.plan import plan_from_config
+    from kiln.plan.memory import plan_from_config
 
     batch = {**config.batch.to_dict(), "max_steps": rung.steps}
     made, _, bc, hw = plan_from_config(n_vocab, "", rung.model, batch, {}, {}, "scaling_ladder")

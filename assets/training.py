@@ -14,10 +14,18 @@ from assets._common import asset_output, failing_on_config_errors, md_table, rep
 from assets._config import KilnConfig, schema_of
 from assets.pretrained import recorded_start, start_of
 from kiln.common.config import ConfigError, Domain
-from kiln.layout import LayoutPlan, LayoutRequest, layout_from_config, training_plan_of
+from kiln.plan.layout import LayoutPlan, LayoutRequest, layout_from_config, training_plan_of
 from kiln.model.config import ModelConfig, preset_fields
-from kiln.plan import (PREDICTIONS, BatchConfig, HardwareConfig, ParallelConfig, TrainingPlan, model_from_config,
-                       plan_from_config, plan_version)
+from kiln.plan.memory import (
+    PREDICTIONS,
+    BatchConfig,
+    HardwareConfig,
+    ParallelConfig,
+    TrainingPlan,
+    model_from_config,
+    plan_from_config,
+    plan_version,
+)
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, describe_sizes, pretrain_report
 from kiln.model.lora import LoRAConfig
@@ -50,13 +58,13 @@ class TrainingPlanConfig(KilnConfig):
     batch: Batch = Field(default_factory=Batch, description="The token budget: sequence length, global batch, steps.")
     hardware: Hardware = Field(default_factory=Hardware, description="Where it trains: device, processes, nodes, memory.")
     parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile.")
-    layout: Optional[LayoutBlock] = Field(default=None, description="Plan tensor, pipeline and data parallelism for the hardware block's GPUs over these links (kiln.layout): base_model trains the fastest layout that fits, `kiln plan` explains the choice. Unset: data parallelism alone.")
+    layout: Optional[LayoutBlock] = Field(default=None, description="Plan tensor, pipeline and data parallelism for the hardware block's GPUs over these links (kiln.plan.layout): base_model trains the fastest layout that fits, `kiln plan` explains the choice. Unset: data parallelism alone.")
     from_sweep: bool = Field(default=False, description="Train the best point of sweep_results: its model, batch and optim fields replace these (and base_model's optim).")
     sizing: str = Field(default="preset", description="preset: the configured model and steps; law: the width and steps the scaling_ladder's fitted law finds compute-optimal for compute_budget (the model keeps the configured shape: family, depth, heads).")
     compute_budget: Annotated[float, Domain(0)] = Field(default=0.0, description="sizing: law: the training FLOPs to spend; 0 is what the configured model and steps would spend.")
 
     def plan(self, n_vocab: int, pretrained: dict | None = None) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
-        """kiln.plan.plan_from_config for these fields (the asset and ``kiln plan`` both call it); with an imported
+        """kiln.plan.memory.plan_from_config for these fields (the asset and ``kiln plan`` both call it); with an imported
         ``pretrained`` model its architecture replaces model_preset and model (only dropout may be set)."""
         if self.layout is not None:
             raise ConfigError("training_plan.layout is set: the plan is layout_training_plan's (tensor, pipeline and "
@@ -82,13 +90,13 @@ class TrainingPlanConfig(KilnConfig):
         return self.model_preset, model
 
     def layout_plan(self, n_vocab: int, pretrained: dict | None = None) -> LayoutPlan:
-        """kiln.layout.layout_from_config for these fields (``kiln plan`` of a preset with a ``layout`` block)."""
+        """kiln.plan.layout.layout_from_config for these fields (``kiln plan`` of a preset with a ``layout`` block)."""
         preset, model = self._model(pretrained)
         return layout_from_config(n_vocab, preset, model, self.batch.to_dict(), self.hardware.to_dict(),
                                   self.parallel.to_dict(), self.layout.to_dict() if self.layout else {})
 
     def layout_training_plan(self, n_vocab: int, pretrained: dict | None = None) -> dict:
-        """The training plan of the chosen layout (kiln.layout.training_plan_of): what base_model launches."""
+        """The training plan of the chosen layout (kiln.plan.layout.training_plan_of): what base_model launches."""
         preset, model = self._model(pretrained)
         chosen = self.layout_plan(n_vocab, pretrained)
         return training_plan_of(chosen, model_from_config(n_vocab, preset, model), self.hardware.to_dict(),
@@ -217,7 +225,7 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
 
 def plan_cost_metadata(plan: dict) -> dict:
     """Planned device-hours, energy and money (conf/cost.yaml) and the distance from Chinchilla's compute-optimal size."""
-    from kiln.plan import compute_optimal, load_cost, planned_costs
+    from kiln.plan.cost import compute_optimal, load_cost, planned_costs
 
     cost = planned_costs(plan, load_cost(plan["hardware"]["device"]))
     opt = compute_optimal(plan["params"], plan["total_tokens"])

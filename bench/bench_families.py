@@ -27,7 +27,7 @@ from kiln.tokens.loader import TokenLoader, iter_eval_batches  # noqa: E402
 from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
 from kiln.model.families import build_model, flops_per_token  # noqa: E402
 from kiln.model.parallel import clip_grad_norm  # noqa: E402
-from kiln.plan import count_params  # noqa: E402
+from kiln.plan.memory import count_params  # noqa: E402
 from kiln.tokens.shards import shard_paths  # noqa: E402
 from kiln.train.optim import OptimConfig, make_optimizer, make_scheduler  # noqa: E402
 

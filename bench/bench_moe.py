@@ -32,7 +32,7 @@ from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
 from kiln.model.moe import end_step, load_measures, sparse_layers, tensor_count  # noqa: E402
 from kiln.model.parallel import clip_grad_norm  # noqa: E402
-from kiln.plan import count_params  # noqa: E402
+from kiln.plan.memory import count_params  # noqa: E402
 from kiln.tokens.shards import shard_paths  # noqa: E402
 from kiln.train.optim import OptimConfig, make_optimizer, make_scheduler  # noqa: E402
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kiln.model.config import ModelConfig, preset_fields  # noqa: E402
 from kiln.model.families import build_model, flops_per_token  # noqa: E402
 from kiln.model.parallel import clip_grad_norm, parallelize  # noqa: E402
-from kiln.plan import gpu_peak_tflops, measure_matmul_peak  # noqa: E402
+from kiln.plan.memory import gpu_peak_tflops, measure_matmul_peak  # noqa: E402
 from kiln.train.optim import OptimConfig, lr_lambda, make_optimizer  # noqa: E402
 from kiln.train.trainer import accumulate_gradients  # noqa: E402
 from provenance import header  # noqa: E402

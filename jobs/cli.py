@@ -513,7 +513,8 @@ def preset_error(preset: dict[str, Any], home: Path, keys: list[str] | None = No
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from assets.training import TrainingPlanConfig
-    from kiln.plan import describe_costs, describe_plan, load_cost
+    from kiln.plan.cost import describe_costs, load_cost
+    from kiln.plan.memory import describe_plan
     from kiln.pretrained.config import PretrainedError
 
     from jobs.preflight import check_numbers
@@ -542,7 +543,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     n_vocab = shown.get("n_vocab") or args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
     if conf.get("layout") is not None:  # a cluster to split the model over: the layout planner instead
         return print_layout_plan(args, conf, n_vocab, pretrained)
-    # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.plan_from_config
+    # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.memory.plan_from_config
     got = plan_or_refuse(args.preset, lambda: TrainingPlanConfig(**conf).plan(n_vocab, pretrained))
     if got is None:
         return 2
@@ -565,7 +566,7 @@ def plan_or_refuse(preset: str, make: Callable[[], Any]) -> Any:
     from pydantic import ValidationError
 
     from kiln.common.config import ConfigError
-    from kiln.plan import PlanError
+    from kiln.plan.memory import PlanError
 
     try:
         return make()
@@ -578,10 +579,10 @@ def plan_or_refuse(preset: str, make: Callable[[], Any]) -> Any:
 
 
 def print_layout_plan(args: argparse.Namespace, conf: dict[str, Any], n_vocab: int, pretrained: dict | None) -> int:
-    """``kiln plan`` of a preset with a ``training_plan.layout`` block: kiln.layout's choice of tensor, pipeline and
+    """``kiln plan`` of a preset with a ``training_plan.layout`` block: kiln.plan.layout's choice of tensor, pipeline and
     data parallelism, why each size, memory per rank, communication, bubble, step time, MFU and the runner-up."""
     from assets.training import TrainingPlanConfig
-    from kiln.layout import describe_layout_plan
+    from kiln.plan.layout import describe_layout_plan
 
     plan = plan_or_refuse(args.preset, lambda: TrainingPlanConfig(**conf).layout_plan(n_vocab, pretrained))
     if plan is None:

@@ -14,7 +14,7 @@ from dagster import ConfigurableResource, Failure
 from pydantic import model_validator
 
 from kiln.common.config import ConfigError, check_model_domains
-from kiln.plan import PlanError
+from kiln.plan.memory import PlanError
 
 
 class KilnResource(ConfigurableResource):

@@ -520,7 +520,7 @@ class TrainingLaunch:
         """The run's logbook rows, ledger, Slurm job id and system-metric peaks; the logbook table and ledger go
         to the MLflow run (an artifact and ``system/kiln.cost.*`` metrics: kiln.common.metrics.OPERATIONS_PREFIX),
         the outcome to its ``kiln.outcome`` tag."""
-        from kiln.plan import load_cost
+        from kiln.plan.cost import load_cost
         from kiln.train.energy import run_ledger
         from kiln.train.logbook import attempts, format_table
 

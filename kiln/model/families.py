@@ -40,7 +40,7 @@ class Family:
     embedding_params: Callable[[ModelConfig], int]  # the tables and the head (a tied head counted once)
     final_norm_params: Callable[[ModelConfig], int]  # the norm after the last block
     saved_per_token: Callable[[ModelConfig], tuple[int, int]]  # (elements autograd keeps per token per block, of
-    # which residual-stream elements), counted tensor by tensor (kiln.plan.memory_breakdown)
+    # which residual-stream elements), counted tensor by tensor (kiln.plan.memory.memory_breakdown)
     flops_per_token: Callable[[ModelConfig, int], float]  # training FLOPs per token at a sequence length
     hf_config: Callable[[ModelConfig, int], dict[str, Any]]  # config.json for transformers, given the EOT id
     hf_readers: dict[str, Callable[[Path, dict], ModelConfig]]  # Hugging Face model_type -> config.json reader

@@ -62,7 +62,7 @@ def design(base: dict[str, Any], widths: list[int], budgets: list[float], n_voca
     widths (a parabola needs three points), else the ladder does not fit its budgets: a ConfigError listing
     what each width would need."""
     from kiln.model.families import flops_per_token
-    from kiln.plan import count_params
+    from kiln.plan.memory import count_params
 
     if len(widths) < 3 or len(set(widths)) != len(widths):
         raise ConfigError(f"{where}.widths: {widths}: give at least three different widths")
@@ -160,7 +160,7 @@ def size_for(optimal: Callable[..., tuple[float, float]], budget: float, base: d
     law's (N_opt, D_opt) for FLOPs per token ``f(N)`` of the base shape; the width (a multiple of ``width_step``
     the heads divide) whose parameter count is nearest N_opt in log, and the steps nearest D_opt / tokens per step."""
     from kiln.model.families import flops_per_token
-    from kiln.plan import count_params
+    from kiln.plan.memory import count_params
 
     heads = int(base.get("n_head", 4))
     step = width_step * heads // math.gcd(width_step, heads)

@@ -4,7 +4,7 @@ and the table, plots and best point of their results.
 ``points = expand([Swept("optim.lr", values=[1e-3, 2e-3]), Swept("optim.warmup_steps", values=[20, 50])])`` gives
 four Points, each with a ``key`` (its Dagster partition: ``lr=0.001;warmup_steps=20``) and its field values;
 ``overrides(point)`` splits a point into the ``model``, ``batch`` and ``optim`` blocks a training plan and a job
-take. A swept field is ``<block>.<field>`` of ModelConfig (``model.n_embd``), kiln.plan.BatchConfig
+take. A swept field is ``<block>.<field>`` of ModelConfig (``model.n_embd``), kiln.plan.memory.BatchConfig
 (``batch.global_batch``) or kiln.train.optim.OptimConfig (``optim.lr``, ``optim.name``); its values are checked
 against the field's type before anything trains. ``ranked(points, losses)`` and ``marginals(...)`` summarise the
 results. Nothing here imports Dagster.
@@ -25,7 +25,7 @@ BLOCKS = ("model", "batch", "optim")  # where a swept field may live
 
 def block_class(block: str):
     from kiln.model.config import ModelConfig
-    from kiln.plan import BatchConfig
+    from kiln.plan.memory import BatchConfig
     from kiln.train.optim import OptimConfig
 
     return {"model": ModelConfig, "batch": BatchConfig, "optim": OptimConfig}[block]

@@ -1,6 +1,6 @@
 """The energy and cost of a training run: ``EnergyMeter`` measures the energy, ``run_ledger`` adds up device-hours,
 energy and money, actual (from the logbook) beside planned (from the training plan), at the prices and power of
-kiln.plan.CostConfig (conf/cost.yaml).
+kiln.plan.cost.CostConfig (conf/cost.yaml).
 
 ``EnergyMeter(device)`` reads NVIDIA's energy counters (NVML) of this node's GPUs on CUDA; elsewhere energy is an
 estimate, ``watts_per_device`` x device-hours, and says so. ``run_ledger(rows, plan, cost)`` sums a run's attempts.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kiln.plan import CostConfig, planned_costs
+from kiln.plan.cost import CostConfig, planned_costs
 
 
 class EnergyMeter:

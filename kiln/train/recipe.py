@@ -21,9 +21,9 @@ BASELINE_RECIPE: dict[str, Any] = {
 
 def demo_recipe() -> dict[str, Any]:
     """The recipe the demo preset trains with, read from the defaults it runs on: the llama family at the demo
-    size (conf/presets/demo.yaml), kiln.plan.BatchConfig's batch and steps, and OptimConfig with PRETRAIN_OPTIM."""
+    size (conf/presets/demo.yaml), kiln.plan.memory.BatchConfig's batch and steps, and OptimConfig with PRETRAIN_OPTIM."""
     from kiln.model.config import MODEL_PRESETS
-    from kiln.plan import BatchConfig
+    from kiln.plan.memory import BatchConfig
     from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
 
     batch, optim = BatchConfig(), OptimConfig(**PRETRAIN_OPTIM)

@@ -72,7 +72,7 @@ def resident_gb() -> float:
 
 def resolve_peak_flops(peak_flops: float, device: torch.device) -> float:
     """Per-device peak FLOP/s for MFU: the job's, the GPU table's, or a matmul measured now on CPU (0: none)."""
-    from kiln.plan import gpu_peak_tflops, measure_matmul_peak
+    from kiln.plan.memory import gpu_peak_tflops, measure_matmul_peak
 
     if peak_flops != 0:
         return max(peak_flops, 0.0)

@@ -232,7 +232,7 @@ def _retried_asset(error: Exception):
 
 def test_a_config_error_fails_at_once_and_other_errors_are_retried():
     from kiln.common.config import ConfigError
-    from kiln.plan import PlanError
+    from kiln.plan.memory import PlanError
 
     for error, attempts in ((ConfigError("clean.min_wrds: unknown key"), 1), (PlanError("does not fit"), 1),
                             (RuntimeError("disk hiccup"), 3)):

@@ -26,7 +26,7 @@ from kiln.clean.config import CleanConfig
 from kiln.common.config import ConfigError, from_dict
 from kiln.model.config import ModelConfig
 from kiln.model.lora import LoRAConfig
-from kiln.plan import BatchConfig, HardwareConfig, ParallelConfig
+from kiln.plan.memory import BatchConfig, HardwareConfig, ParallelConfig
 from kiln.train.optim import OptimConfig
 from kiln.train.spikes import SpikeConfig
 

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from assets.training import base_model
 from kiln.train.checkpoint import checkpoint_identity
-from kiln.plan import BatchConfig, HardwareConfig, make_plan
+from kiln.plan.memory import BatchConfig, HardwareConfig, make_plan
 from kiln.model.config import ModelConfig
 from kiln.tokens.shards import shard_paths
 from resources.storage import KilnStorageResource

@@ -5,7 +5,7 @@ import pytest
 from dagster import DagsterInvalidConfigError, build_asset_context
 
 from assets.training import TrainingPlanConfig, training_plan
-from kiln.plan import PlanError
+from kiln.plan.memory import PlanError
 from resources.tracking import MlflowResource
 
 TOKENIZER = {"n_vocab": 4099}

@@ -450,7 +450,7 @@ def test_plan_refuses_a_model_size_beside_a_pretrained_model(tmp_path, capsys):
 def test_plan_of_the_layout_presets_shows_the_choice_the_runner_up_and_metas_layout(capsys):
     """The four presets with a training_plan.layout block: GPT-2 124M on one GPU splits nothing, Llama 3 8B on 8
     GPUs takes tp 2 x FSDP 4, 70B on 64 FSDP over all 64, 405B on 16,384 H100s Meta's tp 8 x pp 16 x 128-way data
-    parallelism (kiln/layout.py and tests/kiln/test_layout.py hold the cost model and its checks)."""
+    parallelism (kiln/plan/layout.py and tests/kiln/plan/test_layout.py hold the cost model and its checks)."""
     from assets.training import TrainingPlanConfig
     from kiln.common.config import ConfigError
 

@@ -13,9 +13,9 @@ from kiln.common.config import ConfigError, Domain, _number_kind, domains, from_
 # the configs a user writes (presets, job files, the clean config, a sandbox's limits, the arena's sampling); their
 # nested blocks are found from these
 ROOTS = ["kiln.train.job.JobConfig", "kiln.posttrain.dpo.DpoJob", "kiln.posttrain.ppo.PpoJob",
-         "kiln.posttrain.reward.RewardJob", "kiln.posttrain.rl.RlJob", "kiln.plan.HardwareConfig",
-         "kiln.plan.BatchConfig", "kiln.plan.ParallelConfig", "kiln.plan.CostConfig", "kiln.layout.LayoutRequest",
-         "kiln.layout.ClusterConfig", "kiln.train.cluster.TorchrunSpec", "kiln.clean.config.CleanConfig",
+         "kiln.posttrain.reward.RewardJob", "kiln.posttrain.rl.RlJob", "kiln.plan.memory.HardwareConfig",
+         "kiln.plan.memory.BatchConfig", "kiln.plan.memory.ParallelConfig", "kiln.plan.cost.CostConfig", "kiln.plan.layout.LayoutRequest",
+         "kiln.plan.layout.ClusterConfig", "kiln.train.cluster.TorchrunSpec", "kiln.clean.config.CleanConfig",
          "kiln.sources.manifest.SourceSpec", "kiln.evaluation.sandbox.Limits", "kiln.arena.contestants.SamplingConfig"]
 
 

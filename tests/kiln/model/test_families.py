@@ -33,7 +33,7 @@ def test_every_family_names_its_own_layers_and_counts_its_own_parameters():
         assert desc.embedding in params and desc.head in dict(model.state_dict())
         linear = {n.rsplit(".", 1)[0] for n in params if n.endswith(".weight")}
         assert all(any(m.endswith(t) for m in linear) for t in desc.lora_targets), name
-        from kiln.plan import count_params
+        from kiln.plan.memory import count_params
 
         assert count_params(cfg)[0] == sum(p.numel() for p in model.parameters()), name
 
@@ -42,7 +42,7 @@ def test_the_demonstration_family_trains_plans_checkpoints_and_releases(qwen2, t
                                                                        model_dict, one_thread):
     import transformers
 
-    from kiln.plan import BatchConfig, HardwareConfig, count_params, make_plan
+    from kiln.plan.memory import BatchConfig, HardwareConfig, count_params, make_plan
     from kiln.pretrained.source import import_pretrained
     from kiln.release.bundle import load_release, verify_release, write_release
     from kiln.train.checkpoint import load_for_inference, load_state

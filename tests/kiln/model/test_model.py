@@ -10,7 +10,7 @@ import torch
 
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT, flops_per_token, padded_vocab
-from kiln.plan import count_params
+from kiln.plan.memory import count_params
 
 
 def make(**kw) -> GPT:

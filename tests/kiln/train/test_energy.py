@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kiln.model.config import ModelConfig, preset_fields
-from kiln.plan import (BatchConfig, CostConfig, HardwareConfig, PlanError, compute_optimal, describe_costs, load_cost,
-                       make_plan, planned_costs)
+from kiln.plan.cost import CostConfig, compute_optimal, describe_costs, load_cost, planned_costs
+from kiln.plan.memory import BatchConfig, HardwareConfig, PlanError, make_plan
 from kiln.train import logbook
 from kiln.train.energy import EnergyMeter, ledger_table, run_ledger
 from kiln.train.journal import Journal

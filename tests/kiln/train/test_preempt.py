@@ -93,7 +93,7 @@ def test_sigterm_mid_run_saves_the_step_reached_and_resume_is_bit_identical(tmp_
 def test_a_logbook_holds_a_preemption_a_crash_and_a_rollback(tmp_path, pretrain_job) -> None:
     """Three launches of one run: SIGTERM at step 4, a crash at step 12, then a loss spike at step 19 that rolls
     back to step 10 and trains to the end; the logbook has one row per attempt and the ledger their device-hours."""
-    from kiln.plan import CostConfig
+    from kiln.plan.cost import CostConfig
     from kiln.train.energy import run_ledger
 
     job = spike_job(pretrain_job, tmp_path)

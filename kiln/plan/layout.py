@@ -21,7 +21,7 @@ from kiln.common.config import ConfigError, Domain, from_dict
 from kiln.model.config import ModelConfig
 from kiln.model.families import flops_per_token, of
 from kiln.model.loss import CE_CHUNK_BYTES
-from kiln.plan import (
+from kiln.plan.memory import (
     GIB,
     RUNTIME_GIB,
     BatchConfig,
@@ -80,7 +80,7 @@ class ClusterConfig:
     gpus: Annotated[int, Domain(1)] = 8  # GPUs in the job
     gpus_per_node: Annotated[int, Domain(1)] = 8  # GPUs per server (tensor parallelism stays inside one)
     memory_gb: Annotated[float, Domain(0, low_open=True)] = 80.0  # memory per GPU in GiB
-    peak_tflops: Annotated[float, Domain(0, low_open=True)] = 989.4  # dense BF16 peak per GPU in TFLOP/s (kiln.plan.GPU_PEAK_TFLOPS)
+    peak_tflops: Annotated[float, Domain(0, low_open=True)] = 989.4  # dense BF16 peak per GPU in TFLOP/s (kiln.plan.memory.GPU_PEAK_TFLOPS)
     intra_node_gb_s: Annotated[float, Domain(0, low_open=True)] = 450.0  # GB/s per GPU each way inside a server (H100 SXM NVLink 4: 900 GB/s both ways)
     inter_node_gb_s: Annotated[float, Domain(0, low_open=True)] = 50.0  # GB/s per GPU each way between servers (one 400 Gb/s InfiniBand NIC per GPU)
     latency_us: Annotated[float, Domain(0)] = 10.0  # microseconds per step of a collective algorithm, and per point-to-point send
@@ -127,7 +127,7 @@ class LayoutRequest:
                               f"(80 for an H100 SXM)")
         peak = peak_tflops or gpu_peak_tflops(self.gpu)
         if not peak:
-            raise ConfigError(f"{where}.hardware.peak_tflops: {self.gpu!r} is not in kiln.plan.GPU_PEAK_TFLOPS; "
+            raise ConfigError(f"{where}.hardware.peak_tflops: {self.gpu!r} is not in kiln.plan.memory.GPU_PEAK_TFLOPS; "
                               "give the dense BF16 peak per GPU")
         return ClusterConfig(self.gpu, nproc_per_node * nnodes, nproc_per_node, float(memory_gb), float(peak),
                              self.intra_node_gb_s, self.inter_node_gb_s, self.latency_us, headroom)
@@ -197,7 +197,7 @@ class Shape:
     layer_params: int  # one block
     first_extra: int  # what only the first pipeline stage holds: the token table (and GPT-2's position table)
     last_extra: int  # what only the last stage holds: the final norm and the head (a tied head's copy included)
-    saved_per_token: int  # elements autograd keeps per token per block (kiln.plan.saved_per_token)
+    saved_per_token: int  # elements autograd keeps per token per block (kiln.plan.memory.saved_per_token)
     layer_flops: float  # training FLOPs per token per block (6 x matmul weights + attention)
     head_flops: float  # training FLOPs per token of the output head (6 x vocab x n_embd)
     model_flops: float  # training FLOPs per token of the model (kiln.model.families.flops_per_token): MFU's numerator
@@ -992,7 +992,7 @@ def layout_from_config(n_vocab: int, model_preset: str = "", model: dict | None 
                        hardware: dict | None = None, parallel: dict | None = None, layout: dict | None = None,
                        where: str = "training_plan") -> LayoutPlan:
     """The layout plan of a ``training_plan`` config block with a ``layout`` block (kiln plan shows it): the model as
-    kiln.plan.plan_from_config builds it, the GPUs of ``hardware`` over the links of ``layout``. batch.micro_batch,
+    kiln.plan.memory.plan_from_config builds it, the GPUs of ``hardware`` over the links of ``layout``. batch.micro_batch,
     parallel.activation_checkpointing (true: every block; false: none) and parallel.strategy (ddp: dp_shard 1;
     fsdp: dp_replicate 1) pin the matching layout fields; unknown keys are errors naming ``where.<section>.<key>``."""
     cfg = model_from_config(n_vocab, model_preset, model, where)
@@ -1021,7 +1021,7 @@ def layout_from_config(n_vocab: int, model_preset: str = "", model: dict | None 
 
 def training_plan_of(plan: LayoutPlan, cfg: ModelConfig, hardware: dict[str, Any], compile: bool = False,
                      where: str = "training_plan") -> dict[str, Any]:
-    """The chosen layout as the training plan base_model launches (kiln.plan.TrainingPlan's fields, with the job's
+    """The chosen layout as the training plan base_model launches (kiln.plan.memory.TrainingPlan's fields, with the job's
     ``layout`` and ``pipeline`` blocks when the model is split): world size, micro-batch, gradient accumulation (the
     pipeline's micro-batches), FSDP2 over dp_shard, activation checkpointing. A layout the training job cannot run is
     a ConfigError naming what to pin instead; "every n-th block recomputed" trains with every block recomputed (the

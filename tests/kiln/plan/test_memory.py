@@ -1,7 +1,7 @@
 """Tests for kiln.plan: parameter counts, the memory model (checked against a real run), the choice of DDP, FSDP2
 and activation checkpointing, batch splitting, and errors that say what would fit.
 
-Run: python -m pytest tests/kiln/test_plan.py -q   (the measured-memory test starts one small training process)
+Run: python -m pytest tests/kiln/plan/test_memory.py -q   (the measured-memory test starts one small training process)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from kiln.model.config import MODEL_PRESETS, ModelConfig, preset_fields
 from kiln.model.families import build_model, flops_per_token
-from kiln.plan import (
+from kiln.plan.memory import (
     GIB,
     BatchConfig,
     HardwareConfig,
@@ -332,7 +332,7 @@ def test_activation_estimate_is_within_15_percent_of_the_tensors_autograd_saves(
 
 def test_plan_from_config_picks_the_named_size_of_the_family() -> None:
     from kiln.common.config import ConfigError
-    from kiln.plan import plan_from_config
+    from kiln.plan.memory import plan_from_config
 
     batch = {"seq_len": 32, "global_batch": 4, "max_steps": 2}
     _, cfg, _, _ = plan_from_config(300, "tiny", {"family": "llama"}, batch, {"memory_gb": 16})

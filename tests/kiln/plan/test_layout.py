@@ -1,8 +1,8 @@
-"""Tests for kiln.layout: the legality rules, memory and communication checked by hand on a small model, the choices
+"""Tests for kiln.plan.layout: the legality rules, memory and communication checked by hand on a small model, the choices
 for GPT-2 124M on one GPU, Llama 3 8B on 8, 70B on 64 and 405B on 16,384 H100s (against Meta's published layout),
 monotonic sanity, and errors that say what would fit.
 
-Run: python -m pytest tests/kiln/test_layout.py -q
+Run: python -m pytest tests/kiln/plan/test_layout.py -q
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from kiln.common.config import ConfigError
-from kiln.layout import (
+from kiln.plan.layout import (
     LINK_EFFICIENCY,
     ClusterConfig,
     Layout,
@@ -29,7 +29,7 @@ from kiln.layout import (
     stage_layers,
 )
 from kiln.model.config import ModelConfig
-from kiln.plan import GIB, PlanError
+from kiln.plan.memory import GIB, PlanError
 
 LLAMA3 = dict(family="llama", vocab_size=128256, block_size=8192, n_kv_head=8, rope_theta=500000.0,
               tie_embeddings=False)
