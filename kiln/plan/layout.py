@@ -446,133 +446,173 @@ def _all_to_all(cluster: ClusterConfig, s: Shape, lay: Layout, tokens: int, bloc
     return Collective("ep all-to-all dispatch + combine", ep, name, bw, calls, calls * nbytes / GIB, sec, sec)
 
 
-def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, cluster: ClusterConfig) -> Estimate:
-    """Memory per rank, communication, bubble, step time and MFU of a legal ``layout`` (see refusal)."""
-    lay, s = layout, shape
-    tp, pp, v = lay.tp, lay.pp, lay.virtual_stages
-    m = global_batch // lay.dp // lay.micro_batch
-    tokens = lay.micro_batch * seq_len  # per micro-batch of a replica
-    edge, middle = stage_layers(s.n_layer, pp, v)  # type: ignore[misc]
-    recompute = 1 / lay.checkpoint_every if lay.checkpoint_every else 0.0  # share of blocks recomputed
+@dataclass(frozen=True)
+class _Step:
+    """What each part of one layout's estimate reads: the layout, the model's shape and the step's sizes."""
 
-    # parameters per rank: a block's weights split tp ways; replicated key/value heads counted on each rank
-    kv_local = max(s.n_kv_head / tp, 1)
-    ep = lay.ep
-    # a mixture of experts' routed experts are split tp x ep ways (experts split by ep, each expert's width by tp)
-    expert_local = s.expert_params / (tp * ep)
-    layer_local = ((s.layer_params - s.expert_params) / tp + expert_local
-                   + 2 * s.n_embd * s.head_dim * (kv_local - s.n_kv_head / tp))
-    # the ranks whose memory can peak: the first (most micro-batches in flight), the second (as many, a block more
-    # under the n_layer + 2 split) and the last (the head and the loss)
-    ranks = ({"only": 0} if pp == 1 else {"first": 0, "last": 1} if pp == 2 else
-             {"first": 0, "second": 1, "last": pp - 1})
+    lay: Layout
+    s: Shape
+    m: int  # micro-batches per data-parallel replica per step
+    tokens: int  # per micro-batch of a replica
+    edge: int  # blocks on the first and the last pipeline rank
+    middle: int  # blocks on each other rank
+    recompute: float  # share of blocks recomputed
+    expert_local: float  # a routed block's expert parameters on one rank: split tp x ep ways
+    layer_local: float  # a block's parameters on one rank: split tp ways, replicated key/value heads on each rank
+    ranks: dict[str, int]  # the ranks whose memory can peak: the first (most micro-batches in flight), the second
+    # (as many, a block more under the n_layer + 2 split) and the last (the head and the loss)
 
-    def blocks(rank: int) -> int:
-        return edge if rank in (0, pp - 1) else middle
+    @classmethod
+    def of(cls, lay: Layout, s: Shape, seq_len: int, global_batch: int) -> "_Step":
+        tp, pp = lay.tp, lay.pp
+        edge, middle = stage_layers(s.n_layer, pp, lay.virtual_stages)  # type: ignore[misc]
+        kv_local = max(s.n_kv_head / tp, 1)
+        expert_local = s.expert_params / (tp * lay.ep)
+        layer_local = ((s.layer_params - s.expert_params) / tp + expert_local
+                       + 2 * s.n_embd * s.head_dim * (kv_local - s.n_kv_head / tp))
+        ranks = ({"only": 0} if pp == 1 else {"first": 0, "last": 1} if pp == 2 else
+                 {"first": 0, "second": 1, "last": pp - 1})
+        return cls(lay, s, global_batch // lay.dp // lay.micro_batch, lay.micro_batch * seq_len, edge, middle,
+                   1 / lay.checkpoint_every if lay.checkpoint_every else 0.0, expert_local, layer_local, ranks)
 
-    def params(rank: int) -> float:
+    def blocks(self, rank: int) -> int:
+        return self.edge if rank in (0, self.lay.pp - 1) else self.middle
+
+    def params(self, rank: int) -> float:
+        s, pp = self.s, self.lay.pp
         extra = (s.first_extra if rank == 0 else 0) + (s.last_extra if rank == pp - 1 else 0)
         if pp == 1:
             extra = s.params - s.n_layer * s.layer_params  # a tied head counted once
-        return blocks(rank) * layer_local + extra / tp
+        return self.blocks(rank) * self.layer_local + extra / self.lay.tp
 
-    # memory per rank, bytes
+
+def _memory(st: _Step, rank: int) -> dict[str, float]:
+    """GiB on pipeline rank ``rank`` by part (weights, gradients, optimizer, gathered FSDP units, activations, the
+    loss's logits, the runtime), with "total"."""
+    lay, s, tp, pp, tokens = st.lay, st.s, st.lay.tp, st.lay.pp, st.tokens
     full_act = tokens * ACT_BYTES * s.saved_per_token / tp  # one block of one micro-batch, sequence-parallel
     kept_act = tokens * ACT_BYTES * s.n_embd / tp  # a checkpointed block keeps its input only
-    per_block_act = (1 - recompute) * full_act + recompute * kept_act
+    per_block_act = (1 - st.recompute) * full_act + st.recompute * kept_act
     chunk = max(16, CE_CHUNK_BYTES["cuda"] // (4 * s.vocab // tp))  # tokens per chunk of the fused loss
+    p = st.params(rank)
+    shard = lay.dp_shard
+    experts = st.blocks(rank) * st.expert_local  # sharded by FSDP over the dp_shard / ep ranks holding the same experts
+    sharded = (p - experts) / shard + experts / (shard // lay.ep)  # what a rank keeps between uses
+    out = {"weights": WEIGHT_BYTES * p, "gradients": GRAD_BYTES * p, "optimizer": OPTIMIZER_BYTES * sharded}
+    if shard > 1 and lay.reshard_after_forward:
+        out["weights"] = WEIGHT_BYTES * sharded
+        out["gradients"] = GRAD_BYTES * sharded
+        tables = max(s.first_extra if rank == 0 else 0, s.last_extra if rank == pp - 1 else 0) / tp
+        biggest = max(st.layer_local, tables)
+        out["gathered"] = (WEIGHT_BYTES + GRAD_BYTES) * (FSDP_GATHERED_BLOCKS * st.layer_local + biggest)
+    held = _inflight(lay, rank, st.m) * st.blocks(rank) / lay.virtual_stages  # block-micro-batches kept
+    out["activations"] = held * per_block_act + (full_act if st.recompute else 0)  # + the block being recomputed
+    if rank == pp - 1:  # the fused head + loss: a chunk of fp32 logits and its bf16 copy, the fp32 hidden grads
+        out["logits"] = min(tokens, chunk) * s.vocab / tp * 6 + tokens * s.n_embd / tp * 4
+    out = {k: x / GIB for k, x in out.items()}
+    out["runtime"] = RUNTIME_GIB["cuda"]
+    out["total"] = sum(out.values())
+    return out
 
-    def memory(rank: int) -> dict[str, float]:
-        p = params(rank)
-        shard = lay.dp_shard
-        experts = blocks(rank) * expert_local  # sharded by FSDP over the dp_shard / ep ranks holding the same experts
-        sharded = (p - experts) / shard + experts / (shard // ep)  # what a rank keeps between uses
-        out = {"weights": WEIGHT_BYTES * p, "gradients": GRAD_BYTES * p, "optimizer": OPTIMIZER_BYTES * sharded}
-        if shard > 1 and lay.reshard_after_forward:
-            out["weights"] = WEIGHT_BYTES * sharded
-            out["gradients"] = GRAD_BYTES * sharded
-            tables = max(s.first_extra if rank == 0 else 0, s.last_extra if rank == pp - 1 else 0) / tp
-            biggest = max(layer_local, tables)
-            out["gathered"] = (WEIGHT_BYTES + GRAD_BYTES) * (FSDP_GATHERED_BLOCKS * layer_local + biggest)
-        held = _inflight(lay, rank, m) * blocks(rank) / v  # block-micro-batches whose activations are kept
-        out["activations"] = held * per_block_act + (full_act if recompute else 0)  # + the block being recomputed
-        if rank == pp - 1:  # the fused head + loss: a chunk of fp32 logits and its bf16 copy, the fp32 hidden grads
-            out["logits"] = min(tokens, chunk) * s.vocab / tp * 6 + tokens * s.n_embd / tp * 4
-        out = {k: x / GIB for k, x in out.items()}
-        out["runtime"] = RUNTIME_GIB["cuda"]
-        out["total"] = sum(out.values())
-        return out
 
-    by_rank = {name: memory(r) for name, r in ranks.items()}
-    peak_rank = max(by_rank, key=lambda k: by_rank[k]["total"])
-    budget = cluster.memory_gb * cluster.headroom
+@dataclass(frozen=True)
+class _Compute:
+    """One micro-batch's compute on the slowest pipeline stage."""
 
-    # compute on the slowest stage: blocks (+ recomputed forwards) and the head on the last
+    efficiency: float  # share of peak the matmuls run at
+    slowest: int  # the pipeline rank with the most work
+    work_s: float  # forward + backward
+    redo_s: float  # the recomputed forwards
+
+    @property
+    def micro_batch_s(self) -> float:
+        return self.work_s + self.redo_s
+
+    @property
+    def forward_s(self) -> float:  # a third of forward + backward
+        return self.work_s / 3
+
+    @property
+    def backward_s(self) -> float:
+        return self.micro_batch_s - self.forward_s
+
+
+def _compute(st: _Step, cluster: ClusterConfig) -> _Compute:
+    """Blocks (+ recomputed forwards) and, on the last stage, the head, at an efficiency that falls with small
+    micro-batches and narrow tensor-parallel shards."""
+    s, tp, pp, tokens = st.s, st.lay.tp, st.lay.pp, st.tokens
     eff = (KERNEL_EFFICIENCY * tokens / (tokens + HALF_EFFICIENCY_TOKENS)
            * (s.n_embd / tp) / (s.n_embd / tp + HALF_EFFICIENCY_WIDTH))
     flop_s = cluster.peak_tflops * 1e12 * eff
-
-    layer_flops = _layer_flops(s, tokens, ep)
+    layer_flops = _layer_flops(s, tokens, st.lay.ep)
 
     def stage_flops(rank: int) -> tuple[float, float]:  # (forward + backward, recompute) per micro-batch per rank
         head = s.head_flops if rank == pp - 1 else 0.0
-        work = tokens * (blocks(rank) * layer_flops + head) / tp
-        return work, tokens * blocks(rank) * layer_flops * recompute * RECOMPUTE_SHARE / tp
+        work = tokens * (st.blocks(rank) * layer_flops + head) / tp
+        return work, tokens * st.blocks(rank) * layer_flops * st.recompute * RECOMPUTE_SHARE / tp
 
-    slowest = max(ranks.values(), key=lambda r: sum(stage_flops(r)))
+    slowest = max(st.ranks.values(), key=lambda r: sum(stage_flops(r)))
     work, redo = stage_flops(slowest)
-    t_work, t_redo = work / flop_s, redo / flop_s
-    t_mb = t_work + t_redo  # compute of one micro-batch on the slowest stage
-    t_forward = t_work / 3  # forward: a third of forward + backward
-    t_backward = t_mb - t_forward
+    return _Compute(eff, slowest, work / flop_s, redo / flop_s)
 
-    lat = cluster.latency_us
+
+def _model_parallel(st: _Step, cluster: ClusterConfig, c: _Compute) -> list[Collective]:
+    """The collectives inside each micro-batch, all of which the step waits for: tensor + sequence parallelism's per
+    block, all-gather before and reduce-scatter after attention and the MLP, forward and backward (Korthikanti et
+    al. 2022), again in a recomputed forward (the token table's and the head's own, one each per micro-batch, are
+    left out); expert parallelism's all-to-all; the pipeline's sends, each chunk's output forward and its input
+    gradient back, the slowest boundary setting the pace (one that crosses servers goes through each tp rank's
+    own NIC)."""
+    lay, s, tp, m, lat = st.lay, st.s, st.lay.tp, st.m, cluster.latency_us
+    stage_blocks = st.blocks(c.slowest)
     comm: list[Collective] = []
-    stage_blocks = blocks(slowest)
-
-    # tensor + sequence parallelism: per block, all-gather before and reduce-scatter after attention and the MLP,
-    # forward and backward (Korthikanti et al. 2022), again in a recomputed forward (the token table's and the head's
-    # own collectives, one each per micro-batch, are left out)
     if tp > 1:
         name, bw = _link(cluster, 1, tp)
-        act = tokens * s.n_embd * ACT_BYTES
-        per_call, sec = _ring("all_gather", act, tp, bw, lat)
-        calls = round(stage_blocks * (8 + 4 * recompute))
+        per_call, sec = _ring("all_gather", st.tokens * s.n_embd * ACT_BYTES, tp, bw, lat)
+        calls = round(stage_blocks * (8 + 4 * st.recompute))
         comm.append(Collective("tp all-gather + reduce-scatter", tp, name, bw, calls * m,
                                per_call * calls * m / GIB, sec * calls * m, sec * calls * m))
-    if ep > 1:
-        comm.append(_all_to_all(cluster, s, lay, tokens, stage_blocks, recompute, m))
-    # pipeline: each chunk sends its output forward and its input gradient back, per micro-batch; the slowest
-    # boundary sets the pace (one that crosses servers goes through each tp rank's own NIC)
-    if pp > 1:
+    if lay.ep > 1:
+        comm.append(_all_to_all(cluster, s, lay, st.tokens, stage_blocks, st.recompute, m))
+    if lay.pp > 1:
         name, bw = ("nvlink", cluster.intra_node_gb_s) if lay.world <= cluster.gpus_per_node else \
             ("network", min(cluster.intra_node_gb_s, cluster.inter_node_gb_s))
         bw *= LINK_EFFICIENCY
-        nbytes = tokens * s.n_embd * ACT_BYTES / tp  # sequence-parallel: each tp rank sends its shard
-        calls = 2 * v * m
+        nbytes = st.tokens * s.n_embd * ACT_BYTES / tp  # sequence-parallel: each tp rank sends its shard
+        calls = 2 * lay.virtual_stages * m
         sec = calls * (nbytes / (bw * 1e9) + lat * 1e-6)
-        comm.append(Collective("pp send/recv", pp, name, bw, calls, calls * nbytes / GIB, sec, sec))
-    # data parallelism: FSDP over dp_shard, then an all-reduce of each shard's gradients over dp_replicate
-    p_local = params(slowest)
+        comm.append(Collective("pp send/recv", lay.pp, name, bw, calls, calls * nbytes / GIB, sec, sec))
+    return comm
+
+
+def _data_parallel(st: _Step, cluster: ClusterConfig, c: _Compute) -> tuple[list[Collective], float]:
+    """(collectives, exposed seconds per micro-batch) of data parallelism: FSDP over dp_shard (per micro-batch when
+    weights are resharded after forward, else once per step behind the first forward and the last backward), then
+    an all-reduce of each shard's gradients over dp_replicate, behind what is left of the last backward."""
+    lay, tp, lat = st.lay, st.lay.tp, cluster.latency_us
+    stage_blocks, p_local = st.blocks(c.slowest), st.params(c.slowest)
+    comm: list[Collective] = []
     exposed_per_mb = 0.0
-    window = t_backward  # the last backward, which the end-of-step reductions hide behind
+    window = c.backward_s  # the last backward, which the end-of-step reductions hide behind
     if lay.dp_shard > 1:
         name, bw = _link(cluster, tp, lay.dp_shard)
-        units = stage_blocks + (1 if slowest in (0, pp - 1) else 0)  # FSDP units: each block, the tables or head
-        experts_local = stage_blocks * expert_local  # gathered over the dp_shard / ep ranks holding them
+        units = stage_blocks + (1 if c.slowest in (0, lay.pp - 1) else 0)  # FSDP units: each block, the tables or head
+        experts_local = stage_blocks * st.expert_local  # gathered over the dp_shard / ep ranks holding them
         moved, sec = _ring("all_gather", WEIGHT_BYTES * (p_local - experts_local), lay.dp_shard, bw, 0)
-        if lay.dp_shard // ep > 1 and experts_local:
-            more = _ring("all_gather", WEIGHT_BYTES * experts_local, lay.dp_shard // ep, bw, 0)
+        if lay.dp_shard // lay.ep > 1 and experts_local:
+            more = _ring("all_gather", WEIGHT_BYTES * experts_local, lay.dp_shard // lay.ep, bw, 0)
             moved, sec = moved + more[0], sec + more[1]
         sec += math.ceil(math.log2(lay.dp_shard)) * lat * 1e-6 * units  # one collective per unit
         if lay.reshard_after_forward:  # per micro-batch: gather for forward, again for backward, reduce-scatter
             per_mb = 3 * sec
-            exposed_per_mb = _hidden(per_mb, t_mb)
-            first = _ring("all_gather", WEIGHT_BYTES * layer_local, lay.dp_shard, bw, lat)[1]  # nothing to hide behind
+            exposed_per_mb = _hidden(per_mb, c.micro_batch_s)
+            # the first block's gather has nothing to hide behind
+            first = _ring("all_gather", WEIGHT_BYTES * st.layer_local, lay.dp_shard, bw, lat)[1]
             comm.append(Collective("fsdp all-gather x2 + reduce-scatter per micro-batch", lay.dp_shard, name, bw,
-                                   3 * units * m, 3 * moved * m / GIB, per_mb * m, exposed_per_mb * m + first))
+                                   3 * units * st.m, 3 * moved * st.m / GIB, per_mb * st.m,
+                                   exposed_per_mb * st.m + first))
         else:  # once per step: gather before the first forward, reduce-scatter after the last backward
-            exposed = _hidden(sec, t_forward) + _hidden(sec, window)
+            exposed = _hidden(sec, c.forward_s) + _hidden(sec, window)
             window = max(0.0, window - sec)
             comm.append(Collective("fsdp all-gather + reduce-scatter per step", lay.dp_shard, name, bw, 2 * units,
                                    2 * moved / GIB, 2 * sec, exposed))
@@ -581,20 +621,33 @@ def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, clus
         moved, sec = _ring("all_reduce", GRAD_BYTES * p_local / lay.dp_shard, lay.dp_replicate, bw, lat)
         comm.append(Collective("dp all-reduce per step", lay.dp_replicate, name, bw, 1, moved / GIB, sec,
                                _hidden(sec, window)))
+    return comm, exposed_per_mb
 
-    per_mb_comm = sum(c.seconds for c in comm if c.name.startswith(("tp ", "pp ", "ep "))) / m
-    t_slot = t_mb + per_mb_comm + exposed_per_mb  # one micro-batch through the slowest stage, as the pipeline sees it
-    bubble = (pp - 1) / (v * m)
+
+def estimate(layout: Layout, shape: Shape, seq_len: int, global_batch: int, cluster: ClusterConfig) -> Estimate:
+    """Memory per rank, communication, bubble, step time and MFU of a legal ``layout`` (see refusal): the memory of
+    the ranks that can peak (``_memory``), the slowest stage's compute (``_compute``), then the collectives inside a
+    micro-batch (``_model_parallel``) and around it (``_data_parallel``)."""
+    st = _Step.of(layout, shape, seq_len, global_batch)
+    by_rank = {name: _memory(st, r) for name, r in st.ranks.items()}
+    peak_rank = max(by_rank, key=lambda k: by_rank[k]["total"])
+    budget = cluster.memory_gb * cluster.headroom
+    c = _compute(st, cluster)
+    dp_comm, exposed_per_mb = _data_parallel(st, cluster, c)
+    comm = _model_parallel(st, cluster, c) + dp_comm
+    m, pp, v = st.m, layout.pp, layout.virtual_stages
+    per_mb_comm = sum(x.seconds for x in comm if x.name.startswith(("tp ", "pp ", "ep "))) / m
+    # one micro-batch through the slowest stage, as the pipeline sees it
+    t_slot = c.micro_batch_s + per_mb_comm + exposed_per_mb
     bubble_s = (pp - 1) / v * t_slot
-    comm_exposed = sum(c.exposed_s for c in comm)
-    step = m * t_mb + bubble_s + comm_exposed
-    model_flops = s.model_flops * global_batch * seq_len
+    comm_exposed = sum(x.exposed_s for x in comm)
+    step = m * c.micro_batch_s + bubble_s + comm_exposed
     return Estimate(
-        layout=lay, fits=by_rank[peak_rank]["total"] <= budget, memory_gb=by_rank[peak_rank], peak_rank=peak_rank,
-        memory_by_rank_gb=by_rank, budget_gb=budget, micro_batches=m, efficiency=eff, compute_s=m * t_work,
-        recompute_s=m * t_redo,
-        bubble=bubble, bubble_s=bubble_s, comm=comm, comm_exposed_s=comm_exposed, step_s=step,
-        mfu=model_flops / (cluster.gpus * cluster.peak_tflops * 1e12 * step),
+        layout=layout, fits=by_rank[peak_rank]["total"] <= budget, memory_gb=by_rank[peak_rank], peak_rank=peak_rank,
+        memory_by_rank_gb=by_rank, budget_gb=budget, micro_batches=m, efficiency=c.efficiency,
+        compute_s=m * c.work_s, recompute_s=m * c.redo_s, bubble=(pp - 1) / (v * m), bubble_s=bubble_s, comm=comm,
+        comm_exposed_s=comm_exposed, step_s=step,
+        mfu=shape.model_flops * global_batch * seq_len / (cluster.gpus * cluster.peak_tflops * 1e12 * step),
         tokens_per_s=global_batch * seq_len / step,
     )
 
@@ -992,8 +1045,8 @@ def layout_from_config(n_vocab: int, model_preset: str = "", model: dict | None 
                        hardware: dict | None = None, parallel: dict | None = None, layout: dict | None = None,
                        where: str = "training_plan") -> LayoutPlan:
     """The layout plan of a ``training_plan`` config block with a ``layout`` block (kiln plan shows it): the model as
-    kiln.plan.memory.plan_from_config builds it, the GPUs of ``hardware`` over the links of ``layout``. batch.micro_batch,
-    parallel.activation_checkpointing (true: every block; false: none) and parallel.strategy (ddp: dp_shard 1;
+    kiln.plan.memory.plan_from_config builds it, the GPUs of ``hardware`` over the links of ``layout``.
+    batch.micro_batch, parallel.activation_checkpointing (true: every block; false: none) and parallel.strategy (ddp: dp_shard 1;
     fsdp: dp_replicate 1) pin the matching layout fields; unknown keys are errors naming ``where.<section>.<key>``."""
     cfg = model_from_config(n_vocab, model_preset, model, where)
     bc = from_dict(BatchConfig, batch, f"{where}.batch")
@@ -1021,8 +1074,8 @@ def layout_from_config(n_vocab: int, model_preset: str = "", model: dict | None 
 
 def training_plan_of(plan: LayoutPlan, cfg: ModelConfig, hardware: dict[str, Any], compile: bool = False,
                      where: str = "training_plan") -> dict[str, Any]:
-    """The chosen layout as the training plan base_model launches (kiln.plan.memory.TrainingPlan's fields, with the job's
-    ``layout`` and ``pipeline`` blocks when the model is split): world size, micro-batch, gradient accumulation (the
+    """The chosen layout as the training plan base_model launches (kiln.plan.memory.TrainingPlan's fields, with the
+    job's ``layout`` and ``pipeline`` blocks when the model is split): world size, micro-batch, gradient accumulation (the
     pipeline's micro-batches), FSDP2 over dp_shard, activation checkpointing. A layout the training job cannot run is
     a ConfigError naming what to pin instead; "every n-th block recomputed" trains with every block recomputed (the
     job's activation checkpointing is all or nothing), which the plan's reason says."""
