@@ -59,15 +59,17 @@ def point_plan(config: SweepGridConfig, point: Point | dict, n_vocab: int) -> di
     ov = overrides(point)
     key = point.key if isinstance(point, Point) else point["key"]
     base = config.plan
+    if base.layout is not None:
+        raise ConfigError(f"sweep_grid point {key}: sweep_grid.plan.layout is set; a sweep's points train on the "
+                          "data-parallel planner: remove the layout block")
     try:
-        made, _, batch, hw = base.plan(n_vocab) if not (ov["model"] or ov["batch"]) else TrainingPlanConfig(
+        plan = (base if not (ov["model"] or ov["batch"]) else TrainingPlanConfig(
             model_preset=base.model_preset, model={**base.model.to_dict(), **ov["model"]},
             batch={**base.batch.to_dict(), **ov["batch"]}, hardware=base.hardware.to_dict(),
-            parallel=base.parallel.to_dict()).plan(n_vocab)
+            parallel=base.parallel.to_dict())).planned(n_vocab).launch()
     except ConfigError as e:
         raise ConfigError(f"sweep_grid point {key}: {e}") from e
-    plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": config.max_steps or batch.max_steps}
-    return plan
+    return {**plan, "max_steps": config.max_steps or plan["max_steps"]}
 
 
 def point_optim(config: SweepGridConfig, point: Point | dict) -> dict[str, Any]:

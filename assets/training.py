@@ -14,18 +14,10 @@ from assets._common import asset_output, failing_on_config_errors, md_table, rep
 from assets._config import KilnConfig, schema_of
 from assets.pretrained import recorded_start, start_of
 from kiln.common.config import ConfigError, Domain
-from kiln.plan.layout import LayoutPlan, LayoutRequest, layout_from_config, training_plan_of
 from kiln.model.config import ModelConfig, preset_fields
-from kiln.plan.memory import (
-    PREDICTIONS,
-    BatchConfig,
-    HardwareConfig,
-    ParallelConfig,
-    TrainingPlan,
-    model_from_config,
-    plan_from_config,
-    plan_version,
-)
+from kiln.plan.layout import LayoutRequest
+from kiln.plan.memory import PREDICTIONS, BatchConfig, HardwareConfig, ParallelConfig, plan_version
+from kiln.plan.planner import Planned, plan_training
 from kiln.train.job import JobConfig
 from kiln.train.launch import RunSpec, describe_sizes, pretrain_report
 from kiln.model.lora import LoRAConfig
@@ -63,44 +55,18 @@ class TrainingPlanConfig(KilnConfig):
     sizing: str = Field(default="preset", description="preset: the configured model and steps; law: the width and steps the scaling_ladder's fitted law finds compute-optimal for compute_budget (the model keeps the configured shape: family, depth, heads).")
     compute_budget: Annotated[float, Domain(0)] = Field(default=0.0, description="sizing: law: the training FLOPs to spend; 0 is what the configured model and steps would spend.")
 
-    def plan(self, n_vocab: int, pretrained: dict | None = None) -> tuple[TrainingPlan, ModelConfig, BatchConfig, HardwareConfig]:
-        """kiln.plan.memory.plan_from_config for these fields (the asset and ``kiln plan`` both call it); with an imported
-        ``pretrained`` model its architecture replaces model_preset and model (only dropout may be set)."""
-        if self.layout is not None:
-            raise ConfigError("training_plan.layout is set: the plan is layout_training_plan's (tensor, pipeline and "
-                              "data parallelism over a cluster), not the data-parallel planner's")
-        model = self.model.to_dict()
+    def planned(self, n_vocab: int, pretrained: dict | None = None) -> Planned:
+        """kiln.plan.planner.plan_training of these fields (the asset, ``kiln plan``, the sweep's points and the
+        preflight all call it); with an imported ``pretrained`` model its architecture replaces model_preset and
+        model (only dropout may be set)."""
+        preset, model = self.model_preset, self.model.to_dict()
         if pretrained and pretrained.get("path"):
-            if self.model_preset or set(model) - {"dropout"}:
+            if preset or set(model) - {"dropout"}:
                 raise ConfigError(f"training_plan.model_preset / training_plan.model: the architecture comes from "
                                   f"pretrained_model.path ({pretrained['path']}); remove them (model.dropout may stay)")
-            return plan_from_config(n_vocab, "", {**pretrained["model"], **model}, self.batch.to_dict(),
-                                    self.hardware.to_dict(), self.parallel.to_dict())
-        return plan_from_config(n_vocab, self.model_preset, model, self.batch.to_dict(),
-                                self.hardware.to_dict(), self.parallel.to_dict())
-
-    def _model(self, pretrained: dict | None) -> tuple[str, dict]:
-        """(model preset, model fields): an imported pretrained model's architecture replaces them."""
-        model = self.model.to_dict()
-        if pretrained and pretrained.get("path"):
-            if self.model_preset or set(model) - {"dropout"}:
-                raise ConfigError(f"training_plan.model_preset / training_plan.model: the architecture comes from "
-                                  f"pretrained_model.path ({pretrained['path']}); remove them (model.dropout may stay)")
-            return "", {**pretrained["model"], **model}
-        return self.model_preset, model
-
-    def layout_plan(self, n_vocab: int, pretrained: dict | None = None) -> LayoutPlan:
-        """kiln.plan.layout.layout_from_config for these fields (``kiln plan`` of a preset with a ``layout`` block)."""
-        preset, model = self._model(pretrained)
-        return layout_from_config(n_vocab, preset, model, self.batch.to_dict(), self.hardware.to_dict(),
-                                  self.parallel.to_dict(), self.layout.to_dict() if self.layout else {})
-
-    def layout_training_plan(self, n_vocab: int, pretrained: dict | None = None) -> dict:
-        """The training plan of the chosen layout (kiln.plan.layout.training_plan_of): what base_model launches."""
-        preset, model = self._model(pretrained)
-        chosen = self.layout_plan(n_vocab, pretrained)
-        return training_plan_of(chosen, model_from_config(n_vocab, preset, model), self.hardware.to_dict(),
-                                bool(self.parallel.to_dict().get("compile")))
+            preset, model = "", {**pretrained["model"], **model}
+        return plan_training(n_vocab, preset, model, self.batch.to_dict(), self.hardware.to_dict(),
+                             self.parallel.to_dict(), self.layout.to_dict() if self.layout is not None else None)
 
 
 def decided(config: TrainingPlanConfig, n_vocab: int, pretrained: dict | None, sweep_results: dict | None,
@@ -129,7 +95,8 @@ def decided(config: TrainingPlanConfig, n_vocab: int, pretrained: dict | None, s
     config = config.model_copy(update={"model": ModelOverrides(**model), "batch": Batch(**batch)})
     if config.sizing == "law":
         law = law_of(scaling_ladder)  # a ConfigError when there is no ladder or its law did not fit
-        made, cfg, bc, _ = config.plan(n_vocab)
+        planned = config.planned(n_vocab)
+        made, bc = planned.single, planned.batch
         budget = config.compute_budget or made.total_flops
         shape = {**({} if not config.model_preset else preset_fields(config.model_preset, model.get("family", "gpt2"))),
                  **model}
@@ -172,11 +139,7 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
     """Model size, memory per rank, parallelism (DDP or FSDP2; with a layout block, tensor and pipeline parallelism too), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; with an imported pretrained model, its architecture and the checkpoint base_model starts from; the best sweep point (from_sweep) or the scaling ladder's compute-optimal size (sizing: law) when asked, and the ladder's prediction of the run's loss when a ladder was fitted."""
     with failing_on_config_errors():
         config, notes = decided(config, tokenizer["n_vocab"], pretrained_model, sweep_results, scaling_ladder)
-        if config.layout is not None:  # a cluster's layout: tensor, pipeline and data parallelism
-            plan = config.layout_training_plan(tokenizer["n_vocab"], pretrained_model)
-        else:
-            made, _, batch, hw = config.plan(tokenizer["n_vocab"], pretrained_model)
-            plan = {**made.to_dict(), "hardware": hw.__dict__, "max_steps": batch.max_steps}
+        plan = config.planned(tokenizer["n_vocab"], pretrained_model).launch()
         plan.update(notes)
         if config.sizing == "law":  # (a preset-sized plan keeps the keys it always had: its version is unchanged)
             sized = notes["sized_by_law"]

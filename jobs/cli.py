@@ -513,8 +513,6 @@ def preset_error(preset: dict[str, Any], home: Path, keys: list[str] | None = No
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from assets.training import TrainingPlanConfig
-    from kiln.plan.cost import describe_costs, load_cost
-    from kiln.plan.memory import describe_plan
     from kiln.pretrained.config import PretrainedError
 
     from jobs.preflight import check_numbers
@@ -541,22 +539,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"kiln: --vocab: the vocabulary comes from pretrained_model.path ({pretrained['path']})", file=sys.stderr)
         return 2
     n_vocab = shown.get("n_vocab") or args.vocab or preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
-    if conf.get("layout") is not None:  # a cluster to split the model over: the layout planner instead
-        return print_layout_plan(args, conf, n_vocab, pretrained)
-    # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.memory.plan_from_config
-    got = plan_or_refuse(args.preset, lambda: TrainingPlanConfig(**conf).plan(n_vocab, pretrained))
-    if got is None:
+    # the same fields as the asset gets: typed as Dagster types them, then kiln.plan.planner.plan_training
+    planned = plan_or_refuse(args.preset, lambda: TrainingPlanConfig(**conf).planned(n_vocab, pretrained))
+    if planned is None:
         return 2
-    plan, _, _, hw = got
     if args.json:
-        print(json.dumps({**plan.to_dict(), **({"pretrained": shown} if shown else {})}, indent=2))
+        shown_plan = planned.layout.to_dict() if planned.layout is not None else planned.single.to_dict()
+        print(json.dumps({**shown_plan, **({"pretrained": shown} if shown else {})}, indent=2))
         return 0
     if shown:
         added = ", ".join(f"{t}={i}" for t, i in shown["added_tokens"].items()) or "none"
         print(f"pretrained   {shown['source']} ({shown['family']}: config.json and tokenizer.json; "
               f"{shown['imported_vocab']:,} imported tokens, added {added})")
-    print(describe_plan(plan), end="")
-    print(describe_costs(plan, load_cost(hw.device)), end="")  # device-hours, energy and money; the compute-optimal size
+    # the plan, or the layout's choice size by size; a single-node plan's device-hours, energy, money and the
+    # compute-optimal size
+    print(planned.describe(), end="")
     return 0
 
 
@@ -576,22 +573,6 @@ def plan_or_refuse(preset: str, make: Callable[[], Any]) -> Any:
     except (PlanError, ConfigError) as e:
         print(f"kiln: preset {preset}: {e}", file=sys.stderr)
     return None
-
-
-def print_layout_plan(args: argparse.Namespace, conf: dict[str, Any], n_vocab: int, pretrained: dict | None) -> int:
-    """``kiln plan`` of a preset with a ``training_plan.layout`` block: kiln.plan.layout's choice of tensor, pipeline and
-    data parallelism, why each size, memory per rank, communication, bubble, step time, MFU and the runner-up."""
-    from assets.training import TrainingPlanConfig
-    from kiln.plan.layout import describe_layout_plan
-
-    plan = plan_or_refuse(args.preset, lambda: TrainingPlanConfig(**conf).layout_plan(n_vocab, pretrained))
-    if plan is None:
-        return 2
-    if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
-        return 0
-    print(describe_layout_plan(plan), end="")
-    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

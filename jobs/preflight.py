@@ -56,12 +56,7 @@ def _training_plan(config: dict[str, Any], ops: dict[str, Any]) -> None:
     from assets.training import TrainingPlanConfig
     from jobs.cli import preset_n_vocab
 
-    plan = TrainingPlanConfig(**config)
-    n_vocab = preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {})
-    if plan.layout is not None:
-        plan.layout_plan(n_vocab)
-    else:
-        plan.plan(n_vocab)
+    TrainingPlanConfig(**config).planned(preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {}))
 
 
 def _device(config: dict[str, Any]) -> None:

@@ -34,7 +34,8 @@ def test_sizing_by_law_takes_the_width_and_steps_the_law_finds_optimal(ladder):
     sized = notes["sized_by_law"]
     assert config.model.n_embd == sized["width"] and config.batch.max_steps == sized["steps"]
     assert config.model.n_layer is None and config.model_preset == "demo"  # the shape stays the named size's
-    made, cfg, _, _ = config.plan(4096)
+    planned = config.planned(4096)
+    made, cfg = planned.single, planned.model
     assert made.params == sized["params"] and cfg.n_layer == 4
     assert abs(made.total_flops / 4e13 - 1) < 0.01  # the steps spend the budget
     assert abs(math.log(sized["params"] / sized["optimal_params"])) < 0.4
@@ -61,7 +62,7 @@ def test_from_sweep_takes_the_best_points_model_batch_and_optim_fields():
 
 def test_the_plan_states_the_laws_prediction_and_the_card_compares_it(ladder):
     config, _ = decided(demo_config(), 4096, None, None, ladder)
-    made, _, _, _ = config.plan(4096)
+    made = config.planned(4096).single
     plan = {**made.to_dict(), "hardware": {"device": "cpu", "nproc_per_node": 1}, "max_steps": 700}
     got = prediction(plan, ladder, "preset")
     assert got["predicted_val_loss"] == pytest.approx(law(plan["params"], plan["total_tokens"]), rel=0.01)

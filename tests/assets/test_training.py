@@ -132,7 +132,8 @@ def test_the_demo_trains_with_the_recipe_the_speedrun_bench_races():
     assert {k: optim[k] for k in recipe["optim"]} == recipe["optim"]
     plan_ops = load_preset("demo")["ops"]["training_plan"]["config"]
     cfg = TrainingPlanConfig(**plan_ops)
-    _, model, batch, _ = cfg.plan(4096)
+    planned = cfg.planned(4096)
+    model, batch = planned.model, planned.batch
     assert {k: getattr(model, k) for k in recipe["model"]} == recipe["model"]
     assert (batch.seq_len, batch.global_batch, batch.max_steps) == (
         recipe["seq_len"], recipe["micro_batch"], recipe["max_steps"])

@@ -419,7 +419,7 @@ def test_plan_of_a_preset_with_a_pretrained_model_uses_its_architecture(tmp_path
     got = json.loads(capsys.readouterr().out)
     record = import_pretrained(folder, tmp_path / "imported")  # what the pretrained_model asset hands training_plan
     conf = load_preset(str(preset))["ops"]["training_plan"]["config"]
-    want = TrainingPlanConfig(**conf).plan(record["n_vocab"], {"path": str(folder), "model": record["model"]})[0]
+    want = TrainingPlanConfig(**conf).planned(record["n_vocab"], {"path": str(folder), "model": record["model"]}).single
     assert {k: v for k, v in got.items() if k != "pretrained"} == json.loads(json.dumps(want.to_dict()))
     assert got["model"]["family"] == "llama" and (got["model"]["n_layer"], got["model"]["n_embd"]) == (2, 32)
     assert got["model"]["vocab_size"] == record["n_vocab"] == record["imported_vocab"] + 2  # <|user|>, <|assistant|>
@@ -452,7 +452,6 @@ def test_plan_of_the_layout_presets_shows_the_choice_the_runner_up_and_metas_lay
     GPUs takes tp 2 x FSDP 4, 70B on 64 FSDP over all 64, 405B on 16,384 H100s Meta's tp 8 x pp 16 x 128-way data
     parallelism (kiln/plan/layout.py and tests/kiln/plan/test_layout.py hold the cost model and its checks)."""
     from assets.training import TrainingPlanConfig
-    from kiln.common.config import ConfigError
 
     sizes = {}
     for preset in ("gpt2-124m-1gpu-layout", "llama3-8b-8gpu", "llama3-70b-64gpu"):
@@ -470,8 +469,8 @@ def test_plan_of_the_layout_presets_shows_the_choice_the_runner_up_and_metas_lay
         assert "\n" + head in out, head
     assert "as given it does not fit" in out  # Meta's no-checkpointing layout under Kiln's activation count
     conf = load_preset("llama3-405b-16k-h100")["ops"]["training_plan"]["config"]
-    with pytest.raises(ConfigError, match="training_plan.layout is set: the plan is layout_training_plan's"):
-        TrainingPlanConfig(**conf).plan(128256)  # the data-parallel planner does not plan a cluster's layout
+    planned = TrainingPlanConfig(**conf).planned(128256)  # one entry point: a layout block plans the cluster
+    assert planned.single is None and planned.layout.chosen.layout.pp == 16
 
 
 def test_plan_of_the_mixture_of_experts_presets_counts_active_parameters_and_weighs_expert_parallelism(capsys):
@@ -494,7 +493,7 @@ def test_the_training_plan_of_a_layout_preset_is_the_job_base_model_launches() -
     from kiln.train.launch import RunSpec
 
     conf = load_preset("llama3-8b-8gpu")["ops"]["training_plan"]["config"]
-    plan = TrainingPlanConfig(**conf).layout_training_plan(128256)
+    plan = TrainingPlanConfig(**conf).planned(128256).launch()
     assert (plan["world_size"], plan["parallelism"], plan["micro_batch"], plan["grad_accum"]) == (8, "fsdp", 1, 32)
     assert plan["layout"] == {"dp_replicate": 1, "dp_shard": 4, "tp": 2, "pp": 1} and "pipeline" not in plan
     assert plan["global_batch"] == 8 * 1 * 32 // 2 and plan["reason"].startswith("layout tp 2 x dp_shard 4")
@@ -505,7 +504,7 @@ def test_the_training_plan_of_a_layout_preset_is_the_job_base_model_launches() -
     conf = load_preset("llama3-405b-16k-h100")["ops"]["training_plan"]["config"]
     with pytest.raises(ConfigError, match=r"\(HSDP\), which the training job does not run; pin "
                                           r"training_plan.parallel.strategy: fsdp"):
-        TrainingPlanConfig(**conf).layout_training_plan(128256)
+        TrainingPlanConfig(**conf).planned(128256).launch()
 
 
 def test_chat_with_a_gguf_file_keeps_the_conversation(tmp_path, capsys):
