@@ -119,7 +119,7 @@ def heldout_bpb(model, enc, suite_dir: Path, limit: int | None) -> dict:
 def transcript(path: Path, max_new_tokens: int = 96) -> list[dict]:
     """The CHAT turns through ``kiln chat``'s session (the model's own chat template, KV cache kept across turns),
     greedy, on a release bundle, a checkpoint or a GGUF file."""
-    from jobs.cli import load_chat_model
+    from kiln.release.load import load_chat_model
     from kiln.model.chat import ChatSession
 
     model, enc, template = load_chat_model(path, None)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from jobs.cli import load_any_model
+    from kiln.release.load import load_any_model
     from kiln.common.files import stable_hash
     from kiln.evaluation.standard import run_standard
     from kiln.train.checkpoint import checkpoint_identity, load_for_inference

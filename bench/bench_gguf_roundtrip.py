@@ -53,7 +53,7 @@ print(json.dumps(out))
 
 def load(path: str):
     sys.path.insert(0, str(ROOT))
-    from jobs.cli import load_any_model
+    from kiln.release.load import load_any_model
 
     return load_any_model(path)
 

@@ -54,7 +54,7 @@ def _training_plan(config: dict[str, Any], ops: dict[str, Any]) -> None:
             config.get("sizing", "preset") != "preset":
         return
     from assets.training import TrainingPlanConfig
-    from jobs.cli import preset_n_vocab
+    from jobs.presets import preset_n_vocab
 
     TrainingPlanConfig(**config).planned(preset_n_vocab((ops.get("tokenizer") or {}).get("config") or {}))
 
@@ -117,7 +117,7 @@ def preflight(preset: dict[str, Any], home: Path, selection: list[str] | None = 
     """The first reason a ``kiln run`` of ``preset`` (loaded with its opt_in) over ``selection`` (default: the assets
     it runs) would be refused before any asset runs, as one line; None when it may start. ``kiln status`` prints the
     same line and predicts nothing else."""
-    from jobs.cli import preset_error, run_selection
+    from jobs.presets import preset_error, run_selection
     from jobs.definitions import ALL_ASSETS, OPT_IN
 
     opt_in = preset.get("opt_in") or []

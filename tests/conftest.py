@@ -96,7 +96,7 @@ def smoke_run(tmp_path_factory, source_cache, mlflow_ui_port):
     tests/ui/test_dagster_ui.py browses it (the two files are one xdist work unit, so one worker makes it)."""
     from dagster import DagsterInstance
 
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
     from jobs.definitions import make_definitions, make_resources
     from jobs.home import record_preset
 

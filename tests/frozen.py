@@ -89,7 +89,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from dagster import DagsterInstance
 
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
     from jobs.definitions import make_definitions
 
     home = Path(tempfile.mkdtemp(prefix="kiln-frozen-"))

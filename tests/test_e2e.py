@@ -10,7 +10,7 @@ import pytest
 import torch
 from dagster import AssetKey, DagsterInvalidConfigError
 
-from jobs.cli import load_preset
+from jobs.presets import load_preset
 from jobs.definitions import ALL_ASSETS, complete_resource_config
 from kiln.train.checkpoint import load_for_inference
 from kiln.release.bundle import load_release
@@ -412,7 +412,7 @@ def downstream_of(defs, key: str) -> set[str]:
 
 
 def smoke_ops(**changes) -> dict:
-    from jobs.cli import deep_merge
+    from kiln.common.config import deep_merge
 
     return deep_merge(load_preset("smoke"), {"ops": changes})["ops"]
 

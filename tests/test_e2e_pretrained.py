@@ -12,7 +12,7 @@ import torch
 from dagster import DagsterInstance
 
 from hfmodels import save_tiny
-from jobs.cli import load_preset
+from jobs.presets import load_preset
 from jobs.definitions import ALL_ASSETS, make_definitions
 from kiln.model.config import ModelConfig
 from kiln.pretrained.source import folder_hash

@@ -308,7 +308,7 @@ BLOCKS = {("training_plan", "batch"): BatchConfig, ("training_plan", "hardware")
 
 
 def test_every_preset_block_gives_the_dataclass_and_dict_that_from_dict_gives():
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
 
     seen = 0
     for preset in sorted(PRESETS.glob("*.yaml")):

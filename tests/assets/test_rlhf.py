@@ -188,7 +188,7 @@ def test_a_ppo_release_describes_the_ppo_chain_in_its_card_lineage_logbook_and_c
 
 
 def test_the_rlhf_preset_opts_in_to_the_rlhf_chain_and_the_demo_does_not(tmp_path) -> None:
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
     from jobs.definitions import OPT_IN
 
     assert OPT_IN == ("scaling_ladder", "judged_preferences", "reward_model", "ppo_model")

@@ -98,7 +98,7 @@ def test_split_digits_is_in_the_pattern_the_version_and_the_launchpad(tmp_path: 
 
 
 def test_the_demo_splits_digits_and_the_frozen_presets_keep_the_gpt4_pattern() -> None:
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
 
     tok = lambda preset: load_preset(preset)["ops"].get("tokenizer", {}).get("config", {})  # noqa: E731
     for preset in ("smoke", "llama-tiny", "moe-tiny"):  # tests/data/smoke_frozen*.json freeze their tokens

@@ -124,7 +124,7 @@ def test_the_demo_trains_with_the_recipe_the_speedrun_bench_races():
     """bench/speedrun.py's ``default`` is kiln.train.recipe.demo_recipe(); the demo preset and the asset defaults
     must be that recipe, or the bench measures something the demo does not run."""
     from assets.training import BaseModelConfig, TrainingPlanConfig
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
     from kiln.train.recipe import demo_recipe
 
     recipe = demo_recipe()

@@ -93,7 +93,7 @@ def test_the_llama_tiny_preset_plans_the_tiny_llama(tmp_path):
     """The llama-tiny preset (CI for the second family) plans the llama family's tiny size with 2 key/value heads. A
     llama trained through base_model and released for transformers: tests/test_e2e_pretrained.py; from scratch, on
     one and two processes: tests/kiln/train/test_train_llama.py."""
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
 
     plan = run(tmp_path, **load_preset("llama-tiny")["ops"]["training_plan"]["config"]).value
     assert {k: plan["model"][k] for k in ("family", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size")} == {

@@ -4,7 +4,7 @@ table, and the refusals of bad arguments."""
 import pytest
 from bench_module import load_bench
 
-from jobs.cli import load_preset
+from jobs.presets import load_preset
 
 
 def test_a_variant_is_the_preset_with_its_fields_as_rl_models_config(tmp_path):

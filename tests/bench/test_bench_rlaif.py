@@ -5,7 +5,7 @@ import math
 import pytest
 from bench_module import load_bench
 
-from jobs.cli import load_preset
+from jobs.presets import load_preset
 from kiln.posttrain.instructions import write_jsonl
 
 

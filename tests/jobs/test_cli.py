@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cli import deep_merge, load_preset, main, select_config
+from kiln.common.config import deep_merge
+from jobs.presets import load_preset, select_config
+from jobs.cli import main
 
 
 def test_deep_merge_overrides_leaves_only():
@@ -223,7 +225,7 @@ def test_the_innermost_error_is_the_one_the_asset_raised():
     from dagster._utils.error import serializable_error_info_from_exc_info
     from dagster import Failure
 
-    from jobs.cli import innermost_error
+    from jobs.errors import innermost_error
     from kiln.common.config import ConfigError
 
     def info(raise_it):
@@ -510,7 +512,8 @@ def test_the_training_plan_of_a_layout_preset_is_the_job_base_model_launches() -
 def test_chat_with_a_gguf_file_keeps_the_conversation(tmp_path, capsys):
     from ggufmodels import write_gguf
     from hfmodels import save_tiny
-    from jobs.cli import load_chat_model, main
+    from kiln.release.load import load_chat_model
+    from jobs.cli import main
 
     path = write_gguf(save_tiny(tmp_path / "hf", "llama", "smollm"), tmp_path / "m.gguf", "Q8_0", style="smollm")
     assert main(["chat", str(path), "--message", "the model reads", "--message", "/reset", "--message", "text and",

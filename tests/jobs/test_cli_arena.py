@@ -50,7 +50,7 @@ def test_bad_references_are_named_with_what_to_give(tmp_path, bundle_and_checkpo
 
 
 def test_models_are_named_for_people_not_by_their_machine_paths(tmp_path, bundle_and_checkpoint):
-    from jobs.cli import display_name, unique_name
+    from jobs.commands.arena import display_name, unique_name
 
     bundle, ckpt = bundle_and_checkpoint
     assert display_name(str(bundle), bundle) == "arena-cli"  # the name in the release's kiln.json

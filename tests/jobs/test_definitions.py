@@ -57,7 +57,7 @@ def test_every_preset_is_valid_run_config():
     import pytest
     from dagster import validate_run_config
 
-    from jobs.cli import PRESETS, load_preset
+    from jobs.presets import PRESETS, load_preset
 
     job = defs.resolve_job_def("kiln_pipeline_job")
     names = sorted(p.stem for p in PRESETS.glob("*.yaml"))
@@ -77,7 +77,7 @@ def test_every_preset_is_valid_run_config():
 
 
 def test_gpu_preset_8gpu_differs_only_in_hardware():
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
 
     one, eight = load_preset("gpt2-124m-1gpu"), load_preset("gpt2-124m-8gpu")
     hw = lambda p: p["ops"]["training_plan"]["config"].pop("hardware")  # noqa: E731
@@ -120,7 +120,7 @@ def launchpad_defaults(home) -> dict:
 
 
 def test_the_launchpad_opens_with_the_preset_of_the_homes_latest_kiln_run(tmp_path, capsys):
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
     from jobs.home import PRESET_RECORD, record_preset
 
     plain = launchpad_defaults(tmp_path)  # nothing recorded: the class defaults (no model preset: GPT-2)

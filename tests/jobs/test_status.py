@@ -17,7 +17,7 @@ def test_status_skips_the_opt_in_assets_run_leaves_out_and_says_what_it_cannot_e
     """kiln status and kiln run pick assets through one run_selection: the demo preset's opt-in assets (judged
     preferences, reward model, PPO) are "skip" in status, not "compute", and not counted as assets that would run;
     an asset never run has no estimate, which the total says instead of adding 0 s."""
-    from jobs.cli import load_preset, run_selection
+    from jobs.presets import load_preset, run_selection
     from jobs.definitions import ALL_ASSETS, OPT_IN
     from jobs.status import AssetStatus, format_status
 

@@ -65,7 +65,7 @@ def test_run_config_can_point_the_pipeline_at_a_url_root(tmp_path: Path) -> None
     """What the README tells users to write: a resources section on top of a preset."""
     from dagster import validate_run_config
 
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
     from jobs.definitions import make_definitions
 
     job = make_definitions(tmp_path).resolve_job_def("kiln_pipeline_job")

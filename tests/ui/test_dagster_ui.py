@@ -271,7 +271,7 @@ def test_the_launchpad_opens_with_the_preset_the_home_was_built_with(webserver, 
     import yaml
     from selenium.webdriver.common.by import By
 
-    from jobs.cli import load_preset
+    from jobs.presets import load_preset
 
     url, _ = webserver
     data = graphql(url, """{ runConfigSchemaOrError(selector: {repositoryLocationName: "kiln", repositoryName:

@@ -1,0 +1,67 @@
+"""``kiln chat``: a conversation on the terminal in the model's chat template, streamed, the KV cache kept."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+from jobs.presets import PROJECT
+from kiln.release.load import load_chat_model
+from jobs.commands._model import model_path
+
+
+def add_parser(sub: Any) -> None:
+    ch = sub.add_parser("chat", help="talk with a model in its chat template, answers streamed, the conversation kept")
+    ch.add_argument("model", help="release bundle folder, checkpoint (or run folder), GGUF file, or models:/NAME@ALIAS")
+    ch.add_argument("--message", action="append", default=None, help="a turn to send instead of reading the terminal (repeatable)")
+    ch.add_argument("--system", default="", help="a system message to start the conversation with")
+    ch.add_argument("--template", default="", help="a file holding the chat template (Jinja) to use instead of the model's")
+    ch.add_argument("--max-new-tokens", type=int, default=256, help="most tokens in one answer")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 (the default) picks the most likely token")
+    ch.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (with a temperature)")
+    ch.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ch.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
+    ch.set_defaults(fn=cmd_chat)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation on the terminal: each line a turn (``--message`` for scripted turns); /reset starts over."""
+    import torch
+
+    from kiln.model.chat import ChatError, ChatSession
+
+    path, _ = model_path(args.model, args.tracking_uri)
+    try:
+        model, enc, template = load_chat_model(path, args.template)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"kiln: cannot load {path}: {e}") from e
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    new = lambda: ChatSession(model, enc, template, system=args.system, max_new_tokens=args.max_new_tokens,  # noqa: E731
+                              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    session, tty = new(), sys.stdin.isatty() and not args.message
+    if tty:
+        print(f"kiln chat: {path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters); "
+              "/reset starts over, /quit or Ctrl-D ends", flush=True)
+    turns = iter(args.message) if args.message else iter(lambda: input("you> ") if tty else sys.stdin.readline(), "")
+    for line in turns:
+        text = line.rstrip("\n")
+        if text.strip() in ("/quit", "/exit"):
+            break
+        if text.strip() == "/reset":
+            session = new()
+            continue
+        if not text.strip():
+            continue
+        if not tty:
+            print(f"you> {text}", flush=True)
+        print("model> ", end="", flush=True)
+        try:
+            for piece in session.reply(text):
+                print(piece, end="", flush=True)
+        except ChatError as e:
+            print(f"\nkiln: {e}; /reset starts a new conversation", flush=True)
+            continue
+        print(flush=True)
+    return 0
