@@ -443,11 +443,9 @@ class TorchrunResource(KilnResource):
             spec.validate(where)
         base = storage.local_base()
         spec = dataclasses.replace(spec, root=str(base))
-        legacy = base / where / spec.legacy_key  # a run folder made before the key left the home's place out
-        out_dir = legacy if legacy.is_dir() and not (base / where / spec.key).exists() else storage.path(where, spec.key)
-        with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(), reuse={"key": spec.key, **spec.reuse},
-                              fallback={"key": spec.legacy_key, **spec.reuse}) as run:
-            yield TrainingLaunch(self, context, spec, out_dir, run)
+        with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(),
+                              reuse={"key": spec.key, **spec.reuse}) as run:
+            yield TrainingLaunch(self, context, spec, storage.path(where, spec.key), run)
 
     def _cancel(self, sbatch_lines: list[str]) -> None:
         """Cancel the Slurm job sbatch submitted (its id is on sbatch's first line); nothing for local runs."""

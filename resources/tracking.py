@@ -102,18 +102,14 @@ class MlflowResource(ConfigurableResource):
                                                      "dagster.job": job_name, "mlflow.runName": f"dagster {dagster_run_id[:8]}"})
         return run.info.run_id
 
-    def reuse_key(self, context, reuse: dict[str, Any], legacy: bool = False) -> str:
+    def reuse_key(self, context, reuse: dict[str, Any]) -> str:
         """Hash of the asset key, its code version, and what the caller says determines its output. Where the home
-        is does not count: a copied or moved home finds its records, whose paths are moved with it (relocated).
-        ``legacy``: the key of records made before that, which held the storage root."""
+        is does not count: a copied or moved home finds its records, whose paths are moved with it (relocated)."""
         asset = context.asset_key.to_user_string()
         try:
             code_version = context.assets_def.specs_by_key[context.asset_key].code_version
         except Exception:
             code_version = None
-        if legacy:
-            return stable_hash({"asset": asset, "code_version": code_version, "storage_root": storage_root(context),
-                                **reuse})[:32]
         return stable_hash({"asset": asset, "code_version": code_version, **reuse})[:32]
 
     def find_reusable(self, client, experiment_id: str, asset: str, key: str,
@@ -166,12 +162,11 @@ class MlflowResource(ConfigurableResource):
 
     @contextlib.contextmanager
     def asset_run(self, context, params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None,
-                  reuse: dict[str, Any] | None = None, fallback: dict[str, Any] | None = None) -> Iterator["AssetRun"]:
+                  reuse: dict[str, Any] | None = None) -> Iterator["AssetRun"]:
         """Open a child run for the asset being materialized; it ends FINISHED or FAILED with the step.
 
         With ``reuse`` (the config and input data versions that determine the output), a finished run with
         the same reuse key is looked up first: if found, ``handle.reused`` holds its Output to return.
-        ``fallback``: what ``reuse`` was for records made before (looked up after it).
         """
         client = self.client()
         exp = self.experiment_id(client)
@@ -181,10 +176,8 @@ class MlflowResource(ConfigurableResource):
         key = self.reuse_key(context, reuse) if reuse is not None else ""
         root = storage_root(context)
         found = None
-        if key and self.reuse_runs:  # then records made before the key left the home's place out (``fallback``:
-            for keyed in [reuse, *([fallback] if fallback else [])]:  # the reuse of such a record, if it differs)
-                for k in (self.reuse_key(context, keyed), self.reuse_key(context, keyed, legacy=True)):
-                    found = found or self.find_reusable(client, exp, asset, k, context.log.warning, root=root)
+        if key and self.reuse_runs:
+            found = self.find_reusable(client, exp, asset, key, context.log.warning, root=root)
         run_tags = {"mlflow.parentRunId": parent, "dagster.run_id": dagster_run_id, "dagster.asset_key": asset,
                     "kiln.kind": "asset", "mlflow.runName": asset, **{k: str(v) for k, v in (tags or {}).items()}}
         if key:

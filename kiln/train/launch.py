@@ -61,11 +61,6 @@ class RunSpec:
         return stable_hash(under_root({"task": self.task, **self.inputs, **self.fields, "plan": self.plan},
                                       self.root))[:16]
 
-    @property
-    def legacy_key(self) -> str:
-        """The key of run folders made before ``key`` left the home's place out (absolute paths and all)."""
-        return stable_hash({"task": self.task, **self.inputs, **self.fields, "plan": self.plan})[:16]
-
     def validate(self, where: str) -> TrainJob:
         """The job this spec launches, built and checked as the workers will read it (kiln.train.job.load_job):
         a wrong key or value is a ConfigError naming ``where.<key>`` before anything is launched."""
