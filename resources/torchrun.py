@@ -39,7 +39,7 @@ from kiln.common.files import atomic_write_json, atomic_write_text
 from kiln.common.metrics import operations_metrics
 from kiln.tokens.shards import check_shard_files
 from kiln.train.checkpoint import checkpoint_identity
-from kiln.train.cluster import WORKER_MODULE, TorchrunSpec  # WORKER_MODULE: tests swap in tests.faults here
+from kiln.train.cluster import TorchrunSpec
 from kiln.train.diskfull import describe, no_space, record
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
@@ -209,15 +209,16 @@ class TorchrunResource(KilnResource):
     slurm_poll_s: Annotated[float, Domain(0, low_open=True)] = Field(default=2.0, description="Seconds between looks at a Slurm job's state (scontrol show job).")
     preempt_retries: Annotated[int, Domain(0)] = Field(default=3, description="A preempted launch (stop signal, checkpoint saved) is retried this many times, each resuming from that checkpoint.")
     preempt_retry_wait_s: Annotated[float, Domain(0)] = Field(default=10.0, description="Seconds before the retry of a preempted launch.")
+    worker: str = Field(default="resources.pipes_worker", description="The module every worker runs (python -m WORKER --config job.json ...): the Pipes worker, which reports to Dagster and runs kiln.train. tests.faults wraps it with injected faults.")
 
     # -- the command and the cluster files (kiln.train.cluster renders them)
 
     def torchrun_spec(self) -> TorchrunSpec:
-        """This resource's torchrun settings, its workers running WORKER_MODULE."""
+        """This resource's torchrun settings, its workers running ``worker``."""
         return TorchrunSpec(nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
                             rdzv_id=self.rdzv_id, max_restarts=self.max_restarts, timeout_s=self.timeout_s,
                             pg_timeout_s=self.pg_timeout_s, python=self.python, slurm_signal_s=self.slurm_signal_s,
-                            worker=WORKER_MODULE)
+                            worker=self.worker)
 
     def command(self, nproc_per_node: int, job_path: Path | str, device: str, run_id: str = "kiln",
                 python: str | None = None, rdzv_endpoint: str | None = None, node_rank: int | None = None,

@@ -5,7 +5,7 @@ learning rate, slow every step down, send SIGTERM (a preemption) at a step; and 
 
 One process:   python tests/faults.py --faults F.json --config job.json --device cpu
 Under torchrun: python -m torch.distributed.run --nproc_per_node=2 -m tests.faults --faults F.json --config job.json
-As the Dagster launcher's worker: set resources.torchrun.WORKER_MODULE to "tests.faults" and KILN_FAULTS=F.json.
+As the Dagster launcher's worker: set TorchrunResource(worker="tests.faults") and KILN_FAULTS=F.json.
 F.json holds Faults fields. It wraps resources.pipes_worker: production code only offers kiln.train.trainer.Callback.
 """
 

@@ -548,11 +548,10 @@ def test_a_failed_training_attempt_resumes_from_its_verified_checkpoint(smoke_ru
 
     _, defs, instance, _ = smoke_run
     ops = smoke_ops(base_model={"config": {"ckpt_interval": 5}})
-    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
     monkeypatch.setenv("KILN_FAULTS", str(Faults(fail_at_step=7).write(tmp_path / "faults.json")))
     init = InProcessExecutor.__init__  # no Dagster retry and no torchrun restart: the attempt stays failed
     monkeypatch.setattr(InProcessExecutor, "__init__", lambda self, retries, **kw: init(self, RetryMode.DISABLED, **kw))
-    run_config = complete_resource_config({"ops": ops, "resources": {"torchrun": {"config": {"max_restarts": 0}}}},
+    run_config = complete_resource_config({"ops": ops, "resources": {"torchrun": {"config": {"max_restarts": 0, "worker": "tests.faults"}}}},
                                           defs.resources)
     failed = defs.resolve_job_def("kiln_pipeline_job").execute_in_process(
         run_config=run_config, instance=instance, raise_on_error=False, asset_selection=[AssetKey("base_model")])

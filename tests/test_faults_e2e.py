@@ -27,18 +27,16 @@ MARKER = "KILN_TEST_LAUNCH"  # set in the killed process's environment, so inher
 # run tests/faults.py (slowed down) in place of resources/pipes_worker.py, which it wraps.
 LAUNCH = """
 import json, sys
-import resources.torchrun
 from dagster import AssetExecutionContext, Output, asset, materialize
 from resources.torchrun import TorchrunResource
 
-resources.torchrun.WORKER_MODULE = "tests.faults"
 job = json.loads(open(sys.argv[1]).read())
 
 @asset
 def trained(context: AssetExecutionContext, torchrun: TorchrunResource) -> Output[dict]:
     return Output(torchrun.launch(context, job, 1, "cpu"))
 
-materialize([trained], resources={"torchrun": TorchrunResource(timeout_s=300)})
+materialize([trained], resources={"torchrun": TorchrunResource(timeout_s=300, worker="tests.faults")})
 """
 
 

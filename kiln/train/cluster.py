@@ -19,7 +19,6 @@ from typing import Annotated, Any
 from kiln.common.config import ConfigError, Domain
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
 
-WORKER_MODULE = "resources.pipes_worker"  # the module every torchrun worker runs by default
 RDZV_PORT = 29500
 # a deleted or evicted pod's SIGTERM-to-SIGKILL time: torchrun passes SIGTERM on and gives its workers 30 s to save
 K8S_GRACE_S = 60
@@ -72,7 +71,7 @@ class TorchrunSpec:
     pg_timeout_s: Annotated[int, Domain(1)] = 600  # process-group timeout: a hung collective fails after this
     python: str = ""  # the workers' interpreter (default: this one)
     slurm_signal_s: Annotated[int, Domain(0)] = 120  # Slurm sends SIGUSR1 this many seconds before the time limit (sbatch --signal)
-    worker: str = WORKER_MODULE  # the module every worker runs
+    worker: str = ""  # the module every worker runs (python -m WORKER --config job.json); the launcher names its own
 
     def command(self, nproc_per_node: int, job_path: Path | str, device: str, run_id: str = "kiln",
                 python: str | None = None, rdzv_endpoint: str | None = None, node_rank: int | None = None,
@@ -84,6 +83,9 @@ class TorchrunSpec:
         spec's own. Raises ConfigError for several nodes without a rendezvous endpoint.
         """
         endpoint = self.rdzv_endpoint if rdzv_endpoint is None else rdzv_endpoint
+        if not (worker or self.worker):
+            raise ConfigError("torchrun.worker is empty: name the module every worker runs (Kiln's launcher runs "
+                              "resources.pipes_worker)")
         cmd = [python or self.python or sys.executable, "-m", "torch.distributed.run",
                f"--nproc_per_node={nproc_per_node}", f"--max_restarts={self.max_restarts}"]
         if self.nnodes > 1:

@@ -74,8 +74,9 @@ def training_asset(job: dict):
     return trained
 
 
-def resources(tmp_path: Path) -> dict:
-    return {"torchrun": TorchrunResource(launcher="slurm", timeout_s=600, slurm_poll_s=0.5, preempt_retry_wait_s=0.5),
+def resources(tmp_path: Path, worker: str = "resources.pipes_worker") -> dict:
+    return {"torchrun": TorchrunResource(launcher="slurm", timeout_s=600, slurm_poll_s=0.5, preempt_retry_wait_s=0.5,
+                                         worker=worker),
             "storage": KilnStorageResource(root=str(tmp_path / "storage")),
             "mlflow": MlflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                                      artifact_root=str(tmp_path / "mlartifacts"))}
@@ -116,7 +117,6 @@ def test_scancel_mid_run_saves_the_step_and_the_next_sbatch_job_resumes_from_it(
                                                                                  monkeypatch):
     from tests.faults import Faults
 
-    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")  # slow steps: time to cancel mid-run
     monkeypatch.setenv("KILN_FAULTS", str(Faults(step_sleep_s=0.3).write(tmp_path / "faults.json")))
     job = json.loads(pretrain_job(tmp_path, max_steps=30, ckpt_interval=100, eval_interval=10, log_interval=1)
                      .read_text())
@@ -135,7 +135,7 @@ def test_scancel_mid_run_saves_the_step_and_the_next_sbatch_job_resumes_from_it(
 
     threading.Thread(target=cancel_at_step_8, daemon=True).start()
     instance = DagsterInstance.ephemeral()
-    result = materialize([training_asset(job)], instance=instance, resources=resources(tmp_path))
+    result = materialize([training_asset(job)], instance=instance, resources=resources(tmp_path, "tests.faults"))  # slow steps: time to cancel mid-run
     value = result.output_for_node("trained")
     assert len(cancelled) == 1, "the first job was cancelled mid-run"
     rows = attempts(Path(value["out_dir"]))

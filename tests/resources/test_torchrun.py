@@ -44,10 +44,9 @@ def test_the_resource_renders_what_kiln_train_cluster_renders_for_its_settings()
         == spec.k8s_pipes_pod_spec(8, "cuda", pvc="runs", mount="/m", workdir="/w", cpus=4, memory_gb=8)
 
 
-def test_the_workers_run_the_resources_worker_module(monkeypatch):
-    res = TorchrunResource(nnodes=2, rdzv_endpoint="node0:29500")
-    assert res.command(1, "j.json", "cpu")[-7] == "resources.pipes_worker"
-    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")  # as the fault tests swap it in
+def test_the_workers_run_the_resources_worker_module():
+    assert TorchrunResource(nnodes=2, rdzv_endpoint="node0:29500").command(1, "j.json", "cpu")[-7] == "resources.pipes_worker"
+    res = TorchrunResource(nnodes=2, rdzv_endpoint="node0:29500", worker="tests.faults")  # as the fault tests run
     assert res.command(1, "j.json", "cpu")[-7] == "tests.faults"
     assert res.command(1, "j.json", "cpu", worker="other")[-7] == "other"
     assert " -m tests.faults " in res.slurm_script("/shared/runs/x/job.json", 1, "cpu", "/opt/kiln").splitlines()[-1]
@@ -134,13 +133,12 @@ def test_torchrun_restarts_a_killed_worker_and_a_dagster_retry_resumes_after_a_f
     run as the workers' module in place of resources.pipes_worker (which it wraps)."""
     from tests.faults import Faults
 
-    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread, as the reference below: the same sums in the same order
     monkeypatch.setenv("KILN_FAULTS", str(Faults(kill_at_steps=[6], kill_after_save=True, fail_at_step=9).write(tmp_path / "faults.json")))
     job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4).read_text())
     instance = DagsterInstance.ephemeral()
     result = materialize([launch_asset(job, 1, RetryPolicy(max_retries=1))], instance=instance,
-                         resources={"torchrun": TorchrunResource(max_restarts=1, timeout_s=300)})
+                         resources={"torchrun": TorchrunResource(max_restarts=1, timeout_s=300, worker="tests.faults")})
     value = result.output_for_node("trained")
     assert value["resumed_from"].endswith("step_0000008") and value["steps"] == 12
     good = value["goodput"]  # three sessions: the first, torchrun's restart, Dagster's retry
@@ -371,12 +369,11 @@ def test_a_full_disk_stops_the_launch_at_once_naming_the_path(tmp_path, pretrain
     from kiln.train.logbook import attempts
     from tests.faults import Faults
 
-    monkeypatch.setattr("resources.torchrun.WORKER_MODULE", "tests.faults")
     monkeypatch.setenv("KILN_FAULTS", str(Faults(no_space_from_step=8).write(tmp_path / "faults.json")))
     job = json.loads(pretrain_job(tmp_path, max_steps=12, ckpt_interval=4, eval_interval=4, log_interval=4).read_text())
     instance = DagsterInstance.ephemeral()
     result = materialize([launch_asset(job, 1, TRAINING_RETRY)], instance=instance, raise_on_error=False,
-                         resources={"torchrun": TorchrunResource(max_restarts=1, timeout_s=300)})
+                         resources={"torchrun": TorchrunResource(max_restarts=1, timeout_s=300, worker="tests.faults")})
     assert not result.success
     out = Path(job["out_dir"])
     rows = attempts(out)

@@ -18,17 +18,23 @@ from kiln.common.config import ConfigError
 from kiln.train.cluster import K8S_GRACE_S, RDZV_PORT, TorchrunSpec, k8s_name, shell_words
 
 ROOT = Path(__file__).resolve().parents[3]
-TAIL = ["-m", "resources.pipes_worker", "--config", "/runs/a/job.json", "--device", "cpu", "--timeout-s", "600"]
+WORKER = "resources.pipes_worker"
+TAIL = ["-m", WORKER, "--config", "/runs/a/job.json", "--device", "cpu", "--timeout-s", "600"]
 
 
 def test_single_node_command():
-    cmd = TorchrunSpec().command(2, Path("/runs/a/job.json"), "cpu", "run1")
+    cmd = TorchrunSpec(worker=WORKER).command(2, Path("/runs/a/job.json"), "cpu", "run1")
     assert cmd[0] == sys.executable
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--max_restarts=3", "--standalone", *TAIL]
 
 
+def test_a_spec_without_a_worker_module_is_refused_by_name():
+    with pytest.raises(ConfigError, match="torchrun.worker is empty"):
+        TorchrunSpec().command(1, "j.json", "cpu")
+
+
 def test_multi_node_command_uses_c10d_rendezvous():
-    spec = TorchrunSpec(nnodes=2, node_rank=1, rdzv_endpoint="node0:29500", max_restarts=3)
+    spec = TorchrunSpec(worker=WORKER, nnodes=2, node_rank=1, rdzv_endpoint="node0:29500", max_restarts=3)
     cmd = spec.command(8, Path("/runs/a/job.json"), "cpu", "run1")
     assert cmd[3:10] == ["--nproc_per_node=8", "--max_restarts=3", "--nnodes=2", "--node_rank=1",
                          "--rdzv_backend=c10d", "--rdzv_endpoint=node0:29500", "--rdzv_id=run1"]
@@ -48,7 +54,7 @@ def test_command_arguments_override_the_spec():
 
 def test_multi_node_needs_an_endpoint():
     with pytest.raises(ConfigError, match="rdzv_endpoint"):
-        TorchrunSpec(nnodes=2).command(1, Path("job.json"), "cpu")
+        TorchrunSpec(worker=WORKER, nnodes=2).command(1, Path("job.json"), "cpu")
 
 
 def test_shell_words_quote_everything_but_variable_references():
@@ -58,7 +64,7 @@ def test_shell_words_quote_everything_but_variable_references():
 
 
 def test_slurm_script_runs_the_same_command_on_every_node():
-    spec = TorchrunSpec(nnodes=4, max_restarts=2, timeout_s=36 * 3600 + 90, pg_timeout_s=900)
+    spec = TorchrunSpec(worker=WORKER, nnodes=4, max_restarts=2, timeout_s=36 * 3600 + 90, pg_timeout_s=900)
     script = spec.slurm_script("/shared/runs/x/job.json", 8, "cuda", "/opt/kiln", "abc", partition="gpu",
                                account="ml", cpus_per_node=96)
     lines = script.splitlines()
@@ -81,7 +87,7 @@ def test_slurm_script_runs_the_same_command_on_every_node():
 
 
 def test_slurm_script_defaults_and_quoting():
-    script = TorchrunSpec(timeout_s=59).slurm_script("/sh ared/r's/job.json", 3, "cpu", "/opt/k iln",
+    script = TorchrunSpec(worker=WORKER, timeout_s=59).slurm_script("/sh ared/r's/job.json", 3, "cpu", "/opt/k iln",
                                                      python="/usr/bin/python3", output="/o/train.log")
     lines = script.splitlines()
     assert "#SBATCH --time=00:00:59" in lines and "#SBATCH --output=/o/train.log" in lines
@@ -94,13 +100,13 @@ def test_slurm_script_defaults_and_quoting():
 
 
 def test_slurm_script_asks_for_a_stop_signal_before_the_time_limit_and_torchrun_passes_it_on():
-    script = TorchrunSpec(slurm_signal_s=90).slurm_script("/shared/runs/x/job.json", 2, "cpu", "/opt/kiln")
+    script = TorchrunSpec(worker=WORKER, slurm_signal_s=90).slurm_script("/shared/runs/x/job.json", 2, "cpu", "/opt/kiln")
     assert "#SBATCH --signal=USR1@90" in script.splitlines()
     assert "export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in script
 
 
 def test_kubernetes_indexed_job_and_rendezvous_service():
-    spec = TorchrunSpec(nnodes=2, max_restarts=3, timeout_s=7200)
+    spec = TorchrunSpec(worker=WORKER, nnodes=2, max_restarts=3, timeout_s=7200)
     service, job = spec.k8s_manifests("/data/runs/x/job.json", 8, "cuda", "registry.example/kiln:1", "Run_42",
                                       pvc="runs", namespace="ml")
     name = "kiln-run-42"  # a DNS-1123 name from the run id
