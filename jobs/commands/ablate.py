@@ -7,17 +7,16 @@ import time
 from typing import Any
 
 
+from jobs.commands._common import add_home, add_preset, add_verbose
 from jobs.console import format_seconds
-from jobs.presets import PROJECT
 from jobs.commands.sweep import run_points
 
 
 def add_parser(sub: Any) -> None:
     ab = sub.add_parser("ablate", help="run a preset's data ablation: every point's proxies (reused when they ran), the verdicts")
-    ab.add_argument("--preset", default="ablation-demo", help="name under conf/presets or a YAML path (its ablation_grid block)")
-    ab.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
-    ab.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
-                    "terminal as well as in the log file")
+    add_preset(ab, "ablation-demo", "name under conf/presets or a YAML path (its ablation_grid block)")
+    add_home(ab)
+    add_verbose(ab)
     ab.set_defaults(fn=cmd_ablate)
 
 

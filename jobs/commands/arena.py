@@ -8,24 +8,21 @@ from pathlib import Path
 from typing import Any
 
 
-from jobs.presets import PROJECT
+from jobs.commands._common import add_home, add_sampling, model_path
 from kiln.release.load import load_any_model
-from jobs.commands._model import model_path
 
 
 def add_parser(sub: Any) -> None:
     ar = sub.add_parser("arena", help="blind side-by-side votes between two or more models in the browser, with ratings")
     ar.add_argument("models", nargs="+", metavar="MODEL", help="release bundle folder, checkpoint (or run folder), or "
                     "models:/NAME/VERSION; two or more")
-    ar.add_argument("--home", default=str(PROJECT / ".kiln"), help="Kiln home: votes go to HOME/arena/<id>/votes.jsonl, "
+    add_home(ar, "Kiln home: votes go to HOME/arena/<id>/votes.jsonl, "
                     "default prompts are its instruction_data's held-out ones")
     ar.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0 picks a free one)")
     ar.add_argument("--prompts", default=None, help="YAML, JSONL or text file of prompts (default: see --home, else "
                     "conf/arena_prompts.yaml)")
-    ar.add_argument("--max-new-tokens", type=int, default=60, help="tokens each model samples per answer")
-    ar.add_argument("--temperature", type=float, default=0.0, help="0 answers greedily")
-    ar.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens")
-    ar.add_argument("--seed", type=int, default=0, help="seeds the pairing, the sides, sampling and the bootstrap")
+    add_sampling(ar, 60, "tokens each model samples per answer", 0.0, "0 answers greedily",
+                 seed_help="seeds the pairing, the sides, sampling and the bootstrap")
     ar.add_argument("--tracking-uri", default=None, help="MLflow for models:/ references and the arena's run "
                     "(default: sqlite HOME/mlflow.db)")
     ar.set_defaults(fn=cmd_arena)

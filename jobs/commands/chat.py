@@ -6,23 +6,18 @@ import argparse
 import sys
 from typing import Any
 
+from jobs.commands._common import add_model, add_sampling, loaded_model
 
-from jobs.presets import PROJECT
-from kiln.release.load import load_chat_model
-from jobs.commands._model import model_path
 
 
 def add_parser(sub: Any) -> None:
     ch = sub.add_parser("chat", help="talk with a model in its chat template, answers streamed, the conversation kept")
-    ch.add_argument("model", help="release bundle folder, checkpoint (or run folder), GGUF file, or models:/NAME@ALIAS")
+    add_model(ch)
     ch.add_argument("--message", action="append", default=None, help="a turn to send instead of reading the terminal (repeatable)")
     ch.add_argument("--system", default="", help="a system message to start the conversation with")
     ch.add_argument("--template", default="", help="a file holding the chat template (Jinja) to use instead of the model's")
-    ch.add_argument("--max-new-tokens", type=int, default=256, help="most tokens in one answer")
-    ch.add_argument("--temperature", type=float, default=0.0, help="0 (the default) picks the most likely token")
-    ch.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (with a temperature)")
-    ch.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ch.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
+    add_sampling(ch, 256, "most tokens in one answer", 0.0, "0 (the default) picks the most likely token",
+                 "sample among the k most likely tokens (with a temperature)")
     ch.set_defaults(fn=cmd_chat)
 
 
@@ -32,11 +27,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     from kiln.model.chat import ChatError, ChatSession
 
-    path, _ = model_path(args.model, args.tracking_uri)
-    try:
-        model, enc, template = load_chat_model(path, args.template)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"kiln: cannot load {path}: {e}") from e
+    path, model, enc, template = loaded_model(args, args.template)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     new = lambda: ChatSession(model, enc, template, system=args.system, max_new_tokens=args.max_new_tokens,  # noqa: E731
                               temperature=args.temperature, top_k=args.top_k, seed=args.seed)

@@ -7,12 +7,13 @@ from typing import Any
 
 import yaml
 
+from jobs.commands._common import add_preset
 from jobs.presets import load_preset
 
 
 def add_parser(sub: Any) -> None:
     conf = sub.add_parser("config", help="print a preset's full run config (extends resolved)")
-    conf.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
+    add_preset(conf)
     conf.set_defaults(fn=cmd_config)
 
 

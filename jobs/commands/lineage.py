@@ -6,17 +6,15 @@ import argparse
 import json
 from typing import Any
 
+from jobs.commands._common import add_model, model_path
 
-from jobs.presets import PROJECT
-from jobs.commands._model import model_path
 
 
 def add_parser(sub: Any) -> None:
     lin = sub.add_parser("lineage", help="which data, configs and runs made a release or checkpoint")
-    lin.add_argument("model", help="release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
+    add_model(lin, "release bundle folder, checkpoint (or run folder), or models:/NAME@ALIAS")
     lin.add_argument("--json", action="store_true", help="print kiln.json (or the checkpoint's record) as JSON")
     lin.add_argument("--full", action="store_true", help="show every list item (the tree shows 12 per section)")
-    lin.add_argument("--tracking-uri", default=f"sqlite:///{PROJECT / '.kiln' / 'mlflow.db'}", help="MLflow registry for models:/ references")
     lin.set_defaults(fn=cmd_lineage)
 
 

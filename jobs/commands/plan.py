@@ -8,12 +8,13 @@ import sys
 from typing import Any, Callable
 
 
-from jobs.presets import (PROJECT, load_preset, preset_error, preset_n_vocab, preset_pretrained)
+from jobs.commands._common import add_preset
+from jobs.presets import PROJECT, load_preset, preset_error, preset_n_vocab, preset_pretrained
 
 
 def add_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="the training plan a preset gets (parallelism, batch, memory, hours) without running")
-    pl.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
+    add_preset(pl)
     pl.add_argument("--vocab", type=int, default=0, help="tokenizer size to plan for (default: from the preset's tokenizer config)")
     pl.add_argument("--json", action="store_true", help="the whole plan as JSON")
     pl.set_defaults(fn=cmd_plan)

@@ -4,33 +4,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 
+from jobs.commands._common import add_home, add_preset, add_verbose, home_of
 from jobs.console import format_seconds
 from jobs.errors import config_error_line, innermost_error
-from jobs.presets import (PROJECT, load_preset, run_selection, select_config)
+from jobs.presets import load_preset, run_selection, select_config
 
 
 def add_parser(sub: Any) -> None:
     run = sub.add_parser("run", help="materialize assets with a preset")
-    run.add_argument("--preset", default="demo", help="name under conf/presets (smoke, demo, gpt2-124m-1gpu, ...) or a YAML path")
+    add_preset(run, help="name under conf/presets (smoke, demo, gpt2-124m-1gpu, ...) or a YAML path")
     run.add_argument("--select", default="", help="comma-separated asset names (default: all)")
-    run.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
-    run.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
-                     "terminal (not only in the run's log file), and every failed step's full trace")
+    add_home(run)
+    add_verbose(run, "print every Dagster event and library warning on the terminal (not only in the run's log "
+                     "file), and every failed step's full trace")
     run.set_defaults(fn=cmd_run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from jobs.home import home_lock, writable_home
 
-    home = Path(args.home).resolve()
-    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
+    home = home_of(args)
     with home_lock(writable_home(home), f"preset {args.preset}"):
         return run_in_home(args, home)
 

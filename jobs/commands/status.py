@@ -6,17 +6,17 @@ import argparse
 import contextlib
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 
-from jobs.presets import (PROJECT, load_preset, preset_mlflow, run_selection)
+from jobs.commands._common import add_home, add_preset, open_home
+from jobs.presets import load_preset, preset_mlflow, run_selection
 
 
 def add_parser(sub: Any) -> None:
     stat = sub.add_parser("status", help="what the next run with a preset would reuse, resume or recompute, why, and how long")
-    stat.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path")
-    stat.add_argument("--home", default=str(PROJECT / ".kiln"), help="the Kiln home whose runs to read")
+    add_preset(stat)
+    add_home(stat, "the Kiln home whose runs to read")
     stat.add_argument("--json", action="store_true", help="one record per asset as JSON, for scripts")
     stat.add_argument("--verify", action="store_true", help="hash every file an output to be reused recorded, not "
                       "only those whose size or time changed (a damaged one makes its asset recompute)")
@@ -24,14 +24,11 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import logging
+    pass
 
-    from jobs.home import lock_holder, writable_home
+    from jobs.home import lock_holder
 
-    home = Path(args.home).resolve()
-    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
-    writable_home(home)
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    home = open_home(args)
     from dagster import DagsterInstance
 
     from jobs.definitions import ALL_ASSETS, complete_resource_config, make_definitions, make_resources

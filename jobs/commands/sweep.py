@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 
+from jobs.commands._common import add_home, add_preset, add_verbose, home_of
 from jobs.console import format_seconds
-from jobs.presets import (PROJECT, load_preset)
+from jobs.presets import load_preset
 from jobs.commands.run import report_failure, run_output
 
 
 def add_parser(sub: Any) -> None:
     sw = sub.add_parser("sweep", help="run a preset's hyper-parameter sweep: the grid, every point (reused when it ran), the ranking")
-    sw.add_argument("--preset", default="sweep-demo", help="name under conf/presets or a YAML path (its sweep_grid block)")
-    sw.add_argument("--home", default=str(PROJECT / ".kiln"), help="folder for storage, MLflow and Dagster history")
-    sw.add_argument("--verbose", action="store_true", help="print every Dagster event and library warning on the "
-                    "terminal as well as in the log file")
+    add_preset(sw, "sweep-demo", "name under conf/presets or a YAML path (its sweep_grid block)")
+    add_home(sw)
+    add_verbose(sw)
     sw.set_defaults(fn=cmd_sweep)
 
 
@@ -35,8 +33,7 @@ def run_points(args: argparse.Namespace, kind) -> dict[str, Any] | int:
     from jobs.sweeps import SweepFailed, run_sweep
 
     verb = kind.verb
-    home = Path(args.home).resolve()
-    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
+    home = home_of(args)
     preset = load_preset(args.preset, sweep=True)
     if not (preset.get("ops") or {}).get(kind.grid):
         print(f"kiln: preset {args.preset} has no {kind.grid} block: say which fields to vary (see "

@@ -10,30 +10,25 @@ from pathlib import Path
 from typing import Any
 
 
-from jobs.presets import (PROJECT, load_preset, preset_mlflow)
+from jobs.commands._common import add_home, add_preset, open_home
+from jobs.presets import load_preset, preset_mlflow
 
 
 def add_parser(sub: Any) -> None:
     ver = sub.add_parser("verify", help="hash every output a home recorded; set aside the damaged, which runs recompute")
-    ver.add_argument("--home", default=str(PROJECT / ".kiln"), help="the Kiln home to scrub")
-    ver.add_argument("--preset", default="demo", help="name under conf/presets or a YAML path (its MLflow and storage "
-                     "resources are read)")
+    add_home(ver, "the Kiln home to scrub")
+    add_preset(ver, help="name under conf/presets or a YAML path (its MLflow and storage resources are read)")
     ver.add_argument("--json", action="store_true", help="the counts and each damaged output as JSON")
     ver.set_defaults(fn=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``kiln verify``: hash every recorded output of the home against its witness (jobs.verify)."""
-    import logging
 
     from jobs.definitions import complete_resource_config, make_resources
-    from jobs.home import writable_home
     from jobs.verify import summary_line, verify_home
 
-    home = Path(args.home).resolve()
-    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster"))
-    writable_home(home)
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    home = open_home(args)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per record read is not output
     resources = make_resources(home)
     config = complete_resource_config(load_preset(args.preset), resources)
