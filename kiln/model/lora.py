@@ -3,7 +3,8 @@
 ``apply_lora(model, LoRAConfig(rank=8))`` freezes the model and adds trainable adapters; ``merged_state_dict``
 gives plain weights (W + scale * B @ A), so checkpoints and release bundles never hold adapters.
 ``LoRAConfig(rank=8, quantize="nf4")`` is QLoRA: each target's frozen weight is held in 4-bit NF4 (kiln.model.quant)
-and dequantised on the fly; merging dequantises first, so what is saved and released is plain weights again.
+and dequantised on the fly; the trainer merges the adapters into the full-precision weights it quantised (its
+starting checkpoint's), so what is saved and released is plain weights without the 4-bit error.
 Written by hand rather than with peft: peft pulls transformers and accelerate, and the whole method is one matmul.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Iterator, Literal
+from typing import Annotated, Iterator, Literal, Mapping
 
 import torch
 import torch.nn as nn
@@ -80,6 +81,7 @@ class LoRALinear(nn.Module):
                  name: str = "linear"):
         super().__init__()
         self.base = base
+        self.name = name
         for p in self.base.parameters():
             p.requires_grad_(False)
         if quantize == "nf4":
@@ -105,9 +107,16 @@ class LoRALinear(nn.Module):
         h = F.dropout(x, self.dropout, self.training).to(self.lora_A.dtype) @ self.lora_A.t()  # (..., r)
         return out + ((h @ self.lora_B.t()) * self.scale).to(out.dtype)  # (..., out)
 
-    def merged_weight(self) -> torch.Tensor:
-        """W + scale * B @ A as a plain (out, in) tensor in the frozen weight's dtype (an NF4 weight dequantised)."""
+    def merged_weight(self, full: torch.Tensor | None = None) -> torch.Tensor:
+        """W + scale * B @ A as a plain (out, in) tensor in the frozen weight's dtype. ``full``: the weight an NF4
+        base was quantised from, which W is then (so the merged weight does not keep the quantisation error); else
+        the NF4 weight dequantised."""
         w = dequantize(self.base.weight)  # (out, in)
+        if full is not None:
+            if tuple(full.shape) != tuple(w.shape):
+                raise ValueError(f"the full-precision weight of {self.name} has shape {tuple(full.shape)}, the adapted "
+                                 f"layer {tuple(w.shape)}: it is not this model's starting weight")
+            w = full.to(device=w.device, dtype=w.dtype)
         return (w + self.scale * (self.lora_B @ self.lora_A)).to(w.dtype)
 
 
@@ -143,8 +152,11 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
             yield name, m
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict under its plain names with every adapter folded into its weight."""
+def merged_state_dict(model: nn.Module, base: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's state dict under its plain names with every adapter folded into its weight. ``base``: the plain
+    state dict an NF4 (QLoRA) model was quantised from; its adapters are then folded into those full-precision
+    weights, so that saved and released weights do not carry the 4-bit base's error (nor, stage after stage, compound
+    it). Without it an NF4 weight is dequantised first."""
     state = {}
     adapters = dict(lora_modules(model))
     for key, t in model.state_dict().items():
@@ -154,7 +166,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         rest = key[len(owner) + 1:]
         if rest == "base.weight":
-            state[f"{owner}.weight"] = adapters[owner].merged_weight().detach().clone()
+            full = base.get(f"{owner}.weight") if base is not None and adapters[owner].quantized else None
+            state[f"{owner}.weight"] = adapters[owner].merged_weight(full).detach().clone()
         elif rest == "base.bias":
             state[f"{owner}.bias"] = t
         # lora_A / lora_B are folded into the weight above

@@ -246,6 +246,7 @@ class Trainer:
         (the order random numbers are drawn in: a rerun builds bit-identical models)."""
         job, lora = self.job, self.stage.lora
         self.init_ckpt = self.ckpt.agree(lambda: str(resolve_checkpoint(job.init_from))) if job.init_from else None
+        self._full_base: dict[str, torch.Tensor] | None = None  # full_base(), read at the first save
         torch.manual_seed(job.seed)  # identical initial weights on every rank
         raw = build_model(self.cfg)
         if self.init_ckpt and (self.latest is None or lora.enabled):  # a LoRA run resumes adapters on this base
@@ -533,9 +534,19 @@ class Trainer:
         meta = {"model": model_dict(self.cfg), "task": self.job.task, "val_loss": self.run.val_loss,
                 "train_loss": self.run.train_loss, "seed": self.job.seed, "world_size": self.info.world_size,
                 "parallelism": self.strategy, "history": self.run.history, "job": self.job_params(), **self.stage.meta()}
-        weights = (lambda: merged_state_dict(self.raw)) if lora else None  # readers get plain GPT weights
+        # readers get plain weights; a QLoRA run's adapters fold into the full-precision weights it started from
+        weights = (lambda: merged_state_dict(self.raw, self.full_base())) if lora else None
         self.clock.add("save_s", self.ckpt.save(step, self.raw, self.optimizer, extras, meta, weights))
         self.saved_step = step
+
+    def full_base(self) -> dict[str, torch.Tensor] | None:
+        """The starting weights a QLoRA run quantised (init_from's, memory-mapped, read once), which its saved
+        weights fold the adapters into; None for other runs."""
+        if self.stage.lora.quantize != "nf4" or not self.init_ckpt:
+            return None
+        if self._full_base is None:
+            self._full_base = load_state(Path(self.init_ckpt), "cpu")[0]["model"]
+        return self._full_base
 
     def restore(self, path: Path, rolling_back: bool = False) -> None:
         if "job" not in json.loads((Path(path) / "meta.json").read_text()):  # DPO and RL saved less before the Trainer

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from kiln.common.config import ConfigError, from_dict
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
-from kiln.model.lora import LoRAConfig, LoRALinear, adapters_disabled, apply_lora, lora_state_dict, merged_state_dict
+from kiln.model.lora import (LoRAConfig, LoRALinear, adapters_disabled, apply_lora, lora_modules, lora_state_dict,
+                             merged_state_dict)
 from kiln.model.quant import (NF4_BLOCK, NF4_MAX_GAP, NF4_SCALER_BLOCK, dequantize, is_nf4, scaler_block,
                               storage_bytes, to_nf4_weight)
-from kiln.train.checkpoint import load_state, save_checkpoint
+from kiln.train.checkpoint import load_state, resolve_checkpoint, save_checkpoint
 
 # 128 wide: every projection's weight holds a whole number of NF4 scaler blocks (64 x 256 values)
 CFG = ModelConfig(vocab_size=320, block_size=16, n_layer=2, n_head=2, n_embd=128)
@@ -112,6 +113,23 @@ def test_the_reference_is_the_nf4_base_and_merging_dequantises() -> None:
         with adapters_disabled(adapted):  # DPO's reference: the same quantised base, adapters off
             torch.testing.assert_close(adapted(x), nf4_base(x), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(adapted(x), nf4_base(x), atol=1e-3)
+
+
+def test_given_the_full_precision_start_the_adapters_fold_into_it_not_into_the_nf4_base() -> None:
+    base, adapted = models()
+    apply_lora(adapted, QLORA)
+    full = base.state_dict()
+    untrained = merged_state_dict(adapted, full)
+    assert all(torch.equal(untrained[k], v) for k, v in full.items())  # B = 0: the starting weights, to the bit
+    train_a_little(adapted)
+    merged, dequantised = merged_state_dict(adapted, full), merged_state_dict(adapted)
+    for name, layer in lora_modules(adapted):
+        delta = layer.scale * (layer.lora_B @ layer.lora_A)
+        assert torch.equal(merged[f"{name}.weight"], full[f"{name}.weight"] + delta)
+        error = (dequantised[f"{name}.weight"] - merged[f"{name}.weight"]).abs().max()
+        assert 0 < error <= (full[f"{name}.weight"].abs().max() * NF4_MAX_GAP)  # what the NF4 merge keeps
+    with pytest.raises(ValueError, match="is not this model's starting weight"):
+        merged_state_dict(adapted, {k: v[:, :64] if v.dim() == 2 else v for k, v in full.items()})
 
 
 def test_bf16_base_with_float32_adapters() -> None:
@@ -234,6 +252,12 @@ def test_a_qlora_sft_job_lowers_its_loss_and_saves_adapters_and_merged_weights(t
     assert set(state["model"]) == set(GPT(ModelConfig(**model)).state_dict())  # plain weights for every reader
     assert all(k.endswith(("lora_A", "lora_B")) for k in state["lora"])  # the NF4 base is not saved: init_from has it
     assert meta["job"]["lora"] == asdict(LoRAConfig(**lora))  # the whole block as the run read it
+    start = load_state(resolve_checkpoint(init))[0]["model"]  # saved weights: the start's full precision + B A
+    scale = LoRAConfig(**lora).alpha / 8
+    for key in [k for k in state["lora"] if k.endswith("lora_A")]:
+        owner = key.removesuffix(".lora_A")
+        delta = scale * (state["lora"][f"{owner}.lora_B"] @ state["lora"][key])
+        torch.testing.assert_close(state["model"][f"{owner}.weight"], start[f"{owner}.weight"] + delta, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="job.lora: LoRA adapts weights that exist; pretraining from random weights trains every weight"):
         main(["--config", str(pretrain_job(tmp_path / "pre", lora={"enabled": True})), "--device", "cpu"], rep)
 
