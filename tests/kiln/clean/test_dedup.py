@@ -162,7 +162,7 @@ def test_minhash_finds_the_edited_copies_from_text(tmp_path: Path) -> None:
 
 
 def test_merge_writes_the_same_corpus_whatever_the_map_and_partitions(tmp_path: Path) -> None:
-    from test_clean import write_raw
+    from tests.kiln.clean.test_clean import write_raw
 
     docs = []
     for i in range(30):

@@ -18,7 +18,7 @@ import faults
 from kiln.clean.config import CleanConfig
 from kiln.clean.ray_run import RayClusterError, clean_on_ray
 from kiln.clean.run import clean
-from test_clean import write_raw
+from tests.kiln.clean.test_clean import write_raw
 from textgen import prose
 
 pytestmark = pytest.mark.ray

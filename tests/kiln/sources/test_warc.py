@@ -11,7 +11,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from sources_kit import docs, local, page, warc_file
+from tests.kiln.sources.sources_kit import docs, local, page, warc_file
 
 from kiln.sources import SourceError, fetch, load_manifest
 from kiln.sources.listing import list_files
