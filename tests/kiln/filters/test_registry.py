@@ -1,7 +1,7 @@
 """Tests for kiln.filters.registry and what the clean config, the kept schema and the rule keys derive from it: a new
 filter is one module and one registry line, and an incomplete or clashing line fails when the definitions load.
 
-Run: python -m pytest tests/kiln/filters/test_filter_registry.py -q
+Run: python -m pytest tests/kiln/filters/test_registry.py -q
 """
 
 from __future__ import annotations
