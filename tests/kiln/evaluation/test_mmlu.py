@@ -1,6 +1,6 @@
 """Tests for kiln.evaluation.mmlu: parsing the pinned file's records, the pin itself, and the task as lm-eval scores it.
 
-Run: python -m pytest tests/kiln/evaluation/test_evaluation_mmlu.py -q   (no download: the pin is tested on a planted cache)
+Run: python -m pytest tests/kiln/evaluation/test_mmlu.py -q   (no download: the pin is tested on a planted cache)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kiln.evaluation.mmlu import (
     parse_record,
 )
 from kiln.sources import RECORD, SourceError, cache_path
-from tests.kiln.evaluation.test_evaluation import NGramLM, enc, tiny_gpt  # noqa: F401  (enc is a fixture)
+from tests.kiln.evaluation.evaluation_kit import NGramLM, enc, tiny_gpt  # noqa: F401  (enc is a fixture)
 
 QUESTIONS = [  # (stem, choices, answer): records in the package's layout are built from these
     ("Which planet is known as the red planet?", ["Venus", "Mars", "Jupiter", "Saturn"], "B"),

@@ -2,7 +2,7 @@
 tasks scored through lm-eval's generate_until on KilnLM: a model that knows the answers scores 1 whatever trailing
 zeros it writes, one that knows nothing scores its chance, 0.
 
-Run: python -m pytest tests/kiln/evaluation/test_evaluation_math.py -q
+Run: python -m pytest tests/kiln/evaluation/test_mathematics.py -q
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kiln.evaluation.mathematics import (MATH_EXPR, MATH_EXPR_TASK, MATH_WORD, M
                                          canonical, parse_record)
 from kiln.evaluation.registry import REGISTRY
 from kiln.evaluation.spec import write_task
-from tests.kiln.evaluation.test_evaluation import NGramLM, enc, tiny_gpt  # noqa: F401  (enc is a fixture)
+from tests.kiln.evaluation.evaluation_kit import NGramLM, enc, tiny_gpt  # noqa: F401  (enc is a fixture)
 
 class CachedNGramLM(NGramLM):
     """NGramLM that generates through a KV cache as Kiln's models do: it keeps the tokens it was fed by position."""

@@ -1,7 +1,7 @@
 """Tests for kiln.evaluation.registry and spec: one TaskSpec + one registration make a task built, scored beside its
 chance and checked for contamination; incomplete or unknown tasks are errors naming the task.
 
-Run: python -m pytest tests/kiln/evaluation/test_evaluation_registry.py -q   (tiny models and tasks; a few seconds on CPU)
+Run: python -m pytest tests/kiln/evaluation/test_registry.py -q   (tiny models and tasks; a few seconds on CPU)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kiln.evaluation import build_suite, build_tasks, check_contamination, run_s
 from kiln.evaluation.checkpoints import runnable_suites
 from kiln.evaluation.heldout import sentences
 from kiln.evaluation.scores import primary_metric, score_rows
-from tests.kiln.evaluation.test_evaluation import NGramLM, enc, make_docs, tiny_gpt  # noqa: F401  (enc is a fixture)
+from tests.kiln.evaluation.evaluation_kit import NGramLM, enc, make_docs, tiny_gpt  # noqa: F401  (enc is a fixture)
 
 # ---- the demonstration task: its item maker and its spec are all a new task needs ----------------------------
 

@@ -1,6 +1,6 @@
 """Tests for kiln.evaluation.checkpoints: partition keys, discovery, pruned checkpoints, score history and curves.
 
-Run: python -m pytest tests/kiln/evaluation/test_evaluation_checkpoints.py -q   (files only; under a second)
+Run: python -m pytest tests/kiln/evaluation/test_checkpoints.py -q   (files only; under a second)
 """
 
 from __future__ import annotations

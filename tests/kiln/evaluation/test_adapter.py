@@ -1,34 +1,36 @@
-"""KilnLM.loglikelihood with a shared context (kiln.evaluation.adapter ``share_context``): the endings of one
+"""Tests of kiln/evaluation/adapter.py (KilnLM, lm-eval's model ``kiln``): its scores against hand computation,
+greedy and rolling requests, generation to the model's own end token, batching, and its request progress lines.
+
+KilnLM.loglikelihood with a shared context (``share_context``): the endings of one
 multiple-choice item (lm-eval sends each as its own request, with the same context) are scored with the context run
 once into a KV cache. Its numbers are those of one row per request (the path with sharing off) to float rounding,
 whatever the batch size or request order; contexts that do not fit, one-token endings and lone requests keep the
 one-row path.
 
-Run: python -m pytest -n 0 -q tests/kiln/evaluation/test_adapter_shared_context.py   (tiny models, CPU, seconds)
+Run: python -m pytest -n 0 -q tests/kiln/evaluation/test_adapter.py   (tiny models, CPU, seconds)
 """
 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import tiktoken
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
-from kiln.evaluation.adapter import KilnLM
+from kiln.evaluation import sample_generations
+from kiln.evaluation.adapter import KilnLM, RequestProgress
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
+from kiln.model.gpt import GPT
+from tests.kiln.evaluation.evaluation_kit import PAT, TableLM, cycle_lm, direct_logprob, ll_req, tiny_gpt
+from tests.kiln.evaluation.evaluation_kit import enc  # noqa: F401  (enc is a fixture)
 
-PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 BLOCK = 48
-
-
-@pytest.fixture(scope="module")
-def enc() -> tiktoken.Encoding:
-    ranks = {bytes([i]): i for i in range(256)}
-    return tiktoken.Encoding(name="t", pat_str=PAT, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 256})
 
 
 def tiny(family: str, seed: int = 0):
@@ -209,3 +211,157 @@ def test_a_pass_holds_no_more_logits_than_logits_gib_and_scores_do_not_change(en
     monkeypatch.setenv("KILN_EVAL_LOGITS_GIB", "0")
     with pytest.raises(ValueError, match="KILN_EVAL_LOGITS_GIB"):
         KilnLM(model, enc)
+
+
+def test_loglikelihood_matches_direct_and_ignores_batching(enc):
+    model = tiny_gpt(block_size=32)
+    lm = KilnLM(model, enc, batch_size=4)
+    (lp, _), = lm.loglikelihood([ll_req("Hello world", " and more")])
+    assert lp == pytest.approx(direct_logprob(model, enc, enc.encode("Hello world"), enc.encode(" and more")), abs=1e-4)
+
+    long_ctx, long_cont = "x" * 50, "y" * 45  # left truncation; a continuation longer than block_size
+    reqs = [ll_req(c, t) for c, t in [("", "Start"), ("ab", "c"), ("Hello ", "there"), (long_ctx, " tail"),
+                                      ("q", long_cont), ("Some words", " more words here")]]
+    base = lm.loglikelihood(reqs)
+    assert base[0][0] == pytest.approx(direct_logprob(model, enc, [enc.eot_token], enc.encode("Start")), abs=1e-4)
+    ids = enc.encode(long_ctx + " tail")[-33:]  # the last block_size + 1 tokens
+    assert base[3][0] == pytest.approx(direct_logprob(model, enc, ids[:-5], ids[-5:]), abs=1e-4)
+    for other in (KilnLM(model, enc, batch_size=1).loglikelihood(reqs), lm.loglikelihood(reqs[::-1])[::-1]):
+        assert [g for _, g in other] == [g for _, g in base]
+        torch.testing.assert_close(torch.tensor([v for v, _ in other]), torch.tensor([v for v, _ in base]))
+    assert all(v < 0 for v, _ in base)
+
+
+def test_is_greedy(enc):
+    lm = KilnLM(cycle_lm(), enc)
+    (lp, greedy), (_, wrong) = lm.loglikelihood([ll_req("abc", "defg"), ll_req("abc", "dxfg")])
+    assert greedy and not wrong
+    assert lp == pytest.approx(4 * (5.0 - torch.logsumexp(torch.tensor([5.0] + [0.0] * 256), 0).item()), abs=1e-4)
+
+
+def test_loglikelihood_rolling_matches_hand_windows(enc):
+    L = 16
+    model = tiny_gpt(block_size=L, seed=1)
+    lm = KilnLM(model, enc, batch_size=3)
+    text = "The quick brown fox jumps over the lazy dog, again and again."  # 62 byte tokens > block_size
+    tok = enc.encode(text)
+    seq = [enc.eot_token] + tok  # seq[i + 1] is token i; every token is predicted once
+    with torch.no_grad():
+        total, s = 0.0, 0
+        while s < len(tok):
+            r = min(L, len(tok) - s)
+            start = s if r == L else len(tok) - L  # a full chunk, or the last L inputs for a final short one
+            logp = F.log_softmax(model(torch.tensor([seq[start : start + L]]))[0, :, : enc.n_vocab], -1)  # (L, Vr)
+            total += sum(float(logp[L - r + j, seq[s + 1 + j]]) for j in range(r))
+            s += r
+    (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    assert got == pytest.approx(total, abs=1e-3)
+    (short,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("Hi there",), 0)])
+    assert short == pytest.approx(direct_logprob(model, enc, [enc.eot_token], enc.encode("Hi there")), abs=1e-4)
+
+
+def test_generate_until_stops_and_is_deterministic(enc):
+    lm = KilnLM(cycle_lm(), enc)
+    gen = lambda kw: lm.generate_until([Instance("generate_until", {}, ("a", kw), 0)])[0]  # noqa: E731
+    assert gen({"until": ["e"], "max_gen_toks": 20}) == "bcd"
+    assert gen({"until": "cd"}) == "b"
+    assert gen({"until": [], "max_gen_toks": 9}) == "bcdefgabc"
+    model = tiny_gpt()
+    greedy = sample_generations(model, enc, ["Hello", "The river"], max_new_tokens=8, seed=0)
+    assert greedy == sample_generations(model, enc, ["Hello", "The river"], max_new_tokens=8, seed=5)
+    hot = [sample_generations(model, enc, ["Hello"], 8, seed=3, temperature=1.0) for _ in range(2)]
+    assert hot[0] == hot[1] and hot[0][0]["prompt"] == "Hello"
+
+
+def test_generation_ends_at_the_models_own_end_token_as_hflm_ends_at_its_eos(tmp_path):
+    """An imported model ends its text with its own end of sequence (SmolLM2-Instruct's <|im_end|>, not
+    <|endoftext|>): HFLM stops there (its tokenizer's eos), so Kiln does too; the end token is saved with the
+    encoding and is part of its fingerprint."""
+    from kiln.tokens.tokenizer import encoding_fingerprint, end_token, load_encoding, save_encoding, with_end_token
+
+    ranks = {bytes([i]): i for i in range(256)}
+    enc = tiktoken.Encoding(name="t2", pat_str=PAT, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 256, "<|im_end|>": 257})
+    table = torch.zeros(320, 320)
+    for a, b in (("a", "b"), ("b", "c")):
+        table[ord(a), ord(b)] = 5.0
+    table[ord("c"), 257] = 5.0  # after c the model ends its turn, then would go on with d
+    table[257, ord("d")] = 5.0
+    table[ord("d"), ord("a")] = 5.0
+    gen = lambda: KilnLM(TableLM(table), enc).generate_until(  # noqa: E731
+        [Instance("generate_until", {}, ("a", {"until": ["zz"], "max_gen_toks": 6}), 0)])[0]
+    assert end_token(enc) == 256 and gen() == "bcdab"  # Kiln's own end token only; specials left out, as HFLM does
+    before = encoding_fingerprint(enc)
+    with_end_token(enc, 257)
+    assert gen() == "bc" and encoding_fingerprint(enc) != before
+    save_encoding(enc, tmp_path / "enc.json")
+    back = load_encoding(tmp_path / "enc.json")
+    assert end_token(back) == 257 and encoding_fingerprint(back) == encoding_fingerprint(enc)
+    with pytest.raises(Exception, match="end token id 999 is not an id of encoding t2"):
+        with_end_token(enc, 999)
+
+
+class CountingLM(nn.Module):
+    """Wraps a model and records the batch shape of every forward pass."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.config, self.calls = inner, inner.config, []
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.calls.append(tuple(idx.shape))
+        return self.inner(idx)
+
+
+def test_one_token_choices_share_one_forward_pass(enc):
+    model = CountingLM(tiny_gpt(block_size=64, seed=4))
+    lm = KilnLM(model, enc, batch_size=8)
+    question = "Which is it?\nA. one\nB. two\nC. three\nD. four\nAnswer:"
+    got = lm.loglikelihood([ll_req(question, f" {c}") for c in "ABCD"])
+    assert len(model.calls) == 1 and model.calls[0][0] == 1  # four requests, one distinct input row
+    for (lp, _), c in zip(got, "ABCD"):  # " A" is two byte tokens: the input (question + " ") is the same
+        assert lp == pytest.approx(direct_logprob(model.inner, enc, enc.encode(question), enc.encode(f" {c}")), abs=1e-4)
+
+
+def test_generate_until_batched_equals_one_at_a_time(enc):
+    model = tiny_gpt(block_size=16, seed=2)
+    contexts = ["Hello", "The river runs far away from here", "", "x" * 30, "ab"]  # one longer than block_size
+    reqs = [Instance("generate_until", {}, (c, {"until": ["zz"], "max_gen_toks": 12}), i) for i, c in enumerate(contexts)]
+    batched = KilnLM(model, enc, batch_size=4).generate_until(reqs)
+    single = KilnLM(model, enc, batch_size=1).generate_until(reqs)
+    assert batched == single and len(batched) == len(contexts)
+    assert all(len(t) <= 12 for t in batched) and any(batched)  # <= 1 character per byte token
+
+
+def byte_encoding() -> tiktoken.Encoding:
+    ranks = {bytes([i]): i for i in range(256)}
+    return tiktoken.Encoding(name="t", pat_str=PAT, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 256})
+
+
+def test_progress_lines_give_done_of_total_rate_and_time_left():
+    now = [100.0]
+    lines: list[str] = []
+    tell = RequestProgress(lines.append, "loglikelihood", 400, every_s=5.0, clock=lambda: now[0])
+    for done, t in ((40, 102.0), (80, 104.0), (120, 107.0), (400, 108.0)):
+        now[0] = t
+        tell.reached(done)
+    # the first update, then 120 (5 s after the last line; 80 came 2 s after 40), then the last
+    assert lines == ["eval 40/400: loglikelihood | 20.0 requests/s | 18s left",
+                     "eval 120/400: loglikelihood | 17.1 requests/s | 16s left",
+                     "eval 400/400: loglikelihood | 50.0 requests/s | 0s left"]
+    RequestProgress(None, "loglikelihood", 10).reached(5)  # no sink: nothing to do
+
+
+def test_the_adapter_reports_each_request_type_to_the_last_request():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    lines: list[str] = []
+    lm = KilnLM(model, byte_encoding(), batch_size=2, progress=lines.append)
+    reqs = [Instance("loglikelihood", {}, (f"question {i}", f" answer {i % 3}"), 0) for i in range(7)]
+    lm.loglikelihood(reqs)
+    lm.generate_until([Instance("generate_until", {}, (f"q{i}", {"max_gen_toks": 2}), 0) for i in range(5)])
+    lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("some text to score",), 0)])
+    assert lines[0].startswith("eval ") and lines[0].split(":")[1].startswith(" loglikelihood |")
+    ends = [ln.split(" |")[0] for ln in lines if re.match(r"eval (\d+)/\1:", ln)]  # each call's last line
+    assert ends == ["eval 7/7: loglikelihood", "eval 5/5: generate_until", "eval 1/1: loglikelihood_rolling"]
+    assert all(ln.endswith(" left") and " requests/s | " in ln for ln in lines)

@@ -1,6 +1,6 @@
 """Tests for kiln.evaluation.contamination: planted 13-gram overlaps are found, near misses are not, clean subsets score.
 
-Run: python -m pytest tests/kiln/evaluation/test_evaluation_contamination.py -q   (tiny tasks; a few seconds on CPU)
+Run: python -m pytest tests/kiln/evaluation/test_contamination.py -q   (tiny tasks; a few seconds on CPU)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import yaml
 
 from kiln.evaluation import build_tasks, check_contamination, score_full_and_clean
 from kiln.evaluation.contamination import NgramIndex, item_text, jsonl_documents, local_tasks, words
-from tests.kiln.evaluation.test_evaluation import NGramLM, enc, make_docs  # noqa: F401  (enc is a fixture)
+from tests.kiln.evaluation.evaluation_kit import NGramLM, enc, make_docs  # noqa: F401  (enc is a fixture)
 
 
 def rows_of(path: str | Path) -> list[dict]:
