@@ -20,7 +20,7 @@ from kiln.clean.report import EmptyCorpusError
 from kiln.clean.run import clean
 from kiln.clean.shard import clean_shard, plan_shards, remove_stale_staging, shard_stage_key
 from textgen import prose
-from tests.kiln.clean.test_clean import PROSE  # the same page as the clean tests
+from tests.kiln.clean.test_run import PROSE  # the same page as the clean tests
 from kiln.common.config import ConfigError
 from tests.kiln.filters.filters_kit import SENTENCES
 

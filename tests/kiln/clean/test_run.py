@@ -1,6 +1,7 @@
-"""Tests for the cleaning step (kiln.clean): each quality rule, exact and MinHash dedup, HTML, report accounting, errors, config.
+"""Tests of kiln/clean/run.py (clean, the cleaning step end to end): each quality rule, exact and MinHash dedup, HTML, errors
+(the config, report, text normalisation and corpus merge: test_config.py, test_report.py, tests/kiln/common/test_text.py, test_corpus.py).
 
-Run: python -m pytest tests/kiln/clean/test_clean.py -q
+Run: python -m pytest tests/kiln/clean/test_run.py -q
 """
 
 from __future__ import annotations
@@ -15,13 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.clean.config import CleanConfig, default_filters
-from kiln.clean.report import CleanReport, EmptyCorpusError
+from kiln.clean.config import CleanConfig
 from kiln.clean.run import clean
-from kiln.common.text import normalize_text
-from kiln.filters.base import Doc, Filter
-from kiln.filters.gopher_quality import text_signals
-from kiln.common.config import ConfigError
+from kiln.filters.base import Filter
 from kiln.clean.dedup import shingles
 
 REPO = Path(__file__).resolve().parents[3]
@@ -109,17 +106,6 @@ def pseudo_prose(seed: int, sentences: int = 14) -> list[str]:
 # ---------------------------------------------------------------- rules
 
 
-def test_good_prose_passes_every_rule() -> None:
-    text = normalize_text(PROSE)
-    doc = Doc("good", "test", "", text, "text/plain", "CC0", len(text), signals=text_signals(text))
-    assert doc.signals["words"] > 50 and doc.signals["alpha_word_fraction"] == 1.0
-    filters = default_filters(CleanConfig())
-    assert [f.name for f in filters] == ["url", "gopher_quality", "language", "gopher_repetition", "c4", "fineweb",
-                                         "olmo2", "dirty_words"]
-    assert [f.reason(doc) for f in filters] == [None] * len(filters)
-    assert doc.signals["language"] == "en" and doc.signals["stop_words"] >= 2
-
-
 def test_each_rule_drops_its_violation_with_exact_reason(tmp_path: Path) -> None:
     cases = violations()
     docs = [{"id": reason, "text": text} for reason, text in cases.items()] + [{"id": "good", "text": PROSE}]
@@ -148,11 +134,6 @@ def test_custom_filter_datatrove_style(tmp_path: Path) -> None:
 
     report, kept, removed = run(tmp_path, [{"text": PROSE}, {"text": OTHER_PROSE}], filters=[NoLighthouses()])
     assert removed["d0"]["reason"] == "custom:lighthouse" and [d["id"] for d in kept] == ["d1"]
-
-
-def test_normalisation() -> None:
-    raw = "caf\u0065\u0301\u00a0au\u200blait\r\n\r\n\r\n\r\n    indented code   \n\x00end\u2028"
-    assert normalize_text(raw) == "caf\u00e9 aulait\n\n    indented code\nend"
 
 
 # ---------------------------------------------------------------- dedup
@@ -209,59 +190,10 @@ def test_html_document_cleaned_end_to_end(tmp_path: Path) -> None:
     assert removed["d1"]["reason"] == "extract:empty"
 
 
-def test_report_accounting_adds_up_and_order_is_input_order(tmp_path: Path) -> None:
-    cases = violations()
-    docs = [{"text": PROSE, "source": "a"}, {"text": OTHER_PROSE, "source": "b"}]
-    docs += [{"text": t, "source": "b"} for t in cases.values()] + [{"text": PROSE, "source": "a"}]
-    calls: list[str] = []
-    cfg = CleanConfig(batch_size=3, progress_every=4, shard_docs=4)
-    report, kept, removed = run(tmp_path, docs, cfg, row_group_size=4, progress=calls.append)
-    assert report.shards == 5  # shards never mix sources: a | b b b b | b b b b | b b | a
-
-    assert report.input_docs == len(docs) == report.kept_docs + report.dropped_docs
-    assert report.input_bytes == sum(len(d["text"].encode()) for d in docs)
-    assert report.input_bytes == report.kept_input_bytes + report.dropped_bytes
-    assert report.dropped_docs == sum(r["docs"] for r in report.reasons.values()) == len(removed)
-    assert report.dropped_bytes == sum(r["bytes"] for r in report.reasons.values()) == sum(
-        r["bytes"] for r in removed.values())
-    assert report.kept_bytes == sum(k["bytes"] for k in kept)
-    assert report.sources == {
-        "a": {"kept_docs": 1, "kept_bytes": len(PROSE.encode()), "dropped_docs": 1,
-              "dropped_bytes": len(PROSE.encode())},
-        "b": {"kept_docs": 1, "kept_bytes": len(OTHER_PROSE.encode()), "dropped_docs": len(cases),
-              "dropped_bytes": sum(len(t.encode()) for t in cases.values())},
-    }
-    ex = report.reasons["dedup:exact"]["examples"]
-    assert ex == [{"id": f"d{len(docs) - 1}", "snippet": " ".join(PROSE.split())[:200],
-                   "lines": [p[:160] for p in PROSE.split("\n\n")]}]  # a few lines each, for a person to judge
-    assert all(len(e["snippet"]) <= 200 for r in report.reasons.values() for e in r["examples"])
-    assert report.to_dict()["config"]["minhash"]["num_perm"] == 112
-
-    assert [k["id"] for k in kept] == ["d0", "d1"]
-    assert list(removed) == [f"d{i}" for i in range(2, len(docs))]
-    # every progress_every docs, then one final call; a logger's .info can take the messages
-    read = [c for c in calls if " docs read" in c]
-    assert [c.split(" docs read")[0] for c in read] == ["clean: 5", "clean: 9", "clean: 12", "clean: done, 12"]
-    assert "clean: quality classifier skipped: 0 reference and 2 other documents" in " ".join(calls)
-    assert read[0].startswith("clean: 5 docs read, ") and read[-1].endswith(" MB/s") and "docs/s" in read[-1]
-
-
 def test_examples_capped_per_reason(tmp_path: Path) -> None:
     report, _, _ = run(tmp_path, [{"text": f"short note {i}"} for i in range(5)] + [{"text": PROSE}])
     r = report.reasons["gopher:too_few_words"]
     assert r["docs"] == 5 and [e["id"] for e in r["examples"]] == ["d0", "d1", "d2"]
-
-
-def test_empty_corpus_error_names_top_reason_and_key(tmp_path: Path) -> None:
-    docs = [{"text": f"short note {i}"} for i in range(3)] + [{"text": "\n".join(f"- {l}" for l in LINES)}]
-    with pytest.raises(EmptyCorpusError) as err:
-        run(tmp_path, docs)
-    msg = str(err.value)
-    assert "kept 0 of 4 documents" in msg
-    assert "gopher:too_few_words=3, gopher:bullet_lines=1" in msg
-    assert "clean.min_words" in msg and "loosen" in msg and "add sources" in msg
-    assert isinstance(err.value.report, CleanReport) and err.value.report.dropped_docs == 4
-    assert not (tmp_path / "clean.parquet").exists() and not (tmp_path / "removed.parquet").exists()
 
 
 def test_input_errors_name_the_file_and_record(tmp_path: Path) -> None:
@@ -276,45 +208,9 @@ def test_input_errors_name_the_file_and_record(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- config and boundaries
 
 
-def test_config_defaults_are_fineweb_minhash() -> None:
-    mh = CleanConfig().minhash
-    assert (mh.enabled, mh.ngram, mh.num_perm, mh.bands, mh.rows) == (True, 5, 112, 14, 8)
-
-
-def test_unknown_config_key_is_an_error() -> None:
-    with pytest.raises(ConfigError, match="unknown key 'min_word'.*Did you mean 'min_words'"):
-        CleanConfig.from_dict({"min_word": 10})
-    with pytest.raises(ConfigError, match=r"clean\.minhash: unknown key 'perms'"):
-        CleanConfig.from_dict({"minhash": {"perms": 64}})
-
-
-def test_wrong_value_type_names_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"clean\.min_words must be a whole number \(>= 0\), got '50'"):
-        CleanConfig.from_dict({"min_words": "50"})
-    with pytest.raises(ConfigError, match=r"clean\.minhash\.enabled must be bool, got 1"):
-        CleanConfig.from_dict({"minhash": {"enabled": 1}})
-    assert CleanConfig.from_dict({"max_symbol_to_word_ratio": 1}).max_symbol_to_word_ratio == 1
-
-
-def test_num_perm_must_equal_bands_times_rows() -> None:
-    with pytest.raises(ConfigError, match=r"num_perm=128 must equal bands \* rows = 14 \* 8 = 112"):
-        CleanConfig.from_dict({"minhash": {"num_perm": 128}})
-    cfg = CleanConfig.from_dict({"minhash": {"num_perm": 128, "bands": 16, "rows": 8}, "min_words": 20})
-    assert cfg.minhash.bands == 16 and cfg.min_words == 20
-
-
 def test_clean_does_not_import_dagster() -> None:
     code = "import sys, kiln.clean.run, kiln.clean.extract; assert 'dagster' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
-
-
-def test_the_generated_config_pickles_for_worker_processes() -> None:
-    import pickle
-
-    cfg = CleanConfig.from_dict({"min_words": 20, "c4": {"min_sentences": 2}, "minhash": {"enabled": False}})
-    again = pickle.loads(pickle.dumps(cfg))
-    assert type(again) is CleanConfig and again == cfg and again.c4.min_sentences == 2
-    assert again.shard_stage_hash() == cfg.shard_stage_hash()
 
 
 @pytest.mark.slow

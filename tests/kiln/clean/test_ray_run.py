@@ -3,7 +3,7 @@ outputs and report as the local executor (reading its raw corpus through an fssp
 URL refused, a worker killed mid-stage (retried, same result), a worker that dies on
 every try (a clear error, earlier outputs untouched).
 
-Run: python -m pytest tests/kiln/clean/test_ray_executor.py -q (about a minute: the cluster starts once).
+Run: python -m pytest tests/kiln/clean/test_ray_run.py -q (about a minute: the cluster starts once).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import faults
 from kiln.clean.config import CleanConfig
 from kiln.clean.ray_run import RayClusterError, clean_on_ray
 from kiln.clean.run import clean
-from tests.kiln.clean.test_clean import write_raw
+from tests.kiln.clean.test_run import write_raw
 from textgen import prose
 
 pytestmark = pytest.mark.ray
