@@ -1,26 +1,20 @@
-"""Tests for kiln.sources: manifests, local parsing, fetch (fake packages, no network), collect, WARC, WET and Parquet.
+"""Tests of kiln/sources/readers.py: local parsing (HTML, text, JSONL, separators, bad UTF-8 and JSON), WARC, WET and Parquet
+(manifests, package fetch and collect: test_manifest.py, test_packages.py, test_pipeline.py).
 
-Run: python -m pytest tests/kiln/sources/test_sources.py -q   (the WARC tests fetch the pinned pywb sdist once into the cache)
+Run: python -m pytest tests/kiln/sources/test_readers.py -q   (the WARC tests fetch the pinned pywb sdist once into the cache)
 """
 
 from __future__ import annotations
 
 import io
-import os
 import json
-import shutil
-import subprocess
-import tarfile
-import zipfile
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from kiln.common.config import ConfigError
-from kiln.sources import SourceError, SourceSpec, collect, fetch, iter_documents, load_manifest, specs_from_dicts
-from kiln.sources import packages, pipeline
-from kiln.common.files import sha256_file
+from kiln.sources import SourceError, SourceSpec, fetch, iter_documents, load_manifest
 from ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
@@ -136,261 +130,10 @@ def test_bad_json_line_and_missing_field(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- fake packages
 
 
-def make_wheel(path: Path) -> Path:
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("fakepkg/data/rows.jsonl", '{"text": "alpha"}\n{"text": "beta"}\n')
-        z.writestr("fakepkg/__init__.py", "")
-    return path
-
-
-def make_sdist(path: Path) -> Path:
-    with tarfile.open(path, "w:gz") as tar:
-        data = b'{"text": "alpha"}\n{"text": "beta"}\n'
-        info = tarfile.TarInfo("fakepkg-1.0/fakepkg/data/rows.jsonl")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-def _tar(files: dict[str, bytes], compression: str) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode=f"w:{compression}") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def make_deb(path: Path) -> Path:
-    members = [
-        ("debian-binary", b"2.0\n"),
-        ("control.tar.gz", _tar({"./control": b"Package: fakedoc\nVersion: 1.0-1\nArchitecture: all\n"}, "gz")),
-        ("data.tar.xz", _tar({"./usr/share/doc/fakedoc/index.html": b"<html><body>Doc page</body></html>"}, "xz")),
-    ]
-    out = b"!<arch>\n"
-    for name, data in members:
-        out += f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode() + data + b"\n" * (len(data) % 2)
-    path.write_bytes(out)
-    return path
-
-
-def serve(monkeypatch: pytest.MonkeyPatch, archive: Path) -> list[str]:
-    """Replace the download step with a copy of ``archive``; returns the list of fetched names."""
-    calls: list[str] = []
-
-    def fake_download(spec: SourceSpec, dest: Path) -> Path:
-        calls.append(spec.package)
-        return Path(shutil.copy(archive, dest / archive.name))
-
-    monkeypatch.setattr(packages, "_download", fake_download)
-    return calls
-
-
-def no_subprocess(monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(*a, **k):
-        raise AssertionError(f"subprocess used: {a}")
-
-    monkeypatch.setattr(subprocess, "run", boom)
-    monkeypatch.setattr(subprocess, "Popen", boom)
-
-
-def pip_spec(sha: str, archive: str = "wheel", **kw) -> SourceSpec:
-    return SourceSpec(name="fake", kind="pip", format="jsonl", license="MIT", package="fakepkg", version="1.0",
-                      sha256=sha, archive=archive, include=["**/data/*.jsonl"], **kw)
-
-
-@pytest.mark.parametrize("archive", ["wheel", "sdist"])
-def test_fetch_verifies_unpacks_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, archive: str) -> None:
-    if archive == "wheel":
-        pkg = make_wheel(tmp_path / "fakepkg-1.0-py3-none-any.whl")
-    else:
-        pkg = make_sdist(tmp_path / "fakepkg-1.0.tar.gz")
-    sha = sha256_file(pkg)
-    spec = pip_spec(sha, archive)
-    cache = tmp_path / "cache"
-    calls = serve(monkeypatch, pkg)
-    root = fetch(spec, cache)
-    assert calls == ["fakepkg"] and root == cache / f"fakepkg-1.0-{sha[:12]}"
-    record = json.loads((root / ".kiln-source.json").read_text())
-    assert (record["sha256"], record["version"], record["file"]) == (sha, "1.0", pkg.name) and record["fetched_at"]
-    got = list(iter_documents(spec, root))
-    assert [d["text"] for d in got] == ["alpha", "beta"]
-    assert got[0]["url"].startswith("pkg://pypi/fakepkg@1.0/") and got[0]["url"].endswith("/rows.jsonl#1")
-    assert sorted(p.name for p in cache.iterdir()) == [root.name]  # no staging leftovers
-
-    no_subprocess(monkeypatch)  # a cache hit runs no subprocess and no download
-    monkeypatch.setattr(packages, "_download", lambda *a: pytest.fail("downloaded again"))
-    assert fetch(spec, cache) == root
-
-
-def test_checksum_mismatch_names_package_and_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pkg = make_wheel(tmp_path / "fakepkg-1.0-py3-none-any.whl")
-    serve(monkeypatch, pkg)
-    wrong = "0" * 64
-    with pytest.raises(SourceError) as err:
-        fetch(pip_spec(wrong), tmp_path / "cache")
-    msg = str(err.value)
-    for part in ("'fake'", "fakepkg==1.0", wrong, sha256_file(pkg), "update sha256 in the manifest"):
-        assert part in msg
-    assert list((tmp_path / "cache").iterdir()) == []
-
-
-def test_a_cached_package_is_checked_by_its_whole_sha256_and_its_files_every_time(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pkg = make_wheel(tmp_path / "fakepkg-1.0-py3-none-any.whl")
-    sha = sha256_file(pkg)
-    cache = tmp_path / "cache"
-    calls = serve(monkeypatch, pkg)
-    root = fetch(pip_spec(sha), cache)
-    data = next(root.rglob("rows.jsonl"))
-    # a pin that agrees with the cached package's only in the 12 digits its folder is named by: not trusted, the
-    # registry's file is fetched again and checked against the whole pin
-    near = sha[:12] + ("0" if sha[12] != "0" else "1") + sha[13:]
-    with pytest.warns(UserWarning, match=rf"fetched as sha256 {sha}, not the pinned {near}. Set aside"), \
-            pytest.raises(SourceError, match=f"expected sha256 {near}, got {sha}"):
-        fetch(pip_spec(near), cache)
-    assert calls == ["fakepkg", "fakepkg"] and not root.exists()
-    assert fetch(pip_spec(sha), cache) == root and len(calls) == 3  # the right pin fetches it back
-
-    # one byte changed inside the unpacked tree, size kept: set aside and fetched again, never read
-    good = data.read_bytes()
-    data.write_bytes(good.replace(b"alpha", b"alphA"))
-    with pytest.warns(UserWarning, match=r"its files changed after unpacking \(2 files"):
-        assert fetch(pip_spec(sha), cache) == root
-    assert data.read_bytes() == good and len(calls) == 4
-    assert sorted(p.name for p in cache.iterdir()) == [f".{root.name}.damaged-0", f".{root.name}.damaged-1",
-                                                       root.name]
-    # a record written before trees were recorded gains one, without a fetch; then damage is caught as above
-    record = json.loads((root / ".kiln-source.json").read_text())
-    tree = record.pop("tree")
-    (root / ".kiln-source.json").write_text(json.dumps(record))
-    assert fetch(pip_spec(sha), cache) == root and len(calls) == 4
-    assert json.loads((root / ".kiln-source.json").read_text())["tree"] == tree == packages.tree_digest(root)
-
-
-@pytest.mark.parametrize("unpacker", ["python", "dpkg-deb"])
-def test_deb_unpack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unpacker: str) -> None:
-    if unpacker == "python":
-        monkeypatch.setattr(packages.shutil, "which", lambda name: None)
-    elif shutil.which("dpkg-deb") is None:
-        pytest.skip("dpkg-deb not installed")
-    deb = make_deb(tmp_path / "fakedoc_1.0-1_all.deb")
-    serve(monkeypatch, deb)
-    spec = SourceSpec(name="doc", kind="apt", format="html", license="PD", package="fakedoc", version="1:1.0-1",
-                      sha256=sha256_file(deb), include=["usr/share/doc/fakedoc/*.html"])
-    root = fetch(spec, tmp_path / "cache")
-    assert root.name.startswith("fakedoc-1_1.0-1-")  # ':' of the epoch made path-safe
-    (doc,) = iter_documents(spec, root)
-    assert doc["id"] == "doc/usr/share/doc/fakedoc/index.html" and doc["content_type"] == "text/html"
-    assert doc["url"] == "pkg://deb/fakedoc@1:1.0-1/usr/share/doc/fakedoc/index.html"
-
-
-def test_download_failure_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list = []
-
-    def fake_run(cmd, **kw):
-        seen.append((cmd, kw.get("cwd")))
-        stderr = "Looking in indexes\nERROR: No matching distribution found for fakepkg==1.0\n"
-        return subprocess.CompletedProcess(cmd, 1, "", stderr)
-
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    with pytest.raises(SourceError) as err:
-        fetch(pip_spec("a" * 64), tmp_path / "cache")
-    msg = str(err.value)
-    for part in ("fakepkg==1.0", "No matching distribution", "kind: local", "pip index versions fakepkg"):
-        assert part in msg
-    cmd, cwd = seen[0]
-    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
-
-    spec = SourceSpec(name="d", kind="apt", format="text", license="BSD", package="nosuch", version="1.0",
-                      sha256="b" * 64, include=["*"])
-    with pytest.raises(SourceError, match=r"(?s)nosuch=1\.0.*apt-cache policy nosuch"):
-        fetch(spec, tmp_path / "cache")
-    assert seen[1][0] == ["apt-get", "download", "nosuch=1.0"] and seen[1][1] is not None
-    assert list((tmp_path / "cache").iterdir()) == []
-
-
 # ---------------------------------------------------------------------------------- manifests
 
 
-def test_manifest_unknown_key_and_bad_values(tmp_path: Path) -> None:
-    path = tmp_path / "m.yaml"
-    path.write_text("sources:\n  - {name: web, kind: local, format: html, path: x, licence: PD}\n")
-    with pytest.raises(ConfigError) as err:
-        load_manifest(path)
-    for part in (str(path), "source 'web'", "unknown key 'licence'", "Did you mean 'license'"):
-        assert part in str(err.value)
-
-    good = {"name": "j", "kind": "local", "format": "jsonl", "path": "x", "license": "PD"}
-    for bad, pattern in [
-        ({"text_field": 0}, "'text_field' must be a string"),
-        ({"kind": "ftp"}, "'kind' must be one of"),
-        ({"format": "text", "separator": "("}, "not a valid regex"),
-        ({"max_docs": 0}, "max_docs"),
-        ({"on_bad_input": "ignore"}, "on_bad_input"),
-        ({"max_record_bytes": 0}, "max_record_bytes"),
-        ({"kind": "pip", "path": ""}, "needs 'package', 'version' and 'include'"),
-    ]:
-        with pytest.raises(ConfigError, match=pattern):
-            specs_from_dicts([{**good, **bad}], "run config")
-    with pytest.raises(ConfigError, match="run config: source 'j': missing required key.*license"):
-        specs_from_dicts([{k: v for k, v in good.items() if k != "license"}], "run config")
-    with pytest.raises(ConfigError, match="duplicate source name"):
-        specs_from_dicts([good, good], "run config")
-    path.write_text("sources: []\nextra: 1\n")
-    with pytest.raises(ConfigError, match="unknown top-level key 'extra'"):
-        load_manifest(path)
-
-
-def test_demo_and_smoke_manifests_parse() -> None:
-    demo = load_manifest(REPO / "conf/sources/demo.yaml")
-    smoke = load_manifest(REPO / "conf/sources/smoke.yaml")
-    assert {s.format for s in demo} == {"html", "text", "jsonl"}
-    assert all(s.kind in ("pip", "apt") and s.sha256 and s.license for s in demo)
-    pins = lambda specs: {(s.name, s.kind, s.package, s.version, s.sha256) for s in specs}  # noqa: E731
-    assert pins(smoke) == pins(demo)  # same downloads, so the cache is shared
-    assert all(s.max_docs and s.max_docs <= 300 for s in smoke)
-
-
 # ---------------------------------------------------------------------------------- collect
-
-
-def test_collect_writes_parquet(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pipeline, "ROW_GROUP_DOCS", 2)
-    pkg = make_wheel(tmp_path / "fakepkg-1.0-py3-none-any.whl")
-    serve(monkeypatch, pkg)
-    specs = [local(tree, "html", "web"), local(tree, "jsonl", "j"), pip_spec(sha256_file(pkg))]
-    out = tmp_path / "out" / "raw.parquet"
-    lines: list[str] = []
-    stats = collect(specs, tmp_path / "cache", out, progress=lines.append)
-    table = pq.read_table(out)
-    assert table.column_names == ["id", "source", "url", "text", "content_type", "bytes", "license"]
-    assert table.num_rows == 6 == stats["totals"]["documents"]
-    assert pq.ParquetFile(out).metadata.num_row_groups == 3
-    assert stats["sources"]["fake"]["fetched"] is True and stats["sources"]["web"]["fetched"] is False
-    assert stats["sources"]["fake"]["sha256"] == sha256_file(pkg) and stats["sources"]["fake"]["license"] == "MIT"
-    assert stats["totals"]["bytes"] == sum(table.column("bytes").to_pylist()) and stats["specs_hash"]
-    assert any("[fake] downloading pip fakepkg==1.0" in line for line in lines)
-    assert sorted(p.name for p in out.parent.iterdir()) == ["raw.parquet"]
-    assert collect(specs, tmp_path / "cache", out)["sources"]["fake"]["fetched"] is False
-
-
-def test_collect_failures_leave_no_file(tree: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out" / "raw.parquet"
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "a.txt").write_text(" \n")
-    with pytest.raises(SourceError, match=r"no documents from any source.*e1 in .*\*\*/\*\.txt.*e2 in .*\*\*/\*\.md"):
-        specs = [local(tmp_path / "empty", "text", "e1"), local(tmp_path / "empty", "text", "e2", include=["**/*.md"])]
-        collect(specs, tmp_path / "c", out)
-    assert list(out.parent.iterdir()) == []
-
-    out.write_bytes(b"previous")
-    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
-    with pytest.raises(SourceError, match="line 2"):
-        collect([local(tree, "html", "web"), local(tmp_path / "bad.jsonl", "jsonl", "bad", on_bad_input="error")],
-                tmp_path / "c", out)
-    assert out.read_bytes() == b"previous" and sorted(p.name for p in out.parent.iterdir()) == ["raw.parquet"]
 
 
 # ---------------------------------------------------------------------------------------------- WARC, WET, Parquet
@@ -536,15 +279,6 @@ def test_parquet_and_fsspec_urls(tmp_path: Path) -> None:
     assert [(d["id"], d["text"]) for d in got] == [("u/x.jsonl#1", "from a file URL")]
 
 
-def test_collect_keeps_each_row_group_to_one_source(tree: Path, tmp_path: Path) -> None:
-    specs = [local(tree, "html", "web"), local(tree, "jsonl", "j"), local(tree, "text", "t")]
-    out = tmp_path / "raw.parquet"
-    collect(specs, tmp_path / "cache", out)
-    pf = pq.ParquetFile(out)
-    groups = [set(pf.read_row_group(i, columns=["source"]).column("source").to_pylist()) for i in range(pf.num_row_groups)]
-    assert groups == [{"web"}, {"j"}, {"t"}]
-
-
 def test_warc_streamed_from_s3(pywb_warcs: Path) -> None:
     """An s3:// source read through fsspec (s3fs) from a local S3 server (moto), never copied to disk."""
     moto_server = pytest.importorskip("moto.server")
@@ -568,19 +302,3 @@ def test_warc_streamed_from_s3(pywb_warcs: Path) -> None:
         assert stats["files"] == 1 and stats["not_text"] == 32
     finally:
         server.stop()
-
-
-def test_command_line_collects_a_manifest_and_names_a_bad_one(tree: Path, tmp_path: Path) -> None:
-    import sys
-
-    manifest = tmp_path / "sources.yaml"
-    manifest.write_text(f"sources:\n  - {{name: t, kind: local, format: text, license: x, path: '{tree}'}}\n")
-    out = tmp_path / "raw.parquet"
-    proc = subprocess.run([sys.executable, "-m", "kiln.sources", str(manifest), str(out), "--cache-dir", str(tmp_path)],
-                          capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["documents"] == 1 == pq.read_table(out).num_rows
-    manifest.write_text("sources: []\nextra: 1\n")
-    proc = subprocess.run([sys.executable, "-m", "kiln.sources", str(manifest), str(out)], capture_output=True,
-                          text=True, cwd=REPO)
-    assert proc.returncode == 1 and "error:" in proc.stderr and "unknown top-level key 'extra'" in proc.stderr
