@@ -1,7 +1,7 @@
 """Tests for JobConfig.document_mask in pretraining (kiln.train.pretrain, kiln.train.loop): the EOT id comes from the
 shards' manifest or the tokenizer, the mask reaches the model in training and validation, and a run trains with it.
 
-Run: python -m pytest tests/kiln/train/test_document_mask.py -q
+Run: python -m pytest tests/kiln/train/test_pretrain.py -q
 """
 
 from __future__ import annotations
