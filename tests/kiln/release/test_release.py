@@ -248,9 +248,6 @@ def test_gpt2_bundle_also_has_exact_vocab_and_merges_for_gpt2tokenizer(tmp_path,
     assert classic("Hello world")["input_ids"] == [15496, 995]
 
 
-# ---- lineage ----------------------------------------------------------------------------------------------
-
-
 # ---- the model card and kiln.json sections ------------------------------------------------------------------
 
 UPSTREAM = {  # outputs of the assets release_bundle reads, reduced to the fields the card and kiln.json use
