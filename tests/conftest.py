@@ -20,6 +20,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent  # the project root
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# tests/ and tests/kiln/** are packages (tests.kiln.common.test_config beside tests/assets/test_config.py); the helpers
+# beside the tests (ports, procs, textgen, hfmodels, bench_module) still import by bare name: tests/ goes last on the
+# path, after the project root, so that `kiln` stays the project's package and not tests/kiln
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.append(str(TESTS))
 
 from kiln.model.gpt import padded_vocab  # noqa: E402
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

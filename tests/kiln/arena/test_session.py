@@ -8,16 +8,10 @@ Run: python -m pytest tests/kiln/arena/test_session.py -q
 from __future__ import annotations
 
 import json
-import threading
-import time
-import urllib.error
-import urllib.request
 
 import pytest
-from ports import free_port
 
 from kiln.arena.contestants import Contestant
-from kiln.arena.prompts import BUILT_IN, load_prompts, read_prompts
 from kiln.arena.session import Arena
 
 PROMPTS = ["What is 2 + 2?", "Explain logging.", "Name a river."]
@@ -96,114 +90,3 @@ def test_three_models_are_paired_evenly_and_bad_input_is_refused(tmp_path):
     stray.write_text(stray.read_text() + json.dumps(foreign) + "\n")
     with pytest.raises(ValueError, match=rf"{stray}: vote 7 names weights stranger"):
         Arena(people, PROMPTS, tmp_path)
-
-
-def test_prompts_from_a_file_the_home_or_the_built_in_list(tmp_path):
-    (tmp_path / "p.txt").write_text("one\n\ntwo\none\n")
-    assert read_prompts(tmp_path / "p.txt") == ["one", "two"]
-    (tmp_path / "p.yaml").write_text("prompts: [a, b]\n")
-    assert read_prompts(tmp_path / "p.yaml") == ["a", "b"]
-    (tmp_path / "p.jsonl").write_text('{"prompt": "t", "split": "train"}\n{"prompt": "v", "split": "val"}\n')
-    assert read_prompts(tmp_path / "p.jsonl") == ["v"]
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "t"}\n{"text": 1}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: each line must be an object with a string 'prompt'"):
-        read_prompts(tmp_path / "bad.jsonl")
-    with pytest.raises(ValueError, match="no such prompts file"):
-        read_prompts(tmp_path / "missing.yaml")
-    home = tmp_path / "home"
-    prompts, where = load_prompts(None, home)
-    assert where == str(BUILT_IN) and len(prompts) >= 10
-    pairs = home / "storage" / "instruction_data" / "abc" / "pairs.jsonl"
-    pairs.parent.mkdir(parents=True)
-    pairs.write_text('{"prompt": "held out", "split": "val"}\n{"prompt": "trained on", "split": "train"}\n')
-    assert load_prompts(None, home) == (["held out"], str(pairs))
-
-
-def test_each_vote_logs_counts_and_ratings_to_one_mlflow_run_per_arena(tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    from kiln.arena.tracking import ArenaTracker, metric_name
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    people, _ = stand_ins()
-    people[1].name = "models:/kiln-demo@candidate"
-    make = lambda arena_id, members: ArenaTracker(uri, arena_id, members, tmp_path / "mlartifacts", "p.yaml")  # noqa: E731
-    arena = Arena(people, PROMPTS, tmp_path / "arena", tracker_factory=make)
-    for choice in ("A", "A", "tie"):
-        r = arena.round()
-        assert arena.vote(r.id, side_of(arena, r, choice) if choice in "AB" else choice)["tracking"] == "ok"
-    arena.close()
-    b = metric_name(people[1].name)
-    assert b == "models_kiln-demo_candidate"
-    client = MlflowClient(uri)
-    run = client.get_run(arena.tracker.run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["kiln.arena_id"] == arena.id
-    assert run.data.params[f"model.{b}"] == "models:/kiln-demo@candidate" and run.data.params["model.A.weights"] == "wAwAwAwA"
-    assert run.data.metrics["votes"] == 3 and run.data.metrics["votes.tie"] == 1 and run.data.metrics["wins.A"] == 2
-    assert run.data.metrics["rating.A"] > 1000 > run.data.metrics[f"rating.{b}"]
-    assert run.data.metrics["low.A"] <= run.data.metrics["rating.A"] <= run.data.metrics["high.A"]
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "rating.A")] == [1, 2, 3]
-    again = Arena(people, PROMPTS, tmp_path / "arena", tracker_factory=make)  # a restart reopens the same run
-    assert again.tracker.run_id == arena.tracker.run_id and client.get_run(again.tracker.run_id).info.status == "RUNNING"
-    again.close()
-
-
-def request(url, body=None, host=None):
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json", **({"Host": host} if host else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def test_the_app_serves_rounds_votes_and_ratings_on_127_0_0_1_only(tmp_path):
-    from kiln.arena.app import bind, server
-
-    with pytest.raises(ValueError, match="serves on 127.0.0.1 only"):
-        bind("0.0.0.0", 0)
-    people, _ = stand_ins()
-    arena = Arena(people, PROMPTS, tmp_path, seed=2)
-    sock = bind("127.0.0.1", free_port())
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv = server(arena)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not srv.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        status, page = request(url + "/")
-        assert status == 200 and "Model 1" in page and "Left is better" in page and "says" not in page
-        status, body = request(url + "/api/round")
-        rnd = json.loads(body)
-        assert status == 200 and set(rnd) == {"round", "prompt", "answers", "votes"} and "A" not in body.replace("A says", "")
-        assert json.loads(request(url + "/api/round")[1])["round"] == rnd["round"]  # a reload: the same round
-        status, body = request(url + "/api/vote", {"round": rnd["round"], "vote": "maybe"})
-        assert status == 422
-        status, body = request(url + "/api/vote", {"round": rnd["round"], "vote": "left"})
-        out = json.loads(body)
-        assert status == 200 and out["left"] == rnd["answers"][0].split(" ")[0] and out["ratings"]["votes"] == 1
-        assert request(url + "/api/vote", {"round": rnd["round"], "vote": "left"})[0] == 409
-        assert request(url + "/api/vote", {"round": "gone", "vote": "left"})[0] == 404
-        status, body = request(url + "/ratings?method=elo")
-        assert status == 200 and json.loads(body)["method"] == "elo" and json.loads(body)["rows"][0]["model"] == out["left"]
-        assert request(url + "/ratings", host="evil.example:80")[0] == 400  # a rebound DNS name is refused
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-    assert not thread.is_alive()
-
-
-def test_a_port_in_use_is_named(tmp_path):
-    from kiln.arena.app import bind
-
-    first = bind("127.0.0.1", 0)
-    try:
-        port = first.getsockname()[1]
-        with pytest.raises(OSError, match=rf"arena: cannot listen on 127.0.0.1:{port} .*pick another --port"):
-            bind("127.0.0.1", port)
-    finally:
-        first.close()

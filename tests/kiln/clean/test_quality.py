@@ -14,9 +14,6 @@ import pytest
 
 from kiln.clean.config import CleanConfig
 from kiln.clean.run import clean
-from kiln.common.config import ConfigError
-from kiln.clean.mixing import MixConfig, keep_sample, plan_mix
-from kiln.clean.pii import PiiConfig, PiiScrubber
 from kiln.clean.quality import QualityModelConfig, TokenDistribution, TokenOutlierConfig, mad_limit, train_classifier
 from textgen import prose
 
@@ -88,42 +85,3 @@ def test_token_distribution_outliers(tmp_path: Path) -> None:
     removed = pq.read_table(tmp_path / "r.parquet").to_pylist()
     assert [(r["id"], r["reason"]) for r in removed] == [("web-60", "outlier:token_kl")]
     assert report.token_outliers["limit_kl"] > report.token_outliers["median_kl"]
-
-
-def test_mix_plan_and_sampling(tmp_path: Path) -> None:
-    plan = plan_mix({"web": 8000, "books": 1000, "code": 2000},
-                    MixConfig(weights={"web": 0.5, "books": 0.25, "code": 0.25}))
-    assert plan["rates"] == {"web": 0.25, "books": 1.0, "code": 0.5}  # books are the limit: kept whole
-    assert plan["groups"]["web"]["target_share"] == 0.5
-    grouped = plan_mix({"owt": 3000, "owt-2": 1000, "wiki": 1000}, MixConfig(weights={"owt*": 1, "wiki": 1}))
-    assert grouped["rates"] == {"owt": 0.25, "owt-2": 0.25, "wiki": 1.0}
-    assert plan_mix({"a": 5}, MixConfig())["rates"] == {"a": 1.0}
-    with pytest.raises(ConfigError, match=r"source\(s\) \['code'\] match no glob"):
-        plan_mix({"web": 1, "code": 1}, MixConfig(weights={"web": 1}))
-    with pytest.raises(ConfigError, match="must map to a number >= 0"):
-        MixConfig(weights={"web": -1})
-    kept = sum(keep_sample(f"id{i}", 0.3, 0) for i in range(2000))
-    assert 520 < kept < 680 and keep_sample("x", 0.3, 0) == keep_sample("x", 0.3, 0)
-
-    docs = [("web", prose(i)) for i in range(60)] + [("books", prose(100 + i)) for i in range(20)]
-    raw = write(tmp_path / "raw.parquet", docs)
-    cfg = CleanConfig.from_dict({"mix": {"weights": {"web": 0.5, "books": 0.5}}, "quality_model": {"enabled": False}})
-    report = clean(raw, tmp_path / "c.parquet", tmp_path / "r.parquet", cfg)
-    assert report.mix["groups"]["web"]["rate"] == pytest.approx(1 / 3, rel=0.05)
-    assert abs(report.mix["groups"]["web"]["final_share"] - 0.5) < 0.15
-    assert report.reasons["mix:downsampled"]["docs"] == 60 - report.sources["web"]["kept_docs"]
-    assert report.config["mix"]["weights"] == {"web": 0.5, "books": 0.5}  # in the report, so in lineage
-
-
-def test_pii_placeholders_and_counts() -> None:
-    s = PiiScrubber(PiiConfig())
-    text = ("Write to jane.doe+news@mail.example.co.uk or call +1 415-555-0132 or (020) 7946 0958; server "
-            "192.168.10.12 and 2001:db8::8a2e:370:7334 logged it.")
-    out, counts = s.scrub(text)
-    assert out == ("Write to <EMAIL> or call <PHONE_NUMBER> or <PHONE_NUMBER>; server <IP_ADDRESS> and "
-                   "<IP_ADDRESS> logged it.")
-    assert counts == {"emails": 1, "ip_addresses": 2, "phone_numbers": 2}
-    safe = "Version 1.2.3 released 2024-01-15 at 10:30:00; 300.1.1.1 is no address; pages 100 200 300; x@y."
-    assert s.scrub(safe) == (safe, {"emails": 0, "ip_addresses": 0, "phone_numbers": 0})
-    off = PiiScrubber(PiiConfig(emails=False))
-    assert off.scrub("a@b.example")[0] == "a@b.example"

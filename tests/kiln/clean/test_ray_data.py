@@ -19,7 +19,7 @@ from ray.data._internal.datasource_v2.common.synthesized_columns import _compute
 from kiln.clean.config import CleanConfig
 from kiln.clean.ray_data import PIECES, Plan, assemble_shard, doc_stage, file_rows, raw_source, shard_starts
 from kiln.clean.shard import clean_shard, open_raw, plan_shards
-from test_clean import write_raw
+from tests.kiln.clean.test_run import write_raw
 from textgen import prose
 
 CFG = CleanConfig.from_dict({"shard_docs": 9, "quality_model": {"enabled": False}})

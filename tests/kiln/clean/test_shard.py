@@ -20,7 +20,9 @@ from kiln.clean.report import EmptyCorpusError
 from kiln.clean.run import clean
 from kiln.clean.shard import clean_shard, plan_shards, remove_stale_staging, shard_stage_key
 from textgen import prose
-from tests.kiln.clean.test_clean import PROSE  # the same page as the clean tests
+from tests.kiln.clean.test_run import PROSE  # the same page as the clean tests
+from kiln.common.config import ConfigError
+from tests.kiln.filters.filters_kit import SENTENCES
 
 
 def write_raw(path: Path, texts: list[str], ctype: str = "text/plain", **columns: list[Any]) -> Path:
@@ -178,3 +180,22 @@ def test_a_shard_stage_removes_its_stale_staging_files(tmp_path: Path) -> None:
     result = clean_shard(raw, shard, out, cfg)
     assert not left.exists() and result["report"]["input_docs"] == 1
     assert sorted(p.name for p in out.iterdir()) == ["kept.parquet", "removed.parquet", "report.json"]
+
+
+def test_rules_run_in_the_pipeline_with_exemptions(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    no_punct = "\n".join(s.rstrip(".") for s in SENTENCES)
+    rows = [{"id": f"d{i}", "source": src, "url": "", "text": t, "content_type": "text/plain",
+             "bytes": len(t.encode()), "license": "CC0"}
+            for i, (src, t) in enumerate([("web", prose(9)), ("web", no_punct), ("code", no_punct)])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "raw.parquet")
+    cfg = CleanConfig.from_dict({"exempt": {"code": ["fineweb:*"]}})
+    report = clean(tmp_path / "raw.parquet", tmp_path / "c.parquet", tmp_path / "r.parquet", cfg)
+    kept = pq.read_table(tmp_path / "c.parquet").column("id").to_pylist()
+    assert kept == ["d0", "d2"]  # the code source is exempt from FineWeb's rules
+    assert report.reasons["fineweb:line_punct_ratio"]["docs"] == 1
+    assert report.reasons["fineweb:line_punct_ratio"]["examples"][0]["lines"][0] == SENTENCES[0].rstrip(".")
+    with pytest.raises(ConfigError, match="exempt must map"):
+        CleanConfig.from_dict({"exempt": {"code": "fineweb:*"}})

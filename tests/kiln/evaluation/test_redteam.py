@@ -18,7 +18,7 @@ from kiln.evaluation import redteam as rt
 from kiln.posttrain import judge as kj
 from kiln.posttrain.instructions import write_jsonl
 from kiln.posttrain.sft import chat_prompt_ids
-from tests.kiln.evaluation.test_evaluation_math import CachedNGramLM
+from tests.kiln.evaluation.test_mathematics import CachedNGramLM
 from tests.kiln.posttrain.test_judge import MARKER, byte_encoding, counting_model
 
 SPEC = rt.read_probes()

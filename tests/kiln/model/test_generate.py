@@ -216,19 +216,6 @@ def test_a_stop_function_ends_its_row_and_sees_only_the_new_tokens() -> None:
 
 
 # ---- one prefill per prompt, its cache forked to the samples -----------------------------------------------------
-def test_a_forked_cache_holds_each_rows_positions_for_its_copies() -> None:
-    m = make("llama")
-    cache = KVCache.for_model(m, 2, max_len=16)
-    with torch.no_grad():
-        m(prompts(2, 5), cache=cache)
-    forked = cache.fork(3)
-    assert forked.k.shape[1] == 6 and forked.pos == 5 and forked.max_len == 16
-    for i in range(6):
-        assert torch.equal(forked.k[:, i], cache.k[:, i // 3]) and torch.equal(forked.v[:, i], cache.v[:, i // 3])
-    forked.k[:, 0] += 1.0  # a fork's rows are its own
-    assert torch.equal(forked.k[:, 1], cache.k[:, 0])
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 20)])
 def test_samples_decode_each_prompt_as_its_repeated_rows_would(family: str, temperature: float, top_k) -> None:

@@ -13,8 +13,8 @@ import torch
 import kiln.model.loss as km
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
-from kiln.model.loss import IGNORE_INDEX, greedy_hits, head_inputs, token_logprobs
 from kiln.model.lora import LoRAConfig, apply_lora
+from kiln.model.loss import IGNORE_INDEX, greedy_hits, head_inputs, token_logprobs
 
 FAMILIES = {
     "gpt2": dict(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32),
@@ -165,3 +165,52 @@ def test_a_head_that_is_not_a_linear_is_named() -> None:
     m.lm_head = torch.nn.Sequential(m.lm_head)
     with pytest.raises(ValueError, match="lm_head is Sequential"):
         head_inputs(m, torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 12, 1 << 30], ids=["many-chunks", "one-chunk"])
+def test_chunked_loss_equals_cross_entropy_of_the_logits(monkeypatch, chunk_bytes) -> None:
+    import torch.nn.functional as F
+
+    import kiln.model.loss as km
+
+    monkeypatch.setitem(km.CE_CHUNK_BYTES, "cpu", chunk_bytes)  # 4 KiB: chunks of 16 tokens, with a ragged last one
+    a, b = make(), make()
+    x = torch.randint(0, 300, (3, 30))
+    y = torch.randint(0, 300, (3, 30))
+    y[0, :7] = -100  # prompt tokens of an SFT example carry no loss
+    ref = F.cross_entropy(a(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+    ref.backward()
+    loss = b(x, y)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-6), name
+    with torch.no_grad():
+        assert b(x, y).item() == pytest.approx(ref.item(), rel=1e-6)  # evaluation: no gradient work
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 12, 1 << 30], ids=["many-chunks", "one-chunk"])
+def test_chunked_loss_under_bf16_autocast_matches_autocast_cross_entropy(monkeypatch, chunk_bytes) -> None:
+    """The CUDA training path (bf16 autocast: bf16 matmuls, fp32 softmax and gradient sums), run on CPU's autocast."""
+    import torch.nn.functional as F
+
+    import kiln.model.loss as km
+
+    monkeypatch.setitem(km.CE_CHUNK_BYTES, "cpu", chunk_bytes)
+    a, b = make(), make()
+    x = torch.randint(0, 300, (3, 30))
+    y = torch.randint(0, 300, (3, 30))
+    y[1, :5] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = a(x)
+        assert logits.dtype == torch.float32  # the head's bf16 output is returned as fp32
+        ref = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+        loss = b(x, y)
+    ref.backward()
+    loss.backward()
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-3)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert pb.grad is not None and pb.grad.dtype == torch.float32, name
+        scale = pa.grad.abs().max().clamp(min=1e-6)
+        assert ((pa.grad - pb.grad).abs().max() / scale).item() < 0.05, name

@@ -4,11 +4,7 @@ answer and sampling follow it; saving and loading keep it, and it is part of the
 from __future__ import annotations
 
 import tiktoken
-import torch
 
-from kiln.model.config import ModelConfig, padded_vocab
-from kiln.model.families import build_model
-from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import chat_prompt_ids, encode_example, turn_end
 from kiln.tokens.tokenizer import chat_template, encoding_fingerprint, load_encoding, save_encoding, with_chat_template
 
@@ -52,24 +48,3 @@ def test_save_and_load_keep_the_template_in_the_fingerprint(tiny_tokenizer, tmp_
     assert chat_template(back) == CHATML and encoding_fingerprint(back) == fp
     with_chat_template(plain, None)
     assert encoding_fingerprint(plain) != fp
-
-
-def test_sampling_stops_at_the_turn_end(tiny_tokenizer, monkeypatch):
-    import kiln.posttrain.sampling as sampling
-
-    enc = chatml(tiny_tokenizer[0])
-    end = enc._special_tokens["<|im_end|>"]
-    a = enc.encode_ordinary("a")[0]
-    seen = {}
-
-    def fake_generate(model, x, max_new, **kw):  # "a a <|im_end|>", then the stop token repeated, as generate pads
-        seen.update(kw)
-        return torch.cat([x, torch.tensor([[a, a, end, end, end]] * x.shape[0])], dim=1)
-
-    monkeypatch.setattr(sampling, "generate", fake_generate)
-    torch.manual_seed(0)
-    m = build_model(ModelConfig(family="llama", vocab_size=padded_vocab(enc.n_vocab), block_size=64, n_layer=1,
-                                n_head=2, n_embd=32)).eval()
-    out = complete(m, enc, ["hello"], 5, temperature=0.0)[0][0]
-    assert seen["stop_token"] == end and out == [a, a, end]
-    assert decode_completion(enc, out) == "aa"

@@ -13,17 +13,14 @@ import pytest
 import torch
 
 import kiln.model.loss as km
-import kiln.posttrain.sampling as sampling
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
-from kiln.model.generate import generate
 from kiln.posttrain.logprobs import (encode_rows, model_sequence_logps, model_token_logps, score_responses,
                                      sequence_logps, token_logps)
 from kiln.posttrain.measures import measure_items
 from kiln.posttrain.reward import RewardModel
 from kiln.posttrain.rl import RlJob
 from tests.rollouts import rollout_loss
-from kiln.posttrain.sampling import complete
 
 TINY = {"vocab_size": 320, "block_size": 48, "n_layer": 2, "n_head": 2, "n_embd": 32}
 MODELS = {"gpt2": TINY, "llama": {**TINY, "family": "llama", "n_kv_head": 1}}
@@ -66,26 +63,6 @@ def test_the_reward_models_hidden_states_are_the_backbones_final_norm_output() -
     old = rm.backbone(x)
     rm.backbone.lm_head = head
     assert torch.equal(rm.hidden(x), old) and rm.hidden(x).dtype == torch.float32
-
-
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_sampled_groups_equal_the_repeated_prompt_rows(tiny_tokenizer, one_thread, family) -> None:
-    """complete() prefills each prompt once and forks its cache; the old path decoded ``samples`` copies of each
-    prompt from scratch. Same seed, same tokens, same generator state after."""
-    enc, _ = tiny_tokenizer
-    model = make(family).eval()
-    prompts = ["What is 1 + 2?", "Explain the river.", "What is 10 + 20?", "What is 3 + 4?"]
-
-    def repeated_rows(m, x, n, *, temperature, stop_token, n_vocab, generator, samples):
-        return generate(m, x.repeat_interleave(samples, dim=0), n, temperature=temperature, stop_token=stop_token,
-                        n_vocab=n_vocab, generator=generator)
-
-    g_new, g_old = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-    new = complete(model, enc, prompts, max_new_tokens=8, temperature=1.0, samples=6, generator=g_new)
-    with mock.patch.object(sampling, "generate", repeated_rows):
-        old = complete(model, enc, prompts, max_new_tokens=8, temperature=1.0, samples=6, generator=g_old)
-    assert new == old and [len(g) for g in new] == [6] * 4
-    assert torch.equal(g_new.get_state(), g_old.get_state())
 
 
 def test_the_rl_loss_is_the_one_of_the_full_log_softmax(tiny_tokenizer, one_thread) -> None:

@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[3]
 TINY = {"vocab_size": 320, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 48, "dropout": 0.0}
 
 
-
 def test_gae_matches_a_hand_computed_example() -> None:
     # one row: a prompt position (masked), then three answer tokens, then padding
     rewards = torch.tensor([[0.0, 0.1, -0.2, 1.0, 0.0]])

@@ -27,7 +27,6 @@ LLAMA = {**TINY, "family": "llama", "n_kv_head": 1, "intermediate_size": 64}
 MOE = {**TINY, "family": "moe", "n_kv_head": 1, "n_experts": 4, "n_experts_per_token": 2, "moe_intermediate_size": 16}
 
 
-
 def test_bradley_terry_loss_matches_a_hand_computation() -> None:
     chosen, rejected = torch.tensor([1.0, 0.0, -0.5]), torch.tensor([0.0, 2.0, -0.5])
     loss, stats = bradley_terry_loss(chosen, rejected)

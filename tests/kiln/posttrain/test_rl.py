@@ -38,7 +38,6 @@ from tests.rollouts import rollout_loss
 ROOT = Path(__file__).resolve().parents[3]
 
 
-
 def test_group_advantages_are_relative_within_each_group() -> None:
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 3.0]])
     adv = group_advantages(rewards, eps=0.0 + 1e-8)

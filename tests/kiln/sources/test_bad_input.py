@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sources_kit import docs, local
+from tests.kiln.sources.sources_kit import docs, local
 
 from kiln.common.config import ConfigError
 from kiln.sources import SourceError, collect, fetch, load_manifest, specs_from_dicts

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sources_kit import docs, local, page, warc_file
+from tests.kiln.sources.sources_kit import docs, local, page, warc_file
 
 from kiln.sources import SourceError, SourceSpec, collect, iter_documents, pipeline
 from kiln.sources.listing import list_files

@@ -46,7 +46,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sources_kit import local, page, warc_file
+from tests.kiln.sources.sources_kit import local, page, warc_file
 
 from kiln.sources import SourceError, SourceSpec, packages
 from kiln.sources.listing import list_files

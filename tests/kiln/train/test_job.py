@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
-import torch.distributed
-import torch.multiprocessing as mp
 
 from kiln.common.config import ConfigError
 from kiln.model.config import ModelConfig
@@ -18,10 +13,9 @@ from kiln.posttrain.dpo import DpoJob
 from kiln.posttrain.reward import RewardJob
 from kiln.posttrain.rl import RlJob
 from kiln.train.job import JobConfig, job_class, load_job
-from kiln.train.launch import RunSpec
 from kiln.train.optim import OptimConfig
 from kiln.train.spikes import SpikeConfig
-from tests.ports import free_port
+from tests.faults import Faults
 
 LLAMA = {"family": "llama", "vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 4, "n_embd": 32,
          "n_kv_head": 2}
@@ -78,57 +72,8 @@ def test_every_task_has_a_job_class():
         job_class("kto", "dpo_model")
 
 
-def test_a_spec_is_validated_as_the_job_file_it_writes(tmp_path):
-    plan = {"model": {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32}, "seq_len": 16,
-            "micro_batch": 2, "grad_accum": 1, "hardware": {"device": "cpu"}}
-    spec = RunSpec("pretrain", {"optim": {"lr": 0.01}, "max_steps": 3}, plan, {"token_shards": "s1"}, "tok.json")
-    job = spec.validate("base_model")
-    assert job.optim.lr == 0.01 and job.max_steps == 3 and job.model.n_embd == 32
-    # the job file itself is the spec's fields as they were given: nothing the validation filled in is written
-    assert spec.job(tmp_path, "uri", "run") == {
-        "task": "pretrain", "out_dir": str(tmp_path), "tokenizer": "tok.json", "model": plan["model"], "seq_len": 16,
-        "micro_batch": 2, "grad_accum": 1, "parallelism": "auto", "activation_checkpointing": False, "compile": False,
-        "mlflow_tracking_uri": "uri", "mlflow_run_id": "run", "optim": {"lr": 0.01}, "max_steps": 3}
-    bad = RunSpec("pretrain", {"optim": {"warmup_stpes": 3}}, plan, {}, "tok.json")
-    with pytest.raises(ConfigError, match="base_model.optim: unknown key 'warmup_stpes'. Did you mean 'warmup_steps'"):
-        bad.validate("base_model")
-
-
-def test_a_plan_that_splits_the_experts_writes_its_ep_into_the_job(tmp_path):
-    model = {"family": "moe", "vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32,
-             "n_experts": 4}
-    plan = {"model": model, "seq_len": 16, "micro_batch": 2, "grad_accum": 1, "hardware": {"device": "cpu"},
-            "parallelism": "fsdp", "layout": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "ep": 2}}
-    spec = RunSpec("pretrain", {}, plan, {}, "tok.json")
-    assert spec.job(tmp_path, "uri", "run")["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 2}
-    job = spec.validate("base_model")
-    assert job.layout.ep == 2
-    job.check_layout("job", 2)
-    with pytest.raises(ConfigError, match=r"job.layout.ep: 2 must divide model.n_experts \(3\)"):
-        RunSpec("pretrain", {}, {**plan, "model": {**model, "n_experts": 3}}, {}, "t").validate("job").check_layout(
-            "job", 2)
-
-
-def _rank(rank: int, port: int, path: str, out: str) -> None:
-    from kiln.train.dist import broadcast_config, setup_distributed
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    info = setup_distributed("cpu", 60)
-    try:
-        broadcast_config(JobConfig, path if rank == 0 else None, info)
-        result = "built"
-    except ConfigError as e:
-        result = str(e)
-    Path(out, f"rank{rank}").write_text(result)
-    torch.distributed.destroy_process_group()
-
-
-def test_rank_zeros_config_error_is_raised_on_every_rank(tmp_path):
-    """Only rank 0 reads and checks the job file; the other rank gets its error instead of waiting for a job."""
-    path = tmp_path / "job.json"
-    path.write_text(json.dumps({"optim": {"lrr": 1}}))
-    mp.start_processes(_rank, args=(free_port(), str(path), str(tmp_path)), nprocs=2, start_method="spawn")
-    assert {p.name: p.read_text() for p in tmp_path.glob("rank*")} == {
-        r: "job.optim: unknown key 'lrr'. Did you mean 'lr'? Allowed keys: " + ", ".join(sorted(asdict(OptimConfig())))
-        + "." for r in ("rank0", "rank1")}
+def test_job_config_defaults_are_a_valid_pretrain_job() -> None:
+    job = JobConfig()
+    assert job.task == "pretrain" and Faults().fail_at_step == -1 and job.grad_accum == 1
+    assert job.parallelism == "auto" and job.async_save and Faults().kill_at_steps == []
+    assert not {"fail_at_step", "kill_at_steps", "save_pause_s", "inject_spike"} & set(vars(job))  # test-only: tests/faults.py

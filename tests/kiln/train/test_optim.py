@@ -495,3 +495,11 @@ def test_fsdp2_training_with_muon_matches_one_process_with_the_work_split_betwee
     for rank, seen in ((0, seen0), (1, seen1)):
         assert sorted(seen) == sorted([s for s, o in zip(shapes, owner) if o == rank] * 3)
     assert 0 < len(seen0) < 3 * 14 and len(seen0) + len(seen1) == 3 * 14
+
+
+def test_lr_schedule_warmup_then_cosine_to_min() -> None:
+    f = lr_lambda(OptimConfig(warmup_steps=4, min_lr_ratio=0.1), max_steps=14)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0)
+    assert f(9) == pytest.approx(0.55)  # half way: 0.1 + 0.9 * 0.5
+    assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)

@@ -194,7 +194,6 @@ def test_ranks_get_disjoint_windows_that_make_up_the_single_process_batch(tiny_s
         assert torch.equal(x0[:, 1:], y0[:, :-1])  # targets are the inputs shifted by one
 
 
-
 @pytest.mark.slow
 def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, pretrain_job, train_runner, ddp) -> None:
     """SIGTERM reaches rank 1 alone after step 3: the flag rides on step 4's loss all-reduce, both ranks stop after

@@ -18,7 +18,7 @@ from kiln.train.checkpoint import list_checkpoints, load_for_inference, load_sta
 from kiln.train.loop import main
 from tests.conftest import OPTIMS
 from tests.faults import seeded_kill_step
-from tests.kiln.train.test_train import COMPARED, ListReporter, assert_same, one_thread, popen_train, run_dir
+from tests.kiln.train.test_trainer import COMPARED, ListReporter, assert_same, one_thread, popen_train, run_dir
 
 STEPS = 12
 
