@@ -326,7 +326,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 SMOKE_HOME_FILES = ("tests/test_e2e.py", "tests/ui/test_dagster_ui.py")
 SLOWEST_FIRST = ("smoke", "ray", "tests/test_e2e_pretrained.py",
                  "tests/kiln/train/test_train_distributed.py", "tests/resources/test_torchrun.py",
-                 "tests/kiln/train/test_train.py", "tests/resources/test_slurm.py")
+                 "tests/kiln/train/test_trainer.py", "tests/resources/test_slurm.py")
 
 
 def work_unit(nodeid: str) -> str:

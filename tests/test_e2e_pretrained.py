@@ -2,7 +2,7 @@
 every stage, generation included), saved to a folder, goes through continued pretraining, SFT, DPO, RL and release;
 transformers reloads the release with Kiln's logits. (GPT-2 and llama imports are checked at the unit level:
 tests/kiln/pretrained/test_source.py gives transformers' logits on import for both families,
-tests/kiln/release/test_release.py and test_hf_llama.py reload their releases in transformers.)"""
+tests/kiln/release/test_release.py and test_hf.py reload their releases in transformers.)"""
 
 import copy
 from pathlib import Path

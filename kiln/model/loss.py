@@ -2,7 +2,7 @@
 
 ``linear_cross_entropy(x (B, T, C), w (V, C), targets (B, T))`` is what ``model(idx, targets)`` returns for every
 family: LinearCrossEntropy, or its vocabulary-parallel form under tensor parallelism; the (N, V) logits never exist
-at once. Tested against F.cross_entropy in tests/kiln/model/test_model.py.
+at once. Tested against F.cross_entropy in tests/kiln/model/test_loss.py.
 ``token_logprobs(*head_inputs(model, x), y)`` is the per-token form post-training uses: log p(y_t) (B, T) through any
 family's forward, chunk by chunk (tests/kiln/model/test_loss.py compares it with the full log-softmax).
 """

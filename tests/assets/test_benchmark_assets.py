@@ -26,7 +26,7 @@ from kiln.train.checkpoint import save_checkpoint
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
 from tests.assets.test_evaluation_assets import fixture_assets
-from tests.kiln.evaluation.test_evaluation import make_docs
+from tests.kiln.evaluation.evaluation_kit import make_docs
 
 VAL_PERMILLE = 300
 NAMES, LIMIT, SEED = ["arc_easy", "piqa"], 10, 1234

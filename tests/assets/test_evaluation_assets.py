@@ -31,7 +31,7 @@ from kiln.model.gpt import GPT, padded_vocab
 from kiln.tokens.shards import split_of
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
-from tests.kiln.evaluation.test_evaluation import make_docs
+from tests.kiln.evaluation.evaluation_kit import make_docs
 
 VAL_PERMILLE = 300
 SUITE_CONFIG = {"n_items": 12, "min_items": 5, "per_doc": 2, "mmlu_items": 0, "math_word_items": 0, "math_expr_items": 0,

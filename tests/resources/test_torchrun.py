@@ -18,7 +18,7 @@ from kiln.train.cluster import TorchrunSpec
 from kiln.train.loop import main
 from resources.torchrun import TorchrunResource
 from tests.conftest import LineReporter, single_thread
-from tests.kiln.train.test_train import assert_same_final_state
+from tests.kiln.train.test_trainer import assert_same_final_state
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -63,7 +63,7 @@ def prompts(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 300, (batch, length), generator=torch.Generator().manual_seed(seed))  # (B, T)
 
 
-# ---- moved from test_model.py (GPT.generate's tests, now through the shared loop) ---------------------------------
+# ---- GPT.generate's tests, through the shared loop ---------------------------------
 def test_greedy_generate_is_deterministic_and_uses_the_argmax() -> None:
     m = make()
     start = torch.tensor([[1, 2, 3]])
