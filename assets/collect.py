@@ -130,7 +130,7 @@ def _clean(context: AssetExecutionContext, cfg, storage: KilnStorageResource, ra
     return results, report, dataclasses.asdict(info)
 
 
-@asset(code_version="2", group_name="data",
+@asset(code_version="3", group_name="data",
        description="Main text of every document after boilerplate removal, Unicode repair, language ID, the Gopher, C4, "
                    "FineWeb and OLMo 2 rules, PII scrubbing, URL/exact/line/MinHash dedup, a corpus-trained quality "
                    "classifier and the source mix; cleaned shard by shard (in local processes or on Ray, reused when "

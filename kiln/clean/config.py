@@ -25,7 +25,7 @@ from kiln.filters.gopher_quality import GopherQualityConfig
 from kiln.filters.registry import FilterSpec, RegistryError
 
 EXECUTORS = ("local", "ray")  # where the clean step runs (clean.executor)
-CODE_VERSION = "2"  # bump when a change alters what the per-document stage writes (invalidates shard caches)
+CODE_VERSION = "3"  # bump when a change alters what the per-document stage writes (invalidates shard caches)
 
 # reason -> config key of the rules the cleaning stages apply themselves (not a registered filter)
 EXTRACT_RULES: dict[str, str | None] = {

@@ -18,7 +18,10 @@ _NEEDS_FIX = re.compile(
 
 
 def needs_fix(text: str) -> bool:
-    return not text.isascii() and _NEEDS_FIX.search(text) is not None
+    """Whether ``text`` shows something ftfy repairs; of ASCII text, only a terminal escape (ESC is ASCII)."""
+    if text.isascii():
+        return "\x1b" in text
+    return _NEEDS_FIX.search(text) is not None
 
 
 def fix_unicode(text: str) -> str:

@@ -21,6 +21,7 @@ def test_clean_text_is_not_sent_to_ftfy_and_comes_back_unchanged(text: str) -> N
     ("cafÃ© â€™", "café ’"),  # UTF-8 read as cp1252: repaired, the curly quote kept
     ("the ﬁsh", "the fish"),  # a ligature
     ("café \x1b[31mrouge\x1b[0m", "café rouge"),  # terminal escapes in a non-ASCII text
+    ("plain \x1b[31mred\x1b[0m text", "plain red text"),  # and in an ASCII one (ESC is ASCII)
 ])
 def test_mojibake_ligatures_and_escapes_are_repaired(broken: str, fixed: str) -> None:
     assert needs_fix(broken)
