@@ -17,6 +17,7 @@ from kiln.posttrain import instructions as kinst
 from kiln.posttrain.measures import (comparison_line, comparison_table, heldout_suite, log_comparison, means,
                                      measure_before, measure_checkpoint, suite_key)
 from kiln.posttrain.dpo import DpoJob
+from kiln.posttrain.preference_losses import LOSS_FIELDS
 from kiln.posttrain.preferences import build_preferences, check_feedback, feedback_files, pairs_by_source
 from kiln.posttrain.report import dpo_report, rl_report
 from kiln.posttrain.rl import RlJob
@@ -228,8 +229,7 @@ class Feedback:
         return lambda result, *rest: {**report(result, *rest), **self.metadata(result)}
 
 
-DPO_FIELDS = ("loss", "beta", "label_smoothing", "simpo_gamma_ratio", "kto_desirable_weight", "kto_undesirable_weight",
-              "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
+DPO_FIELDS = ("loss", *LOSS_FIELDS, "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
 
 
 class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps": 40, "micro_batch": 16, "eval_interval": 20},

@@ -49,11 +49,12 @@ class DpoJob(PosttrainJob):
             raise ConfigError(f"{where}.label_smoothing applies to loss dpo, not {self.loss!r}: set it to 0")
 
     def settings(self):
-        """The loss's settings with beta resolved (0: the paper's default)."""
-        from kiln.posttrain.preference_losses import LossSettings, preference_loss
+        """The loss's settings (each LossSettings field is this job's field of that name), beta resolved (0: the
+        paper's default)."""
+        from kiln.posttrain.preference_losses import LOSS_FIELDS, LossSettings, preference_loss
 
-        return LossSettings(self.beta or preference_loss(self.loss).beta, self.label_smoothing, self.simpo_gamma_ratio,
-                            self.kto_desirable_weight, self.kto_undesirable_weight)
+        values = {name: getattr(self, name) for name in LOSS_FIELDS}
+        return LossSettings(**{**values, "beta": self.beta or preference_loss(self.loss).beta})
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

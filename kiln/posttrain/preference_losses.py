@@ -21,6 +21,7 @@ follow the papers, with TRL's choices named where a paper leaves one open.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +50,11 @@ class LossSettings:
     kto_desirable_weight: float = 1.0
     kto_undesirable_weight: float = 1.0
 
+
+# a loss hyper-parameter is a LossSettings field, a kiln.posttrain.dpo.DpoJob field of the same name (its default,
+# domain and comment: what the launchpad shows) and its use in the loss; the job's settings() and the dpo_model asset's
+# fields follow from this list
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossSettings))
 
 Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per-pair losses (B,), chosen and rejected rewards (B,)
 

@@ -43,3 +43,17 @@ def test_each_preference_loss_matches_a_hand_computation() -> None:
     got = LOSSES["kto"].fn(up, LossSettings(beta=0.1))[0][0].item()
     c0, r0 = up.chosen[0].item() - rc[0].item(), up.rejected[0].item() - rr[0].item()
     assert z0 > 0 and got == pytest.approx(((1 - sig(0.1 * (c0 - z0))) + (1 - sig(0.1 * (z0 - r0)))) / 2, rel=1e-6)
+
+
+def test_every_loss_setting_is_a_dpo_job_field_and_settings_carries_them_all():
+    import dataclasses
+
+    from kiln.posttrain.dpo import DpoJob
+    from kiln.posttrain.preference_losses import LOSS_FIELDS
+
+    job_fields = {f.name for f in dataclasses.fields(DpoJob)}
+    assert set(LOSS_FIELDS) <= job_fields, set(LOSS_FIELDS) - job_fields
+    job = DpoJob(loss="kto", beta=0.3, kto_desirable_weight=1.5, kto_undesirable_weight=0.5)
+    assert dataclasses.asdict(job.settings()) == {"beta": 0.3, "label_smoothing": 0.0, "simpo_gamma_ratio": 0.5,
+                                                  "kto_desirable_weight": 1.5, "kto_undesirable_weight": 0.5}
+    assert DpoJob(loss="simpo").settings().beta == 2.0  # 0: the paper's default
