@@ -109,7 +109,7 @@ class HandleIOManager(FilesystemIOManager):
     release the PPO model; and
     ``judged_preferences``, which release_bundle reads only to report the judge in the card and lineage;
     ``sweep_results`` and ``scaling_ladder``, which training_plan uses only when told to (from_sweep, sizing: law)
-    or to predict its run's loss. Every other missing handle is an error as before.
+    or to predict its run's loss. Every other missing handle is an error.
     """
 
     optional: list[str] = Field(default_factory=lambda: ["pretrained_model", "ppo_model", "reward_model",

@@ -426,7 +426,7 @@ def model_from_config(n_vocab: int, model_preset: str = "", model: dict | None =
 
 
 def _family_note(model: dict) -> str:
-    """What a llama-style plan adds to the model line (a GPT-2 plan omits the family and reads as before families)."""
+    """What a plan of a family other than GPT-2 adds to the model line (a GPT-2 plan, family unset, adds nothing)."""
     if not model.get("family"):
         return ""
     parts = [f"{model['n_kv_head']} key/value heads"] if "n_kv_head" in model else []
