@@ -208,9 +208,10 @@ class KilnLM(LM):
         """(sum of target log-probs, all targets greedy) per row; batched longest first, padded right.
 
         Rows with the same input tokens (e.g. one-token answers " A".." D" after one question) share one forward
-        pass, each gathering its own targets from the shared logits. A batch holds ``pass_tokens`` input tokens
-        (batch_size x max_length, capped by logits_gib): full-length rows, or proportionally more shorter ones.
-        ``scored(n)`` is told the number of rows scored so far after each batch.
+        pass, each gathering its own targets from the shared logits. A batch holds at most ``pass_tokens`` input
+        tokens (batch_size x max_length, capped by logits_gib): full-length rows, or proportionally more shorter ones,
+        as long as its padding stays within SHARE_SLACK times its rows' own tokens (a long row does not pad many much
+        shorter ones to its length). ``scored(n)`` is told the number of rows scored so far after each batch.
         """
         self.model.eval()
         out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
@@ -226,8 +227,14 @@ class KilnLM(LM):
         start = done = 0
         while start < len(order):
             T = len(inputs[order[start]])  # the longest input of this batch (sorted longest first)
-            us = order[start : start + max(1, budget // max(T, 1))]
-            start += len(us)
+            cap, end, own = max(1, budget // max(T, 1)), start + 1, T
+            while end < len(order) and end - start < cap:
+                n = len(inputs[order[end]])
+                if (end - start + 1) * T > SHARE_SLACK * (own + n):
+                    break
+                own, end = own + n, end + 1
+            us = order[start:end]
+            start = end
             x = torch.tensor([list(inputs[u]) + [0] * (T - len(inputs[u])) for u in us], dtype=torch.long, device=dev)  # (B, T)
             ridx = [i for u in us for i in members[u]]  # the R rows scored from this batch
             b_of = torch.tensor([j for j, u in enumerate(us) for _ in members[u]], device=dev)  # (R,) row -> batch index

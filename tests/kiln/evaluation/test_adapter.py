@@ -133,13 +133,14 @@ def test_which_requests_go_to_the_shared_path(enc):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_head_runs_only_where_a_target_is_predicted(enc, family):
     model = tiny(family)
-    reqs = [req("a long enough context here", " x"), req("another context", " yz"), req("third", " w")]
+    reqs = [req("a context of a few words", " x"), req("a context of a few more", " yz"), req("a context of some", " w")]
     head = []
     model.lm_head.register_forward_hook(lambda m, args, out: head.append((tuple(args[0].shape), tuple(out.shape))))
     lm = KilnLM(model, enc, batch_size=8, share_context=False)
     got = lm.loglikelihood(reqs)
     n_cont = [len(enc.encode(r.args[1])) for r in reqs]
-    # one pass of three rows; the head sees (rows, longest continuation) positions, not (rows, longest row)
+    # one pass of three rows of near equal length; the head sees (rows, longest continuation) positions, not
+    # (rows, longest row)
     assert [h[0][:2] for h in head] == [(3, max(n_cont))] and head[0][1][-1] == model.config.vocab_size
     for (v, _), r in zip(got, reqs):
         assert v == pytest.approx(direct(model, enc, enc.encode(r.args[0]), enc.encode(r.args[1])), abs=1e-4)
@@ -365,3 +366,15 @@ def test_the_adapter_reports_each_request_type_to_the_last_request():
     ends = [ln.split(" |")[0] for ln in lines if re.match(r"eval (\d+)/\1:", ln)]  # each call's last line
     assert ends == ["eval 7/7: loglikelihood", "eval 5/5: generate_until", "eval 1/1: loglikelihood_rolling"]
     assert all(ln.endswith(" left") and " requests/s | " in ln for ln in lines)
+
+
+def test_a_long_row_does_not_pad_much_shorter_ones_to_its_length(enc):
+    model = tiny("llama")
+    fed = []
+    model.register_forward_pre_hook(lambda m, args: fed.append(tuple(args[0].shape)))
+    lm = KilnLM(model, enc, batch_size=8, share_context=False)
+    reqs = [req("x" * 40, " y"), req("ab", " c"), req("de", " f"), req("gh", " i")]
+    got = lm.loglikelihood(reqs)
+    assert fed == [(1, 41), (3, 3)]  # the 41-token row alone, the three 3-token rows together
+    for (v, _), r in zip(got, reqs):
+        assert v == pytest.approx(direct(model, enc, enc.encode(r.args[0]), enc.encode(r.args[1])), abs=1e-4)
