@@ -83,12 +83,12 @@ def test_the_model_card_totals_the_chain_and_kiln_logbook_reads_a_release(tmp_pa
         "training": {"base_model": {"checkpoint": up["base_model"]["checkpoint"]}},
         "post_training": [{"stage": s, "checkpoint": up[a]["checkpoint"]}
                           for s, a in (("sft", "sft_model"), ("dpo", "dpo_model"), ("rl", "rl_model"))]}))
-    from jobs.cli import main
+    from kiln.train.logbook import main  # what `kiln logbook` runs (the core's own test: no Dagster)
 
-    assert main(["logbook", str(bundle)]) == 0
+    assert main([str(bundle)]) == 0
     out = capsys.readouterr().out
     assert out.count("| attempt |") == 4 and "base_model (" in out and "2 attempts, 1 completed, 1 preempted" in out
-    assert main(["logbook", str(tmp_path / "sft_model" / "run"), "--json"]) == 0
+    assert main([str(tmp_path / "sft_model" / "run"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["run"][0]["outcome"] == "completed"
     with pytest.raises(SystemExit, match="neither a run folder"):
-        main(["logbook", str(tmp_path)])
+        main([str(tmp_path)])
