@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# first, before this script's own folder (sys.path[0] when run as a script), whose kiln/ holds the core's tests; an
+# editable install may have put ROOT on the path already, behind it
+sys.path.insert(0, str(ROOT))
 
 from kiln.common.config import from_dict  # noqa: E402
 

@@ -27,7 +27,8 @@ def test_the_resource_renders_what_kiln_train_cluster_renders_for_its_settings()
     res = TorchrunResource(nnodes=4, node_rank=2, rdzv_endpoint="node0:29500", rdzv_id="rid", max_restarts=2,
                            timeout_s=36 * 3600 + 90, pg_timeout_s=900, python="/opt/py", slurm_signal_s=90)
     spec = TorchrunSpec(nnodes=4, node_rank=2, rdzv_endpoint="node0:29500", rdzv_id="rid", max_restarts=2,
-                        timeout_s=36 * 3600 + 90, pg_timeout_s=900, python="/opt/py", slurm_signal_s=90)
+                        timeout_s=36 * 3600 + 90, pg_timeout_s=900, python="/opt/py", slurm_signal_s=90,
+                        worker="resources.pipes_worker")
     assert res.torchrun_spec() == spec
     assert res.command(8, Path("/runs/a/job.json"), "cpu", "run1") == spec.command(8, Path("/runs/a/job.json"), "cpu", "run1")
     assert res.command(8, "j.json", "cuda", python="p", rdzv_endpoint="h:1", node_rank=-1, rdzv_id="z", worker="w") \

@@ -251,10 +251,7 @@ def test_a_judge_loads_from_a_checkpoint_and_a_release_bundle(tmp_path, judge):
 
 
 def test_a_judge_loads_from_a_hugging_face_folder(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from hfmodels import save_tiny
+    from hfmodels import save_tiny  # tests/ is on the path (tests/conftest.py)
     from kiln.pretrained.source import folder_hash
 
     folder = save_tiny(tmp_path / "hf", "llama")
