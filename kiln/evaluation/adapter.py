@@ -296,16 +296,18 @@ class KilnLM(LM):
     def _head_at(self, b_of: torch.Tensor | None = None, pos: torch.Tensor | None = None):
         """While open, the model's vocabulary head is handed only the hidden states at (``b_of[r]``, ``pos[r, k]``), so
         the model returns (R, K, V) logits instead of (B, T, V); without ``b_of``, zero positions: a prefill makes its
-        KV cache, not logits nobody reads. Only for a model whose head ``_head`` knows."""
+        KV cache, not logits nobody reads. A model whose head ``_head`` does not know computes all its logits."""
         def pick(module: torch.nn.Module, args: tuple) -> tuple:
             h = args[0]  # (B, T, C)
             return (h[..., :0, :] if b_of is None else h[b_of[:, None], pos], *args[1:])
 
-        handle = self._head().register_forward_pre_hook(pick)
+        head = self._head()
+        handle = None if head is None else head.register_forward_pre_hook(pick)
         try:
             yield
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
 
     @torch.inference_mode()
     def _score_shared(self, groups: list[tuple[list[int], list[list[int]]]],
@@ -361,11 +363,8 @@ class KilnLM(LM):
             if s > 0:
                 prefix = KVCache.for_model(self.model, len(gs), max_len=s)
                 x = torch.tensor([groups[g][0][:s] for g in gs], dtype=torch.long, device=dev)  # (G, s)
-                if self._head() is None:
+                with self._head_at():
                     self.model(x, cache=prefix)
-                else:
-                    with self._head_at():
-                        self.model(x, cache=prefix)
             at = {g: j for j, g in enumerate(gs)}
             inputs = [groups[g][0][s:] + list(rowsets[g][j][0]) for g, j in batch]  # rows after the cached prefix
             for part in self._passes([len(t) for t in inputs]):

@@ -246,11 +246,14 @@ class Trainer:
         (the order random numbers are drawn in: a rerun builds bit-identical models)."""
         job, lora = self.job, self.stage.lora
         self.init_ckpt = self.ckpt.agree(lambda: str(resolve_checkpoint(job.init_from))) if job.init_from else None
-        self._full_base: dict[str, torch.Tensor] | None = None  # full_base(), read at the first save
+        self._full_base: dict[str, torch.Tensor] | None = None  # a QLoRA run's starting weights (full_base())
         torch.manual_seed(job.seed)  # identical initial weights on every rank
         raw = build_model(self.cfg)
         if self.init_ckpt and (self.latest is None or lora.enabled):  # a LoRA run resumes adapters on this base
-            raw.load_state_dict(load_state(Path(self.init_ckpt), "cpu")[0]["model"])
+            start = load_state(Path(self.init_ckpt), "cpu")[0]["model"]  # memory-mapped
+            raw.load_state_dict(start)
+            if lora.enabled and lora.quantize == "nf4":  # kept for the saves: the weights the adapters fold into
+                self._full_base = start
         if lora.enabled:  # before .to(): the adapters' initial values come from the CPU generator
             wrapped = apply_lora(raw, lora)
             nf4 = " (frozen weights in NF4)" if lora.quantize == "nf4" else ""
@@ -540,12 +543,8 @@ class Trainer:
         self.saved_step = step
 
     def full_base(self) -> dict[str, torch.Tensor] | None:
-        """The starting weights a QLoRA run quantised (init_from's, memory-mapped, read once), which its saved
-        weights fold the adapters into; None for other runs."""
-        if self.stage.lora.quantize != "nf4" or not self.init_ckpt:
-            return None
-        if self._full_base is None:
-            self._full_base = load_state(Path(self.init_ckpt), "cpu")[0]["model"]
+        """The starting weights a QLoRA run quantised (init_from's, as build() read them, memory-mapped), which its
+        saved weights fold the adapters into; None for other runs."""
         return self._full_base
 
     def restore(self, path: Path, rolling_back: bool = False) -> None:
