@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 Row = tuple[list[int], list[int]]  # (model input tokens, targets: the tokens after its last len(targets) positions)
 KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k"}
 SHARE_ENV = "KILN_EVAL_SHARE_CONTEXT"  # "0" / "false" / "no" / "off": score each request as its own row
-SHARE_SLACK = 1.15  # a shared batch, and each pass of it, runs at most this many times the tokens its rows need
+SHARE_SLACK = 1.05  # a batch, and each pass of a shared one, runs at most this many times the tokens its rows need
+# (padding and re-run context tails are work with no result; a forward call's fixed cost is a few tokens' worth,
+# so small batches of similar lengths cost less than large padded ones: bench/eval_tokens.py)
 LOGITS_ENV = "KILN_EVAL_LOGITS_GIB"  # the most memory one pass's float32 logits may take (default LOGITS_GIB)
 LOGITS_GIB = 2.0  # CPU-safe; a GPU with room scores faster with more (bench/gpu_released.sh gives 8)
 
