@@ -30,7 +30,9 @@ from bench_families import val_loss  # noqa: E402  (the same held-out loss as th
 from kiln.tokens.loader import TokenLoader  # noqa: E402
 from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
-from kiln.model.moe import end_step, load_measures, sparse_layers, tensor_count  # noqa: E402
+from kiln.model.moe.balance import end_step, load_measures  # noqa: E402
+from kiln.model.moe.counts import tensor_count  # noqa: E402
+from kiln.model.moe.model import sparse_layers  # noqa: E402
 from kiln.model.parallel import clip_grad_norm  # noqa: E402
 from kiln.plan.memory import count_params  # noqa: E402
 from kiln.tokens.shards import shard_paths  # noqa: E402

@@ -27,7 +27,7 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.append(str(TESTS))
 
-from kiln.model.gpt import padded_vocab  # noqa: E402
+from kiln.model.config import padded_vocab  # noqa: E402
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -29,7 +29,7 @@ from lm_eval.api.registry import register_model
 
 from kiln.model.cache import KVCache
 from kiln.model.generate import generate
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.tokens.tokenizer import end_token
 from kiln.train.telemetry import format_duration
 
@@ -265,11 +265,11 @@ class KilnLM(LM):
 
     # ---- one context, many endings: the context's forward pass once ------------------------------
     def _head(self) -> torch.nn.Module | None:
-        """The model's vocabulary head (kiln.model.families.Family.head), or None for a model without a known one."""
+        """The model's vocabulary head (kiln.model.families.Parts.head), or None for a model without a known one."""
         try:
             from kiln.model.families import of
 
-            return self.model.get_submodule(of(self.model.config).head.removesuffix(".weight"))
+            return self.model.get_submodule(of(self.model.config).parts.head.removesuffix(".weight"))
         except (AttributeError, KeyError, ValueError, TypeError):
             return None
 

@@ -16,7 +16,7 @@ import tiktoken
 
 from kiln.evaluation.adapter import KilnLM
 from kiln.evaluation.registry import REGISTRY
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 
 # {task: expected score of a model that knows nothing}, read from the registry when asked; None where no such
 # number exists (perplexity).

@@ -1,7 +1,7 @@
 """The key/value cache that lets generation feed one new token per step instead of the whole context.
 
 ``cache = KVCache.for_model(model, batch)``; then ``model(idx, cache=cache)`` appends each layer's keys and values
-and advances ``cache.pos``; both families use it the same way (kiln.model.gpt, kiln.model.llama).
+and advances ``cache.pos``; both families use it the same way (kiln.model.gpt2, kiln.model.llama).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class KVCache:
         cfg = model.config
         from kiln.model.families import of
 
-        n_kv = of(cfg).kv_heads(cfg)
+        n_kv = of(cfg).parts.kv_heads(cfg)
         w = next(model.parameters())
         return cls(cfg.n_layer, batch, n_kv, max_len or cfg.block_size, cfg.head_dim, w.device, w.dtype)
 

@@ -53,13 +53,13 @@ class ModelConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         for f in fields(self):
-            if f.name not in desc.fields and f.name not in ("family", "bias"):
-                if getattr(self, f.name) not in (f.default, desc.fixed.get(f.name, f.default)):
-                    users = [n for n in names() if f.name in family(n).fields]
+            if f.name not in desc.fields.names and f.name not in ("family", "bias"):
+                if getattr(self, f.name) not in (f.default, desc.fields.fixed.get(f.name, f.default)):
+                    users = [n for n in names() if f.name in family(n).fields.names]
                     raise ValueError(f"model.{f.name} applies to the {' and '.join(users)} "
                                      f"{'family' if len(users) == 1 else 'families'} only; set "
                                      f"model.family: {users[0]} or remove model.{f.name}")
-        desc.complete(self)
+        desc.fields.complete(self)
         base = self.mup_base_width  # muP's base model (kiln.model.mup): its n_embd, a whole number of heads
         if base < 0:
             raise ValueError(f"model.mup_base_width ({base}) must be 0 (standard parametrisation) or the base model's "
@@ -87,7 +87,7 @@ def model_dict(cfg: ModelConfig) -> dict:
 
     d = asdict(cfg)
     defaults = ModelConfig.__dataclass_fields__
-    return {k: d[k] for k in family(cfg.family).fields
+    return {k: d[k] for k in family(cfg.family).fields.names
             if not (k in OMITTED_AT_DEFAULT and d[k] == defaults[k].default)}
 
 

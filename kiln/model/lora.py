@@ -23,7 +23,7 @@ from kiln.common.config import Domain, check_domains
 from kiln.model.quant import check_nf4_shape, dequantize, is_nf4, nf4_linear, to_nf4_weight
 
 # The default targets, GPT-2's four projections, mean every Linear layer of the model's family
-# (kiln.model.families.Family.lora_targets), so a LoRA config without targets fits any model.
+# (kiln.model.families.Parts.lora_targets), so a LoRA config without targets fits any model.
 DEFAULT_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
@@ -31,7 +31,7 @@ def family_layers() -> dict[str, tuple[str, ...]]:
     """Each registered family's block Linear layers (module name suffixes)."""
     from kiln.model.families import family, names
 
-    return {name: family(name).lora_targets for name in names()}
+    return {name: family(name).parts.lora_targets for name in names()}
 
 
 QUANTIZE = ("none", "nf4")  # LoRAConfig.quantize values

@@ -257,13 +257,13 @@ def head_inputs(model: torch.nn.Module, idx: torch.Tensor) -> tuple[torch.Tensor
     The model's own forward runs (through a DDP or FSDP wrapper when given one, so their hooks run as in training);
     a pre-hook on its ``lm_head`` keeps the head's input and weight as the head sees them (FSDP's unsharded
     weight; a LoRA head's merged weight) and hands the head zero positions, so no (B, T, V) logits are made.
-    The head is the family's (kiln.model.families.Family.head); one other than a bias-free Linear (or a LoRA adapter
+    The head is the family's (kiln.model.families.Parts.head); one other than a bias-free Linear (or a LoRA adapter
     on one) is an error.
     """
     from kiln.model.families import of
 
     raw = getattr(model, "module", model)  # DDP keeps the model in .module; FSDP2 shards it in place
-    head = raw.get_submodule(of(raw.config).head.removesuffix(".weight"))  # the family's head (lm_head)
+    head = raw.get_submodule(of(raw.config).parts.head.removesuffix(".weight"))  # the family's head (lm_head)
     seen: dict[str, torch.Tensor] = {}
 
     def keep(module: torch.nn.Module, args: tuple) -> tuple:

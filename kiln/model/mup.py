@@ -47,7 +47,7 @@ muP multipliers fold exactly into weights that exist there (``hf_folds``): 1/m i
 which scales the head's input as Kiln does, tied head or not; sqrt(d_base / d) = 1/sqrt(m) into the query projection
 (its bias too), or into QK-norm's query gain where there is one (the norm would undo a scaled projection); rotary
 positions are linear, so they commute with it. The exported model computes the same function (to float rounding of
-one multiply per folded weight: none when m is a power of 4). A family without a fold rule (Family.mup_fold) is
+one multiply per folded weight: none when m is a power of 4). A family without a fold rule (StateDictAdapter.mup_fold) is
 refused with an error naming model.mup_base_width.
 """
 

@@ -37,7 +37,7 @@ class MeshLayout:
     tp: Annotated[int, Domain(1)] = 1  # ranks that split each layer (tensor + sequence parallelism, kiln.model.tensor_parallel)
     pp: Annotated[int, Domain(1)] = 1  # ranks that each run consecutive blocks (pipeline parallelism, kiln.model.pipeline_parallel)
     ep: Annotated[int, Domain(1)] = 1  # ranks that each hold 1/ep of every mixture-of-experts block's experts (expert parallelism,
-    # kiln.model.moe.apply_ep); not a mesh dim of its own: the experts are split over the dp_shard ranks (ep = dp_shard)
+    # kiln.model.moe.parallelize.apply_ep); not a mesh dim of its own: the experts are split over the dp_shard ranks (ep = dp_shard)
 
     def resolve(self, world_size: int, cfg: Any = None, where: str = "parallel") -> "MeshLayout":
         """These sizes with dp_shard filled in for ``world_size`` ranks, checked against the model ``cfg`` (when

@@ -97,7 +97,7 @@ def _keep_stages(part: nn.Module, stages: list[int], n_stages: int) -> nn.Module
     for i in range(len(part.blocks)):
         if i not in keep:
             part.blocks[i] = Skip()
-    for path in (fam.first_stage if 0 not in stages else ()) + (fam.last_stage if n_stages - 1 not in stages else ()):
+    for path in (fam.parallelize.first_stage if 0 not in stages else ()) + (fam.parallelize.last_stage if n_stages - 1 not in stages else ()):
         _drop(part, path)
     return part
 
@@ -143,7 +143,7 @@ def stage_view(part: nn.Module, stage: int, n_stages: int) -> nn.Module:
         if i not in mine and not isinstance(block, Skip):
             parent, leaf = parent_of(f"{blocks}.{i}")
             parent._modules[leaf] = Skip()
-    for path in (fam.first_stage if stage > 0 else ()) + (fam.last_stage if stage < n_stages - 1 else ()):
+    for path in (fam.parallelize.first_stage if stage > 0 else ()) + (fam.parallelize.last_stage if stage < n_stages - 1 else ()):
         parent, leaf = parent_of(path)
         if leaf in parent._modules:
             if isinstance(parent, nn.ModuleDict):
@@ -163,7 +163,7 @@ def _stage_class():
     must count real tokens only."""
     from torch.distributed import pipelining
 
-    from kiln.model.moe import sparse_layers
+    from kiln.model.moe.model import sparse_layers
 
     class Stage(pipelining.PipelineStage):
         def _forward_metadata_inference(self, *args, **kwargs):
@@ -183,7 +183,7 @@ class Pipeline:
     """This rank's stages of ``model`` and the schedule that runs them with the other ranks of ``group``; with
     ``dp_mesh`` each stage is also sharded by FSDP2 over the data-parallel ranks (which each bring their own rows of
     the batch); with ``ep`` > 1 (a mixture of experts, ep = the dp_mesh size) the experts are split over them
-    instead (kiln.model.moe.apply_ep)."""
+    instead (kiln.model.moe.parallelize.apply_ep)."""
 
     def __init__(self, model: nn.Module, config: PipelineConfig, group: dist.ProcessGroup, device: torch.device,
                  batch: int | None = None, dp_mesh=None, bf16: bool = False, activation_checkpointing: bool = False,
@@ -211,7 +211,7 @@ class Pipeline:
                         else [stage_view(self.local, s, n_stages) for s in self.stage_ids])
         ignored = None
         if ep > 1:
-            from kiln.model.moe import apply_ep
+            from kiln.model.moe.parallelize import apply_ep
 
             ignored = apply_ep(self.local, dp_mesh, dp_mesh.size())
         if dp_mesh is not None:
@@ -221,9 +221,9 @@ class Pipeline:
         self.first, self.last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.last_rank = (n_stages - 1) % pp  # the group rank that computes the loss
         fam = of(self.cfg)
-        self.tied = fam.tied(self.cfg) and n_stages > 1  # the head shares the token table across two stages
-        self.head = self.modules[-1].get_parameter(fam.head) if self.last else None
-        self.table = self.modules[0].get_parameter(fam.embedding) if self.first else None
+        self.tied = fam.parts.tied(self.cfg) and n_stages > 1  # the head shares the token table across two stages
+        self.head = self.modules[-1].get_parameter(fam.parts.head) if self.last else None
+        self.table = self.modules[0].get_parameter(fam.parts.embedding) if self.first else None
         self.microbatches = config.microbatches or pp
         schedule = getattr(pipelining, SCHEDULES[config.schedule])
         # the last stage's forward computes the loss (the fused head and cross-entropy, inside the module, where

@@ -1,6 +1,6 @@
 """Tensor parallelism with sequence parallelism (Megatron-LM's layout, on DTensor): ``apply_tp(model, tp_mesh)``.
 
-Each family's model file declares its plan (``Family.tp_plan``: module path -> ParallelStyle, for
+Each family's parallelize module declares its plan (``Parallelize.tp_plan``: module path -> ParallelStyle, for
 ``torch.distributed.tensor.parallel.parallelize_module``):
 
 - the token embedding is row-parallel over the vocabulary (each rank holds vocab / tp rows; its output is summed);
@@ -39,9 +39,9 @@ def check_tp(cfg: Any, tp: int, field: str = "parallel.tp") -> None:
     if tp == 1:
         return
     desc = of(cfg)
-    if desc.tp_plan is None:
+    if desc.parallelize.tp_plan is None:
         raise ConfigError(f"{field}: {tp}, but the {desc.name} family has no tensor-parallel plan; use {field}: 1")
-    kv = desc.kv_heads(cfg)
+    kv = desc.parts.kv_heads(cfg)
     ffn = getattr(cfg, "intermediate_size", 0) or 4 * cfg.n_embd
     for what, n in (("model.n_head", cfg.n_head), ("model.n_kv_head", kv), ("the MLP width", ffn),
                     ("model.vocab_size", cfg.vocab_size)):
@@ -61,9 +61,9 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     cfg = model.config
     check_tp(cfg, tp_mesh.size())
     desc = of(cfg)
-    parallelize_module(model, tp_mesh, held_plan(model, desc.tp_plan(cfg)))
-    head, table = (_held(model, path) for path in (desc.head.removesuffix(".weight"), desc.embedding_module))
-    if desc.tied(cfg) and head is not None and table is not None:
+    parallelize_module(model, tp_mesh, held_plan(model, desc.parallelize.tp_plan(cfg)))
+    head, table = (_held(model, path) for path in (desc.parts.head.removesuffix(".weight"), desc.parts.embedding_module))
+    if desc.parts.tied(cfg) and head is not None and table is not None:
         head.weight = table.weight
     return model
 

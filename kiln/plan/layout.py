@@ -211,19 +211,19 @@ class Shape:
         fam = of(cfg)
         v, c = cfg.vocab_size, cfg.n_embd
         total = count_params(cfg)[0]
-        tied_table = v * c if fam.tied(cfg) else 0
+        tied_table = v * c if fam.parts.tied(cfg) else 0
         model_flops = flops_per_token(cfg, seq_len)
         head_flops = 6.0 * v * c
-        experts, n_experts, top_k = fam.routed(cfg) if fam.routed is not None else (0, 0, 0)
-        active = total - cfg.n_layer * (fam.layer_params(cfg) - fam.active_layer_params(cfg)) if experts else total
+        experts, n_experts, top_k = fam.counts.routed(cfg) if fam.counts.routed is not None else (0, 0, 0)
+        active = total - cfg.n_layer * (fam.counts.layer_params(cfg) - fam.counts.active_layer_params(cfg)) if experts else total
         return Shape(
-            n_layer=cfg.n_layer, n_embd=c, n_head=cfg.n_head, n_kv_head=fam.kv_heads(cfg), head_dim=cfg.head_dim,
+            n_layer=cfg.n_layer, n_embd=c, n_head=cfg.n_head, n_kv_head=fam.parts.kv_heads(cfg), head_dim=cfg.head_dim,
             ffn=(cfg.moe_intermediate_size if experts else getattr(cfg, "intermediate_size", 0)) or 4 * c, vocab=v,
             params=total, expert_params=experts, n_experts=n_experts, top_k=top_k, active_params=active,
-            layer_params=fam.layer_params(cfg),
-            first_extra=fam.embedding_params(cfg) - (0 if tied_table else v * c),
-            last_extra=v * c + fam.final_norm_params(cfg),
-            saved_per_token=fam.saved_per_token(cfg)[0],
+            layer_params=fam.counts.layer_params(cfg),
+            first_extra=fam.counts.embedding_params(cfg) - (0 if tied_table else v * c),
+            last_extra=v * c + fam.counts.final_norm_params(cfg),
+            saved_per_token=fam.counts.saved_per_token(cfg)[0],
             layer_flops=(model_flops - head_flops) / cfg.n_layer, head_flops=head_flops, model_flops=model_flops,
         )
 

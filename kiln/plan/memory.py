@@ -177,25 +177,25 @@ def measure_matmul_peak(device: str = "cpu", dtype=None, seconds: float = 0.3, n
 
 
 def layer_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block of ``cfg``'s family (kiln.model.families.Family.layer_params)."""
-    return of(cfg).layer_params(cfg)
+    """Parameters of one transformer block of ``cfg``'s family (kiln.model.families.Counts.layer_params)."""
+    return of(cfg).counts.layer_params(cfg)
 
 
 def embedding_params(cfg: ModelConfig) -> int:
     """Parameters of the tables and the head, a tied head counted once: GPT-2's token and position tables; llama's
     token table, plus its output head when untied."""
-    return of(cfg).embedding_params(cfg)
+    return of(cfg).counts.embedding_params(cfg)
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:
     """(total parameters, tied ones counted once; parameters excluding the embedding tables and the head)."""
-    body = cfg.n_layer * layer_params(cfg) + of(cfg).final_norm_params(cfg)
+    body = cfg.n_layer * layer_params(cfg) + of(cfg).counts.final_norm_params(cfg)
     return body + embedding_params(cfg), body
 
 
 def saved_per_token(cfg: ModelConfig) -> tuple[int, int]:
     """(elements autograd keeps per token per block, of which residual-stream elements): see memory_breakdown."""
-    return of(cfg).saved_per_token(cfg)
+    return of(cfg).counts.saved_per_token(cfg)
 
 
 def memory_breakdown(cfg: ModelConfig, micro_batch: int, seq_len: int, mixed_precision: bool, world: int = 1,
@@ -434,7 +434,7 @@ def _family_note(model: dict) -> str:
         parts.append(f"SwiGLU {model['intermediate_size']} wide")
     if "n_experts" in model:  # a mixture of experts: the routed experts, and the parameters a token passes through
         from kiln.model.config import ModelConfig
-        from kiln.model.moe import tensor_count
+        from kiln.model.moe.counts import tensor_count
 
         cfg = ModelConfig(**model)
         parts[-1] = (f"{cfg.n_experts} SwiGLU experts of {cfg.moe_intermediate_size}, {cfg.n_experts_per_token} per "

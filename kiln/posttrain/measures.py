@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kiln.common.files import stable_hash
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.posttrain.instructions import arithmetic_reward
 from kiln.model.loss import greedy_hits, head_inputs, token_logprobs
 from kiln.posttrain.logprobs import encode_rows, score_examples, score_responses

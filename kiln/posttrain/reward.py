@@ -73,7 +73,7 @@ class RewardModel(nn.Module):
 def _embedding_name(backbone: nn.Module) -> str:
     from kiln.model.families import of
 
-    return of(backbone.config).embedding_module
+    return of(backbone.config).parts.embedding_module
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -268,7 +268,7 @@ def write_hf_reward(ckpt: str | Path, out_dir: str | Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     from kiln.model.families import of
 
-    head = of(cfg).head  # a sequence classifier has no LM head: the score replaces it
+    head = of(cfg).parts.head  # a sequence classifier has no LM head: the score replaces it
     backbone = {k: v for k, v in model.backbone.state_dict().items() if k != head}
     state = {**to_hf_state_dict(backbone, cfg), "score.weight": model.score.weight.detach().float().contiguous()}
     with atomic_path(out_dir / "model.safetensors") as tmp:

@@ -1,6 +1,6 @@
 """config.json of a Hugging Face causal LM -> Kiln's ModelConfig, for the architectures Kiln's model files reproduce.
 
-``model_config(folder)``; each family reads its own model_types (kiln.model.families.Family.hf_readers, with
+``model_config(folder)``; each family reads its own model_types (kiln.model.families.StateDictAdapter.readers, with
 ``require`` and ``rope_theta`` from here); a model_type no family reads is refused with what is supported.
 """
 
@@ -54,7 +54,7 @@ def model_config_of(path: Path, doc: dict[str, Any]) -> ModelConfig:
     from kiln.model.families import hf_readers
 
     kind = doc.get("model_type")
-    readers = hf_readers()  # each family's own (kiln.model.families.Family.hf_readers)
+    readers = hf_readers()  # each family's own (kiln.model.families.StateDictAdapter.readers)
     if kind not in readers:
         raise PretrainedError(f"{path}: model_type {kind!r} is not supported; Kiln imports {', '.join(readers)} "
                               "(the decoders its model families compute exactly)")

@@ -79,7 +79,7 @@ def kiln_state(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor])
                               "differs from what config.json says, so it is not imported")
     for name, t in template.items():
         if tuple(state[name].shape) != tuple(t.shape):
-            hint = " (this family's Hugging Face files store it transposed)" if name.endswith(desc.hf_transposed) else ""
+            hint = " (this family's Hugging Face files store it transposed)" if name.endswith(desc.adapter.transposed) else ""
             raise PretrainedError(f"{where}: {name} has shape {tuple(state[name].shape)} but config.json implies "
                                   f"{tuple(t.shape)}{hint}; config.json and the weights disagree")
     return state
@@ -99,12 +99,12 @@ def grow_vocab(state: dict[str, torch.Tensor], cfg: ModelConfig, new_ids: list[i
     new_cfg = grown_config(cfg, new_ids)
     out = dict(state)
     desc = of(cfg)
-    emb, tied = desc.embedding, desc.tied(cfg)
-    for key in [emb] if tied else [emb, desc.head]:
+    emb, tied = desc.parts.embedding, desc.parts.tied(cfg)
+    for key in [emb] if tied else [emb, desc.parts.head]:
         w = state[key]  # (V, C)
         grown = torch.cat([w, w.new_zeros(new_cfg.vocab_size - w.shape[0], w.shape[1])], dim=0)  # (V_new, C)
         grown[new_ids] = w[:mean_of].mean(dim=0)
         out[key] = grown.contiguous()
     if tied:
-        out[desc.head] = out[emb]
+        out[desc.parts.head] = out[emb]
     return out, new_cfg

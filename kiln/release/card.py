@@ -54,9 +54,9 @@ RELEASED_WORDS = {"rl_model": "the RL stage's: the base model after SFT, then DP
 def _model(name: str, license: str, plan: dict, tok: dict, released: str = "rl_model") -> str:
     m = plan["model"]
     desc = family(m.get("family", "gpt2"))  # GPT-2 plans omit the family (kiln.model.config.model_dict)
-    style = f"A {desc.style}"
+    style = f"A {desc.adapter.style}"
     heads = f"{m['n_head']} heads" + (f" ({m['n_kv_head']} key/value)" if "n_kv_head" in m else "")
-    layout = desc.hf_config(ModelConfig(**m), 0)["architectures"][0]
+    layout = desc.adapter.hf_config(ModelConfig(**m), 0)["architectures"][0]
     return f"""# {name}
 
 {style} language model trained with Kiln from public text. Released {dt.date.today().isoformat()} under {license}.

@@ -49,7 +49,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     (kiln.model.mup: the query projection and the final norm), so transformers' plain model computes Kiln's logits."""
     fold = _mup_folds(cfg)
     if fold is not None:
-        state = of(cfg).mup_fold(state, cfg, *fold)
+        state = of(cfg).adapter.mup_fold(state, cfg, *fold)
     return of(cfg).to_hf(state, cfg)
 
 
@@ -59,7 +59,7 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     out = of(cfg).from_hf(state, cfg)
     fold = _mup_folds(cfg)
     if fold is not None:
-        out = of(cfg).mup_fold(out, cfg, *(1.0 / f for f in fold))  # the tables (and a tied head) are not folded
+        out = of(cfg).adapter.mup_fold(out, cfg, *(1.0 / f for f in fold))  # the tables (and a tied head) are not folded
     return out
 
 
@@ -69,11 +69,11 @@ def _mup_folds(cfg: ModelConfig) -> tuple[float, float] | None:
     them is refused."""
     if not mup.scaled(cfg):
         return None
-    if of(cfg).mup_fold is None:
+    if of(cfg).adapter.mup_fold is None:
         raise ReleaseError(
             f"model.mup_base_width={cfg.mup_base_width} with n_embd={cfg.n_embd}: this muP model multiplies its logits "
             f"by 1/{mup.width_mult(cfg):g} and scales attention by sqrt(d_base)/d, and the {cfg.family} family has "
-            "no rule to fold them into Hugging Face's weights (Family.mup_fold), whose model has neither multiplier; "
+            "no rule to fold them into Hugging Face's weights (StateDictAdapter.mup_fold), whose model has neither multiplier; "
             "release a model trained with model.mup_base_width equal to model.n_embd (muP at its base width is the "
             "standard model) or 0, or give the family a mup_fold")
     return mup.hf_folds(cfg)
@@ -81,7 +81,7 @@ def _mup_folds(cfg: ModelConfig) -> tuple[float, float] | None:
 
 def hf_config(cfg: ModelConfig, eot: int) -> dict[str, Any]:
     """config.json for transformers, as ``cfg``'s family writes it (GPT2LMHeadModel, LlamaForCausalLM, ...)."""
-    return of(cfg).hf_config(cfg, eot)
+    return of(cfg).adapter.hf_config(cfg, eot)
 
 
 # ---- tokenizer files for transformers -------------------------------------------------------------------

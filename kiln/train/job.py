@@ -141,7 +141,7 @@ class TrainJob:
                               "or tp to 1")
         from kiln.model.families import of
 
-        if lay.tp > 1 and of(self.model).tp_interleaved:
+        if lay.tp > 1 and of(self.model).parallelize.tp_interleaved:
             raise ConfigError(f"{where}.layout: pp {lay.pp} with tp {lay.tp} for the {self.model.family} family: its "
                               "tensor-parallel q|k|v rows are held rank-interleaved and saved in the model's order "
                               "by gathering one full state, and with pipeline stages no rank holds the whole model "

@@ -25,7 +25,9 @@ from kiln.common.files import atomic_write_json
 from kiln.common.metrics import operations_metrics
 from kiln.model.config import model_dict
 from kiln.model.families import build_model, flops_per_token, of
-from kiln.model.moe import apply_ep, apply_moe, begin_step, end_step, load_measures, sparse_layers
+from kiln.model.moe.balance import begin_step, end_step, load_measures
+from kiln.model.moe.model import sparse_layers
+from kiln.model.moe.parallelize import apply_ep, apply_moe
 from kiln.model.lora import LoRAConfig, apply_lora, lora_state_dict, merged_state_dict, trainable_parameters
 from kiln.model.parallel import (MeshLayout, align_grads, build_mesh, clip_grad_norm, describe, gradient_sync,
                                  parallelize)
@@ -238,7 +240,7 @@ class Trainer:
         """FSDP2 and tensor-parallel runs save each rank's shards (DCP), except a family whose tensor-parallel rows
         are held rank-interleaved (GPT-2's fused q|k|v): those gather one full state on rank 0, in the model's order."""
         if self.layout is not None:  # pipeline stages: each rank holds other parameters
-            return self.layout.pp > 1 or not of(self.cfg).tp_interleaved
+            return self.layout.pp > 1 or not of(self.cfg).parallelize.tp_interleaved
         return self.strategy == "fsdp"
 
     def build(self) -> None:
@@ -678,7 +680,7 @@ class Trainer:
     def expert_summary(self) -> dict[str, Any]:
         """This session's token slots per expert per layer (every rank's), its balance measures, and the routed
         and active parameter counts."""
-        from kiln.model.moe import tensor_count
+        from kiln.model.moe.counts import tensor_count
 
         load = self.expert_load
         return {"by_layer": load.round().long().tolist(), "balance": load_measures(load),

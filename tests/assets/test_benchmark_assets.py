@@ -20,7 +20,8 @@ from assets.evals import contamination_below_threshold, contamination_report, ev
 from kiln.evaluation.standard.contamination import item_text
 from kiln.evaluation.standard.run import load_tasks, prepare
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT, padded_vocab
+from kiln.model.config import padded_vocab
+from kiln.model.gpt2.model import GPT
 from kiln.tokens.shards import split_of
 from kiln.train.checkpoint import save_checkpoint
 from resources.storage import KilnStorageResource

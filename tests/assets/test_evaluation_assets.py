@@ -27,7 +27,8 @@ from assets.evals import (
 from kiln.train.checkpoint import save_checkpoint
 from kiln.evaluation.checkpoints import checkpoint_key
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT, padded_vocab
+from kiln.model.config import padded_vocab
+from kiln.model.gpt2.model import GPT
 from kiln.tokens.shards import split_of
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource

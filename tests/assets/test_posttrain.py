@@ -20,7 +20,7 @@ from assets.alignment import dpo_model, instruction_data, preference_data, rl_mo
 from kiln.train.checkpoint import save_checkpoint
 from kiln.evaluation.tasks import build_tasks
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.posttrain.measures import MEASURES, heldout_suite, stage_rows
 from kiln.tokens.shards import split_of
 from resources.storage import HandleIOManager, KilnStorageResource

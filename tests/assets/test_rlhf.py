@@ -15,7 +15,7 @@ from dagster import AssetKey, DagsterInstance, Failure, asset, materialize
 from assets.alignment import instruction_data, preference_data
 from assets.rlhf import ppo_model, reward_model
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.posttrain.measures import MEASURES
 from kiln.train.checkpoint import save_checkpoint
 from resources.storage import HandleIOManager, KilnStorageResource

@@ -7,7 +7,7 @@ import torch
 from bench_module import load_bench
 
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 
 
 def test_bits_per_byte_is_the_windowed_loss_over_the_bytes(tiny_tokenizer, one_thread):

@@ -270,7 +270,7 @@ def release(tmp_path, tiny_tokenizer) -> tuple[Path, Path]:
 
     from kiln.train.checkpoint import save_checkpoint
     from kiln.model.config import ModelConfig
-    from kiln.model.gpt import GPT
+    from kiln.model.gpt2.model import GPT
     from kiln.release.bundle import write_release
 
     _, tok = tiny_tokenizer

@@ -18,7 +18,7 @@ def bundle_and_checkpoint(tmp_path, tiny_tokenizer):
     import torch
 
     from kiln.model.config import ModelConfig
-    from kiln.model.gpt import GPT
+    from kiln.model.gpt2.model import GPT
     from kiln.release.bundle import write_release
     from kiln.train.checkpoint import save_checkpoint
 

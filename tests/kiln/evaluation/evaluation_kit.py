@@ -14,7 +14,7 @@ from lm_eval.api.instance import Instance
 
 from kiln.model.cache import KVCache
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 
 PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 FILL = "the a of and to in on with near under over slowly quietly every old new small bright".split()

@@ -26,7 +26,7 @@ from kiln.evaluation import sample_generations
 from kiln.evaluation.adapter import KilnLM, RequestProgress
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from tests.kiln.evaluation.evaluation_kit import PAT, TableLM, cycle_lm, direct_logprob, ll_req, tiny_gpt
 from tests.kiln.evaluation.evaluation_kit import enc  # noqa: F401  (enc is a fixture)
 
@@ -100,7 +100,7 @@ def test_shared_scores_equal_one_row_per_request_at_any_batch_size_and_order(enc
 def test_a_shared_context_runs_once_and_the_prefill_makes_no_logits(enc):
     model = tiny("llama")
     ctx = "one two three four five six"  # 27 byte tokens
-    ends = [" red", " blue", " pink", " gold"]  # 4, 5, 5 and 5 tokens: one pass
+    ends = [" reds", " blue", " pink", " gold"]  # 5 tokens each: one pass
     reqs = [req(ctx, e) for e in ends]
     fed, head = [], []
     model.register_forward_pre_hook(lambda m, args: fed.append(tuple(args[0].shape)))
@@ -133,13 +133,13 @@ def test_which_requests_go_to_the_shared_path(enc):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_head_runs_only_where_a_target_is_predicted(enc, family):
     model = tiny(family)
-    reqs = [req("a context of a few words", " x"), req("a context of a few more", " yz"), req("a context of some", " w")]
+    reqs = [req("a context of a few words", " x"), req("a context of a few more", " yz"), req("a context of a few birds", " w")]
     head = []
     model.lm_head.register_forward_hook(lambda m, args, out: head.append((tuple(args[0].shape), tuple(out.shape))))
     lm = KilnLM(model, enc, batch_size=8, share_context=False)
     got = lm.loglikelihood(reqs)
     n_cont = [len(enc.encode(r.args[1])) for r in reqs]
-    # one pass of three rows of near equal length; the head sees (rows, longest continuation) positions, not
+    # one pass of three rows of equal length; the head sees (rows, longest continuation) positions, not
     # (rows, longest row)
     assert [h[0][:2] for h in head] == [(3, max(n_cont))] and head[0][1][-1] == model.config.vocab_size
     for (v, _), r in zip(got, reqs):

@@ -30,9 +30,9 @@ def test_every_family_names_its_own_layers_and_counts_its_own_parameters():
         cfg = ModelConfig(**({"family": name} if name != "gpt2" else {}), n_layer=2, n_head=4, n_embd=64, vocab_size=128)
         model = desc.model(cfg)
         params = dict(model.named_parameters())
-        assert desc.embedding in params and desc.head in dict(model.state_dict())
+        assert desc.parts.embedding in params and desc.parts.head in dict(model.state_dict())
         linear = {n.rsplit(".", 1)[0] for n in params if n.endswith(".weight")}
-        assert all(any(m.endswith(t) for m in linear) for t in desc.lora_targets), name
+        assert all(any(m.endswith(t) for m in linear) for t in desc.parts.lora_targets), name
         from kiln.plan.memory import count_params
 
         assert count_params(cfg)[0] == sum(p.numel() for p in model.parameters()), name

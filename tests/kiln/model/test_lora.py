@@ -13,7 +13,7 @@ from kiln.train.checkpoint import save_checkpoint
 from kiln.model.lora import (LoRAConfig, LoRALinear, adapters_disabled, apply_lora, load_lora_state_dict, lora_state_dict,
                        merged_state_dict, trainable_parameters)
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 
 CFG = ModelConfig(vocab_size=320, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

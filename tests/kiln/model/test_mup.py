@@ -266,7 +266,7 @@ def test_release_refuses_a_family_that_cannot_fold_naming_the_field(monkeypatch)
     from kiln.release import hf
 
     cfg = config("llama", 128, base=64)
-    monkeypatch.setattr(hf, "of", lambda c: replace(family(c.family), mup_fold=None))
+    monkeypatch.setattr(hf, "of", lambda c: replace(family(c.family), adapter=replace(family(c.family).adapter, mup_fold=None)))
     with pytest.raises(hf.ReleaseError, match=r"model.mup_base_width=64 with n_embd=128: .* release a model trained "
                                               r"with model.mup_base_width equal to model.n_embd .* or 0"):
         hf.to_hf_state_dict(built(cfg).state_dict(), cfg)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kiln.common.config import ConfigError, from_dict
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.model.lora import (LoRAConfig, LoRALinear, adapters_disabled, apply_lora, lora_modules,
                              merged_state_dict)
 from kiln.model.quant import NF4_MAX_GAP, is_nf4

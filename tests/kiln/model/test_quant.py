@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.model.lora import apply_lora
 from kiln.model.quant import (NF4_BLOCK, NF4_MAX_GAP, NF4_SCALER_BLOCK, dequantize, is_nf4, scaler_block,
                               storage_bytes, to_nf4_weight)

@@ -100,7 +100,7 @@ def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_me
 
         from kiln.train.checkpointer import Checkpointer
 
-        sharded = not of(tp.config).tp_interleaved  # GPT-2's rank-interleaved q|k|v: a full checkpoint, gathered
+        sharded = not of(tp.config).parallelize.tp_interleaved  # GPT-2's rank-interleaved q|k|v: a full checkpoint, gathered
         ckpt = Checkpointer(Path(save_to), dist.get_rank(), dist.get_world_size(), sharded=sharded, async_save=False,
                             keep_last=1)
         ckpt.save(steps, tp, opts[1], {}, {"model": asdict(tp.config)})
@@ -109,7 +109,7 @@ def _train_both(fields: dict, checkpoint_blocks: bool, masked: bool, mesh, dp_me
     full = canonical_state({n: full_value(p.detach()) for n, p in tp.named_parameters()}, interleaved_params(tp))
     weights = max((full[n] - q.detach()).abs().max().item()  # in the model's own order (GPT-2's q|k|v)
                   for (n, _), q in zip(tp.named_parameters(), one.parameters(), strict=True))
-    head, emb = tp.lm_head.weight, tp.get_submodule(of(tp.config).embedding_module).weight
+    head, emb = tp.lm_head.weight, tp.get_submodule(of(tp.config).parts.embedding_module).weight
     return {"loss": loss_diff, "grad_norm": norm_diff, "logits": logits, "weights": weights, "last": losses[0],
             "first_block": {n: str(tuple(p.placements)) for n, p in tp.named_parameters() if ".0." in n},
             "tied": head is emb, "head": str(tuple(head.placements)),

@@ -20,7 +20,7 @@ from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.posttrain.dpo import DpoJob, PairLoader, dpo_loss, encode_preferences, pair_batch
 from kiln.posttrain.instructions import build_pairs, write_jsonl
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.posttrain.logprobs import score_responses, sequence_logps, token_logps
 from kiln.posttrain.preferences import build_preferences
 from kiln.posttrain.sft import IGNORE, encode_example

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.posttrain.logprobs import encode_rows, token_logps
 from kiln.posttrain.measures import (MEASURES, answer_logprobs, answer_rows, change_cell, change_rows,
                                      comparison_rows, means, measure_items, paired_stderr)

@@ -23,7 +23,7 @@ import torch
 from kiln.train.checkpoint import load_for_inference, save_checkpoint
 from kiln.posttrain.instructions import arithmetic, build_pairs, final_number, write_jsonl
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.sampling import complete
 from kiln.common.config import ConfigError

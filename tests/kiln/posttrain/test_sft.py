@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.posttrain.sft import IGNORE, PackedLoader, encode_example, iter_packed_eval, pack, read_pairs, to_xy
 
 

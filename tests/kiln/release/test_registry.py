@@ -14,7 +14,7 @@ import torch
 
 from kiln.train.checkpoint import save_checkpoint
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.release.registry import (
     TAG_DIGEST,
     bundle_digest,

@@ -17,9 +17,9 @@ import torch
 
 from kiln.train.checkpoint import save_checkpoint
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.release.bundle import ReleaseError, verify_release, write_release
-from kiln.model.gpt import FAMILY as GPT2
+from kiln.model.gpt2 import FAMILY as GPT2
 from kiln.release.hf import bytes_to_unicode, from_hf_state_dict, hf_config, hf_tokenizer, recover_merges, to_hf_state_dict
 
 CFG = ModelConfig(vocab_size=320, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -49,7 +49,7 @@ def test_to_hf_state_dict_transposes_conv1d_weights_and_drops_the_head() -> None
     sd = m.state_dict()
     hf = to_hf_state_dict(sd, CFG)
     assert set(hf) == set(sd) - {"lm_head.weight"}
-    transposed = [k for k in hf if k.endswith(GPT2.hf_transposed)]  # GPT-2's Conv1D projections
+    transposed = [k for k in hf if k.endswith(GPT2.adapter.transposed)]  # GPT-2's Conv1D projections
     assert len(transposed) == 4 * CFG.n_layer
     for k, t in hf.items():
         assert t.dtype == torch.float32 and t.is_contiguous()
@@ -191,7 +191,7 @@ def _release(tmp_path: Path, enc, cfg: ModelConfig, seed: int = 0) -> tuple[Path
 
 def test_transformers_loads_the_bundle_with_kilns_logits_and_ids(tmp_path, trained_encoding) -> None:
     import transformers
-    from kiln.model.gpt import padded_vocab
+    from kiln.model.config import padded_vocab
     from kiln.posttrain.sft import chat_prompt_ids, encode_example
 
     enc = trained_encoding
@@ -224,7 +224,7 @@ def test_transformers_loads_the_bundle_with_kilns_logits_and_ids(tmp_path, train
 
 def test_gpt2_bundle_also_has_exact_vocab_and_merges_for_gpt2tokenizer(tmp_path, gpt2_encoding) -> None:
     import transformers
-    from kiln.model.gpt import padded_vocab
+    from kiln.model.config import padded_vocab
 
     enc = gpt2_encoding
     cfg = ModelConfig(vocab_size=padded_vocab(enc.n_vocab), block_size=32, n_layer=1, n_head=2, n_embd=16)

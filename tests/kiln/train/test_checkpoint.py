@@ -30,7 +30,7 @@ from kiln.train.checkpoint import (
 )
 from kiln.train.checkpointer import rng_state  # what a training checkpoint holds
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
+from kiln.model.gpt2.model import GPT
 from kiln.common.files import sha256_file
 
 

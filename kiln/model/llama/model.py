@@ -2,7 +2,7 @@
 
 Parameter names follow the Hugging Face ``LlamaForCausalLM`` layout (model.embed_tokens, model.layers.N.self_attn.
 q_proj, ...; with ``qk_norm`` the ``Qwen3ForCausalLM`` one), so import and release are renames of nothing. The
-rotation is Hugging Face's (halves, not interleaved pairs). Run a shape check with ``python -m kiln.model.llama``.
+rotation is Hugging Face's (halves, not interleaved pairs). Run a shape check with ``python -m kiln.model.llama.model``.
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from kiln.model import mup
 from kiln.model.cache import KVCache
 from kiln.model.config import ModelConfig
-from kiln.model.families import Family
 from kiln.model.loss import linear_cross_entropy
 from kiln.model.masks import check_attn_mask
 from kiln.model.parallel import local_param
+from kiln.model.recompute import checkpoint_block
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +175,7 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(idx) if "embed_tokens" in self.model else idx  # (B, T, C)
         recompute = self.checkpoint_blocks and torch.is_grad_enabled() and cache is None
         for block in self.model.layers:
-            x = (checkpoint(block, x, cos, sin, None, attn_mask, use_reentrant=False) if recompute
+            x = (checkpoint_block(block, x, cos, sin, None, attn_mask) if recompute
                  else block(x, cos, sin, cache, attn_mask))  # (B, T, C)
         if cache is not None:
             cache.advance(T)
@@ -188,155 +187,6 @@ class Llama(nn.Module):
         if targets is not None:
             return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
         return self.lm_head(x).float()  # (B, T, V)
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int, mlp: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward): 6N over the matmul weights + 12 L H Q T for attention. ``mlp``:
-    the matmul weights one token meets in a block's MLP, where they are not SwiGLU's three (a mixture of experts)."""
-    hs = cfg.head_dim
-    attn = cfg.n_embd * hs * (2 * cfg.n_head + 2 * cfg.n_kv_head)  # q, o and k, v projections
-    mlp = 3 * cfg.n_embd * cfg.intermediate_size if mlp is None else mlp
-    n = cfg.n_layer * (attn + mlp) + cfg.vocab_size * cfg.n_embd  # the head is a matmul, tied or not
-    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
-
-
-def complete(cfg: ModelConfig) -> None:
-    """Fill the derived fields (key/value heads, SwiGLU width) and check the grouped-query and rotary shapes."""
-    if cfg.n_kv_head == 0:
-        cfg.n_kv_head = cfg.n_head
-    if cfg.n_head % cfg.n_kv_head:
-        raise ValueError(f"model.n_head ({cfg.n_head}) must be a multiple of model.n_kv_head ({cfg.n_kv_head})")
-    if cfg.intermediate_size == 0:
-        cfg.intermediate_size = -(-(8 * cfg.n_embd // 3) // 64) * 64
-    if (cfg.n_embd // cfg.n_head) % 2:
-        raise ValueError(f"model.n_embd / model.n_head = {cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
-
-
-def layer_params(cfg: ModelConfig) -> int:
-    """q, o and the narrower k, v projections (no biases), SwiGLU's gate, up and down, two RMSNorm weights, and
-    with QK-norm one RMSNorm weight per head dimension for q and for k."""
-    c, kv = cfg.n_embd, cfg.n_kv_head * cfg.head_dim
-    qk_norm = 2 * cfg.head_dim if cfg.qk_norm else 0
-    return 2 * c * c + 2 * c * kv + 3 * c * cfg.intermediate_size + 2 * c + qk_norm
-
-
-def saved_per_token(cfg: ModelConfig) -> tuple[int, int]:
-    """The block input, each RMSNorm's normalised input (for its weight's gradient) and output, rotated q and k, v,
-    the attention output and its contiguous copy, the residual after attention; SwiGLU's gate, silu(gate), up and
-    their product (measured with saved_tensors_hooks: 9 C + 2 kv + 4 I, within 0.3 C). QK-norm keeps q, k, their
-    normalised copies and more (measured 2.7 (C + kv))."""
-    c, kv = cfg.n_embd, cfg.n_kv_head * cfg.head_dim
-    n = 9 * c + 2 * kv + 4 * cfg.intermediate_size
-    return n + (3 * (c + kv) if cfg.qk_norm else 0), 2 * c
-
-
-def hf_config(cfg: ModelConfig, eot: int) -> dict:
-    """config.json of LlamaForCausalLM (Qwen3ForCausalLM with qk_norm, which is where they differ). The rotary base
-    is written both ways transformers has read it (rope_theta; rope_parameters since v5)."""
-    out = {
-        "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
-        "model_type": "qwen3" if cfg.qk_norm else "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.n_embd, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
-        "torch_dtype": "float32", "dtype": "float32",
-    }
-    if cfg.qk_norm:  # Qwen3's sliding-window attention, off: every layer attends to the whole context
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
-                   layer_types=["full_attention"] * cfg.n_layer)
-    else:
-        out.update(mlp_bias=False, pretraining_tp=1)
-    return out
-
-
-def read_hf_config(path, doc: dict, qk_norm: bool = False) -> ModelConfig:
-    """A Llama-style config.json (llama; mistral without a sliding window; qwen3 with QK-norm) as ModelConfig;
-    anything Kiln's Llama computes differently is refused."""
-    from kiln.pretrained.config import require, rope_theta
-
-    n_embd, n_head = doc["hidden_size"], doc["num_attention_heads"]
-    require(path, doc, "hidden_act", lambda v: v == "silu", "SwiGLU with SiLU")
-    require(path, doc, "attention_bias", lambda v: v is False, "no attention biases")
-    require(path, doc, "mlp_bias", lambda v: v is False, "no MLP biases")
-    require(path, doc, "head_dim", lambda v: v == n_embd // n_head, "head_dim = hidden_size / num_attention_heads")
-    require(path, doc, "use_sliding_window", lambda v: v is False, "full attention")
-    require(path, doc, "sliding_window", lambda v: False, "full attention")
-    require(path, doc, "pretraining_tp", lambda v: v == 1, "no tensor-parallel slicing")
-    return ModelConfig(
-        family="llama", vocab_size=doc["vocab_size"], block_size=doc["max_position_embeddings"],
-        n_layer=doc["num_hidden_layers"], n_head=n_head, n_embd=n_embd,
-        n_kv_head=doc.get("num_key_value_heads") or n_head, intermediate_size=doc["intermediate_size"],
-        rope_theta=rope_theta(path, doc), norm_eps=float(doc.get("rms_norm_eps", 1e-6)), qk_norm=qk_norm,
-        tie_embeddings=bool(doc.get("tie_word_embeddings", False)), bias=False,
-    )
-
-
-def mup_fold(state: dict, cfg: ModelConfig, q: float, out: float) -> dict:
-    """``state`` with muP's multipliers folded in (kiln.model.mup.hf_folds): every layer's queries times ``q`` (q_proj's
-    weight and any bias; with QK-norm its query gain instead, since the norm undoes a scaled projection; the rotation
-    is linear and commutes), the final norm's weight times ``out``."""
-    query = ("self_attn.q_norm.weight",) if cfg.qk_norm else ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
-    folded = dict(state)
-    for name, t in state.items():
-        if name.endswith(query):
-            folded[name] = t.detach().float() * q
-        elif name == "model.norm.weight":
-            folded[name] = t.detach().float() * out
-    return folded
-
-
-def tp_plan(cfg: ModelConfig) -> dict:
-    """Tensor and sequence parallelism (kiln.model.tensor_parallel): the embedding row-parallel into sequence
-    shards, norms on sequence shards, q/k/v and gate/up column-parallel (whole heads and hidden units per rank),
-    o/down row-parallel back to sequence shards, the head column-parallel over the vocabulary."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    from kiln.model.tensor_parallel import LocalReplicated
-
-    seq, whole = Shard(1), Replicate()
-    layer = "model.layers.*."
-    return {
-        "model.embed_tokens": RowwiseParallel(input_layouts=whole, output_layouts=seq),
-        layer + "input_layernorm": SequenceParallel(),
-        # Block calls self_attn(x, cos, sin, cache, doc_mask): only x is gathered
-        layer + "self_attn": PrepareModuleInput(input_layouts=(seq, None, None, None, None),
-                                                desired_input_layouts=(whole, None, None, None, None)),
-        **{layer + f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
-        layer + "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-        layer + "post_attention_layernorm": SequenceParallel(),
-        layer + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
-        layer + "mlp.gate_proj": ColwiseParallel(),
-        layer + "mlp.up_proj": ColwiseParallel(),
-        layer + "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole),  # logits; the loss reads the weight
-        # QK-norm: one weight per head dimension, shared by the heads every rank holds a share of
-        **({layer + f"self_attn.{n}_norm": LocalReplicated() for n in "qk"} if cfg.qk_norm else {}),
-    }
-
-
-FAMILY = Family(
-    name="llama", model=Llama, style="Llama-style",
-    fields=("family", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "n_kv_head",
-            "intermediate_size", "rope_theta", "norm_eps", "qk_norm", "tie_embeddings",
-            "mup_base_width"),  # left out at 0 (kiln.model.config.OMITTED_AT_DEFAULT)
-    embedding="model.embed_tokens.weight",
-    lora_targets=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                  "mlp.up_proj", "mlp.down_proj"),
-    tied=lambda cfg: cfg.tie_embeddings, kv_heads=lambda cfg: cfg.n_kv_head, complete=complete,
-    layer_params=layer_params,
-    embedding_params=lambda cfg: cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2),  # + untied head
-    final_norm_params=lambda cfg: cfg.n_embd,  # RMSNorm: a weight only
-    saved_per_token=saved_per_token, flops_per_token=flops_per_token, hf_config=hf_config, tp_plan=tp_plan,
-    first_stage=("model.embed_tokens",), last_stage=("model.norm", "lm_head"), mup_fold=mup_fold,
-    # Mistral without a sliding window is Llama's computation under another name
-    hf_readers={"llama": read_hf_config, "mistral": read_hf_config,
-                "qwen3": lambda path, doc: read_hf_config(path, doc, qk_norm=True)},
-)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,5 @@
-"""Tests for kiln.model.gpt: shapes, weight tying, parameter counts, causality, FLOPs (generation: test_generate.py).
-
-Run: python -m pytest tests/kiln/model/test_gpt.py -q
-"""
+"""Tests for kiln.model.gpt2.model: shapes, weight tying, causality, the block-size check, GPT-2's scaled init
+(generation: tests/kiln/model/test_generate.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +7,7 @@ import pytest
 import torch
 
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT, flops_per_token, padded_vocab
-from kiln.plan.memory import count_params
+from kiln.model.gpt2.model import GPT
 
 
 def make(**kw) -> GPT:
@@ -39,31 +36,6 @@ def test_lm_head_is_tied_to_token_embedding() -> None:
     assert sd["lm_head.weight"].data_ptr() == sd["transformer.wte.weight"].data_ptr()
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        dict(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32),
-        dict(vocab_size=320, block_size=64, n_layer=3, n_head=4, n_embd=64),
-        dict(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False),
-    ],
-    ids=["w32", "w64", "nobias"],
-)
-def test_num_params_matches_planner_formula(cfg) -> None:
-    m = make(**cfg)
-    total, non_embedding = count_params(m.config)
-    assert m.num_params(non_embedding=False) == total == sum(p.numel() for p in m.parameters())
-    V, P, C = cfg["vocab_size"], cfg["block_size"], cfg["n_embd"]
-    assert non_embedding == total - (V + P) * C
-    # the model's non_embedding count (nanoGPT's convention) leaves out only the position table
-    assert m.num_params(non_embedding=True) == total - P * C
-
-
-def test_hand_count_for_one_small_config() -> None:
-    # L=2, C=32, V=300, P=32: per layer 12*C^2 + 13*C = 12704; + ln_f 64; + (V + P) * C = 10624
-    m = make()
-    assert m.num_params(non_embedding=False) == 2 * 12704 + 64 + 10624 == 36096
-
-
 def test_causal_future_tokens_do_not_change_earlier_logits() -> None:
     m = make().eval()
     idx = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
@@ -82,13 +54,6 @@ def test_sequence_longer_than_block_size_is_rejected_with_both_numbers() -> None
     assert m(torch.zeros(1, 32, dtype=torch.long)).shape == (1, 32, 300)
 
 
-def test_padded_vocab() -> None:
-    assert padded_vocab(300) == 320
-    assert padded_vocab(320) == 320
-    assert padded_vocab(50257) == 50304
-    assert padded_vocab(1, multiple=8) == 8
-
-
 def test_residual_projections_get_scaled_init() -> None:
     m = make(n_layer=2, n_embd=64, vocab_size=64)
     # std 0.02 / sqrt(2 * n_layer) = 0.01 for c_proj; 0.02 for the others (4096+ samples: loose tolerance)
@@ -97,9 +62,3 @@ def test_residual_projections_get_scaled_init() -> None:
     assert abs(proj.std().item() - 0.01) < 0.001
     assert abs(fc.std().item() - 0.02) < 0.001
     assert all(torch.count_nonzero(b.attn.c_attn.bias) == 0 for b in m.transformer.h)
-
-
-def test_flops_per_token() -> None:
-    cfg = ModelConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
-    n = 12 * 2 * 32**2 + 300 * 32
-    assert flops_per_token(cfg, 32) == 6 * n + 12 * 2 * 32 * 32

@@ -1,7 +1,7 @@
 """A GPT-2-style decoder-only transformer: one file, readable in one sitting.
 
 Parameter names follow the Hugging Face GPT-2 layout (transformer.wte, transformer.h.N.attn.c_attn,
-...) so release export is a rename-free transpose. Run a shape check with ``python -m kiln.model.gpt``.
+...) so release export is a rename-free transpose. Run a shape check with ``python -m kiln.model.gpt2.model``.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from kiln.model import mup
 from kiln.model.cache import KVCache
-from kiln.model.config import MODEL_PRESETS, ModelConfig, padded_vocab, preset_fields  # noqa: F401  (re-exported)
-from kiln.model.families import Family
+from kiln.model.config import ModelConfig
 from kiln.model.loss import linear_cross_entropy
 from kiln.model.masks import check_attn_mask
+from kiln.model.recompute import checkpoint_block
 
 
 class CausalSelfAttention(nn.Module):
@@ -138,7 +137,7 @@ class GPT(nn.Module):
         recompute = self.checkpoint_blocks and torch.is_grad_enabled() and cache is None
         for block in self.transformer.h:
             # with recompute, only the block's input (B, T, C) is kept for backward; its insides are rerun
-            x = (checkpoint(block, x, None, attn_mask, use_reentrant=False) if recompute
+            x = (checkpoint_block(block, x, None, attn_mask) if recompute
                  else block(x, cache, attn_mask))  # (B, T, C)
         if cache is not None:
             cache.advance(T)
@@ -150,116 +149,6 @@ class GPT(nn.Module):
         if targets is not None:
             return linear_cross_entropy(x, self.lm_head.weight, targets)  # ()
         return self.lm_head(x).float()  # (B, T, V)
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""
-    n = 12 * cfg.n_layer * cfg.n_embd**2 + cfg.vocab_size * cfg.n_embd
-    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
-
-
-def layer_params(cfg: ModelConfig) -> int:
-    """12 C^2 of matrices; 4 LayerNorm vectors (2 without bias) + 9 C of Linear biases (none without bias)."""
-    c = cfg.n_embd
-    return 12 * c**2 + (13 * c if cfg.bias else 2 * c)
-
-
-def saved_per_token(cfg: ModelConfig) -> tuple[int, int]:
-    """The block input, LN outputs, q/k/v, the attention output and its contiguous copy, the MLP's 4C hidden before
-    and after GELU: 17 C elements, 2 C of them the residual stream."""
-    return 17 * cfg.n_embd, 2 * cfg.n_embd
-
-
-def hf_config(cfg: ModelConfig, eot: int) -> dict:
-    """config.json of GPT2LMHeadModel."""
-    if not cfg.bias:
-        raise ValueError("Hugging Face GPT-2 needs biases: release a model trained with model.bias=true")
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
-        "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True, "torch_dtype": "float32",
-        "dtype": "float32",
-    }
-
-
-def read_hf_config(path, doc: dict) -> ModelConfig:
-    """A GPT-2 config.json as ModelConfig; anything Kiln's GPT computes differently is refused."""
-    from kiln.pretrained.config import require
-
-    n_embd = doc["n_embd"]
-    require(path, doc, "n_inner", lambda v: v == 4 * n_embd, "Kiln's GPT-2 MLP is 4 x n_embd wide")
-    require(path, doc, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"), "tanh GELU only")
-    require(path, doc, "layer_norm_epsilon", lambda v: abs(v - 1e-5) < 1e-12, "LayerNorm epsilon 1e-5")
-    require(path, doc, "tie_word_embeddings", lambda v: v is True, "the head is tied to the embedding")
-    require(path, doc, "scale_attn_weights", lambda v: v is True, "attention scaled by 1/sqrt(head size)")
-    require(path, doc, "scale_attn_by_inverse_layer_idx", lambda v: v is False, "no per-layer attention scaling")
-    require(path, doc, "add_cross_attention", lambda v: v is False, "decoder only")
-    return ModelConfig(vocab_size=doc["vocab_size"], block_size=doc.get("n_positions") or doc["n_ctx"],
-                       n_layer=doc["n_layer"], n_head=doc["n_head"], n_embd=n_embd, dropout=0.0, bias=True)
-
-
-def mup_fold(state: dict, cfg: ModelConfig, q: float, out: float) -> dict:
-    """``state`` with muP's multipliers folded in (kiln.model.mup.hf_folds): the query rows of every c_attn (the first
-    n_embd of its 3 n_embd output rows, weight and bias) times ``q``, ln_f's weight and bias times ``out``."""
-    c, folded = cfg.n_embd, dict(state)
-    for name, t in state.items():
-        if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-            t = t.detach().float().clone()
-            t[:c] *= q  # (3C, C) or (3C,): q | k | v
-            folded[name] = t
-        elif name in ("transformer.ln_f.weight", "transformer.ln_f.bias"):
-            folded[name] = t.detach().float() * out
-    return folded
-
-
-def tp_plan(cfg: ModelConfig) -> dict:
-    """Tensor and sequence parallelism (kiln.model.tensor_parallel): the token table row-parallel and the position
-    table replicated, their sum cut into sequence shards at the first block; norms on sequence shards, the fused
-    c_attn column-parallel by heads within each of q, k, v and c_fc by hidden units, both c_proj row-parallel back to
-    sequence shards; the (tied) head column-parallel over the vocabulary."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    from kiln.model.tensor_parallel import FusedColwiseParallel, Replicated
-
-    seq, whole = Shard(1), Replicate()
-    layer = "transformer.h.*."
-    return {
-        "transformer.wte": RowwiseParallel(input_layouts=whole, output_layouts=whole, use_local_output=False),
-        "transformer.wpe": Replicated(),
-        # Block calls are block(x, cache, doc_mask); the first one cuts the embeddings' sum into sequence shards
-        "transformer.h.0": PrepareModuleInput(input_layouts=(whole, None, None), desired_input_layouts=(seq, None, None),
-                                              use_local_output=True),
-        layer + "ln_1": SequenceParallel(),
-        layer + "attn": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(whole, None, None)),
-        layer + "attn.c_attn": FusedColwiseParallel(3),
-        layer + "attn.c_proj": RowwiseParallel(output_layouts=seq),
-        layer + "ln_2": SequenceParallel(),
-        layer + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
-        layer + "mlp.c_fc": ColwiseParallel(),
-        layer + "mlp.c_proj": RowwiseParallel(output_layouts=seq),
-        "transformer.ln_f": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=whole),  # logits; the loss reads the weight
-    }
-
-
-FAMILY = Family(
-    name="gpt2", model=GPT, style="GPT-2-style",
-    # no `family`: the default; mup_base_width is left out at 0 (kiln.model.config.OMITTED_AT_DEFAULT)
-    fields=("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "mup_base_width"),
-    embedding="transformer.wte.weight", lora_targets=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
-    tied=lambda cfg: True, kv_heads=lambda cfg: cfg.n_head, layer_params=layer_params,
-    embedding_params=lambda cfg: (cfg.vocab_size + cfg.block_size) * cfg.n_embd,  # token and position tables
-    final_norm_params=lambda cfg: (2 if cfg.bias else 1) * cfg.n_embd, saved_per_token=saved_per_token,
-    flops_per_token=flops_per_token, hf_config=hf_config, hf_readers={"gpt2": read_hf_config},
-    hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
-    hf_prefix="transformer.", tp_plan=tp_plan, mup_fold=mup_fold,
-    first_stage=("transformer.wte", "transformer.wpe"), last_stage=("transformer.ln_f", "lm_head"),
-    # c_attn's rows are held rank-interleaved under TP (q_r | k_r | v_r per rank): checkpoints save them in order
-    tp_interleaved=True,
-)
 
 
 if __name__ == "__main__":
