@@ -3,17 +3,20 @@
 (``kiln run``'s preflight checks a run's resource config before the first asset: jobs.preflight.check_numbers); and
 the two ways an error becomes a step's Failure without a retry: a config error (failing_on_config_errors, the one
 helper the assets and the torchrun launcher use) and a stored file found damaged, which is set aside
-(failing_on_damage)."""
+(failing_on_damage). ``resource_of(Spec)`` makes a resource's fields from a core settings dataclass, so a resource
+declares none of the core's settings a second time."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import dataclasses
+import typing
+from typing import Any, Iterator
 
 from dagster import ConfigurableResource, Failure
-from pydantic import model_validator
+from pydantic import Field, create_model, model_validator
 
-from kiln.common.config import ConfigError, check_model_domains
+from kiln.common.config import ConfigError, check_model_domains, field_docs
 from kiln.plan.memory import PlanError
 
 
@@ -22,6 +25,26 @@ class KilnResource(ConfigurableResource):
     def _numbers_in_their_domains(self):
         check_model_domains(self, type(self).__name__)
         return self
+
+
+def resource_of(spec: type, defaults: dict[str, Any] | None = None, docs: dict[str, str] | None = None) -> type:
+    """A KilnResource base class with one field per field of dataclass ``spec``: its type (with its Domain), its
+    default (or ``defaults``'), and its ``# comment`` as the description the launchpad shows (or ``docs``'). The
+    resource subclasses it and adds only what is its own; ``spec_of(resource, spec)`` turns it back."""
+    hints, comment = typing.get_type_hints(spec, include_extras=True), field_docs(spec)
+    defaults, docs = defaults or {}, docs or {}
+    unknown = sorted((set(defaults) | set(docs)) - {f.name for f in dataclasses.fields(spec)})
+    if unknown:
+        raise TypeError(f"resource_of({spec.__name__}): {unknown} are not its fields")
+    fields = {f.name: (hints[f.name], Field(default=defaults.get(f.name, f.default),
+                                            description=docs.get(f.name) or comment[f.name]))
+              for f in dataclasses.fields(spec)}
+    return create_model(f"{spec.__name__}Fields", __base__=KilnResource, __module__=spec.__module__, **fields)
+
+
+def spec_of(resource: Any, spec: type) -> Any:
+    """The ``spec`` dataclass holding a resource's values of its fields (the inverse of ``resource_of``)."""
+    return spec(**{f.name: getattr(resource, f.name) for f in dataclasses.fields(spec)})
 
 
 @contextlib.contextmanager

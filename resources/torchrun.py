@@ -43,7 +43,7 @@ from kiln.train.cluster import TorchrunSpec
 from kiln.train.diskfull import describe, no_space, record
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
-from resources.base import KilnResource, failing_on_config_errors, failing_on_damage
+from resources.base import failing_on_config_errors, failing_on_damage, resource_of, spec_of
 from resources.pipes_worker import LAUNCHER_ENV, STOP_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -190,35 +190,27 @@ def check_local_devices(device: str, nproc_per_node: int) -> None:
         raise Failure(problem)
 
 
-class TorchrunResource(KilnResource):
-    """How training processes are started: torchrun locally or across nodes (c10d rendezvous)."""
+class TorchrunResource(resource_of(
+        TorchrunSpec, defaults={"worker": "resources.pipes_worker"},
+        docs={"worker": "The module every worker runs (python -m WORKER --config job.json ...): the Pipes worker, "
+                        "which reports to Dagster and runs kiln.train. tests.faults wraps it with injected faults."})):
+    """How training processes are started: torchrun locally or across nodes (c10d rendezvous). The torchrun settings
+    are kiln.train.cluster.TorchrunSpec's fields (declared there once); the launcher and its Slurm and retry settings
+    are this resource's own."""
 
-    nnodes: Annotated[int, Domain(1)] = Field(default=1, description="Machines in the job; each runs this same launch.")
-    node_rank: Annotated[int, Domain(0)] = Field(default=0, description="This machine's rank among nnodes (multi-node only).")
-    rdzv_endpoint: str = Field(default="", description="host:port of the c10d rendezvous for multi-node runs.")
-    rdzv_id: str = Field(default="", description="Rendezvous job id (defaults to the Dagster run id).")
-    max_restarts: Annotated[int, Domain(0)] = Field(default=3, description="torchrun restarts the whole worker group this many times after a worker dies; each restart resumes from the newest good checkpoint. A full disk (ENOSPC) stops the job instead (resources.pipes_worker).")
-    timeout_s: Annotated[int, Domain(1)] = Field(default=6 * 3600, description="Upper bound on the whole launch; the job is killed past it.")
-    pg_timeout_s: Annotated[int, Domain(1)] = Field(default=600, description="Process-group timeout: a hung collective fails after this.")
-    python: str = Field(default="", description="Python interpreter for the workers (default: this one).")
     launcher: str = Field(default="local", description="'local': torchrun on this machine (one node of a multi-node job); 'slurm': submit (sbatch) and follow (scontrol) a script that runs the same torchrun command on every node of an allocation (the run folder must be on storage the nodes share).")
     slurm_partition: str = Field(default="", description="Slurm partition for launcher 'slurm' (empty: the cluster's default).")
     slurm_account: str = Field(default="", description="Slurm account for launcher 'slurm' (empty: the user's default).")
     slurm_cpus_per_node: Annotated[int, Domain(0)] = Field(default=0, description="CPUs to ask for per node with launcher 'slurm' (0: the cluster's default).")
-    slurm_signal_s: Annotated[int, Domain(0)] = Field(default=120, description="Slurm sends SIGUSR1 this many seconds before the job's time limit (sbatch --signal): the workers save and stop as if preempted.")
     slurm_poll_s: Annotated[float, Domain(0, low_open=True)] = Field(default=2.0, description="Seconds between looks at a Slurm job's state (scontrol show job).")
     preempt_retries: Annotated[int, Domain(0)] = Field(default=3, description="A preempted launch (stop signal, checkpoint saved) is retried this many times, each resuming from that checkpoint.")
     preempt_retry_wait_s: Annotated[float, Domain(0)] = Field(default=10.0, description="Seconds before the retry of a preempted launch.")
-    worker: str = Field(default="resources.pipes_worker", description="The module every worker runs (python -m WORKER --config job.json ...): the Pipes worker, which reports to Dagster and runs kiln.train. tests.faults wraps it with injected faults.")
 
     # -- the command and the cluster files (kiln.train.cluster renders them)
 
     def torchrun_spec(self) -> TorchrunSpec:
         """This resource's torchrun settings, its workers running ``worker``."""
-        return TorchrunSpec(nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
-                            rdzv_id=self.rdzv_id, max_restarts=self.max_restarts, timeout_s=self.timeout_s,
-                            pg_timeout_s=self.pg_timeout_s, python=self.python, slurm_signal_s=self.slurm_signal_s,
-                            worker=self.worker)
+        return spec_of(self, TorchrunSpec)
 
     def command(self, nproc_per_node: int, job_path: Path | str, device: str, run_id: str = "kiln",
                 python: str | None = None, rdzv_endpoint: str | None = None, node_rank: int | None = None,

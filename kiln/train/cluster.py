@@ -66,8 +66,8 @@ class TorchrunSpec:
     node_rank: Annotated[int, Domain(0)] = 0  # this machine's rank among nnodes (informative: c10d assigns ranks)
     rdzv_endpoint: str = ""  # host:port of the c10d rendezvous for several nodes
     rdzv_id: str = ""  # rendezvous job id (default: the run id)
-    max_restarts: Annotated[int, Domain(0)] = 3  # torchrun restarts the whole worker group this many times after a worker dies
-    timeout_s: Annotated[int, Domain(1)] = 6 * 3600  # upper bound on the whole launch (Slurm time limit, Kubernetes active deadline)
+    max_restarts: Annotated[int, Domain(0)] = 3  # torchrun restarts the whole worker group this many times after a worker dies; each restart resumes from the newest good checkpoint (a full disk stops the job instead)
+    timeout_s: Annotated[int, Domain(1)] = 6 * 3600  # upper bound on the whole launch, killed past it (Slurm time limit, Kubernetes active deadline)
     pg_timeout_s: Annotated[int, Domain(1)] = 600  # process-group timeout: a hung collective fails after this
     python: str = ""  # the workers' interpreter (default: this one)
     slurm_signal_s: Annotated[int, Domain(0)] = 120  # Slurm sends SIGUSR1 this many seconds before the time limit (sbatch --signal)
