@@ -1,14 +1,10 @@
 """MLflow tracking against a real ``mlflow server`` over HTTP (the multi-machine setup): runs nest under their
-Dagster run, metrics arrive in batches, artifacts go through the server, and a rerun reuses the recorded output
+Dagster run with their metrics, artifacts go through the server, and a rerun reuses the recorded output
 once its files check out (a damaged checkpoint or file is named and recomputed).
 """
 
 import logging
 import os
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,42 +12,18 @@ import torch
 from dagster import AssetExecutionContext, DagsterInstance, Output, asset, materialize
 
 from kiln.common.files import commit_dir, manifest_of_dir, sha256_bytes, stable_hash, staging_dir
-from kiln.common.metrics import MetricLogger
 from kiln.train.checkpoint import checkpoint_identity, save_checkpoint, verify_checkpoint
 from resources.storage import KilnStorageResource
 from resources.tracking import MlflowResource
-from ports import free_port
+from mlflow_server import running_server
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real tracking server on 127.0.0.1 with its own sqlite store and proxied artifact store."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-           "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+    with running_server(root) as url:
         yield url, root
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-        log.close()
 
 
 def _resource(url: str, tmp_path: Path) -> MlflowResource:
@@ -102,23 +74,6 @@ def test_asset_runs_metrics_and_artifacts_go_through_the_server_and_a_rerun_is_r
     assert second.success and calls == [1]
     reused = client.search_runs([exp.experiment_id], f"tags.`dagster.run_id` = '{second.run_id}' and tags.`kiln.kind` = 'asset'")
     assert reused[0].data.tags["kiln.reused_from"] == child[0].info.run_id
-
-
-def test_worker_metric_logger_sends_thousands_of_points_in_batches(mlflow_server):
-    from mlflow.tracking import MlflowClient
-
-    url, _ = mlflow_server
-    client = MlflowClient(url)
-    exp = client.get_experiment_by_name("kiln-server-test") or client.get_experiment(client.create_experiment("kiln-server-test"))
-    run = client.create_run(exp.experiment_id)
-    logger = MetricLogger(url, run.info.run_id, flush_every_s=3600)
-    for step in range(1200):
-        logger.log({"train_loss": 5.0 - step / 1000, "tokens_per_s": 1000.0 + step}, step)
-    logger.flush()
-    got = client.get_metric_history(run.info.run_id, "train_loss")
-    assert len(got) == 1200 and got[-1].step == 1199 and got[-1].value == pytest.approx(5.0 - 1.199)
-    assert len(client.get_metric_history(run.info.run_id, "tokens_per_s")) == 1200
-    assert MetricLogger(url, "").client is None  # other ranks log nothing
 
 
 # -- reuse checks the recorded files first (in-process, a sqlite store)
