@@ -1,11 +1,14 @@
 """Benchmark, side by side in one run: a dense llama and mixtures of experts with the same active parameters per token,
 trained on the same token shards for the same tokens; and the mixture's load balance with and without balancing.
 
-python bench/bench_moe.py --shards DIR [--steps 300] [--experts 8] [--top-k 2] [--threads 1] [--json out.json]
+python bench/bench_moe.py --shards DIR [--seeds 0,1,2] [--steps 300] [--experts 8] [--top-k 2] [--out STEM]
 DIR is a token_shards folder (train_*.bin, val_*.bin, manifest.json): a demo home's `.kiln/storage/token_shards/<v>`.
 
 Every model has the same attention (llama's with QK-norm in the mixtures, as Qwen3-MoE; the dense model runs it too,
-so the comparison is the MLP alone) and sees the same batches in the same order (same seed, optimizer, schedule).
+so the comparison is the MLP alone) and, within one seed, sees the same batches in the same order (optimizer and
+schedule the same); each seed draws other initial weights and another batch order. The summary gives each model's
+validation loss over the seeds (mean, min and max) and each mixture's difference from the dense model of the same
+seed (mean and range), so a difference is read against the spread between seeds.
 The dense SwiGLU is ``I`` wide; each mixture has ``--experts`` experts of I / k, k per token: equal active MLP
 parameters per token, E / k times the MLP parameters in all. Mixtures: ``aux_loss`` (switch balance loss, weight
 0.01), ``aux_free`` (DeepSeek-V3's bias, rate 0.001) and ``none`` (no balancing). Reported per model: total and
@@ -25,8 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_families import val_loss  # noqa: E402  (the same held-out loss as the family comparison)
+from provenance import header, header_md, machine_line  # noqa: E402
 from kiln.tokens.loader import TokenLoader  # noqa: E402
 from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
@@ -52,13 +57,13 @@ def configs(a: argparse.Namespace, vocab: int) -> dict[str, ModelConfig]:
     return out
 
 
-def train(name: str, cfg: ModelConfig, shards: Path, a: argparse.Namespace) -> dict:
-    torch.manual_seed(0)
+def train(name: str, cfg: ModelConfig, shards: Path, a: argparse.Namespace, seed: int) -> dict:
+    torch.manual_seed(seed)
     model = build_model(cfg)
     opt_cfg = OptimConfig(lr=a.lr, warmup_steps=a.warmup)
     optimizer = make_optimizer(model, opt_cfg, torch.device("cpu"))
     scheduler = make_scheduler(optimizer, opt_cfg, a.steps)
-    loader = TokenLoader(shard_paths(shards, "train"), a.batch, a.seq_len, seed=0)
+    loader = TokenLoader(shard_paths(shards, "train"), a.batch, a.seq_len, seed=seed)
     val = shard_paths(shards, "val")
     train_s, late, experts = 0.0, None, sparse_layers(model)
     for step in range(1, a.steps + 1):
@@ -76,29 +81,62 @@ def train(name: str, cfg: ModelConfig, shards: Path, a: argparse.Namespace) -> d
     tokens = a.steps * a.batch * a.seq_len
     counts = tensor_count(cfg) if cfg.family == "moe" else {"total": count_params(cfg)[0],
                                                             "active": count_params(cfg)[0]}
-    out = {"name": name, "params": counts["total"], "active_params": counts["active"], "train_s": train_s,
+    out = {"name": name, "seed": seed, "params": counts["total"], "active_params": counts["active"], "train_s": train_s,
            "tokens_per_s": tokens / train_s, "final_val_loss": val_loss(model, val, a.batch, a.seq_len, a.eval_batches)}
     if late is not None:
         out.update({k.removeprefix("moe/"): v for k, v in load_measures(late).items()},
                    load_by_layer=late.long().tolist())
-    print(f"  {name}: val {out['final_val_loss']:.4f}, {out['tokens_per_s']:,.0f} tok/s", flush=True)
+    print(f"  seed {seed} {name}: val {out['final_val_loss']:.4f}, {out['tokens_per_s']:,.0f} tok/s", flush=True)
     return out
 
 
-def table(runs: list[dict], tokens: int) -> str:
-    rows = [f"{'model':<13} {'params':>10} {'active':>10} {'tok/s':>8} {'val@' + format(tokens, ',') + ' tok':>16} "
-            f"{'max/mean':>9} {'worst':>6} {'entropy':>8}"]
+def table(runs: list[dict]) -> list[str]:
+    """One markdown row per model and seed."""
+    out = ["| model | seed | parameters | active | tokens/s | validation loss | load max/mean (worst layer) | "
+           "routing entropy |", "|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in runs:
-        bal = (f"{r['load_max_over_mean']:>9.3f} {r['load_max_over_mean_worst']:>6.3f} {r['load_entropy']:>8.4f}"
-               if "load_entropy" in r else f"{'':>9} {'':>6} {'':>8}")
-        rows.append(f"{r['name']:<13} {r['params']:>10,} {r['active_params']:>10,} {r['tokens_per_s']:>8,.0f} "
-                    f"{r['final_val_loss']:>16.4f} {bal}")
-    return "\n".join(rows)
+        bal = (f"{r['load_max_over_mean']:.3f} ({r['load_max_over_mean_worst']:.3f}) | {r['load_entropy']:.3f}"
+               if "load_entropy" in r else " | ")
+        out.append(f"| {r['name']} | {r['seed']} | {r['params']:,} | {r['active_params']:,} | {r['tokens_per_s']:,.0f} "
+                   f"| {r['final_val_loss']:.4f} | {bal} |")
+    return out
+
+
+def summary(runs: list[dict]) -> list[dict]:
+    """Per model over the seeds: validation loss mean, min, max; for a mixture, its loss minus the dense model's of
+    the same seed (mean, min, max; negative: the mixture is lower) and tokens/s relative to the dense model's."""
+    dense = {r["seed"]: r for r in runs if r["name"] == "dense"}
+    rows = []
+    for name in dict.fromkeys(r["name"] for r in runs):
+        mine = [r for r in runs if r["name"] == name]
+        loss = [r["final_val_loss"] for r in mine]
+        row = {"model": name, "seeds": len(mine), "loss_mean": sum(loss) / len(loss), "loss_min": min(loss),
+               "loss_max": max(loss), "tokens_per_s_mean": sum(r["tokens_per_s"] for r in mine) / len(mine)}
+        paired = [(r, dense[r["seed"]]) for r in mine if name != "dense" and r["seed"] in dense]
+        if paired:
+            diff = [r["final_val_loss"] - d["final_val_loss"] for r, d in paired]
+            speed = [r["tokens_per_s"] / d["tokens_per_s"] for r, d in paired]
+            row.update(diff_mean=sum(diff) / len(diff), diff_min=min(diff), diff_max=max(diff),
+                       speed_vs_dense=sum(speed) / len(speed))
+        rows.append(row)
+    return rows
+
+
+def summary_table(rows: list[dict]) -> list[str]:
+    out = ["| model | seeds | validation loss mean (min .. max) | minus dense, same seed: mean (min .. max) | "
+           "tokens/s (x dense) |", "|---|---:|---|---|---|"]
+    for r in rows:
+        diff = (f"{r['diff_mean']:+.4f} ({r['diff_min']:+.4f} .. {r['diff_max']:+.4f})" if "diff_mean" in r else "")
+        speed = f"{r['tokens_per_s_mean']:,.0f}" + (f" ({r['speed_vs_dense']:.2f}x)" if "speed_vs_dense" in r else "")
+        out.append(f"| {r['model']} | {r['seeds']} | {r['loss_mean']:.4f} ({r['loss_min']:.4f} .. {r['loss_max']:.4f}) "
+                   f"| {diff} | {speed} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", required=True, help="a token_shards folder (train_*.bin, val_*.bin, manifest.json)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: initial weights and batch order")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
@@ -114,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--only", default="", help="comma-separated model names to run (dense, 'moe aux_loss', ...)")
     p.add_argument("--threads", type=int, default=1, help="1 on a shared machine: two threads on busy cores run slower")
-    p.add_argument("--json", default="", help="also write the results to this file")
+    p.add_argument("--out", default="", help="write STEM.md and STEM.json (command, commit, date, machine inside)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     shards = Path(a.shards)
@@ -125,12 +163,25 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{shards} ({manifest.get('encoding')}): {tokens:,} tokens each, {a.steps} steps of {a.batch} x {a.seq_len}, "
           f"{a.threads} threads; dense SwiGLU {a.ffn} vs {a.experts} experts of {a.ffn // a.top_k}, {a.top_k} per token",
           flush=True)
-    runs = [train(name, cfg, shards, a) for name, cfg in cfgs.items() if name in wanted]
-    print(table(runs, tokens))
-    result = {"shards": str(shards), "token_budget": tokens, "runs": runs,
-              "settings": {k: v for k, v in vars(a).items() if k not in ("json", "shards")}}
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2))
+    seeds = [int(v) for v in a.seeds.split(",") if v.strip()]
+    print(f"machine: {machine_line()}", flush=True)
+    runs = [train(name, cfg, shards, a, seed) for seed in seeds for name, cfg in cfgs.items() if name in wanted]
+    rows = summary(runs)
+    lines = [*summary_table(rows), "", *table(runs)]
+    print("\n".join(lines))
+    result = {"shards": str(shards), "manifest_sha256": manifest.get("sha256"), "token_budget": tokens, "runs": runs,
+              "summary": rows, "settings": {k: v for k, v in vars(a).items() if k not in ("out", "shards")}}
+    if a.out:
+        out = Path(a.out)
+        about = (f"Token shards {shards} ({manifest.get('encoding')}, vocabulary {manifest['vocab_size']}): "
+                 f"{tokens:,} training tokens per model, {a.steps} steps of {a.batch} x {a.seq_len}, {a.threads} "
+                 f"thread(s); {a.n_layer} blocks of {a.n_embd}; dense SwiGLU {a.ffn} wide against {a.experts} experts "
+                 f"of {a.ffn // a.top_k}, {a.top_k} per token (equal active parameters); seeds {a.seeds}. Validation "
+                 f"loss: {a.eval_batches} held-out batches at the end. Load balance: the last 50 steps.")
+        out.with_suffix(".md").write_text("\n".join(["# Mixture of experts against dense, at equal active parameters "
+                                                     "and tokens", "", *header_md(), about, "", *lines, ""]))
+        out.with_suffix(".json").write_text(json.dumps({**header(), **result}, indent=2))
+        print(f"wrote {out.with_suffix('.md')} and .json")
     return result
 
 
