@@ -38,9 +38,12 @@ log = logging.getLogger(__name__)
 Row = tuple[list[int], list[int]]  # (model input tokens, targets: the tokens after its last len(targets) positions)
 KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k"}
 SHARE_ENV = "KILN_EVAL_SHARE_CONTEXT"  # "0" / "false" / "no" / "off": score each request as its own row
-SHARE_SLACK = 1.05  # a batch, and each pass of a shared one, runs at most this many times the tokens its rows need
-# (padding and re-run context tails are work with no result; a forward call's fixed cost is a few tokens' worth,
-# so small batches of similar lengths cost less than large padded ones: bench/eval_tokens.py)
+# A forward call costs a fixed part (on a CPU, streaming every weight from memory: tens of tokens' worth for a 135M
+# model in float32) plus a part per token run, padding and re-run context tails included (bench/eval_tokens.py
+# counts those). One-row batches are long rows, so they pad little (ROW_SLACK); a shared batch's passes are short
+# endings, where a tighter bound means many small calls, each paying the fixed part (SHARE_SLACK).
+ROW_SLACK = 1.05  # a one-row batch runs at most this many times the tokens its rows need
+SHARE_SLACK = 1.15  # a shared batch, and each pass of it, runs at most this many times the tokens its rows need
 LOGITS_ENV = "KILN_EVAL_LOGITS_GIB"  # the most memory one pass's float32 logits may take (default LOGITS_GIB)
 LOGITS_GIB = 2.0  # CPU-safe; a GPU with room scores faster with more (bench/gpu_released.sh gives 8)
 
@@ -212,7 +215,7 @@ class KilnLM(LM):
         Rows with the same input tokens (e.g. one-token answers " A".." D" after one question) share one forward
         pass, each gathering its own targets from the shared logits. A batch holds at most ``pass_tokens`` input
         tokens (batch_size x max_length, capped by logits_gib): full-length rows, or proportionally more shorter ones,
-        as long as its padding stays within SHARE_SLACK times its rows' own tokens (a long row does not pad many much
+        as long as its padding stays within ROW_SLACK times its rows' own tokens (a long row does not pad many much
         shorter ones to its length). ``scored(n)`` is told the number of rows scored so far after each batch.
         """
         self.model.eval()
@@ -232,7 +235,7 @@ class KilnLM(LM):
             cap, end, own = max(1, budget // max(T, 1)), start + 1, T
             while end < len(order) and end - start < cap:
                 n = len(inputs[order[end]])
-                if (end - start + 1) * T > SHARE_SLACK * (own + n):
+                if (end - start + 1) * T > ROW_SLACK * (own + n):
                     break
                 own, end = own + n, end + 1
             us = order[start:end]
