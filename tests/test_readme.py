@@ -18,7 +18,7 @@ FIGURE = re.compile(r"(?<!waits )(?<!every )\b\d[\d,]*(?:\.\d+)?\s?(?:s|ms|min|h
                     r"MiB|GB|MB)(?![\w/])|\b\d+(?:\.\d+)?x\b|\b\d+(?:\.\d+)?%(?! (?:bootstrap |confidence )?interval)|±")
 CITES = re.compile(r"bench/results/|\b[\w.*-]+\.(?:md|json)\b")
 # results files README names that were written before benches recorded the command, commit, date and machine
-LEGACY = {"clean_scaling.md", "digit_split.md", "moe_run1.json", "moe_run2.json", "mup_run1.md", "mup_run2.md",
+LEGACY = {"clean_scaling.md", "digit_split.md", "mup_run1.md", "mup_run2.md",
           "rlaif_run1.md", "rlaif_run2.md", "speedrun.md", "sweep_run1.md", "sweep_run2.md", "tasks_run1.md"}
 
 
