@@ -2,7 +2,7 @@
 widths under the standard parametrisation (SP) and under muP (kiln.model.mup, ``mup_base_width`` = the narrowest
 width), on the demo's token shards.
 
-python bench/bench_mup.py --shards DIR [--out bench/results/mup.json] [--plot mup.png] [--workers 2]
+python bench/bench_mup.py --shards DIR [--seeds 0,1] [--out bench/results/mup] [--workers 2]
 python bench/bench_mup.py --shards DIR --quick        (2 widths, 3 lrs, 20 steps: a check that it runs, ~10 s)
 
 DIR is a token_shards folder (train_*.bin, val_*.bin, manifest.json): a demo home's `.kiln/storage/token_shards/<v>`.
@@ -17,10 +17,13 @@ such updates and gives up after a few in a row) or whose final validation loss i
 shown as "diverged". muP at the base width is the SP model bit for bit (tests/kiln/model/test_mup.py), so those runs are
 not repeated: the SP ones are reported for both.
 
-Reported: per (parametrisation, width) the final validation loss at each lr and the best lr; per parametrisation how
-many factor-2 grid steps the best lr moves from the narrowest to the widest width (muP's claim: about 0; SP's best lr
-falls with width); markdown tables on stdout, every figure in ``--out`` (JSON), loss vs lr per width in one panel per
-parametrisation in ``--plot`` (PNG).
+Reported, for each seed (``--seeds``: initial weights and batch order): per (parametrisation, width) the final
+validation loss at each lr and the best lr; per parametrisation how many factor-2 grid steps the best lr moves from the
+narrowest to the widest width (muP's claim: about 0; SP's best lr falls with width). Over the seeds: each seed's move,
+and per (parametrisation, width) how sharp the optimum is: the loss one grid step either side of the best lr minus the
+best, beside the seeds' spread at the best lr (an optimum less sharp than the spread cannot be located). Markdown on
+stdout and in ``--out``.md (with the command, commit, date and machine), every figure in ``--out``.json, loss vs lr per
+width (the seeds' mean) in ``--out``.png.
 
 Cost: one trainer step of the gpt2 shape (2 layers, 4 heads, seq 128, batch 8, vocabulary 4096) took 31, 58, 140 and
 396 ms at widths 64, 128, 256, 512 on one thread of a 2-core Xeon; a validation batch about a third of that. The
@@ -45,6 +48,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from provenance import header, header_md, machine_line  # noqa: E402
 
 PARAMS = ("sp", "mup")  # the standard parametrisation, muP relative to the narrowest width
 QUICK = {"widths": "64,128", "lr_exps": "-9:-7", "steps": 20, "eval_batches": 4}
@@ -149,6 +155,69 @@ def summarise(runs: list[dict], widths: list[int], exps: list[int]) -> dict:
     return out
 
 
+def mean_summary(by_seed: dict, widths: list[int], exps: list[int]) -> dict:
+    """The summaries' losses averaged over the seeds (inf where any seed diverged), in ``summarise``'s shape."""
+    out: dict = {}
+    for p in PARAMS:
+        by_width = {}
+        for w in widths:
+            cols = [s[p]["by_width"][w]["losses"] for s in by_seed.values()]
+            losses = [sum(c[i] for c in cols) / len(cols) for i in range(len(exps))]
+            finite = [(loss, e) for loss, e in zip(losses, exps) if math.isfinite(loss)]
+            best = min(finite)[1] if finite else None
+            by_width[w] = {"losses": losses, "best_exp": best, "best_lr": 2.0**best if best is not None else None,
+                           "best_loss": min(finite)[0] if finite else math.inf}
+        lo, hi = by_width[min(widths)]["best_exp"], by_width[max(widths)]["best_exp"]
+        out[p] = {"by_width": by_width, "shift": hi - lo if lo is not None and hi is not None else None}
+    return out
+
+
+def across_seeds(by_seed: dict, widths: list[int], exps: list[int]) -> dict:
+    """Per parametrisation: each seed's move of the best lr, the move on the seeds' mean loss, and per width the best
+    lr per seed, the mean curve's best, how much higher the mean loss is one grid step either side of it
+    (``sharpness``: the smaller of the two; None at the grid's edge) and the seeds' spread (max - min) there."""
+    mean = mean_summary(by_seed, widths, exps)
+    out: dict = {}
+    for p in PARAMS:
+        rows = {}
+        for w in widths:
+            m = mean[p]["by_width"][w]
+            best = m["best_exp"]
+            sides = []
+            if best is not None:
+                i = exps.index(best)
+                sides = [m["losses"][j] - m["best_loss"] for j in (i - 1, i + 1) if 0 <= j < len(exps)]
+            at_best = [s[p]["by_width"][w]["losses"][exps.index(best)] for s in by_seed.values()] if best is not None else []
+            rows[w] = {"best_exp_per_seed": [s[p]["by_width"][w]["best_exp"] for s in by_seed.values()],
+                       "mean_best_exp": best, "mean_best_loss": m["best_loss"],
+                       "sharpness": min(sides) if len(sides) == 2 else None,
+                       "seed_spread_at_best": max(at_best) - min(at_best) if at_best else None}
+        out[p] = {"shift_per_seed": [s[p]["shift"] for s in by_seed.values()], "shift_of_mean": mean[p]["shift"],
+                  "by_width": rows}
+    return out
+
+
+def across_table(across: dict, widths: list[int], base: int) -> str:
+    """Markdown of ``across_seeds``."""
+    names = {"sp": "standard parametrisation", "mup": f"muP (mup_base_width {base})"}
+    fmt = (lambda e: f"2^{e}" if e is not None else "-")
+    num = (lambda x: f"{x:.4f}" if x is not None and math.isfinite(x) else "-")
+    lines = ["| parametrisation | width | best lr per seed | best lr of the mean loss | mean loss there | "
+             "loss one step either side, the lesser rise | seeds' spread there |", "|---|---:|---|---:|---:|---:|---:|"]
+    for p in PARAMS:
+        for w in widths:
+            r = across[p]["by_width"][w]
+            lines.append(f"| {names[p]} | {w} | {', '.join(fmt(e) for e in r['best_exp_per_seed'])} | "
+                         f"{fmt(r['mean_best_exp'])} | {num(r['mean_best_loss'])} | {num(r['sharpness'])} | "
+                         f"{num(r['seed_spread_at_best'])} |")
+    lines += ["", f"| parametrisation | grid steps the best lr moves from width {min(widths)} to {max(widths)}, per seed "
+              "| on the mean loss |", "|---|---|---:|"]
+    for p in PARAMS:
+        per = ", ".join(str(x) if x is not None else "-" for x in across[p]["shift_per_seed"])
+        lines.append(f"| {names[p]} | {per} | {across[p]['shift_of_mean'] if across[p]['shift_of_mean'] is not None else '-'} |")
+    return "\n".join(lines)
+
+
 def finite_or_null(x):
     """``x`` with every inf/nan float (a diverged loss) as None, which JSON can hold ("diverged": true says why)."""
     if isinstance(x, float):
@@ -232,12 +301,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="AdamW's decay (0: the sweep measures the lr alone; torch couples decay to the lr)")
     p.add_argument("--eval-batches", type=int, default=8,
                    help="validation micro-batches (the same windows for every run) at the start and end of each run")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seeds", default="1337", help="comma-separated seeds; each runs the whole grid")
     p.add_argument("--workers", type=int, default=2, help="runs at once, one torch thread each (one per free core)")
     p.add_argument("--quick", action="store_true", help=f"a quick check: {QUICK}")
-    p.add_argument("--out", default="", help="every figure as JSON (default: bench/results/mup.json, mup_quick.json "
-                                             "with --quick)")
-    p.add_argument("--plot", default="", help="loss vs lr PNG (default: --out with .png)")
+    p.add_argument("--out", default="", help="write STEM.md, STEM.json and STEM.png (default: bench/results/mup, "
+                                             "mup_quick with --quick)")
     a = p.parse_args(argv)
     if a.quick:
         for k, v in QUICK.items():
@@ -254,26 +322,43 @@ def main(argv: list[str] | None = None) -> dict:
 
     manifest = json.loads((shards / "manifest.json").read_text())
     vocab = padded_vocab(manifest["vocab_size"])
+    seeds = [int(v) for v in str(a.seeds).split(",") if v.strip()]
     n_runs = len(exps) * (2 * len(a.widths) - (a.base_width in a.widths))
+    print(f"machine: {machine_line()}", flush=True)
     print(f"{shards} ({manifest.get('encoding')}): {a.family}, {a.n_layer} layers, {a.n_head} heads, "
           f"widths {a.widths}, muP base {a.base_width}; AdamW lr 2^{exps[0]}..2^{exps[-1]}; {a.steps} steps of "
-          f"{a.batch} x {a.seq_len} tokens; {n_runs} runs on {a.workers} workers", flush=True)
+          f"{a.batch} x {a.seq_len} tokens; {n_runs} runs per seed, seeds {seeds}, on {a.workers} workers", flush=True)
     t0 = time.perf_counter()
-    runs = sweep(a, vocab)
+    per_seed, lines = {}, []
+    for seed in seeds:
+        a.seed = seed
+        runs = sweep(a, vocab)
+        per_seed[seed] = {"runs": runs, "summary": summarise(runs, a.widths, exps)}
+        lines += [f"## seed {seed}", "", tables(per_seed[seed]["summary"], a.widths, exps, a.base_width), ""]
     wall = time.perf_counter() - t0
-    summary = summarise(runs, a.widths, exps)
+    across = across_seeds({s: v["summary"] for s, v in per_seed.items()}, a.widths, exps)
+    lines += ["## over the seeds", "", across_table(across, a.widths, a.base_width)]
     print()
-    print(tables(summary, a.widths, exps, a.base_width))
-    print(f"\n{len(runs)} results ({n_runs} runs) in {wall:.0f} s")
-    settings = {k: v for k, v in vars(a).items() if k not in ("out", "plot")}
-    result = {"shards": str(shards), "settings": settings, "lr_exps": exps, "runs": runs, "wall_s": wall,
-              "summary": {p: {"shift": s["shift"], "by_width": {str(w): v for w, v in s["by_width"].items()}}
-                          for p, s in summary.items()}}
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / ("mup_quick.json" if a.quick else "mup.json")
-    out.write_text(json.dumps(finite_or_null(result), indent=2, default=str))
-    png = Path(a.plot) if a.plot else out.with_suffix(".png")
-    plot(summary, a.widths, exps, a.base_width, png)
-    print(f"figures: {out}; plot: {png}")
+    print("\n".join(lines))
+    print(f"\n{len(seeds)} seeds x {n_runs} runs in {wall:.0f} s")
+    settings = {k: v for k, v in vars(a).items() if k not in ("out", "seed")}
+    result = {"shards": str(shards), "manifest_sha256": manifest.get("sha256"), "settings": settings, "lr_exps": exps,
+              "seeds": seeds, "wall_s": wall, "across_seeds": across,
+              "per_seed": {str(s): {"runs": v["runs"], "summary": {
+                  p: {"shift": x["shift"], "by_width": {str(w): y for w, y in x["by_width"].items()}}
+                  for p, x in v["summary"].items()}} for s, v in per_seed.items()}}
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / ("mup_quick" if a.quick else "mup")
+    about = (f"Token shards {shards} ({manifest.get('encoding')}): {a.family}, {a.n_layer} layers, {a.n_head} heads, "
+             f"widths {a.widths}, muP base width {a.base_width}; AdamW lr 2^{exps[0]} .. 2^{exps[-1]} (factor 2), "
+             f"warmup {a.warmup} then cosine; {a.steps} steps of {a.batch} x {a.seq_len} tokens "
+             f"({a.steps * a.batch * a.seq_len:,} tokens a run); final validation loss on {a.eval_batches} held-out "
+             f"batches; seeds {seeds}; {a.workers} workers of one thread; {wall:.0f} s in all.")
+    out.with_suffix(".md").write_text("\n".join(["# muP against the standard parametrisation: the best AdamW lr "
+                                                 "across widths", "", *header_md(), about, "", *lines, ""]))
+    out.with_suffix(".json").write_text(json.dumps(finite_or_null({**header(), **result}), indent=2, default=str))
+    plot(mean_summary({s: v["summary"] for s, v in per_seed.items()}, a.widths, exps), a.widths, exps, a.base_width,
+         out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.md')}, .json and .png")
     return result
 
 

@@ -47,3 +47,23 @@ def test_jobs_differ_only_in_width_parametrisation_and_lr(tmp_path):
     assert (sp["optim"]["lr"], mup["optim"]["lr"]) == (2.0**-8, 2.0**-7) and "family" not in sp["model"]
     same = {k for k in sp if k not in ("model", "optim")}
     assert {k: sp[k] for k in same} == {k: mup[k] for k in same} and sp["spikes"] == {"enabled": False}
+
+
+def test_over_seeds_each_seeds_move_the_mean_curves_best_and_how_sharp_it_is_beside_the_spread():
+    bench = load_bench("bench_mup")
+    exps = [-9, -8, -7]
+    one = bench.summarise(runs({("sp", 64): [5.0, 4.0, 4.5], ("sp", 256): [4.2, 4.6, 5.0],
+                                ("mup", 64): [5.0, 4.0, 4.5], ("mup", 256): [4.9, 3.8, 4.0]}), [64, 256], exps)
+    two = bench.summarise(runs({("sp", 64): [5.2, 4.2, 4.1], ("sp", 256): [4.4, 4.5, 5.0],
+                                ("mup", 64): [5.2, 4.2, 4.1], ("mup", 256): [4.9, 3.9, 4.1]}), [64, 256], exps)
+    got = bench.across_seeds({0: one, 1: two}, [64, 256], exps)
+    assert got["sp"]["shift_per_seed"] == [-1, -2] and got["sp"]["shift_of_mean"] == -1
+    w64 = got["sp"]["by_width"][64]
+    assert w64["best_exp_per_seed"] == [-8, -7] and w64["mean_best_exp"] == -8
+    assert math.isclose(w64["mean_best_loss"], 4.1) and math.isclose(w64["seed_spread_at_best"], 0.2)
+    assert math.isclose(w64["sharpness"], 0.2)  # -7's mean 4.3 is 0.2 above, -9's 5.1 is 1.0 above
+    assert got["sp"]["by_width"][256]["sharpness"] is None  # the best lr is the grid's lowest: one side only
+    assert got["mup"]["shift_per_seed"] == [0, -1] and got["mup"]["shift_of_mean"] == 0
+    table = bench.across_table(got, [64, 256], 64)
+    assert "| standard parametrisation | 64 | 2^-8, 2^-7 | 2^-8 | 4.1000 | 0.2000 | 0.2000 |" in table
+    assert "| muP (mup_base_width 64) | 0, -1 | 0 |" in table
