@@ -24,6 +24,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from provenance import header, header_md, machine_line  # noqa: E402
+
 MEASURES = ("arithmetic_exact_match", "preference_margin", "arithmetic_answer_logprob", "response_loss")
 SHORT = {"arithmetic_exact_match": "exact match", "preference_margin": "margin", "arithmetic_answer_logprob": "answer log p",
          "response_loss": "response loss", "preference_accuracy": "preference accuracy",
@@ -81,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="demo", help="the preset the home was built with (a name or a YAML path)")
     ap.add_argument("--variant", action="append", required=True, help="name=JSON of rl_model config fields")
     ap.add_argument("--out", type=Path, default=None, help="append each variant's result here (JSON lines)")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="write STEM.md and STEM.json: the table, the spread over the variants, the command, commit, "
+                         "date and machine")
     args = ap.parse_args(argv)
     variants = []
     for v in args.variant:
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.home}: no dpo_model here; materialize the preset first (kiln run --preset {args.preset} "
                          f"--home {args.home})")
     results = []
+    print(f"machine: {machine_line()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, fields in variants:
             results.append(run_variant(args.home, args.preset, name, fields, Path(tmp)))
@@ -101,7 +109,27 @@ def main(argv: list[str] | None = None) -> None:
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(results[-1]) + "\n")
-    print(table(results))
+    lines = [table(results), "", *spread(results)]
+    print("\n".join(lines))
+    if args.report:
+        about = (f"Home {args.home}, preset {args.preset}: each variant reruns rl_model, red_team_report and "
+                 "release_bundle from the same DPO model; held-out measures with paired standard errors (beyond noise "
+                 "at |z| >= 2).")
+        args.report.with_suffix(".md").write_text("\n".join(["# RL settings side by side", "", *header_md(), about, "",
+                                                             *lines, ""]))
+        args.report.with_suffix(".json").write_text(json.dumps({**header(), "results": results}, indent=1))
+        print(f"wrote {args.report.with_suffix('.md')} and .json")
+
+
+def spread(results: list[dict]) -> list[str]:
+    """Exact match's change over the variants (as over seeds of one setting): mean, min .. max, how many are beyond
+    noise, and how many the stage gate passed."""
+    changes = [r["arithmetic_exact_match"]["change"] for r in results]
+    beyond = sum(abs(r["arithmetic_exact_match"]["z"] or 0) >= 2 for r in results)
+    passed = sum(not r["gate"] for r in results)
+    return [f"Held-out exact match change over the {len(results)} variants: mean {sum(changes) / len(changes):+.3f}, "
+            f"{min(changes):+.3f} .. {max(changes):+.3f}; beyond noise (|z| >= 2) in {beyond} of {len(results)}; "
+            f"the stage gate passed {passed} of {len(results)}."]
 
 
 if __name__ == "__main__":

@@ -41,3 +41,14 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
         bench.main(["--home", str(tmp_path), "--variant", "x={kl: 1}"])
     with pytest.raises(SystemExit, match="no dpo_model here; materialize the preset first"):
         bench.main(["--home", str(tmp_path), "--variant", "x={}"])
+
+
+def test_the_spread_over_variants_counts_those_beyond_noise_and_those_the_gate_passed():
+    bench = load_bench("bench_rl_variants")
+    rl = lambda after: {"steps": 120, "wall_s": 200.0, "before_after": [  # noqa: E731
+        row("arithmetic_exact_match", 0.030, after, 0.02), row("preference_margin", 13.8, 13.9, 0.1),
+        row("arithmetic_answer_logprob", -4.1, -4.0, 0.1), row("response_loss", 2.47, 2.45, 0.01)]}
+    rows = [bench.result("s3", {"seed": 3}, rl(0.090), []), bench.result("s4", {"seed": 4}, rl(0.050), []),
+            bench.result("s5", {"seed": 5}, rl(0.070), ["rl_model made preference_margin worse than dpo_model, x"])]
+    assert bench.spread(rows) == ["Held-out exact match change over the 3 variants: mean +0.040, +0.020 .. +0.060; "
+                                  "beyond noise (|z| >= 2) in 2 of 3; the stage gate passed 2 of 3."]
