@@ -139,19 +139,18 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
     """Model size, memory per rank, parallelism (DDP or FSDP2; with a layout block, tensor and pipeline parallelism too), activation checkpointing, micro-batch and gradient accumulation for the configured hardware and token budget; with an imported pretrained model, its architecture and the checkpoint base_model starts from; the best sweep point (from_sweep) or the scaling ladder's compute-optimal size (sizing: law) when asked, and the ladder's prediction of the run's loss when a ladder was fitted."""
     with failing_on_config_errors():
         config, notes = decided(config, tokenizer["n_vocab"], pretrained_model, sweep_results, scaling_ladder)
-        plan = config.planned(tokenizer["n_vocab"], pretrained_model).launch()
-        plan.update(notes)
+        record = config.planned(tokenizer["n_vocab"], pretrained_model).record().with_(**notes)
         if config.sizing == "law":  # (a preset-sized plan keeps the keys it always had: its version is unchanged)
             sized = notes["sized_by_law"]
-            plan["sizing"] = (f"law: the scaling ladder's compute-optimal size for {sized['budget_flops']:.3g} FLOPs "
-                              f"(N_opt {sized['optimal_params']:,.0f}, D_opt {sized['optimal_tokens']:,.0f}): width "
-                              f"{sized['width']}, {sized['params']:,} parameters, {sized['steps']} steps")
-        predicted = prediction(plan, scaling_ladder, config.sizing)
-        if predicted:
-            plan["scaling"] = predicted
+            record = record.with_(sizing=(
+                f"law: the scaling ladder's compute-optimal size for {sized['budget_flops']:.3g} FLOPs "
+                f"(N_opt {sized['optimal_params']:,.0f}, D_opt {sized['optimal_tokens']:,.0f}): width "
+                f"{sized['width']}, {sized['params']:,} parameters, {sized['steps']} steps"))
+        record = record.with_(scaling=prediction(record.to_dict(), scaling_ladder, config.sizing))
     if pretrained_model and pretrained_model["path"]:  # base_model continues from these weights
-        plan["pretrained"] = start_of(pretrained_model)
-    plan["epochs"] = plan["total_tokens"] / max(token_shards["totals"]["train"]["tokens"], 1)
+        record = record.with_(pretrained=start_of(pretrained_model))
+    record = record.with_(epochs=record.total_tokens / max(token_shards["totals"]["train"]["tokens"], 1))
+    plan = record.to_dict()
     context.log.info(f"plan: {plan['reason']}")
     with asset_output(context, mlflow, params=plan, reuse={"plan": plan}) as out:
         if out.reused:

@@ -298,3 +298,29 @@ def _source_docs(klass: type) -> dict[str, str]:
         if trailing:
             group = ""
     return out
+
+
+class RecordError(ValueError):
+    """A recorded output (an asset's value, read back as a typed record) lacks a key the reader needs, or carries
+    one the record does not declare; the message names the key and the output."""
+
+
+def record_from(cls: type[T], data: Any, where: str, strict: bool = False, **nested: Any) -> T:
+    """Dataclass ``cls`` from a recorded output ``data``, each field its key's value as recorded (no conversion): a
+    field without a default is a key ``data`` must hold, one with a default may be absent. A missing key, or with
+    ``strict`` a key ``cls`` does not declare, is a RecordError naming it and ``where`` (the output it is read from);
+    without ``strict`` the other keys are left unread. ``nested``: {field: the value to use instead of the recorded
+    one} (a record built from the field's own value)."""
+    if not isinstance(data, typing.Mapping):
+        raise RecordError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    names = {f.name for f in fields}
+    missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise RecordError(f"{where}: no {', '.join(repr(k) for k in missing)} (it has: {', '.join(sorted(data)) or 'nothing'})")
+    if strict and set(data) - names:
+        unknown = sorted(set(data) - names)
+        raise RecordError(f"{where}: unknown key {', '.join(repr(k) for k in unknown)}; {cls.__name__} declares "
+                          f"{', '.join(sorted(names))}")
+    return cls(**{**{k: v for k, v in data.items() if k in names}, **nested})  # type: ignore[call-arg]

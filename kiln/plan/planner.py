@@ -15,6 +15,7 @@ from kiln.model.config import ModelConfig
 from kiln.plan.cost import describe_costs, load_cost
 from kiln.plan.layout import LayoutPlan, describe_layout_plan, layout_from_config, training_plan_of
 from kiln.plan.memory import BatchConfig, TrainingPlan, describe_plan, model_from_config, plan_from_config
+from kiln.plan.record import PlanRecord
 
 
 @dataclass
@@ -30,14 +31,20 @@ class Planned:
     compile: bool = False
     where: str = "training_plan"
 
-    def launch(self) -> dict[str, Any]:
+    def record(self) -> PlanRecord:
         """What base_model launches: TrainingPlan's fields, the hardware block and max_steps; for a layout, the job's
         layout and pipeline blocks too, and a layout the training job cannot run (HSDP) is a ConfigError saying what
         to pin."""
         if self.layout is None:
             assert self.single is not None and self.batch is not None
-            return {**self.single.to_dict(), "hardware": dict(self.hardware), "max_steps": self.batch.max_steps}
-        return training_plan_of(self.layout, self.model, self.hardware, self.compile, self.where)
+            return PlanRecord.from_dict({**self.single.to_dict(), "hardware": dict(self.hardware),
+                                         "max_steps": self.batch.max_steps}, self.where)
+        return PlanRecord.from_dict(training_plan_of(self.layout, self.model, self.hardware, self.compile, self.where),
+                                    self.where)
+
+    def launch(self) -> dict[str, Any]:
+        """``record()`` as the plain dict base_model launches and run keys hash."""
+        return self.record().to_dict()
 
     def describe(self) -> str:
         """What ``kiln plan`` prints: the layout's choice size by size, or the single-node plan and its costs."""

@@ -127,3 +127,22 @@ def test_a_job_made_in_code_is_checked_too():
         RlJob(init_from="c", train_files=["p"], optim=optim).check()
     with pytest.raises(ConfigError, match=r"^optim\.lr is 0: give > 0$"):
         resolve("kiln.train.optim.OptimConfig")(lr=0)
+
+
+def test_record_from_reads_the_declared_keys_and_names_a_missing_one():
+    from kiln.common.config import RecordError, record_from
+
+    @dataclasses.dataclass(frozen=True)
+    class Run:
+        version: str
+        steps: int
+        lora: dict | None = None
+
+    assert record_from(Run, {"version": "v1", "steps": 3, "other": 1}, "base_model") == Run("v1", 3)
+    with pytest.raises(RecordError, match=r"base_model: no 'steps' \(it has: other, version\)"):
+        record_from(Run, {"version": "v1", "other": 1}, "base_model")
+    with pytest.raises(RecordError, match="unknown key 'other'"):
+        record_from(Run, {"version": "v1", "steps": 3, "other": 1}, "base_model", strict=True)
+    with pytest.raises(RecordError, match="expected a mapping, got NoneType"):
+        record_from(Run, None, "base_model")
+    assert record_from(Run, {"version": "v1", "steps": 3, "lora": {}}, "x", lora={"enabled": False}).lora == {"enabled": False}
