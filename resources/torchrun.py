@@ -41,6 +41,7 @@ from kiln.tokens.shards import check_shard_files
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.train.cluster import TorchrunSpec
 from kiln.train.diskfull import describe, no_space, record
+from kiln.train.job import TrainJob, job_file
 from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
 from resources.base import failing_on_config_errors, failing_on_damage, resource_of, spec_of
@@ -432,13 +433,13 @@ class TorchrunResource(resource_of(
         """The MLflow run of a training asset, its run folder keyed by ``spec`` (so a rerun resumes): the handle
         holds an identical earlier run's Output in ``reused``, or ``launch()`` runs the job."""
         where = context.asset_key.to_user_string()
-        with failing_on_config_errors():  # the one config check: a worker never fails on config the resource let through
-            spec.validate(where)
+        with failing_on_config_errors():  # the one config check: the job file is this job, which workers rebuild
+            job = spec.validate(where)
         base = storage.local_base()
         spec = dataclasses.replace(spec, root=str(base))
         with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(),
                               reuse={"key": spec.key, **spec.reuse}) as run:
-            yield TrainingLaunch(self, context, spec, storage.path(where, spec.key), run)
+            yield TrainingLaunch(self, context, spec, storage.path(where, spec.key), run, job)
 
     def _cancel(self, sbatch_lines: list[str]) -> None:
         """Cancel the Slurm job sbatch submitted (its id is on sbatch's first line); nothing for local runs."""
@@ -471,8 +472,9 @@ def slurm_job(job_id: str, env: dict[str, str] | None = None) -> dict[str, str]:
 class TrainingLaunch:
     """One training job inside its asset's MLflow run (made by ``TorchrunResource.training_run``)."""
 
-    def __init__(self, torchrun: TorchrunResource, context, spec: RunSpec, out_dir: Path, run):
+    def __init__(self, torchrun: TorchrunResource, context, spec: RunSpec, out_dir: Path, run, job: TrainJob):
         self.torchrun, self.context, self.spec, self.out_dir, self.run = torchrun, context, spec, out_dir, run
+        self.job = job  # the validated job (RunSpec.validate) that the job file holds
         self.reused = run.reused  # the Output of an identical earlier run, to return as it is
         self.result: dict[str, Any] = {}
 
@@ -493,11 +495,13 @@ class TrainingLaunch:
                               f"{time.perf_counter() - start:.2f} s")
 
     def launch(self) -> dict[str, Any]:
-        """Write the job file, run it to the end, tag the MLflow run with its checkpoint; return result.json with the
+        """Write the job file (the validated job, kiln.train.job.job_file), run it to the end, tag the MLflow run with
+        its checkpoint; return result.json with the
         run's logbook, its cost and energy ledger, the Slurm job id and the peaks of the system metrics added. The
         logbook reaches MLflow however the launch ends (completed, preempted, failed)."""
         hardware = self.spec.plan["hardware"]
-        job = self.spec.job(self.out_dir, self.run.tracking_uri, self.run.run_id)
+        job = job_file(dataclasses.replace(self.job, out_dir=str(self.out_dir), mlflow_tracking_uri=self.run.tracking_uri,
+                                           mlflow_run_id=self.run.run_id))
         self.verify_shards(job)
         try:
             self.result = self.torchrun.launch(self.context, job, hardware["nproc_per_node"], hardware["device"])

@@ -82,7 +82,8 @@ def setup_distributed(device: str, timeout_s: int) -> DistInfo:
 
 
 def broadcast_config(cls, path: str | None, info: DistInfo):
-    """Rank 0 reads the job file and builds ``cls`` from it (kiln.train.job.load_job, the one validation); every
+    """Rank 0 reads the job file and builds ``cls`` from it (kiln.train.job.load_job: the launcher's validated job
+    rebuilt, a hand-written file validated); every
     other rank receives the built job, or rank 0's config error, which it raises too (ranks never read config
     themselves, and none waits on a rank that has failed)."""
     from kiln.train.job import load_job

@@ -2,14 +2,20 @@
 
 A job is a JSON file of these fields (unknown keys are errors); its nested blocks are typed (``job.model`` is a
 ModelConfig, ``job.optim`` an OptimConfig, ``job.spikes`` a SpikeConfig, ``job.lora`` a LoRAConfig).
-``load_job(cls, data, where)`` is the one validation: the torchrun resource calls it before launching, rank 0 calls
-it on the job file and broadcasts the built job, and nothing after that parses a block again.
+``load_job(cls, data, where)`` is the one validation: the torchrun resource calls it before launching and writes the
+job it built as the job file (``job_file``: every field, with a ``checked`` digest of them); rank 0 rebuilds that job
+from the file without checking it again (the digest says nothing changed since the check) and broadcasts it. A job
+file written by hand, or edited after it was written, has no matching digest and is validated in full.
 kiln.posttrain.common.PosttrainJob adds the DPO and RL fields. Run one with ``python -m kiln.train --config job.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib
+import json
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, TypeVar
 
@@ -37,9 +43,36 @@ def job_class(task: str, where: str = "job") -> type[TrainJob]:
     return getattr(importlib.import_module(module), name)
 
 
+CHECKED = "checked"  # the job file's key holding the digest of the fields load_job validated
+
+
+def fields_digest(fields: dict[str, Any]) -> str:
+    """sha256 of a job's fields as JSON with sorted keys."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def job_file(job: TrainJob) -> dict[str, Any]:
+    """The job file of a validated job: every field (``asdict``) and their digest under ``checked``."""
+    fields = json.loads(json.dumps(asdict(job), default=str))
+    return {**fields, CHECKED: fields_digest(fields)}
+
+
+def _built(cls: type, data: dict[str, Any]) -> Any:
+    """``cls`` from the fields of a job file ``job_file`` wrote, nested blocks built the same way; nothing checked."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _built(hints[k], v) if dataclasses.is_dataclass(hints.get(k)) and isinstance(v, dict) else v
+                  for k, v in data.items()})
+
+
 def load_job(cls: type[J], data: dict[str, Any], where: str = "job") -> J:
     """``cls`` built from a job file's fields and checked as a whole: an unknown key, a bad value or two fields that
-    do not go together is a ConfigError naming ``where.<key>``. The one place a job's config is validated."""
+    do not go together is a ConfigError naming ``where.<key>``. The one place a job's config is validated: fields
+    that carry the digest ``job_file`` gave them after this check (and still match it) are rebuilt, not checked
+    again; a ``checked`` key that does not match is dropped and the fields are validated in full."""
+    data = dict(data)
+    digest = data.pop(CHECKED, None)
+    if digest is not None and digest == fields_digest(data) and set(data) == {f.name for f in dataclasses.fields(cls)}:
+        return _built(cls, data)
     try:
         job = from_dict(cls, data, where)
         job.check(where)

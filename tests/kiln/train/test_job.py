@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 import pytest
@@ -77,3 +78,33 @@ def test_job_config_defaults_are_a_valid_pretrain_job() -> None:
     assert job.task == "pretrain" and Faults().fail_at_step == -1 and job.grad_accum == 1
     assert job.parallelism == "auto" and job.async_save and Faults().kill_at_steps == []
     assert not {"fail_at_step", "kill_at_steps", "save_pause_s", "inject_spike"} & set(vars(job))  # test-only: tests/faults.py
+
+
+@pytest.mark.parametrize("task, data", [
+    ("pretrain", {"max_steps": 7, "optim": {"lr": 0.004}, "model": {"n_layer": 2, "n_embd": 64}, "train_files": ["a.bin"]}),
+    ("sft", {"task": "sft", "lora": {"enabled": True, "rank": 4}, "init_from": "ck"}),
+    ("dpo", {"task": "dpo", "init_from": "ck", "max_steps": 3, "train_files": ["p.jsonl"]}),
+    ("rl", {"task": "rl", "init_from": "ck", "seed": 5, "train_files": ["p.jsonl"]}),
+])
+def test_the_job_file_is_the_validated_job_which_the_worker_rebuilds_without_checking_again(task, data, monkeypatch):
+    from kiln.train.job import CHECKED, job_file
+
+    cls = job_class(task)
+    job = load_job(cls, data)
+    written = job_file(job)
+    assert len(written[CHECKED]) == 64 and set(written) - {CHECKED} == set(asdict(job))
+    monkeypatch.setattr(cls, "check", lambda self, where="job": pytest.fail("checked a second time"))
+    assert load_job(cls, json.loads(json.dumps(written))) == job
+
+
+def test_a_job_file_edited_after_it_was_written_is_validated_in_full():
+    from kiln.train.job import job_file
+
+    written = job_file(load_job(JobConfig, {"max_steps": 7}))
+    edited = {**written, "max_steps": 0}  # the digest no longer matches
+    with pytest.raises(ConfigError, match=r"job.max_steps"):
+        load_job(JobConfig, edited)
+    unknown = {**job_file(load_job(JobConfig, {})), "max_stepz": 3}
+    with pytest.raises(ConfigError, match="unknown key 'max_stepz'"):
+        load_job(JobConfig, unknown)
+    assert load_job(JobConfig, {**written, "checked": "0" * 64}).max_steps == 7  # a wrong digest: checked, and fine
