@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from fractions import Fraction
 from typing import Annotated, Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
@@ -59,58 +60,14 @@ def make_reward(task: str, partial_credit: float) -> RewardFn:
     return lambda text, item: exact(text, item) or partial_credit * near(text, item)
 
 
-@dataclass(frozen=True)
-class RlSettings:
-    """The policy-loss and sampling choices of an RL job, every one resolved (RlJob.settings)."""
-
-    algorithm: str  # grpo or dapo
-    ppo_epochs: int  # optimizer steps per sampled batch
-    eps_low: float  # the ratio is clipped to [1 - eps_low, 1 + eps_high]
-    eps_high: float
-    loss_aggregation: str  # sequence or token
-    dynamic_sampling: bool  # refill the batch with groups whose answers score differently
-    max_sampling_rounds: int  # rounds of prompts dynamic sampling draws at most
-    overlong_buffer: int  # tokens before max_new_tokens where the length penalty starts (0: none)
-
-    def describe(self) -> str:
-        """What differs from plain on-policy GRPO, for the start line ("" when nothing does)."""
-        parts = []
-        if self.ppo_epochs > 1:
-            parts.append(f"{self.ppo_epochs} updates per sampled batch, ratio clipped to "
-                         f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}]")
-        if self.loss_aggregation == "token":
-            parts.append("token-level loss")
-        if self.dynamic_sampling:
-            parts.append(f"dynamic sampling (at most {self.max_sampling_rounds} rounds)")
-        if self.overlong_buffer:
-            parts.append(f"overlong penalty over the last {self.overlong_buffer} tokens")
-        return ", ".join(parts)
-
-
-# what each algorithm gives the RlJob fields left unset. DAPO's are the paper's (arXiv 2503.14476): the clip range
-# 0.2 / 0.28 (section 3.1), dynamic sampling (3.2), the token-level loss (3.3), and the soft overlong punishment
-# over the last 4,096 of 20,480 tokens (3.4), here the same fifth of max_new_tokens (overlong_divisor 0: none)
-ALGORITHMS: dict[str, dict[str, Any]] = {
-    "grpo": {"eps_low": 0.2, "eps_high": 0.2, "loss_aggregation": "sequence", "dynamic_sampling": False,
-             "overlong_divisor": 0},
-    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "loss_aggregation": "token", "dynamic_sampling": True,
-             "overlong_divisor": 5},
-}
-AGGREGATIONS = ("sequence", "token")
-
-
 @dataclass
-class RlJob(PosttrainJob):
-    task: str = "rl"
-    reward: str = "arithmetic"  # checkable task (a key of kiln.posttrain.rl.REWARDS)
+class RlSettings:
+    """RL's algorithm hyper-parameters, GRPO's or DAPO's: each declared here once, with its default, its Domain and its
+    comment. RlJob takes them as fields of its own (a job file and the rl_model asset's config give them flat), and
+    RlJob.settings() resolves them: a field left None takes ``algorithm``'s value (ALGORITHMS)."""
+
     group_size: Annotated[int, Domain(2)] = 8  # answers sampled per prompt; advantages are relative within each group
-    max_new_tokens: Annotated[int, Domain(1)] = 16  # longest sampled answer, in tokens
-    temperature: Annotated[float, Domain(0, low_open=True)] = 1.0  # sampling temperature for the groups
-    partial_credit: Annotated[float, Domain(0, 1)] = 0.0  # reward scale for a near miss (arithmetic: within 10 of the answer); 0 is exact only
     kl_coef: Annotated[float, Domain(0)] = 0.05  # weight of the per-token KL penalty to the reference (k3 estimator)
-    eval_items: Annotated[int, Domain(1)] = 100  # held-out (split=val) prompts answered greedily at each evaluation
-    # the GRPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
-    spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))
     # grpo or dapo: what eps_low, eps_high, loss_aggregation, dynamic_sampling and overlong_buffer take when left unset
     # (dapo: the paper's clip 0.2 / 0.28, token-level loss, dynamic sampling, an overlong buffer of max_new_tokens
     # // 5). DAPO also drops the KL term; algorithm leaves kl_coef as it is set (0 for the paper's recipe)
@@ -143,17 +100,76 @@ class RlJob(PosttrainJob):
     # policy term trains the task. 0 is off
     preference_coef: Annotated[float, Domain(0)] = 0.0
     preference_beta: Annotated[float, Domain(0, low_open=True)] = 0.1  # DPO's beta for the replayed pairs (the dpo stage's default)
+
+    def check_choices(self, where: str) -> None:
+        """The named choices (algorithm, loss_aggregation) known: a ConfigError naming the key and the choices."""
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"{where}.algorithm {self.algorithm!r} is not known; choose from {', '.join(ALGORITHMS)}")
+        if self.loss_aggregation is not None and self.loss_aggregation not in AGGREGATIONS:
+            raise ConfigError(f"{where}.loss_aggregation {self.loss_aggregation!r} is not known; choose from "
+                              f"{', '.join(AGGREGATIONS)} or leave it unset for the algorithm's")
+
+    def resolved(self, max_new_tokens: int) -> RlSettings:
+        """These settings with each field left None taking ``algorithm``'s value (a share of max_new_tokens where the
+        preset gives a Fraction, rounded down)."""
+        preset = ALGORITHMS[self.algorithm]
+        values = {}
+        for f in fields(RlSettings):
+            value = getattr(self, f.name)
+            if value is None:
+                value = getattr(preset, f.name)
+                value = int(value * max_new_tokens) if isinstance(value, Fraction) else value
+            values[f.name] = value
+        return RlSettings(**values)
+
+    def describe(self) -> str:
+        """What resolved settings change from plain on-policy GRPO, for the start line ("" when nothing does)."""
+        parts = []
+        if self.ppo_epochs > 1:
+            parts.append(f"{self.ppo_epochs} updates per sampled batch, ratio clipped to "
+                         f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}]")
+        if self.loss_aggregation == "token":
+            parts.append("token-level loss")
+        if self.dynamic_sampling:
+            parts.append(f"dynamic sampling (at most {self.max_sampling_rounds} rounds)")
+        if self.overlong_buffer:
+            parts.append(f"overlong penalty over the last {self.overlong_buffer} tokens")
+        return ", ".join(parts)
+
+
+# a new RL hyper-parameter is one RlSettings field (its default, Domain and comment) and its use: RlJob, its
+# settings() and the rl_model asset's fields follow from this list
+RL_SETTINGS = tuple(f.name for f in fields(RlSettings))
+
+# what each algorithm gives the fields left unset (None). DAPO's are the paper's (arXiv 2503.14476): the clip range
+# 0.2 / 0.28 (section 3.1), dynamic sampling (3.2), the token-level loss (3.3), and the soft overlong punishment
+# over the last 4,096 of 20,480 tokens (3.4), here the same fifth of max_new_tokens
+ALGORITHMS: dict[str, RlSettings] = {
+    "grpo": RlSettings(algorithm="grpo", eps_low=0.2, eps_high=0.2, loss_aggregation="sequence", dynamic_sampling=False,
+                       overlong_buffer=0),
+    "dapo": RlSettings(algorithm="dapo", eps_low=0.2, eps_high=0.28, loss_aggregation="token", dynamic_sampling=True,
+                       overlong_buffer=Fraction(1, 5)),  # type: ignore[arg-type]
+}
+AGGREGATIONS = ("sequence", "token")
+
+
+@dataclass
+class RlJob(RlSettings, PosttrainJob):
+    task: str = "rl"
+    reward: str = "arithmetic"  # checkable task (a key of kiln.posttrain.rl.REWARDS)
+    max_new_tokens: Annotated[int, Domain(1)] = 16  # longest sampled answer, in tokens
+    temperature: Annotated[float, Domain(0, low_open=True)] = 1.0  # sampling temperature for the groups
+    partial_credit: Annotated[float, Domain(0, 1)] = 0.0  # reward scale for a near miss (arithmetic: within 10 of the answer); 0 is exact only
+    eval_items: Annotated[int, Domain(1)] = 100  # held-out (split=val) prompts answered greedily at each evaluation
+    # the GRPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
+    spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))
     preference_file: str = ""  # preference pairs JSONL (preference_data's), needed when preference_coef > 0
 
     def check(self, where: str = "job") -> None:
         super().check(where)
         if self.reward not in REWARDS:
             raise ConfigError(f"{where}.reward {self.reward!r} is not a checkable task; choose from {', '.join(REWARDS)}")
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"{where}.algorithm {self.algorithm!r} is not known; choose from {', '.join(ALGORITHMS)}")
-        if self.loss_aggregation is not None and self.loss_aggregation not in AGGREGATIONS:
-            raise ConfigError(f"{where}.loss_aggregation {self.loss_aggregation!r} is not known; choose from "
-                              f"{', '.join(AGGREGATIONS)} or leave it unset for the algorithm's")
+        self.check_choices(where)
         if self.preference_coef and not self.preference_file:
             raise ConfigError(f"{where}.preference_coef {self.preference_coef} needs preference_file (the pairs to replay)")
         if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
@@ -161,14 +177,8 @@ class RlJob(PosttrainJob):
                               f"({self.max_new_tokens}), got {self.overlong_buffer}")
 
     def settings(self) -> RlSettings:
-        """The loss and sampling settings, each field left unset taking ``algorithm``'s value."""
-        preset = ALGORITHMS[self.algorithm]
-        own = lambda key: preset[key] if getattr(self, key) is None else getattr(self, key)  # noqa: E731
-        overlong = self.overlong_buffer
-        if overlong is None:
-            overlong = self.max_new_tokens // preset["overlong_divisor"] if preset["overlong_divisor"] else 0
-        return RlSettings(self.algorithm, self.ppo_epochs, own("eps_low"), own("eps_high"), own("loss_aggregation"),
-                          own("dynamic_sampling"), self.max_sampling_rounds, overlong)
+        """This job's RlSettings fields, each left unset taking ``algorithm``'s value."""
+        return self.resolved(self.max_new_tokens)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from dataclasses import asdict
+from fractions import Fraction
 from pathlib import Path
 from unittest import mock
 
@@ -27,7 +28,7 @@ from kiln.model.gpt2.model import GPT
 from kiln.posttrain.logprobs import model_token_logps
 from kiln.posttrain.sampling import complete
 from kiln.common.config import ConfigError
-from kiln.posttrain.rl import (RlJob, RlSettings, RlStage, answer_rows, group_advantages, grpo_loss, make_reward,
+from kiln.posttrain.rl import (ALGORITHMS, RL_SETTINGS, RlJob, RlSettings, RlStage, answer_rows, group_advantages, grpo_loss, make_reward,
                                overlong_penalty, rollout_policy_loss, sample_groups, sample_rollout)
 from kiln.posttrain.sampling import decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids
@@ -247,17 +248,46 @@ def test_the_overlong_penalty_is_zero_then_falls_linearly_to_minus_one_at_the_li
     assert overlong_penalty(lengths, 16, 0).tolist() == [[0.0] * 3] * 2
 
 
+def resolved(**fields) -> dict:
+    """The RL settings RlJob(**fields) resolves to, beside the default job's: only what differs."""
+    base = asdict(RlJob().settings())
+    return {k: v for k, v in asdict(RlJob(**fields).settings()).items() if base[k] != v}
+
+
 def test_the_algorithm_presets_fill_only_the_fields_left_unset() -> None:
-    assert RlJob().settings() == RlSettings("grpo", 1, 0.2, 0.2, "sequence", False, 3, 0)
+    assert RlJob().settings() == RlSettings(group_size=8, kl_coef=0.05, algorithm="grpo", ppo_epochs=1, eps_low=0.2,
+                                            eps_high=0.2, loss_aggregation="sequence", dynamic_sampling=False,
+                                            max_sampling_rounds=3, overlong_buffer=0, ptx_coef=0.0,
+                                            preference_coef=0.0, preference_beta=0.1)
     assert RlJob().settings().describe() == ""  # plain on-policy GRPO: nothing to add to the start line
-    assert RlJob(algorithm="dapo").settings() == RlSettings("dapo", 1, 0.2, 0.28, "token", True, 3, 3)  # 16 // 5
-    mine = RlJob(algorithm="dapo", eps_high=0.3, dynamic_sampling=False, overlong_buffer=0, ppo_epochs=2).settings()
-    assert mine == RlSettings("dapo", 2, 0.2, 0.3, "token", False, 3, 0)
-    assert RlJob(loss_aggregation="token", ppo_epochs=4).settings() == RlSettings("grpo", 4, 0.2, 0.2, "token", False,
-                                                                                  3, 0)
+    assert resolved(algorithm="dapo") == {"algorithm": "dapo", "eps_high": 0.28, "loss_aggregation": "token",
+                                          "dynamic_sampling": True, "overlong_buffer": 3}  # 16 // 5
+    assert resolved(algorithm="dapo", eps_high=0.3, dynamic_sampling=False, overlong_buffer=0, ppo_epochs=2) == {
+        "algorithm": "dapo", "ppo_epochs": 2, "eps_high": 0.3, "loss_aggregation": "token"}
+    assert resolved(loss_aggregation="token", ppo_epochs=4) == {"ppo_epochs": 4, "loss_aggregation": "token"}
+    assert resolved(group_size=4, kl_coef=0.0, ptx_coef=0.5, algorithm="dapo", max_new_tokens=9) == {
+        "group_size": 4, "kl_coef": 0.0, "ptx_coef": 0.5, "algorithm": "dapo", "eps_high": 0.28,
+        "loss_aggregation": "token", "dynamic_sampling": True, "overlong_buffer": 1}  # the preset leaves kl_coef as set
     assert RlJob(algorithm="dapo", ppo_epochs=2, max_new_tokens=20).settings().describe() == (
         "2 updates per sampled batch, ratio clipped to [0.8, 1.28], token-level loss, dynamic sampling (at most 3 "
         "rounds), overlong penalty over the last 4 tokens")
+
+
+def test_the_presets_are_rl_settings_and_every_setting_is_an_rl_job_field_with_its_default() -> None:
+    assert all(isinstance(p, RlSettings) for p in ALGORITHMS.values())
+    dapo = ALGORITHMS["dapo"]
+    assert (dapo.algorithm, dapo.eps_low, dapo.eps_high, dapo.loss_aggregation, dapo.dynamic_sampling) == (
+        "dapo", 0.2, 0.28, "token", True)
+    assert dapo.overlong_buffer == Fraction(1, 5)  # of max_new_tokens, rounded down
+    assert [RlJob(algorithm="dapo", max_new_tokens=n).settings().overlong_buffer for n in (4, 5, 16, 20, 20480)] == [
+        0, 1, 3, 4, 4096]
+    job = {f.name: f for f in dataclasses.fields(RlJob)}
+    assert RL_SETTINGS == tuple(f.name for f in dataclasses.fields(RlSettings))
+    assert all(job[name].default == getattr(RlSettings(), name) for name in RL_SETTINGS)
+    every = RlJob(group_size=3, kl_coef=0.2, algorithm="dapo", ppo_epochs=2, eps_low=0.1, eps_high=0.5,
+                  loss_aggregation="sequence", dynamic_sampling=False, max_sampling_rounds=5, overlong_buffer=2,
+                  ptx_coef=0.3, preference_coef=0.4, preference_beta=0.2)
+    assert asdict(every.settings()) == {name: getattr(every, name) for name in RL_SETTINGS}  # set: kept as set
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -268,6 +298,12 @@ def test_the_algorithm_presets_fill_only_the_fields_left_unset() -> None:
     ({"loss_aggregation": "tokens"}, "job.loss_aggregation 'tokens' is not known; choose from sequence, token"),
     ({"max_sampling_rounds": 0}, "job.max_sampling_rounds is 0: give >= 1"),
     ({"overlong_buffer": 17}, "job.overlong_buffer must be between 0 (off) and max_new_tokens (16), got 17"),
+    ({"overlong_buffer": -1}, "job.overlong_buffer is -1: give >= 0 or None"),
+    ({"group_size": 0}, "job.group_size is 0: give >= 2"),
+    ({"kl_coef": -0.1}, "job.kl_coef is -0.1: give >= 0"),
+    ({"preference_beta": 0.0}, "job.preference_beta is 0.0: give > 0"),
+    ({"ptx_coef": -1.0}, "job.ptx_coef is -1.0: give >= 0"),
+    ({"eps_hi": 0.3}, "job: unknown key 'eps_hi'. Did you mean 'eps_high'?"),
 ])
 def test_bad_dapo_fields_are_config_errors_naming_the_key(fields, message) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -518,9 +554,10 @@ def test_a_dapo_job_runs_through_the_trainer_and_reports_its_options(tmp_path, t
     assert "groups filtered in 2.0 rounds" in proc.stdout and "clipped 0.000" in proc.stdout
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["steps"] == 4 and result["algorithm"] == "dapo"
-    assert result["algorithm_settings"] == {"algorithm": "dapo", "ppo_epochs": 2, "eps_low": 0.2, "eps_high": 0.28,
-                                            "loss_aggregation": "token", "dynamic_sampling": True,
-                                            "max_sampling_rounds": 2, "overlong_buffer": 4}
+    assert result["algorithm_settings"] == {"group_size": 4, "kl_coef": 0.05, "algorithm": "dapo", "ppo_epochs": 2,
+                                            "eps_low": 0.2, "eps_high": 0.28, "loss_aggregation": "token",
+                                            "dynamic_sampling": True, "max_sampling_rounds": 2, "overlong_buffer": 4,
+                                            "ptx_coef": 0.0, "preference_coef": 0.0, "preference_beta": 0.1}
     hist = result["history"][1:]
     assert [h["step"] for h in hist] == [1, 2, 3, 4]
     # a random model never answers exactly: both rounds' four groups are filtered every time, and the last round stands
