@@ -20,7 +20,7 @@ from kiln.posttrain.dpo import DpoJob
 from kiln.posttrain.preference_losses import LOSS_FIELDS
 from kiln.posttrain.preferences import build_preferences, check_feedback, feedback_files, pairs_by_source
 from kiln.posttrain.report import dpo_report, rl_report
-from kiln.posttrain.rl import RlJob
+from kiln.posttrain.rl import RL_SETTINGS, RlJob
 from kiln.posttrain.sft import read_pairs
 from kiln.pretrained.source import is_importable
 from kiln.train.checkpoint import checkpoint_identity, resolve_checkpoint
@@ -258,10 +258,8 @@ def dpo_model(context: AssetExecutionContext, config: DpoModelConfig, sft_model:
                  lambda result: {**extra, **feedback.record(result)})
 
 
-RL_FIELDS = ("reward", "max_steps", "group_size", "max_new_tokens", "temperature", "partial_credit", "kl_coef",
-             "eval_interval", "eval_items", "seed", "algorithm", "ppo_epochs", "eps_low", "eps_high", "loss_aggregation",
-             "dynamic_sampling", "max_sampling_rounds", "overlong_buffer", "ptx_coef",
-             "preference_coef", "preference_beta")
+RL_FIELDS = ("reward", "max_steps", "max_new_tokens", "temperature", "partial_credit", "eval_interval", "eval_items",
+             "seed", *RL_SETTINGS)
 
 
 class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defaults={
