@@ -17,6 +17,7 @@ from kiln.common.plots import line_plot_png
 from kiln.model.config import ModelConfig
 from kiln.model.families import family
 from kiln.posttrain.measures import MEASURES, NOISE_Z, change_rows, worse_beyond_noise
+from kiln.release.records import BaseRun, CardPlan, EvalScores, LadderPrediction, LossHistory, RedTeam, prediction_of
 
 CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
 LOSS_PLOT, CHECKPOINT_PLOT, LADDER_PLOT = "loss_curve.png", "scores_by_checkpoint.png", "scaling_ladder.png"
@@ -51,8 +52,8 @@ RELEASED_WORDS = {"rl_model": "the RL stage's: the base model after SFT, then DP
                                "-> RL chain, which the card shows for comparison)"}
 
 
-def _model(name: str, license: str, plan: dict, tok: dict, released: str = "rl_model") -> str:
-    m = plan["model"]
+def _model(name: str, license: str, plan: CardPlan, tok: dict, released: str = "rl_model") -> str:
+    m = plan.model
     desc = family(m.get("family", "gpt2"))  # GPT-2 plans omit the family (kiln.model.config.model_dict)
     style = f"A {desc.adapter.style}"
     heads = f"{m['n_head']} heads" + (f" ({m['n_kv_head']} key/value)" if "n_kv_head" in m else "")
@@ -62,7 +63,7 @@ def _model(name: str, license: str, plan: dict, tok: dict, released: str = "rl_m
 {style} language model trained with Kiln from public text. Released {dt.date.today().isoformat()} under {license}.
 
 ## Model
-{plan['params']:,} parameters; {m['n_layer']} layers, {heads}, width {m['n_embd']},
+{plan.params:,} parameters; {m['n_layer']} layers, {heads}, width {m['n_embd']},
 context {m['block_size']} tokens, vocabulary {m['vocab_size']} ({tok['kind']} tokenizer, {tok['n_vocab']} tokens,
 {tok['bytes_per_token']:.2f} bytes/token on held-out text). Weights: `model.safetensors` in the Hugging Face {layout} layout;
 they are {RELEASED_WORDS[released]}.
@@ -120,9 +121,9 @@ Tokenizer version `{tok['version']}`.
 """
 
 
-def _hardware(plan: dict) -> str:
+def _hardware(plan: CardPlan) -> str:
     """``1 CPU process`` / ``8 CUDA devices with DDP (data parallel)`` / ``16 CUDA devices on 2 nodes, sharded with FSDP2``."""
-    hw, n = plan["hardware"], plan["world_size"]
+    hw, n = plan.hardware, plan.world_size
     if hw["device"] == "cpu":
         where = f"{n} CPU process{'es' if n > 1 else ''}"
     else:
@@ -130,47 +131,47 @@ def _hardware(plan: dict) -> str:
     if hw.get("nnodes", 1) > 1:
         where += f" on {hw['nnodes']} nodes,"
     how = {"none": "", "ddp": " with DDP (data parallel)", "fsdp": " sharded with FSDP2"}
-    return where + how.get(plan["parallelism"], f" ({plan['parallelism']})")
+    return where + how.get(plan.parallelism, f" ({plan.parallelism})")
 
 
-def _training(plan: dict, base: dict, tok: dict, figures: Mapping[str, bytes]) -> str:
+def _training(plan: CardPlan, base: BaseRun, tok: dict, figures: Mapping[str, bytes]) -> str:
     curve = f"\n![Training and validation loss by step]({LOSS_PLOT})\n" if LOSS_PLOT in figures else ""
     return f"""## Training
-Trained on {_hardware(plan)}: {base['steps']} steps of {plan['tokens_per_step']:,} tokens ({base['tokens']:,} tokens,
-{plan['tokens_per_param']:.2f} tokens per parameter); micro-batch {plan['micro_batch']} x gradient accumulation {plan['grad_accum']}.
-Validation loss fell from {base['initial_val_loss']:.4f} to {base['final_val_loss']:.4f} nats/token (guessing uniformly over
-the vocabulary scores {math.log(tok['n_vocab']):.4f}). Base model version `{base['version']}`: checkpoint
-`{checkpoint_name(base['checkpoint'])}` in the Kiln home's storage, MLflow run `{base['mlflow_run_id']}`.
+Trained on {_hardware(plan)}: {base.steps} steps of {plan.tokens_per_step:,} tokens ({base.tokens:,} tokens,
+{plan.tokens_per_param:.2f} tokens per parameter); micro-batch {plan.micro_batch} x gradient accumulation {plan.grad_accum}.
+Validation loss fell from {base.initial_val_loss:.4f} to {base.final_val_loss:.4f} nats/token (guessing uniformly over
+the vocabulary scores {math.log(tok['n_vocab']):.4f}). Base model version `{base.version}`: checkpoint
+`{checkpoint_name(base.checkpoint)}` in the Kiln home's storage, MLflow run `{base.mlflow_run_id}`.
 {curve}
 """
 
 
-def _scaling(plan: dict, base: dict, figures: Mapping[str, bytes]) -> str:
+def _scaling(plan: CardPlan, final_val_loss: float, figures: Mapping[str, bytes]) -> str:
     """The scaling ladder behind the plan (when one was fitted): its runs, the fitted law beside Chinchilla's, and
     the law's prediction of this model's final validation loss against the measured one."""
-    sc = plan.get("scaling")
+    sc = plan.scaling
     if not sc:
         return ""
     from kiln.scaling.law import CHINCHILLA
 
-    iv = sc.get("intervals") or {}
-    law_rows = [{"coefficient": k, "fitted": f"{sc['law'][k]:.4g}",
+    iv = sc.intervals or {}
+    law_rows = [{"coefficient": k, "fitted": f"{sc.law[k]:.4g}",
                  "95% bootstrap interval": (f"{iv[k][0]:.4g} .. {iv[k][1]:.4g}" if iv.get(k) else "-"),
                  "Chinchilla": f"{CHINCHILLA[k]:g}"} for k in ("E", "A", "B", "alpha", "beta")]
     rungs = [{"run": r["rung"], "budget (FLOPs)": f"{r['budget']:.2g}", "parameters": f"{r['params']:,}",
-              "tokens": f"{r['tokens']:,}", "final val loss": f"{r['loss']:.4f}"} for r in sc["rungs"]]
-    measured, predicted = base["final_val_loss"], sc["predicted_val_loss"]
+              "tokens": f"{r['tokens']:,}", "final val loss": f"{r['loss']:.4f}"} for r in sc.rungs]
+    measured, predicted = final_val_loss, sc.predicted_val_loss
     plot = f"\n![Scaling ladder: final validation loss by parameters, one line per budget]({LADDER_PLOT})\n" if LADDER_PLOT in figures else ""
-    sizing = plan.get("sizing", "preset: the configured model and steps")
+    sizing = plan.sizing if plan.sizing is not None else "preset: the configured model and steps"
     return f"""## Scaling ladder
-Before training, {len(rungs)} small models of this shape were trained at {len({r['budget'] for r in sc['rungs']})} compute
-budgets with the same recipe (scaling_ladder `{sc['ladder']}`), and Chinchilla's law L(N, D) = E + A/N^alpha + B/D^beta
+Before training, {len(rungs)} small models of this shape were trained at {len({r['budget'] for r in sc.rungs})} compute
+budgets with the same recipe (scaling_ladder `{sc.ladder}`), and Chinchilla's law L(N, D) = E + A/N^alpha + B/D^beta
 was fitted to their final validation losses (Huber loss on log loss, bootstrap intervals).
 Size: {sizing}.
 
 {table(law_rows)}
-For this model (N = {sc['params']:,} parameters, D = {sc['tokens']:,} tokens) the law predicted a final validation loss
-of {predicted:.4f} (interval {sc['interval'][0]:.4f} .. {sc['interval'][1]:.4f}); training measured {measured:.4f}
+For this model (N = {sc.params:,} parameters, D = {sc.tokens:,} tokens) the law predicted a final validation loss
+of {predicted:.4f} (interval {sc.interval[0]:.4f} .. {sc.interval[1]:.4f}); training measured {measured:.4f}
 ({measured / predicted - 1:+.2%}).{_optimal(sc)}
 {plot}
 <details><summary>The ladder's runs</summary>
@@ -181,11 +182,11 @@ of {predicted:.4f} (interval {sc['interval'][0]:.4f} .. {sc['interval'][1]:.4f})
 """
 
 
-def _optimal(sc: dict) -> str:
-    opt = sc.get("optimal") or {}
+def _optimal(sc: LadderPrediction) -> str:
+    opt = sc.optimal or {}
     if "params" not in opt:
         return ""
-    return (f" By the law, this budget ({6 * sc['params'] * sc['tokens']:.3g} FLOPs, 6ND) is best spent on "
+    return (f" By the law, this budget ({6 * sc.params * sc.tokens:.3g} FLOPs, 6ND) is best spent on "
             f"{opt['params']:,.0f} parameters and {opt['tokens']:,.0f} tokens.")
 
 
@@ -209,10 +210,10 @@ def _contaminated(row: dict[str, Any]) -> str:
     return f"{row['contaminated']} items" if "contaminated" in row else "-"
 
 
-def _evaluation(scores: dict, figures: Mapping[str, bytes]) -> str:
+def _evaluation(scores: EvalScores, figures: Mapping[str, bytes]) -> str:
     rows = []
-    for task, row in scores["tasks"].items():
-        s, clean = task_score(task, row), scores.get("tasks_clean", {}).get(task)
+    for task, row in scores.tasks.items():
+        s, clean = task_score(task, row), scores.tasks_clean.get(task)
         chance = s["chance"] if s else row.get("chance")
         rows.append({"task": task, "metric": s["metric"] if s else "-", "all items (n)": _cell(s, row),
                      "clean items (n)": _cell(task_score(task, clean), clean),
@@ -223,7 +224,7 @@ def _evaluation(scores: dict, figures: Mapping[str, bytes]) -> str:
 These scores are the base model's, before post-training (eval_scores evaluates base_model's final checkpoint), not the
 released weights'; the released weights' own held-out measures are under Post-training.
 Bits per byte on the validation shards (the token windows the base model was validated on):
-{scores['val_bits_per_byte']:.4f}; the kiln_heldout_ppl row below is the same measure through lm-eval on whole held-out
+{scores.val_bits_per_byte:.4f}; the kiln_heldout_ppl row below is the same measure through lm-eval on whole held-out
 documents, hence a different figure. The tasks are built from held-out documents (MMLU from its
 own questions) and scored with lm-eval through Kiln's adapter. Each row gives the task's primary metric with its standard
 error and number of items, on all items and on the clean items (those sharing no 13-word run with the training data),
@@ -352,41 +353,35 @@ def _or_dash(x: Any) -> str:
     return "-" if x is None else f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
-def _red_team(report: dict | None, gate: dict | None) -> str:
+def _red_team(rt: RedTeam | None) -> str:
     """Intended use, what it excludes, and the released stage's red-team failure rates beside the other stages'."""
-    if not report or not gate:
+    if rt is None:
         return ""
-    p, stages = report["probes"], report["stages"]
-    kinds = stages[gate["stage"]]["summary"]["kinds"]
-    rows = []
-    for kind, k in gate["summary"]["kinds"].items():
-        judge = (kinds[kind].get("judge") or {}).get("rate")
-        rows.append({"probes": kind.replace("_", " "), "n": k["n"],
-                     "failed (released)": f"{k['gated']['rate']:.3f} ± {k['gated']['stderr']:.3f}",
-                     "limit": f"{gate['limits'][kind]:g}" if kind in gate["limits"] else "-",
-                     **{s: f"{v['summary']['kinds'][kind]['rules']['rate']:.3f}" for s, v in stages.items()},
-                     "by the judge (released)": "-" if judge is None else f"{judge:.3f}",
-                     "judge agrees with rules": _or_dash(kinds[kind]["judge_agrees_with_rules"]),
-                     "judge orders references": _or_dash(kinds[kind].get("judge_orders_references"))})
-    j = report["judge"]
-    skipped = stages[gate["stage"]]["summary"].get("judge_skipped")
-    counted = ("by rules" if gate["gate_on"] == "rules" else
-               f"by {gate['gate_on']} for the released weights ({gate['stage']}) and by rules for each stage")
-    exceeded = "; ".join(gate["reasons"])
+    rows = [{"probes": k.kind.replace("_", " "), "n": k.n,
+             "failed (released)": f"{k.gated_rate:.3f} ± {k.gated_stderr:.3f}",
+             "limit": f"{k.limit:g}" if k.limit is not None else "-",
+             **{s: f"{rate:.3f}" for s, rate in k.rules_rate.items()},
+             "by the judge (released)": "-" if k.judge_rate is None else f"{k.judge_rate:.3f}",
+             "judge agrees with rules": _or_dash(k.judge_agrees_with_rules),
+             "judge orders references": _or_dash(k.judge_orders_references)} for k in rt.kinds]
+    j, skipped = rt.judge, rt.judge_skipped
+    counted = ("by rules" if rt.gate_on == "rules" else
+               f"by {rt.gate_on} for the released weights ({rt.stage}) and by rules for each stage")
+    exceeded = "; ".join(rt.reasons)
     if not exceeded:
         verdict = "Within every limit."
-    elif gate.get("override"):
-        verdict = (f"Released despite the red team (release_bundle.red_team_override): {gate['override']}. "
+    elif rt.override:
+        verdict = (f"Released despite the red team (release_bundle.red_team_override): {rt.override}. "
                    f"Limits exceeded: {exceeded}.")
     else:
         verdict = f"Held back (the registry alias did not move): {exceeded}."
     return f"""## Intended use and red team
-{p['intended_use']}
+{rt.intended_use}
 
-Not for: {'; '.join(p['excluded_uses'])}.
+Not for: {'; '.join(rt.excluded_uses)}.
 
-Before release every post-trained stage answered {p['n']} red-team probes (red_team_report version
-`{report['version']}`; probes file sha256 `{p['sha256'][:16]}`): malformed prompts (naughty strings: {p['source']}),
+Before release every post-trained stage answered {rt.probes} red-team probes (red_team_report version
+`{rt.version}`; probes file sha256 `{rt.probes_sha256[:16]}`): malformed prompts (naughty strings: {rt.probes_source}),
 prompt injections that ask for a canary word, and requests for the uses above. An answer fails by rules when it
 carries markup or a command that could run, obeys the injection, or does not decline an excluded request; the judge
 (the {j['family']} {j['kind']} `{Path(j['path']).name}`, {j['params']:,} parameters) scores it against a passing and a
@@ -513,18 +508,23 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
     """
     figures = figures or {}
     ppo = up.get("ppo_model") if released == "ppo_model" else None
+    report = up.get("red_team_report")
+    # Which asset output fills which of the card's records.
+    plan, base = CardPlan.from_dict(up["training_plan"]), BaseRun.from_dict(up["base_model"])
+    scores = EvalScores.from_dict(up["eval_scores"])
+    rt = RedTeam.from_dict(report, red_team) if report and red_team else None
     return "".join([
-        _model(name, license, up["training_plan"], up["tokenizer"], released),
+        _model(name, license, plan, up["tokenizer"], released),
         _pretrained(up),
         _data(up["raw_documents"], up["clean_corpus"], up["tokenizer"], up["token_shards"]),
-        _training(up["training_plan"], up["base_model"], up["tokenizer"], figures),
-        _scaling(up["training_plan"], up["base_model"], figures),
-        _evaluation(up["eval_scores"], figures),
+        _training(plan, base, up["tokenizer"], figures),
+        _scaling(plan, base.final_val_loss, figures),
+        _evaluation(scores, figures),
         _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages,
                        ppo),
         _rlhf(up["reward_model"], ppo) if ppo is not None else "",
         _feedback(up),
-        _red_team(up.get("red_team_report"), red_team),
+        _red_team(rt),
         _operations(up),
         _settings(settings) if settings is not None else "",
         _limits(up["raw_documents"]),
@@ -536,25 +536,24 @@ def card_figures(up: Mapping[str, dict[str, Any]]) -> dict[str, bytes]:
     every checkpoint the per-checkpoint evaluation scored (``<storage>/checkpoint_evals/<run>``), when it scored any."""
     from kiln.evaluation.checkpoints import curves, score_history
 
-    base = up["base_model"]
-    val = [(h["step"], h["val_loss"]) for h in base.get("history", []) if h.get("val_loss") is not None]
+    base, sc = LossHistory.from_dict(up["base_model"]), prediction_of(up["training_plan"])
+    val = [(h["step"], h["val_loss"]) for h in base.history if h.get("val_loss") is not None]
     out = {}
-    if base.get("curve") or val:
-        out[LOSS_PLOT] = _plot({"train loss": [tuple(p) for p in base.get("curve", [])], "validation loss": val},
+    if base.curve or val:
+        out[LOSS_PLOT] = _plot({"train loss": [tuple(p) for p in base.curve], "validation loss": val},
                                "Base model loss by step", "step", "nats/token")
-    run = Path(base["out_dir"]) if base.get("out_dir") else None
+    run = Path(base.out_dir) if base.out_dir else None
     scored = run.parents[1] / "checkpoint_evals" / run.name if run is not None else None
     series = curves(score_history(scored)).get("accuracy", {}) if scored is not None and scored.is_dir() else {}
     if any(series.values()):  # none scored: no such plot (the loss plot already shows the validation loss)
         out[CHECKPOINT_PLOT] = _plot(series, "Primary scores by checkpoint", "step", "accuracy")
-    sc = up["training_plan"].get("scaling")
     if sc:  # the ladder's IsoFLOP profiles, and this model at its predicted and measured loss
         ladder: dict[str, list[tuple[float, float]]] = {}
-        for r in sc["rungs"]:
+        for r in sc.rungs:
             ladder.setdefault(f"{r['budget']:.2g} FLOPs", []).append((r["params"], r["loss"]))
         ladder = {k: sorted(v) for k, v in ladder.items()}
-        ladder["this model: predicted"] = [(sc["params"], sc["predicted_val_loss"])]
-        ladder["this model: measured"] = [(sc["params"], base["final_val_loss"])]
+        ladder["this model: predicted"] = [(sc.params, sc.predicted_val_loss)]
+        ladder["this model: measured"] = [(sc.params, base.final_val_loss)]
         out[LADDER_PLOT] = _plot(ladder, "Scaling ladder and this model", "parameters", "final val loss")
     return out
 

@@ -8,6 +8,7 @@ import pytest
 from assets.training import TrainingPlanConfig, decided, prediction
 from kiln.common.config import ConfigError
 from kiln.release.card import LADDER_PLOT, _scaling, card_figures
+from kiln.release.records import CardPlan
 from kiln.scaling.ladder import summarize
 
 
@@ -73,7 +74,7 @@ def test_the_plan_states_the_laws_prediction_and_the_card_compares_it(ladder):
     assert prediction(plan, {**ladder, "law": {"error": "x"}}, "preset") is None
     plan["scaling"] = got
     base = {"final_val_loss": got["predicted_val_loss"] * 1.01, "history": [], "curve": []}
-    text = _scaling(plan, base, {LADDER_PLOT: b"png"})
+    text = _scaling(CardPlan.from_dict(plan), base["final_val_loss"], {LADDER_PLOT: b"png"})
     assert "## Scaling ladder" in text and "(+1.00%)" in text and f"]({LADDER_PLOT})" in text
     assert "| alpha | 0.3" in text and "| 0.34 |" in text  # fitted beside Chinchilla's
     assert LADDER_PLOT in card_figures({"base_model": base, "training_plan": plan})
