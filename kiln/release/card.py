@@ -1,7 +1,8 @@
 """The model card (README.md of a release bundle), written from the outputs of the assets that made the model.
 
 ``model_card("kiln-demo", "Apache-2.0", upstream, stages, settings, figures)``: upstream is {asset name: its output},
-as release_bundle has them; ``card_figures(upstream)`` renders the PNGs the card shows (the loss curve, scores by
+as release_bundle has them, which ``card_inputs`` reads once into typed records (kiln.release.records) for the
+sections to read; ``card_figures(upstream)`` renders the PNGs the card shows (the loss curve, scores by
 checkpoint), which the bundle holds beside the card with the run's whole config (CONFIG_FILE).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,7 +19,10 @@ from kiln.common.plots import line_plot_png
 from kiln.model.config import ModelConfig
 from kiln.model.families import family
 from kiln.posttrain.measures import MEASURES, NOISE_Z, change_rows, worse_beyond_noise
-from kiln.release.records import BaseRun, CardPlan, EvalScores, LadderPrediction, LossHistory, RedTeam, prediction_of
+from kiln.release.records import (BaseRun, CardPlan, CleanCorpus, DpoRun, EvalScores, Feedback, InstructionData,
+                                  JudgedPreferences, LadderPrediction, LossHistory, PpoRun, PreferenceData, RawDocuments,
+                                  RedTeam, RewardRun, RlRun, SftRun, StartingWeights, TokenizerInfo, TokenShards,
+                                  feedback_of, prediction_of)
 
 CONFIG_FILE = "run_config.yaml"  # every asset's config in the run that made the release, defaults included
 LOSS_PLOT, CHECKPOINT_PLOT, LADDER_PLOT = "loss_curve.png", "scores_by_checkpoint.png", "scaling_ladder.png"
@@ -52,7 +57,7 @@ RELEASED_WORDS = {"rl_model": "the RL stage's: the base model after SFT, then DP
                                "-> RL chain, which the card shows for comparison)"}
 
 
-def _model(name: str, license: str, plan: CardPlan, tok: dict, released: str = "rl_model") -> str:
+def _model(name: str, license: str, plan: CardPlan, tok: TokenizerInfo, released: str = "rl_model") -> str:
     m = plan.model
     desc = family(m.get("family", "gpt2"))  # GPT-2 plans omit the family (kiln.model.config.model_dict)
     style = f"A {desc.adapter.style}"
@@ -64,59 +69,54 @@ def _model(name: str, license: str, plan: CardPlan, tok: dict, released: str = "
 
 ## Model
 {plan.params:,} parameters; {m['n_layer']} layers, {heads}, width {m['n_embd']},
-context {m['block_size']} tokens, vocabulary {m['vocab_size']} ({tok['kind']} tokenizer, {tok['n_vocab']} tokens,
-{tok['bytes_per_token']:.2f} bytes/token on held-out text). Weights: `model.safetensors` in the Hugging Face {layout} layout;
+context {m['block_size']} tokens, vocabulary {m['vocab_size']} ({tok.kind} tokenizer, {tok.n_vocab} tokens,
+{tok.bytes_per_token:.2f} bytes/token on held-out text). Weights: `model.safetensors` in the Hugging Face {layout} layout;
 they are {RELEASED_WORDS[released]}.
 
 """
 
 
-def _pretrained(up: Mapping[str, dict[str, Any]]) -> str:
-    """Where the weights started, when a stage started from released weights (kiln.pretrained); else nothing."""
-    from kiln.release.lineage import pretrained_stages
-
-    starts = pretrained_stages(up)
+def _pretrained(starts: list[tuple[str, StartingWeights]]) -> str:
+    """Where the weights started, when a stage started from released weights (kiln.pretrained); else nothing.
+    starts: (the stage's training in words, the weights it started from), in training order."""
     if not starts:
         return ""
-    what = {"base_model": "continued pretraining", "sft_model": "supervised fine-tuning", "dpo_model": "DPO",
-            "rl_model": "reinforcement learning"}
-    lines = [f"- {what[k]} started from `{p['source']}`: {p['model_type']} weights, licence {p['license']}, "
-             f"folder content sha256 `{p['sha256']}` (imported as version `{p['version']}`, safetensors only)"
-             for k, p in starts.items()]
-    first = next(iter(starts.values()))
-    added = ", ".join(f"`{t}` = {i}" for t, i in sorted((first.get("added_tokens") or {}).items(), key=lambda kv: kv[1]))
+    lines = [f"- {what} started from `{p.source}`: {p.model_type} weights, licence {p.license}, "
+             f"folder content sha256 `{p.sha256}` (imported as version `{p.version}`, safetensors only)"
+             for what, p in starts]
+    first = starts[0][1]
+    added = ", ".join(f"`{t}` = {i}" for t, i in sorted((first.added_tokens or {}).items(), key=lambda kv: kv[1]))
     return f"""## Starting weights
 Not trained from scratch: these weights continue released ones.
 
 {chr(10).join(lines)}
 
-The imported tokenizer is kept with every id unchanged ({first.get('imported_vocab')} tokens); the chat tokens it lacked
+The imported tokenizer is kept with every id unchanged ({first.imported_vocab} tokens); the chat tokens it lacked
 were appended ({added or "none"}), each embedding row starting as the mean of the imported rows. The starting weights' licence
-({', '.join(sorted({p['license'] for p in starts.values()}))}) applies to these weights as well as the one below.
+({', '.join(sorted({p.license for _, p in starts}))}) applies to these weights as well as the one below.
 
 """
 
 
-def _data(raw: dict, clean: dict, tok: dict, shards: dict) -> str:
-    src_rows = [{"source": n, "package": s["package"] or "local", "version": s["version"] or "",
-                 "sha256": (s["sha256"] or "")[:16], "documents": s["documents"], "licence": s["license"]}
-                for n, s in raw["stats"]["sources"].items()]
-    rep = clean["report"]
-    drop_rows = [{"reason": r, "documents": v["docs"], "MB": f"{v['bytes'] / 1e6:.3f}"} for r, v in rep["reasons"].items()]
+def _data(raw: RawDocuments, clean: CleanCorpus, tok: TokenizerInfo, shards: TokenShards) -> str:
+    src_rows = [{"source": s.name, "package": s.package or "local", "version": s.version or "",
+                 "sha256": (s.sha256 or "")[:16], "documents": s.documents, "licence": s.license}
+                for s in raw.sources]
+    drop_rows = [{"reason": r, "documents": v["docs"], "MB": f"{v['bytes'] / 1e6:.3f}"} for r, v in clean.reasons.items()]
     return f"""## Training data (lineage)
-Raw documents version `{raw['version']}`: {raw['stats']['totals']['documents']:,} documents.
+Raw documents version `{raw.version}`: {raw.documents:,} documents.
 
 {table(src_rows)}
-Clean corpus version `{clean['version']}`: kept {rep['kept_docs']:,} of {rep['input_docs']:,} documents
-({rep['kept_bytes'] / 1e6:.2f} MB); dedup rate {rep['dedup_rate']:.1%}. The filter settings that differ from the defaults
+Clean corpus version `{clean.version}`: kept {clean.kept_docs:,} of {clean.input_docs:,} documents
+({clean.kept_bytes / 1e6:.2f} MB); dedup rate {clean.dedup_rate:.1%}. The filter settings that differ from the defaults
 are listed under Settings below; all of them are `filters` in `kiln.json`.
 
 Removed, by reason:
 
 {table(drop_rows)}
-Token shards version `{shards['version']}`: {shards['totals']['train']['tokens']:,} train tokens,
-{shards['totals']['val']['tokens']:,} validation tokens (fixed split, {shards['val_permille']}/1000 documents by id hash).
-Tokenizer version `{tok['version']}`.
+Token shards version `{shards.version}`: {shards.train_tokens:,} train tokens,
+{shards.val_tokens:,} validation tokens (fixed split, {shards.val_permille}/1000 documents by id hash).
+Tokenizer version `{tok.version}`.
 
 """
 
@@ -134,13 +134,13 @@ def _hardware(plan: CardPlan) -> str:
     return where + how.get(plan.parallelism, f" ({plan.parallelism})")
 
 
-def _training(plan: CardPlan, base: BaseRun, tok: dict, figures: Mapping[str, bytes]) -> str:
+def _training(plan: CardPlan, base: BaseRun, tok: TokenizerInfo, figures: Mapping[str, bytes]) -> str:
     curve = f"\n![Training and validation loss by step]({LOSS_PLOT})\n" if LOSS_PLOT in figures else ""
     return f"""## Training
 Trained on {_hardware(plan)}: {base.steps} steps of {plan.tokens_per_step:,} tokens ({base.tokens:,} tokens,
 {plan.tokens_per_param:.2f} tokens per parameter); micro-batch {plan.micro_batch} x gradient accumulation {plan.grad_accum}.
 Validation loss fell from {base.initial_val_loss:.4f} to {base.final_val_loss:.4f} nats/token (guessing uniformly over
-the vocabulary scores {math.log(tok['n_vocab']):.4f}). Base model version `{base.version}`: checkpoint
+the vocabulary scores {math.log(tok.n_vocab):.4f}). Base model version `{base.version}`: checkpoint
 `{checkpoint_name(base.checkpoint)}` in the Kiln home's storage, MLflow run `{base.mlflow_run_id}`.
 {curve}
 """
@@ -234,10 +234,9 @@ beside what guessing scores:
 """
 
 
-def _post_training(instr: dict, prefs: dict, sft: dict, dpo: dict, rl: dict, stages: list[dict],
-                   ppo: dict | None = None) -> str:
-    decon = instr["decontamination"]
-    lora = " Adapters (LoRA) were trained and merged into these weights." if (dpo["lora"]["enabled"] or rl["lora"]["enabled"]) else ""
+def _post_training(instr: InstructionData, prefs: PreferenceData, sft: SftRun, dpo: DpoRun, rl: RlRun,
+                   stages: list[dict], ppo: PpoRun | None = None) -> str:
+    lora = " Adapters (LoRA) were trained and merged into these weights." if (dpo.lora or rl.lora) else ""
     whose = ("these weights are the last stage's" if ppo is None else "the released weights are not these but the PPO "
              "model's (RLHF, below), trained from the same SFT model; DPO and RL are shown for comparison")
     if ppo is not None:
@@ -245,14 +244,14 @@ def _post_training(instr: dict, prefs: dict, sft: dict, dpo: dict, rl: dict, sta
     return f"""## Post-training
 Three stages, each a torchrun job starting from the previous stage's weights; {whose}.
 
-1. Supervised fine-tuning ({sft['steps']} steps) on instruction data version `{instr['version']}`
-   ({_counts(instr['counts'])}), loss on response tokens only. Pairs sharing a {decon['ngram_words']}-word run
-   with an evaluation item were removed ({decon['pairs_sharing_eval_ngrams']}), and held-out pages were not used.
-2. Direct Preference Optimization ({dpo['steps']} steps, beta {dpo['beta']}) on preference data version `{prefs['version']}`
-   ({_counts(prefs['counts'])}; the correct response chosen, a wrong one rejected), against the SFT model as reference.
-3. Reinforcement learning ({rl['steps']} steps, GRPO-style, {rl['group_size']} answers per prompt, KL weight {rl['kl_coef']} to the
-   DPO model) on {rl['reward']} prompts whose answers are checked exactly (a near miss earns {rl['partial_credit']} x its
-   closeness){_rl_extra_terms(rl)}; greedy exact-answer rate on {_rl_heldout(rl)} {rl['initial_val_reward']:.3f} -> {rl['final_val_reward']:.3f}
+1. Supervised fine-tuning ({sft.steps} steps) on instruction data version `{instr.version}`
+   ({_counts(instr.counts)}), loss on response tokens only. Pairs sharing a {instr.ngram_words}-word run
+   with an evaluation item were removed ({instr.pairs_sharing_eval_ngrams}), and held-out pages were not used.
+2. Direct Preference Optimization ({dpo.steps} steps, beta {dpo.beta}) on preference data version `{prefs.version}`
+   ({_counts(prefs.counts)}; the correct response chosen, a wrong one rejected), against the SFT model as reference.
+3. Reinforcement learning ({rl.steps} steps, GRPO-style, {rl.group_size} answers per prompt, KL weight {rl.kl_coef} to the
+   DPO model) on {rl.reward} prompts whose answers are checked exactly (a near miss earns {rl.partial_credit} x its
+   closeness){_rl_extra_terms(rl)}; greedy exact-answer rate on {_rl_heldout(rl)} {rl.initial_val_reward:.3f} -> {rl.final_val_reward:.3f}
    (the table below scores every held-out arithmetic item, so its rates differ).
 {lora}
 Held-out measures after each stage, on the same items throughout{"" if ppo is None else " (ppo: the released weights)"}:
@@ -263,24 +262,25 @@ Held-out measures after each stage, on the same items throughout{"" if ppo is No
 """
 
 
-def _rl_extra_terms(rl: dict) -> str:
+def _rl_extra_terms(rl: RlRun) -> str:
     """The terms RL added to its policy loss, as a clause of the card's RL line ("" for none)."""
-    parts = [f"DPO's loss on replayed preference pairs x{rl['preference_coef']:g} (to keep what DPO taught)"
-             if rl.get("preference_coef") else "",
-             f"the reference answers' likelihood x{rl['ptx_coef']:g}" if rl.get("ptx_coef") else ""]
+    parts = [f"DPO's loss on replayed preference pairs x{rl.preference_coef:g} (to keep what DPO taught)"
+             if rl.preference_coef else "",
+             f"the reference answers' likelihood x{rl.ptx_coef:g}" if rl.ptx_coef else ""]
     return "".join(f", plus {p}" for p in parts if p)
 
 
-def _rl_heldout(rl: dict) -> str:
+def _rl_heldout(rl: RlRun) -> str:
     """The held-out prompts the RL stage measured itself on, in words."""
-    n = (rl.get("prompts") or {}).get("val")
+    n = (rl.prompts or {}).get("val")
     return f"its {n} held-out prompts" if n else "its held-out prompts"
 
 
-def _changes(sft: dict, dpo: dict, rl: dict, ppo: dict | None = None) -> str:
+def _changes(sft: SftRun, dpo: DpoRun, rl: RlRun, ppo: PpoRun | None = None) -> str:
     """Each stage's change from its own start (PPO's from SFT) with its paired standard error, when the stages
     recorded their before/after rows."""
-    rows = change_rows({"sft": sft, "dpo": dpo, "rl": rl, **({"ppo": ppo} if ppo is not None else {})})
+    runs = {"sft": sft, "dpo": dpo, "rl": rl, **({"ppo": ppo} if ppo is not None else {})}
+    rows = change_rows({name: {"before_after": run.before_after} for name, run in runs.items()})
     if not rows:
         return ""
     return f"""Each stage's change from the weights it started from, with its paired standard error over the same held-out items (* marks a change at least
@@ -290,62 +290,59 @@ def _changes(sft: dict, dpo: dict, rl: dict, ppo: dict | None = None) -> str:
 """
 
 
-def _rlhf(reward: dict, ppo: dict) -> str:
+def _rlhf(reward: RewardRun, ppo: PpoRun) -> str:
     """The released PPO model: its reward model (held-out pair accuracy with its binomial standard error), PPO's own
     figures, and the measures it made worse; its held-out measures and their changes are the Post-training tables'
     ppo columns."""
-    final, n = reward.get("final_val") or {}, (reward.get("pairs") or {}).get("val")
+    final, n = reward.final_val or {}, (reward.pairs or {}).get("val")
     acc = final.get("accuracy")
     if acc is not None and n:
         score = (f"held-out pair accuracy {acc:.3f} ± {math.sqrt(acc * (1 - acc) / n):.3f} on {n} pairs (chance 0.5), "
                  f"mean margin {final.get('margin', float('nan')):.3f}")
     else:
         score = "no held-out pairs scored"
-    regressed = [r["measure"] for r in ppo.get("before_after", []) if worse_beyond_noise(r)]
+    regressed = [r["measure"] for r in ppo.before_after if worse_beyond_noise(r)]
     warning = (f"PPO made {', '.join(regressed)} worse than the SFT model it started from, beyond noise.\n"
                if regressed else "")
     return f"""## RLHF (the released weights)
 These weights are the SFT model trained by PPO against a reward model, not the DPO -> RL chain above.
 
-- Reward model (reward_model version `{reward['version']}`, checkpoint `{checkpoint_name(reward['checkpoint'])}`): the SFT
-  model with a scalar head, {reward['steps']} steps of the Bradley-Terry loss on the preference pairs; {score}.
-- PPO (ppo_model version `{ppo['version']}`, checkpoint `{checkpoint_name(ppo['checkpoint'])}`): {ppo['steps']} steps; held-out reward-model score
-  {ppo['initial_val_reward']:.3f} -> {ppo['final_val_reward']:.3f}; KL to the SFT model {ppo['final_val_kl']:.4f} nats/token at the end.
+- Reward model (reward_model version `{reward.version}`, checkpoint `{checkpoint_name(reward.checkpoint)}`): the SFT
+  model with a scalar head, {reward.steps} steps of the Bradley-Terry loss on the preference pairs; {score}.
+- PPO (ppo_model version `{ppo.version}`, checkpoint `{checkpoint_name(ppo.checkpoint)}`): {ppo.steps} steps; held-out reward-model score
+  {ppo.initial_val_reward:.3f} -> {ppo.final_val_reward:.3f}; KL to the SFT model {ppo.final_val_kl:.4f} nats/token at the end.
 
 Its held-out measures and each one's change from the SFT model are the ppo columns of the Post-training tables above.
 {warning}
 """
 
 
-def _feedback(up: Mapping[str, dict[str, Any]]) -> str:
+def _feedback(judged: JudgedPreferences | None, trained_on: Mapping[str, Feedback]) -> str:
     """The AI judge's labels and how far they agree with known ones, when judged_preferences ran; else nothing. Files
-    are named by their names and hashes: the folders they sat in are the training machine's, not the reader's."""
-    judged = up.get("judged_preferences")
+    are named by their names and hashes: the folders they sat in are the training machine's, not the reader's.
+    trained_on: {stage: the feedback it trained on} for the stages that can train on the judge's labels."""
     if not judged:
         return ""
-    j, p, s = judged["judge"], judged["principles"], judged["summary"]
-    a = s["agreement"]
+    j, p, a = judged.judge, judged.principles, judged.agreement
     return f"""## AI feedback
-Preference labels from an AI judge (judged_preferences version `{judged['version']}`): the {j['family']} {j['kind']}
+Preference labels from an AI judge (judged_preferences version `{judged.version}`): the {j['family']} {j['kind']}
 `{Path(j['path']).name}` ({j['params']:,} parameters, {'weights digest' if j['kind'] == 'checkpoint' else 'sha256'} `{j['sha256']}`) scored answers against the principles in
-`{Path(p['path']).name}` (sha256 `{p['sha256']}`) with the `{judged['rule']}` rule, each pair in both orders.
+`{Path(p['path']).name}` (sha256 `{p['sha256']}`) with the `{judged.rule}` rule, each pair in both orders.
 On {a['n']} held-out preference pairs whose right answer is known, the judge agreed with it on
 {a['agreement']:.3f} ± {a['stderr']:.3f} of them (standard error; a tie counts one half; {a['ties']} ties; chance 0.5);
-its verdict changed with the order of the answers on {s['position_bias']['checkable']:.1%} of them.
-It labelled {s['pairs_labelled']} pairs sampled from the SFT model ({s['ties']} ties left out).
-{_trained_on_judged(up)}
+its verdict changed with the order of the answers on {judged.position_bias:.1%} of them.
+It labelled {judged.pairs_labelled} pairs sampled from the SFT model ({judged.ties} ties left out).
+{_trained_on_judged(trained_on)}
 """
 
 
-def _trained_on_judged(up: Mapping[str, dict[str, Any]]) -> str:
+def _trained_on_judged(trained_on: Mapping[str, Feedback]) -> str:
     """Which stages trained on the judge's pairs (their ``feedback``), and how many of each kind, or that none did."""
     lines = []
-    for stage in ("dpo_model", "reward_model"):
-        fb = (up.get(stage) or {}).get("feedback")
-        if fb and fb.get("choice") != "checkable":
-            pairs = fb["pairs"]
-            lines.append(f"{stage} trained on {fb['choice']} feedback: {pairs.get('checkable', 0)} checkable and "
-                         f"{pairs.get('judged', 0)} judged pairs, held out on {fb['held_out_pairs']} checkable ones.")
+    for stage, fb in trained_on.items():
+        if fb.choice != "checkable":
+            lines.append(f"{stage} trained on {fb.choice} feedback: {fb.pairs.get('checkable', 0)} checkable and "
+                         f"{fb.pairs.get('judged', 0)} judged pairs, held out on {fb.held_out_pairs} checkable ones.")
     return "\n".join(lines) if lines else "No stage of this model trained on these labels (feedback: checkable)."
 
 
@@ -393,7 +390,7 @@ failing reference answer{f" ({skipped})" if skipped else ""}. Rates are counted 
 """
 
 
-def _limits(raw: dict) -> str:
+def _limits(raw: RawDocuments) -> str:
     return f"""## Limits
 A small model trained for minutes on a few megabytes of documentation and web text: it produces fluent-looking but
 unreliable text, knows little, and must not be used for decisions. Evaluation items come from held-out documents of
@@ -402,7 +399,7 @@ the same corpus, so scores measure in-distribution modelling, not general abilit
 ## Data licences
 The weights are derived from data under these licences:
 
-{chr(10).join(f"- {lic}" for lic in sorted({s['license'] for s in raw['stats']['sources'].values()}))}
+{chr(10).join(f"- {lic}" for lic in sorted({s.license for s in raw.sources}))}
 """
 
 
@@ -470,15 +467,14 @@ def logbook_summary(up: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _operations(up: Mapping[str, dict[str, Any]]) -> str:
+def _operations(rows: list[dict[str, Any]], led: Mapping[str, Any]) -> str:
     """The card's record of how training went (every attempt) and what it cost, for every training run behind the
-    release (a PPO release's card lists the DPO -> RL chain it is compared with too)."""
-    rows = logbook_summary(up)
+    release (a PPO release's card lists the DPO -> RL chain it is compared with too): rows, logbook_summary's; led,
+    the base model's ledger (kiln.train.energy), with the plan's estimate."""
     if not rows:
         return ""
     cost_key = next(k for k in rows[0] if k.startswith("cost"))
     total = {k: sum(r[k] for r in rows) for k in ("device-hours", "energy kWh", cost_key)}
-    led = (up.get("base_model") or {}).get("ledger") or {}
     planned = (f" The plan estimated {led['planned_device_hours']:.4g} device-hours ({led['planned_energy_kwh']:.4g} kWh, "
                f"{led['planned_cost']:.4g} {led['currency']}) for the base model." if "planned_device_hours" in led else "")
     estimated = any("estimate" in r["energy basis"] for r in rows)
@@ -491,6 +487,62 @@ loss spikes and the batches skipped after them. Device-hours count each attempt'
 All the training runs above: {total['device-hours']:.4g} device-hours, {total['energy kWh']:.4g} kWh{' (partly or wholly estimated)' if estimated else ' (measured)'}, {total[cost_key]:.4g} {led.get('currency', '')}.{planned}
 
 """
+
+
+@dataclass(frozen=True)
+class CardInputs:
+    """What the card reads, as typed records (kiln.release.records); ``card_inputs`` fills it from the asset outputs."""
+
+    plan: CardPlan
+    tokenizer: TokenizerInfo
+    raw: RawDocuments
+    clean: CleanCorpus
+    shards: TokenShards
+    base: BaseRun
+    scores: EvalScores
+    instructions: InstructionData
+    preferences: PreferenceData
+    sft: SftRun
+    dpo: DpoRun
+    rl: RlRun
+    starts: list[tuple[str, StartingWeights]]  # (the stage's training in words, the weights it started from)
+    judged: JudgedPreferences | None
+    trained_on: dict[str, Feedback]  # {stage: the preference pairs it trained on}
+    operations: list[dict[str, Any]]  # logbook_summary's rows
+    ledger: dict[str, Any]  # the base model's ledger
+    reward: RewardRun | None = None  # with ppo: the released PPO model's reward model
+    ppo: PpoRun | None = None  # the released weights' run, when they are the PPO model's
+    red_team: RedTeam | None = None
+
+
+# The training each stage that can start from released weights does, in words (the card's Starting weights).
+STARTED_WORDS = {"base_model": "continued pretraining", "sft_model": "supervised fine-tuning", "dpo_model": "DPO",
+                 "rl_model": "reinforcement learning"}
+
+
+def card_inputs(up: Mapping[str, dict[str, Any]], released: str = "rl_model",
+                red_team: dict[str, Any] | None = None) -> CardInputs:
+    """Which asset output fills which of the card's records: the one place the card names assets. ``up``, released
+    and red_team as model_card takes them."""
+    from kiln.release.lineage import pretrained_stages
+
+    ppo = up.get("ppo_model") if released == "ppo_model" else None
+    report = up.get("red_team_report")
+    return CardInputs(
+        plan=CardPlan.from_dict(up["training_plan"]), tokenizer=TokenizerInfo.from_dict(up["tokenizer"]),
+        raw=RawDocuments.from_dict(up["raw_documents"]), clean=CleanCorpus.from_dict(up["clean_corpus"]),
+        shards=TokenShards.from_dict(up["token_shards"]), base=BaseRun.from_dict(up["base_model"]),
+        scores=EvalScores.from_dict(up["eval_scores"]), instructions=InstructionData.from_dict(up["instruction_data"]),
+        preferences=PreferenceData.from_dict(up["preference_data"]), sft=SftRun.from_dict(up["sft_model"]),
+        dpo=DpoRun.from_dict(up["dpo_model"]), rl=RlRun.from_dict(up["rl_model"]),
+        starts=[(STARTED_WORDS[k], StartingWeights.from_dict(p, f"{k}.pretrained"))
+                for k, p in pretrained_stages(dict(up)).items()],
+        judged=(JudgedPreferences.from_dict(up["judged_preferences"]) if up.get("judged_preferences") else None),
+        trained_on={k: fb for k in ("dpo_model", "reward_model") if (fb := feedback_of(up.get(k), k)) is not None},
+        operations=logbook_summary(up), ledger=(up.get("base_model") or {}).get("ledger") or {},
+        reward=RewardRun.from_dict(up["reward_model"]) if ppo is not None else None,
+        ppo=PpoRun.from_dict(ppo) if ppo is not None else None,
+        red_team=RedTeam.from_dict(report, red_team) if report and red_team else None)
 
 
 def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages: list[dict],
@@ -507,27 +559,21 @@ def model_card(name: str, license: str, up: Mapping[str, dict[str, Any]], stages
     red_team: release_bundle's red-team gate (with up["red_team_report"]: an "Intended use and red team" section).
     """
     figures = figures or {}
-    ppo = up.get("ppo_model") if released == "ppo_model" else None
-    report = up.get("red_team_report")
-    # Which asset output fills which of the card's records.
-    plan, base = CardPlan.from_dict(up["training_plan"]), BaseRun.from_dict(up["base_model"])
-    scores = EvalScores.from_dict(up["eval_scores"])
-    rt = RedTeam.from_dict(report, red_team) if report and red_team else None
+    c = card_inputs(up, released, red_team)
     return "".join([
-        _model(name, license, plan, up["tokenizer"], released),
-        _pretrained(up),
-        _data(up["raw_documents"], up["clean_corpus"], up["tokenizer"], up["token_shards"]),
-        _training(plan, base, up["tokenizer"], figures),
-        _scaling(plan, base.final_val_loss, figures),
-        _evaluation(scores, figures),
-        _post_training(up["instruction_data"], up["preference_data"], up["sft_model"], up["dpo_model"], up["rl_model"], stages,
-                       ppo),
-        _rlhf(up["reward_model"], ppo) if ppo is not None else "",
-        _feedback(up),
-        _red_team(rt),
-        _operations(up),
+        _model(name, license, c.plan, c.tokenizer, released),
+        _pretrained(c.starts),
+        _data(c.raw, c.clean, c.tokenizer, c.shards),
+        _training(c.plan, c.base, c.tokenizer, figures),
+        _scaling(c.plan, c.base.final_val_loss, figures),
+        _evaluation(c.scores, figures),
+        _post_training(c.instructions, c.preferences, c.sft, c.dpo, c.rl, stages, c.ppo),
+        _rlhf(c.reward, c.ppo) if c.ppo is not None and c.reward is not None else "",
+        _feedback(c.judged, c.trained_on),
+        _red_team(c.red_team),
+        _operations(c.operations, c.ledger),
         _settings(settings) if settings is not None else "",
-        _limits(up["raw_documents"]),
+        _limits(c.raw),
     ])
 
 

@@ -171,3 +171,247 @@ class RedTeam:
                    judge=_at(report, "judge", where), stage=stage, kinds=kinds,
                    judge_skipped=released.get("judge_skipped"), gate_on=_at(gate, "gate_on", gate_where),
                    reasons=list(_at(gate, "reasons", gate_where)), override=gate.get("override") or "")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The tokenizer (tokenizer's output)."""
+
+    version: str
+    kind: str  # "bpe" or "gpt2"
+    n_vocab: int
+    bytes_per_token: float
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "tokenizer") -> "TokenizerInfo":
+        return record_from(cls, data, where)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of the raw documents: its pinned package (None for local files), count and licence."""
+
+    name: str
+    package: str | None
+    version: str | None
+    sha256: str | None
+    documents: int
+    license: str
+
+
+@dataclass(frozen=True)
+class RawDocuments:
+    """The collected documents (raw_documents): their count and sources."""
+
+    version: str
+    documents: int
+    sources: list[Source]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "raw_documents") -> "RawDocuments":
+        sources = _at(data, "stats.sources", where)
+        return cls(version=_at(data, "version", where), documents=_at(data, "stats.totals.documents", where),
+                   sources=[record_from(Source, {"name": n, **s}, f"{where}.stats.sources.{n}") for n, s in sources.items()])
+
+
+@dataclass(frozen=True)
+class CleanCorpus:
+    """The clean corpus (clean_corpus's report): documents kept, dedup rate, and what was removed by reason."""
+
+    version: str
+    input_docs: int
+    kept_docs: int
+    kept_bytes: int
+    dedup_rate: float
+    reasons: dict[str, dict[str, int]]  # {reason: {docs, bytes}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "clean_corpus") -> "CleanCorpus":
+        return record_from(cls, {**_at(data, "report", where), "version": _at(data, "version", where)}, f"{where}.report")
+
+
+@dataclass(frozen=True)
+class TokenShards:
+    """The token shards (token_shards): train and validation tokens and the validation split."""
+
+    version: str
+    train_tokens: int
+    val_tokens: int
+    val_permille: int
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "token_shards") -> "TokenShards":
+        return cls(version=_at(data, "version", where), train_tokens=_at(data, "totals.train.tokens", where),
+                   val_tokens=_at(data, "totals.val.tokens", where), val_permille=_at(data, "val_permille", where))
+
+
+@dataclass(frozen=True)
+class StartingWeights:
+    """Released weights a training stage started from (its output's ``pretrained``, kiln.pretrained)."""
+
+    source: str
+    model_type: str
+    license: str
+    sha256: str
+    version: str
+    added_tokens: dict[str, int] | None = None  # the chat tokens appended to the imported vocabulary
+    imported_vocab: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "pretrained") -> "StartingWeights":
+        return record_from(cls, data, where)
+
+
+@dataclass(frozen=True)
+class InstructionData:
+    """The instruction pairs (instruction_data): counts by kind, and the pairs removed for sharing eval text."""
+
+    version: str
+    counts: dict[str, Any]  # {kind: {train, val}} or {kind: n}
+    ngram_words: int
+    pairs_sharing_eval_ngrams: int
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "instruction_data") -> "InstructionData":
+        decon = _at(data, "decontamination", where)
+        return cls(version=_at(data, "version", where), counts=_at(data, "counts", where),
+                   ngram_words=_at(decon, "ngram_words", f"{where}.decontamination"),
+                   pairs_sharing_eval_ngrams=_at(decon, "pairs_sharing_eval_ngrams", f"{where}.decontamination"))
+
+
+@dataclass(frozen=True)
+class PreferenceData:
+    """The preference pairs (preference_data): counts by kind."""
+
+    version: str
+    counts: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "preference_data") -> "PreferenceData":
+        return record_from(cls, data, where)
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """Which preference pairs a stage trained on (its output's ``feedback``): checkable, judged or mixed."""
+
+    choice: str
+    pairs: dict[str, int]  # {checkable, judged}: pairs of each kind
+    held_out_pairs: int
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "feedback") -> "Feedback":
+        return record_from(cls, data, where)
+
+
+def feedback_of(out: Mapping[str, Any] | None, where: str) -> Feedback | None:
+    """A stage output's feedback record, or None when it recorded none."""
+    fb = (out or {}).get("feedback")
+    return Feedback.from_dict(fb, f"{where}.feedback") if fb else None
+
+
+def _lora(data: Mapping[str, Any], where: str) -> bool:
+    return bool(_at(data, "lora.enabled", where))
+
+
+@dataclass(frozen=True)
+class SftRun:
+    """The SFT stage's run (sft_model)."""
+
+    steps: int
+    before_after: list[dict[str, Any]] = field(default_factory=list)  # kiln.posttrain.measures rows
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "sft_model") -> "SftRun":
+        return record_from(cls, data, where)
+
+
+@dataclass(frozen=True)
+class DpoRun:
+    """The DPO stage's run (dpo_model)."""
+
+    steps: int
+    beta: float
+    lora: bool  # adapters trained and merged
+    before_after: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "dpo_model") -> "DpoRun":
+        return record_from(cls, data, where, lora=_lora(data, where))
+
+
+@dataclass(frozen=True)
+class RlRun:
+    """The RL stage's run (rl_model): GRPO's settings, its own held-out reward, the terms added to its loss."""
+
+    steps: int
+    group_size: int
+    kl_coef: float
+    reward: str  # what its prompts' answers are checked against
+    partial_credit: float
+    initial_val_reward: float
+    final_val_reward: float
+    lora: bool
+    preference_coef: float | None = None  # DPO's loss on replayed preference pairs
+    ptx_coef: float | None = None  # the reference answers' likelihood
+    prompts: dict[str, int] | None = None  # {train, val}
+    before_after: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "rl_model") -> "RlRun":
+        return record_from(cls, data, where, lora=_lora(data, where))
+
+
+@dataclass(frozen=True)
+class RewardRun:
+    """The reward model's run (reward_model): its held-out pair accuracy and margin."""
+
+    version: str
+    checkpoint: str
+    steps: int
+    final_val: dict[str, float] | None = None  # {accuracy, margin}
+    pairs: dict[str, int] | None = None  # {train, val}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "reward_model") -> "RewardRun":
+        return record_from(cls, data, where)
+
+
+@dataclass(frozen=True)
+class PpoRun:
+    """The PPO stage's run (ppo_model): its held-out reward-model score and KL to the SFT model."""
+
+    version: str
+    checkpoint: str
+    steps: int
+    initial_val_reward: float
+    final_val_reward: float
+    final_val_kl: float
+    before_after: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "ppo_model") -> "PpoRun":
+        return record_from(cls, data, where)
+
+
+@dataclass(frozen=True)
+class JudgedPreferences:
+    """The AI judge's labels (judged_preferences): the judge and principles files, and its agreement with known
+    labels."""
+
+    version: str
+    rule: str
+    judge: dict[str, Any]  # {family, kind, path, params, sha256}
+    principles: dict[str, Any]  # {path, sha256}
+    agreement: dict[str, Any]  # {n, agreement, stderr, ties}
+    position_bias: float  # the share of checkable pairs whose verdict changed with the answers' order
+    pairs_labelled: int
+    ties: int
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "judged_preferences") -> "JudgedPreferences":
+        s = _at(data, "summary", where)
+        return cls(version=_at(data, "version", where), rule=_at(data, "rule", where), judge=_at(data, "judge", where),
+                   principles=_at(data, "principles", where), agreement=_at(s, "agreement", f"{where}.summary"),
+                   position_bias=_at(s, "position_bias.checkable", f"{where}.summary"),
+                   pairs_labelled=_at(s, "pairs_labelled", f"{where}.summary"), ties=_at(s, "ties", f"{where}.summary"))

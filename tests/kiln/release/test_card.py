@@ -8,6 +8,7 @@ import pytest
 
 from kiln.release.card import CHECKPOINT_PLOT, CONFIG_FILE, LOSS_PLOT, _feedback, card_figures, model_card, settings_rows, task_score
 from kiln.posttrain.measures import stage_rows
+from kiln.release.records import JudgedPreferences
 
 UPSTREAM = Path(__file__).resolve().parents[2] / "data" / "card_upstream.json"
 
@@ -106,7 +107,7 @@ def test_the_ai_feedback_section_names_the_judge_and_principles_without_machine_
     assert "`abc123` (1,000,000 parameters, sha256 `abababababababab`)" in text
     assert "principles in\n`principles.md` (sha256 `cdcdcdcdcdcdcdcd`)" in text and "/home/someone" not in text
     checkpoint_judge = {**judged, "judge": {**judged["judge"], "kind": "checkpoint"}}  # its digest is no sha256
-    assert "(1,000,000 parameters, weights digest `abababababababab`)" in _feedback({"judged_preferences": checkpoint_judge})
+    assert "(1,000,000 parameters, weights digest `abababababababab`)" in _feedback(JudgedPreferences.from_dict(checkpoint_judge), {})
 
 
 def test_the_base_checkpoint_is_named_by_its_folders_under_the_storage_not_by_its_data_version(up):

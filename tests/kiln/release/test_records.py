@@ -68,3 +68,46 @@ def test_a_red_team_stage_without_the_gates_kind_is_named():
         RedTeam.from_dict(report, GATE)
     with pytest.raises(RecordError, match=r"red-team gate: no 'stage'"):
         RedTeam.from_dict(REPORT, {k: v for k, v in GATE.items() if k != "stage"})
+
+
+def test_the_data_and_post_training_records_read_a_smoke_runs_outputs(up):
+    from kiln.release.records import (CleanCorpus, DpoRun, InstructionData, RawDocuments, RlRun, SftRun, TokenizerInfo,
+                                      TokenShards)
+
+    raw = RawDocuments.from_dict(up["raw_documents"])
+    assert raw.documents == up["raw_documents"]["stats"]["totals"]["documents"]
+    assert [s.name for s in raw.sources] == list(up["raw_documents"]["stats"]["sources"])
+    clean = CleanCorpus.from_dict(up["clean_corpus"])
+    assert clean.kept_docs == up["clean_corpus"]["report"]["kept_docs"] and clean.version == up["clean_corpus"]["version"]
+    shards = TokenShards.from_dict(up["token_shards"])
+    assert shards.train_tokens == up["token_shards"]["totals"]["train"]["tokens"]
+    assert TokenizerInfo.from_dict(up["tokenizer"]).n_vocab == up["tokenizer"]["n_vocab"]
+    instr = InstructionData.from_dict(up["instruction_data"])
+    assert instr.ngram_words == up["instruction_data"]["decontamination"]["ngram_words"]
+    assert SftRun.from_dict(up["sft_model"]).before_after == up["sft_model"]["before_after"]
+    assert DpoRun.from_dict(up["dpo_model"]).lora == up["dpo_model"]["lora"]["enabled"]
+    rl = RlRun.from_dict(up["rl_model"])
+    assert (rl.group_size, rl.final_val_reward) == (up["rl_model"]["group_size"], up["rl_model"]["final_val_reward"])
+
+
+def test_a_missing_nested_key_names_its_path(up):
+    from kiln.release.records import JudgedPreferences, RawDocuments, TokenShards
+
+    with pytest.raises(RecordError, match=r"token_shards: no 'totals.val'"):
+        TokenShards.from_dict({**up["token_shards"], "totals": {"train": {"tokens": 1}}})
+    with pytest.raises(RecordError, match=r"raw_documents.stats.sources.[\w-]+: no 'license'"):
+        raw = up["raw_documents"]
+        name = next(iter(raw["stats"]["sources"]))
+        sources = {name: {k: v for k, v in raw["stats"]["sources"][name].items() if k != "license"}}
+        RawDocuments.from_dict({**raw, "stats": {**raw["stats"], "sources": sources}})
+    with pytest.raises(RecordError, match=r"judged_preferences.summary: no 'position_bias'"):
+        JudgedPreferences.from_dict({"version": "j", "rule": "r", "judge": {}, "principles": {},
+                                     "summary": {"agreement": {}, "pairs_labelled": 1, "ties": 0}})
+
+
+def test_the_card_names_the_asset_output_that_lacks_a_key(up):
+    from kiln.release.card import card_inputs
+
+    assert card_inputs(up).ppo is None and card_inputs(up).red_team is None
+    with pytest.raises(RecordError, match=r"rl_model: no 'kl_coef'"):
+        card_inputs({**up, "rl_model": {k: v for k, v in up["rl_model"].items() if k != "kl_coef"}})

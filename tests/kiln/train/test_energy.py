@@ -73,7 +73,7 @@ def test_the_model_card_totals_the_chain_and_kiln_logbook_reads_a_release(tmp_pa
     summary = logbook_summary(up)
     assert [r["stage"] for r in summary] == ["base", "sft", "dpo", "rl"]
     assert summary[0]["attempts"] == 2 and summary[0]["ended"] == "1 completed, 1 preempted"
-    section = _operations(up)
+    section = _operations(summary, up["base_model"]["ledger"])
     assert section.startswith("## Training operations, cost and energy")
     assert "All the training runs above: 1.25 device-hours, 0.125 kWh (partly or wholly estimated), 5 USD." in section
     assert "The plan estimated 0.5 device-hours (0.05 kWh, 2 USD) for the base model." in section
