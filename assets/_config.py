@@ -164,6 +164,16 @@ def _annotation(tp: Any, default: Any, where: str) -> Any:
                     "dict[str, ...], Any, a Literal, a nested dataclass, or X | None of one of these")
 
 
+def block_defaults(cls: type, name: str) -> dict[str, Any]:
+    """The fields of dataclass ``cls``'s default ``name`` block that differ from that block's own defaults (a stage's
+    optimizer: DpoJob's AdamW at lr 1e-4), for ``schema_of(block, defaults=...)``: the stage's dataclass stays the one
+    place its defaults are written."""
+    block = getattr(_core_instance(cls), name)
+    own = type(block)()
+    return {f.name: getattr(block, f.name) for f in dataclasses.fields(block)
+            if getattr(block, f.name) != getattr(own, f.name)}
+
+
 # ---------------------------------------------------------------------------------------------------- schema_of
 
 _CACHE: dict[str, type[DataclassConfig]] = {}

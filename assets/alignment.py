@@ -7,7 +7,7 @@ from dagster import AssetExecutionContext, Failure, MetadataValue, Output, asset
 from pydantic import Field
 
 from assets._common import asset_output, failing_on_config_errors, md_table, report_metadata
-from assets._config import KilnConfig, schema_of
+from assets._config import KilnConfig, block_defaults, schema_of
 from assets.pretrained import import_folder, lineage_of
 from assets.training import Lora
 from kiln.common.config import Domain
@@ -24,7 +24,7 @@ from kiln.posttrain.rl import RL_SETTINGS, RlJob
 from kiln.posttrain.sft import read_pairs
 from kiln.pretrained.source import is_importable
 from kiln.train.checkpoint import checkpoint_identity, resolve_checkpoint
-from kiln.train.job import JobConfig
+from kiln.train.job import SftJob
 from kiln.train.launch import RunSpec, Table, pretrain_report
 from kiln.train.optim import OptimConfig
 from resources.storage import KilnStorageResource
@@ -131,14 +131,13 @@ def start_weights(stage: str, init_from: str, upstream: dict, training_plan: dic
             {"init_from": rec["checkpoint"], "pretrained": lineage_of(rec)})
 
 
-SftOptim = schema_of(OptimConfig, defaults={"warmup_steps": 20}, name="SftOptim")
-DpoOptim = schema_of(OptimConfig, defaults={"lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0}, name="DpoOptim")
-RlOptim = schema_of(OptimConfig, defaults={"lr": 3e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},
-                    name="RlOptim")
+SftOptim = schema_of(OptimConfig, defaults=block_defaults(SftJob, "optim"), name="SftOptim")
+DpoOptim = schema_of(OptimConfig, defaults=block_defaults(DpoJob, "optim"), name="DpoOptim")
+RlOptim = schema_of(OptimConfig, defaults=block_defaults(RlJob, "optim"), name="RlOptim")
 
 
-class SftModelConfig(schema_of(JobConfig, include=("max_steps", "micro_batch", "eval_interval", "seed"),
-                               defaults={"max_steps": 80, "micro_batch": 16, "eval_interval": 40}, name="SftJobFields")):
+class SftModelConfig(schema_of(SftJob, include=("max_steps", "micro_batch", "eval_interval", "seed"),
+                               name="SftJobFields")):
     optim: SftOptim = Field(default_factory=SftOptim, description="AdamW and its schedule for fine-tuning.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true, quantize: nf4} trains adapters only on a 4-bit frozen base (QLoRA; merged into the saved weights).")
     init_from: str = init_from_field()
@@ -232,8 +231,7 @@ class Feedback:
 DPO_FIELDS = ("loss", *LOSS_FIELDS, "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
 
 
-class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, defaults={"max_steps": 40, "micro_batch": 16, "eval_interval": 20},
-                               name="DpoJobFields")):
+class DpoModelConfig(schema_of(DpoJob, include=DPO_FIELDS, name="DpoJobFields")):
     optim: DpoOptim = Field(default_factory=DpoOptim, description="AdamW and its schedule for DPO.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true, rank: 8} trains adapters only (merged into the saved weights).")
     init_from: str = init_from_field()
@@ -262,9 +260,7 @@ RL_FIELDS = ("reward", "max_steps", "max_new_tokens", "temperature", "partial_cr
              "seed", *RL_SETTINGS)
 
 
-class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields", defaults={
-        "max_steps": 120, "temperature": 0.7, "partial_credit": 0.2, "kl_coef": 0.1, "eval_interval": 20,
-        "preference_coef": 0.1})):
+class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields")):
     prompts_per_step: Annotated[int, Domain(1)] = Field(default=RlJob.micro_batch, description="Prompts per rank per step (the job's micro_batch).")
     optim: RlOptim = Field(default_factory=RlOptim, description="AdamW and its schedule for RL.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains adapters only.")

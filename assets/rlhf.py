@@ -11,7 +11,7 @@ from dagster import AssetExecutionContext, Output, asset
 from pydantic import Field
 
 from assets._common import report_metadata
-from assets._config import schema_of
+from assets._config import block_defaults, schema_of
 from assets.alignment import Feedback, Lora, align, feedback_field, init_from_field, start_weights
 from kiln.common.config import Domain
 from kiln.posttrain.measures import heldout_suite, suite_key
@@ -24,15 +24,13 @@ from resources.storage import KilnStorageResource
 from resources.torchrun import TorchrunResource
 from resources.tracking import MlflowResource
 
-RewardOptim = schema_of(OptimConfig, defaults={"lr": 3e-4, "warmup_steps": 5, "weight_decay": 0.0}, name="RewardOptim")
-PpoOptim = schema_of(OptimConfig, defaults={"lr": 5e-5, "warmup_steps": 5, "min_lr_ratio": 0.5, "weight_decay": 0.0},
-                     name="PpoOptim")
+RewardOptim = schema_of(OptimConfig, defaults=block_defaults(RewardJob, "optim"), name="RewardOptim")
+PpoOptim = schema_of(OptimConfig, defaults=block_defaults(PpoJob, "optim"), name="PpoOptim")
 
 REWARD_FIELDS = ("pair_kinds", "max_steps", "micro_batch", "eval_interval", "eval_pairs", "seed")
 
 
-class RewardModelConfig(schema_of(RewardJob, include=REWARD_FIELDS, name="RewardJobFields", defaults={
-        "pair_kinds": ["arithmetic"], "max_steps": 40, "micro_batch": 16, "eval_interval": 10})):
+class RewardModelConfig(schema_of(RewardJob, include=REWARD_FIELDS, name="RewardJobFields")):
     optim: RewardOptim = Field(default_factory=RewardOptim, description="AdamW and its schedule for the reward model.")
     feedback: str = feedback_field()
 
@@ -65,8 +63,7 @@ PPO_FIELDS = ("prompt_kinds", "max_steps", "max_new_tokens", "temperature", "kl_
               "ppo_epochs", "value_lr", "eval_interval", "eval_items", "seed")
 
 
-class PpoModelConfig(schema_of(PpoJob, include=PPO_FIELDS, name="PpoJobFields", defaults={
-        "max_steps": 30, "temperature": 0.7, "kl_coef": 0.05, "eval_interval": 10, "eval_items": 50})):
+class PpoModelConfig(schema_of(PpoJob, include=PPO_FIELDS, name="PpoJobFields")):
     prompts_per_step: Annotated[int, Domain(1)] = Field(default=PpoJob.micro_batch, description="Prompts per rank per rollout (the job's micro_batch).")
     optim: PpoOptim = Field(default_factory=PpoOptim, description="AdamW and its schedule for the policy.")
     lora: Lora = Field(default_factory=Lora, description="{enabled: true} trains policy adapters only.")

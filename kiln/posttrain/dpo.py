@@ -24,11 +24,16 @@ from kiln.train.dist import DistInfo, all_mean
 from kiln.train.entry import run_job
 from kiln.train.telemetry import Reporter, format_duration
 from kiln.train.trainer import StepReport, Trainer
+from kiln.train.optim import OptimConfig
 
 
 @dataclass
 class DpoJob(PosttrainJob):
     task: str = "dpo"
+    max_steps: Annotated[int, Domain(1)] = 40  # optimizer steps
+    micro_batch: Annotated[int, Domain(1)] = 16  # pairs per rank per forward
+    eval_interval: Annotated[int, Domain(1)] = 20  # steps between held-out passes
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10, weight_decay=0.0))  # AdamW for DPO
     loss: str = "dpo"  # the preference loss (kiln.posttrain.preference_losses): dpo, ipo, simpo (no reference), kto
     beta: Annotated[float, Domain(0)] = 0.0  # the loss's beta (dpo: the implicit KL strength; ipo: tau); 0: its paper's default (dpo, ipo,
     # kto 0.1; simpo 2.0)

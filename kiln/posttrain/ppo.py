@@ -32,6 +32,7 @@ from kiln.train.entry import run_job
 from kiln.train.spikes import SpikeConfig
 from kiln.train.telemetry import Reporter, format_duration
 from kiln.train.trainer import StepReport, Trainer
+from kiln.train.optim import OptimConfig
 
 
 @dataclass
@@ -40,7 +41,7 @@ class PpoJob(PosttrainJob):
     reward_model: str = ""  # reward checkpoint (kiln.posttrain.reward) that scores answers; the value model starts from it
     prompt_kinds: list = field(default_factory=lambda: ["arithmetic"])  # instruction kinds prompts are drawn from
     max_new_tokens: Annotated[int, Domain(1)] = 16  # longest sampled answer, in tokens
-    temperature: Annotated[float, Domain(0, low_open=True)] = 1.0  # sampling temperature of the rollouts
+    temperature: Annotated[float, Domain(0, low_open=True)] = 0.7  # sampling temperature of the rollouts
     kl_coef: Annotated[float, Domain(0)] = 0.05  # per-token KL penalty to the reference, in the reward
     gamma: Annotated[float, Domain(0, 1)] = 1.0  # discount of GAE
     lam: Annotated[float, Domain(0, 1)] = 0.95  # GAE's lambda
@@ -48,7 +49,11 @@ class PpoJob(PosttrainJob):
     value_clip: Annotated[float, Domain(0, low_open=True)] = 0.2  # how far a value may move from its rollout value before its loss is clipped
     ppo_epochs: Annotated[int, Domain(1)] = 2  # optimizer steps per rollout (each on the whole rollout)
     value_lr: Annotated[float, Domain(0, low_open=True)] = 1e-4  # AdamW learning rate of the value model
-    eval_items: Annotated[int, Domain(1)] = 100  # held-out (split=val) prompts answered greedily and scored by the reward model
+    eval_items: Annotated[int, Domain(1)] = 50  # held-out (split=val) prompts answered greedily and scored by the reward model
+    max_steps: Annotated[int, Domain(1)] = 30  # optimizer steps
+    eval_interval: Annotated[int, Domain(1)] = 10  # steps between held-out passes
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-5, warmup_steps=5, min_lr_ratio=0.5,
+                                                                   weight_decay=0.0))  # AdamW for the policy
     # the PPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
     spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))
 

@@ -28,12 +28,17 @@ from kiln.train.dist import DistInfo, all_mean
 from kiln.train.entry import run_job
 from kiln.train.telemetry import Reporter, format_duration
 from kiln.train.trainer import Stage, StepReport, Trainer
+from kiln.train.optim import OptimConfig
 
 
 @dataclass
 class RewardJob(PosttrainJob):
     task: str = "reward"
-    pair_kinds: list[str] = field(default_factory=list)  # preference kinds to train and hold out on (arithmetic, doc_section); empty: all
+    pair_kinds: list[str] = field(default_factory=lambda: ["arithmetic"])  # preference kinds to train and hold out on (arithmetic, doc_section); empty: all
+    max_steps: Annotated[int, Domain(1)] = 40  # optimizer steps
+    micro_batch: Annotated[int, Domain(1)] = 16  # pairs per rank per forward
+    eval_interval: Annotated[int, Domain(1)] = 10  # steps between held-out passes
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, warmup_steps=5, weight_decay=0.0))  # AdamW for the reward model
     eval_pairs: Annotated[int, Domain(1)] = 256  # held-out (split=val) pairs scored at each evaluation
     val_files: list = field(default_factory=list)  # the held-out pairs' JSONL (its split=val rows); empty: train_files[0]
 

@@ -34,6 +34,7 @@ from kiln.train.entry import run_job
 from kiln.train.spikes import SpikeConfig
 from kiln.train.telemetry import Reporter, format_duration
 from kiln.train.trainer import StepReport, Trainer
+from kiln.train.optim import OptimConfig
 
 RewardFn = Callable[[str, dict], float]  # (decoded response, item) -> reward
 
@@ -67,7 +68,7 @@ class RlSettings:
     RlJob.settings() resolves them: a field left None takes ``algorithm``'s value (ALGORITHMS)."""
 
     group_size: Annotated[int, Domain(2)] = 8  # answers sampled per prompt; advantages are relative within each group
-    kl_coef: Annotated[float, Domain(0)] = 0.05  # weight of the per-token KL penalty to the reference (k3 estimator)
+    kl_coef: Annotated[float, Domain(0)] = 0.1  # weight of the per-token KL penalty to the reference (k3 estimator)
     # grpo or dapo: what eps_low, eps_high, loss_aggregation, dynamic_sampling and overlong_buffer take when left unset
     # (dapo: the paper's clip 0.2 / 0.28, token-level loss, dynamic sampling, an overlong buffer of max_new_tokens
     # // 5). DAPO also drops the KL term; algorithm leaves kl_coef as it is set (0 for the paper's recipe)
@@ -98,7 +99,7 @@ class RlSettings:
     # micro_batch pairs of preference_file's training split, added to each step's loss: the preference stage's own
     # objective replayed, so that RL after DPO keeps what DPO taught (the held-out preference margin) while the
     # policy term trains the task. 0 is off
-    preference_coef: Annotated[float, Domain(0)] = 0.0
+    preference_coef: Annotated[float, Domain(0)] = 0.1
     preference_beta: Annotated[float, Domain(0, low_open=True)] = 0.1  # DPO's beta for the replayed pairs (the dpo stage's default)
 
     def check_choices(self, where: str) -> None:
@@ -158,8 +159,12 @@ class RlJob(RlSettings, PosttrainJob):
     task: str = "rl"
     reward: str = "arithmetic"  # checkable task (a key of kiln.posttrain.rl.REWARDS)
     max_new_tokens: Annotated[int, Domain(1)] = 16  # longest sampled answer, in tokens
-    temperature: Annotated[float, Domain(0, low_open=True)] = 1.0  # sampling temperature for the groups
-    partial_credit: Annotated[float, Domain(0, 1)] = 0.0  # reward scale for a near miss (arithmetic: within 10 of the answer); 0 is exact only
+    temperature: Annotated[float, Domain(0, low_open=True)] = 0.7  # sampling temperature for the groups
+    partial_credit: Annotated[float, Domain(0, 1)] = 0.2  # reward scale for a near miss (arithmetic: within 10 of the answer); 0 is exact only
+    max_steps: Annotated[int, Domain(1)] = 120  # optimizer steps
+    eval_interval: Annotated[int, Domain(1)] = 20  # steps between held-out passes
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_steps=5, min_lr_ratio=0.5,
+                                                                   weight_decay=0.0))  # AdamW for RL
     eval_items: Annotated[int, Domain(1)] = 100  # held-out (split=val) prompts answered greedily at each evaluation
     # the GRPO loss is a surrogate whose level says little about health: only non-finite values roll back by default
     spikes: SpikeConfig = field(default_factory=lambda: SpikeConfig(enabled=False))

@@ -30,7 +30,7 @@ from kiln.train.spikes import SpikeConfig
 J = TypeVar("J", bound="TrainJob")
 
 # job task -> the job class that reads its file ("module:Class"; kiln.train.entry.TASKS names the module that runs it)
-JOB_CLASSES = {"pretrain": "kiln.train.job:JobConfig", "sft": "kiln.train.job:JobConfig",
+JOB_CLASSES = {"pretrain": "kiln.train.job:JobConfig", "sft": "kiln.train.job:SftJob",
                "dpo": "kiln.posttrain.dpo:DpoJob", "rl": "kiln.posttrain.rl:RlJob",
                "reward": "kiln.posttrain.reward:RewardJob", "ppo": "kiln.posttrain.ppo:PpoJob"}
 
@@ -232,3 +232,14 @@ class JobConfig(TrainJob):
         if self.task == "pretrain" and self.lora.enabled and not self.init_from:
             raise ConfigError(f"{where}.lora: LoRA adapts weights that exist; pretraining from random weights trains "
                               "every weight. Continued pretraining of imported weights (pretrained_model) takes it")
+
+
+@dataclass
+class SftJob(JobConfig):
+    """Supervised fine-tuning on instruction pairs: a JobConfig with fine-tuning's defaults."""
+
+    task: str = "sft"
+    max_steps: Annotated[int, Domain(1)] = 80  # optimizer steps
+    micro_batch: Annotated[int, Domain(1)] = 16  # pairs per rank per forward
+    eval_interval: Annotated[int, Domain(1)] = 40  # steps between validation passes
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=20))  # AdamW for fine-tuning

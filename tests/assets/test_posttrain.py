@@ -187,7 +187,7 @@ def test_a_checkable_dpo_run_keeps_the_run_key_it_had_before_feedback_was_a_choi
     assert dpo["feedback"]["choice"] == "checkable" and dpo["feedback"]["judged_preferences"] is None
     assert dpo["feedback"]["pairs"] == {"checkable": dpo["pairs"]["train"], "judged": 0}
     job = json.loads((Path(dpo["out_dir"]) / "job.json").read_text())
-    assert job["train_files"] == [prefs["path"]] and "val_files" not in job and "feedback" not in job
+    assert job["train_files"] == [prefs["path"]] and job["val_files"] == [] and "feedback" not in job  # held out: train_files[0]
     config = DpoModelConfig(max_steps=4, micro_batch=4, eval_interval=2, eval_pairs=8, lora={"enabled": True, "rank": 2})
     fields = {**config.job_fields(), "train_files": [prefs["path"]], "ckpt_interval": 4, "keep_last": 1, "log_interval": 25}
     del fields["init_from"], fields["feedback"]  # the fields dpo_model set before feedback existed

@@ -9,7 +9,10 @@ from dagster import AssetKey, Backoff, DagsterInstance, asset, materialize
 from mlflow.tracking import MlflowClient
 
 from assets.training import base_model
+from kiln.model.parallel import MeshLayout
+from kiln.model.pipeline_parallel import PipelineConfig
 from kiln.train.checkpoint import checkpoint_identity
+from kiln.train.job import JobConfig, load_job
 from kiln.plan.memory import BatchConfig, HardwareConfig, make_plan
 from kiln.model.config import ModelConfig
 from kiln.tokens.shards import shard_paths
@@ -84,10 +87,10 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
     assert sorted(k for k in run.data.metrics if not k.startswith("system/")) == [
         "grad_norm", "lr", "memory_gb", "mfu", "step_time_s", "tokens_per_s", "train_loss", "val_loss"]
     assert "loss.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
-    job = json.loads((Path(value["out_dir"]) / "job.json").read_text())
-    assert job["keep_every"] == 8 and job["async_save"] and job["parallelism"] == "none"
-    assert job["layout"] == {k: v for k, v in layout.items() if k != "pp" or v > 1}
-    assert job.get("pipeline") == SPLITS[split].get("pipeline")
+    job = load_job(JobConfig, json.loads((Path(value["out_dir"]) / "job.json").read_text()))  # the job it ran
+    assert job.keep_every == 8 and job.async_save and job.parallelism == "none"
+    assert job.layout == MeshLayout(**layout)
+    assert job.pipeline == PipelineConfig(**SPLITS[split].get("pipeline", {}))
 
 
 def test_base_model_retries_a_failed_launch_twice_with_growing_delays():

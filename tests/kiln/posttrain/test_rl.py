@@ -159,7 +159,8 @@ def test_rl_job_with_lora_reports_rewards_resumes_and_saves_plain_weights(tmp_pa
            "optim": {"lr": 1e-3, "warmup_steps": 1}, "lora": {"enabled": True, "rank": 4},
            "train_files": [str(data)], "init_from": str(init), "seq_len": 31, "micro_batch": 4, "group_size": 4,
            "max_new_tokens": 6, "max_steps": 6, "eval_interval": 2, "eval_items": 8, "log_interval": 2,
-           "ckpt_interval": 2, "keep_last": 2}
+           "ckpt_interval": 2, "keep_last": 2, "temperature": 1.0, "partial_credit": 0.0, "kl_coef": 0.05,
+           "preference_coef": 0.0}
     config = tmp_path / "job.json"
     config.write_text(json.dumps(job))
     faults = tmp_path / "faults.json"
@@ -255,10 +256,10 @@ def resolved(**fields) -> dict:
 
 
 def test_the_algorithm_presets_fill_only_the_fields_left_unset() -> None:
-    assert RlJob().settings() == RlSettings(group_size=8, kl_coef=0.05, algorithm="grpo", ppo_epochs=1, eps_low=0.2,
+    assert RlJob().settings() == RlSettings(group_size=8, kl_coef=0.1, algorithm="grpo", ppo_epochs=1, eps_low=0.2,
                                             eps_high=0.2, loss_aggregation="sequence", dynamic_sampling=False,
                                             max_sampling_rounds=3, overlong_buffer=0, ptx_coef=0.0,
-                                            preference_coef=0.0, preference_beta=0.1)
+                                            preference_coef=0.1, preference_beta=0.1)
     assert RlJob().settings().describe() == ""  # plain on-policy GRPO: nothing to add to the start line
     assert resolved(algorithm="dapo") == {"algorithm": "dapo", "eps_high": 0.28, "loss_aggregation": "token",
                                           "dynamic_sampling": True, "overlong_buffer": 3}  # 16 // 5
@@ -307,7 +308,7 @@ def test_the_presets_are_rl_settings_and_every_setting_is_an_rl_job_field_with_i
 ])
 def test_bad_dapo_fields_are_config_errors_naming_the_key(fields, message) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_job(RlJob, {"init_from": "c", "train_files": ["p.jsonl"], **fields})
+        load_job(RlJob, {"init_from": "c", "train_files": ["p.jsonl"], "preference_file": "p.jsonl", **fields})
 
 
 class Scripted:
@@ -403,7 +404,7 @@ def pairs_file(tmp_path: Path) -> Path:
 def test_the_stage_draws_refills_apart_and_shares_a_sampled_batch_across_its_updates(tmp_path, tiny_tokenizer) -> None:
     _, tok_path = tiny_tokenizer
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "micro_batch": 4,
+    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "preference_coef": 0.0, "micro_batch": 4,
             "grad_accum": 2}
     grpo = RlStage(RlJob(**base), info)
     dapo = RlStage(RlJob(**base, algorithm="dapo", ppo_epochs=2), info)
@@ -542,7 +543,8 @@ def test_a_dapo_job_runs_through_the_trainer_and_reports_its_options(tmp_path, t
            "optim": {"lr": 1e-3, "warmup_steps": 1, "weight_decay": 0.0}, "train_files": [str(pairs_file(tmp_path))],
            "init_from": str(init), "seq_len": 31, "micro_batch": 4, "group_size": 4, "max_new_tokens": 6,
            "algorithm": "dapo", "ppo_epochs": 2, "max_sampling_rounds": 2, "overlong_buffer": 4, "max_steps": 4,
-           "eval_interval": 4, "eval_items": 4, "log_interval": 1, "ckpt_interval": 4}
+           "eval_interval": 4, "eval_items": 4, "log_interval": 1, "ckpt_interval": 4, "temperature": 1.0,
+           "partial_credit": 0.0, "kl_coef": 0.05, "preference_coef": 0.0}
     config = tmp_path / "job.json"
     config.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, "-m", "kiln.posttrain", "--config", str(config), "--device", "cpu"],
@@ -602,7 +604,8 @@ def test_the_supervised_term_adds_ptx_coef_times_the_reference_answers_mean_nll(
 def test_the_stage_draws_ptx_pairs_only_when_asked_and_leaves_the_prompts_as_they_were(tmp_path, tiny_tokenizer) -> None:
     _, tok_path = tiny_tokenizer
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "micro_batch": 4}
+    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "micro_batch": 4,
+            "preference_coef": 0.0}
     plain, mixed = RlStage(RlJob(**base), info), RlStage(RlJob(**base, ptx_coef=0.2), info)
     for index in (0, 1):
         (p,), (m,) = list(plain.batches(index)), list(mixed.batches(index))
@@ -657,12 +660,13 @@ def test_the_stage_replays_preference_pairs_from_the_training_split_only_when_as
     prefs = tmp_path / "prefs.jsonl"
     write_jsonl([{"id": str(i), "prompt": f"q{i}", "chosen": "a", "rejected": "b", "kind": "arithmetic",
                   "split": "val" if i < 3 else "train"} for i in range(10)], prefs)
-    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "micro_batch": 4}
-    plain, replay = RlStage(RlJob(**base), info), RlStage(RlJob(**base, preference_coef=0.5,
+    base = {"init_from": "c", "train_files": [str(pairs_file(tmp_path))], "tokenizer": str(tok_path), "micro_batch": 4,
+            "preference_coef": 0.0}
+    plain, replay = RlStage(RlJob(**base), info), RlStage(RlJob(**{**base, "preference_coef": 0.5},
                                                                 preference_file=str(prefs)), info)
     (p,), (r,) = list(plain.batches(0)), list(replay.batches(0))
     assert p.preferences == [] and p.items == r.items
     assert len(r.preferences) == 4 and {x["split"] for x in r.preferences} == {"train"}
     assert list(replay.batches(1))[0].preferences != r.preferences
     with pytest.raises(ConfigError, match="needs preference_file"):
-        RlJob(**base, preference_coef=0.5).check()
+        RlJob(**{**base, "preference_coef": 0.5}).check()

@@ -41,7 +41,8 @@ def test_the_blocks_are_built_once_as_their_dataclasses():
 
 def test_rl_and_ppo_watch_only_non_finite_losses_unless_told():
     assert RlJob().spikes == SpikeConfig(enabled=False)
-    assert load_job(RlJob, {"init_from": "c", "train_files": ["p.jsonl"], "spikes": {"window": 10}}).spikes.enabled
+    assert load_job(RlJob, {"init_from": "c", "train_files": ["p.jsonl"], "preference_coef": 0.0,
+                            "spikes": {"window": 10}}).spikes.enabled
 
 
 @pytest.mark.parametrize("cls,data,message", [
@@ -67,7 +68,7 @@ def test_a_job_that_cannot_run_is_a_config_error_naming_the_key(cls, data, messa
 def test_every_task_has_a_job_class():
     from kiln.train.entry import TASKS
 
-    assert {t: job_class(t).__name__ for t in TASKS} == {"pretrain": "JobConfig", "sft": "JobConfig", "dpo": "DpoJob",
+    assert {t: job_class(t).__name__ for t in TASKS} == {"pretrain": "JobConfig", "sft": "SftJob", "dpo": "DpoJob",
                                                          "rl": "RlJob", "reward": "RewardJob", "ppo": "PpoJob"}
     with pytest.raises(ConfigError, match="dpo_model.task: 'kto' is not a training task"):
         job_class("kto", "dpo_model")
@@ -84,7 +85,7 @@ def test_job_config_defaults_are_a_valid_pretrain_job() -> None:
     ("pretrain", {"max_steps": 7, "optim": {"lr": 0.004}, "model": {"n_layer": 2, "n_embd": 64}, "train_files": ["a.bin"]}),
     ("sft", {"task": "sft", "lora": {"enabled": True, "rank": 4}, "init_from": "ck"}),
     ("dpo", {"task": "dpo", "init_from": "ck", "max_steps": 3, "train_files": ["p.jsonl"]}),
-    ("rl", {"task": "rl", "init_from": "ck", "seed": 5, "train_files": ["p.jsonl"]}),
+    ("rl", {"task": "rl", "init_from": "ck", "seed": 5, "train_files": ["p.jsonl"], "preference_file": "p.jsonl"}),
 ])
 def test_the_job_file_is_the_validated_job_which_the_worker_rebuilds_without_checking_again(task, data, monkeypatch):
     from kiln.train.job import CHECKED, job_file
