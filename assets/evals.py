@@ -32,7 +32,7 @@ from kiln.evaluation import matrix as kmatrix
 from kiln.evaluation.coding import HUMANEVAL, problem_table, record_problems, unique_problems
 from kiln.evaluation.contamination import DEFAULT_N, check_contamination, report_tables, training_sources, worst_task
 from kiln.evaluation.mathematics import MATH_EXPR, MATH_WORD
-from kiln.evaluation.mmlu import MMLU, MMLU_SOURCE
+from kiln.evaluation.mmlu import MMLU
 from kiln.evaluation.registry import REGISTRY
 from kiln.evaluation.scores import bits_per_byte, flat_metrics, score_rows
 from kiln.evaluation.suite import sample_generations, score_full_and_clean
