@@ -58,6 +58,37 @@ def named_results(text: str) -> set[str]:
     return named | {n for n in re.findall(r"\b([\w.-]+\.(?:md|json))\b", text) if (RESULTS / n).is_file()}
 
 
+def cited_files(text: str) -> list[Path]:
+    """The results files a paragraph names, its patterns (``ladder_run*.md``, ``rlaif_run1.*``) expanded."""
+    paths = {RESULTS / n for n in named_results(text) if (RESULTS / n).is_file()}
+    for pattern in re.findall(r"\b([\w-]*\*[\w-]*\.(?:md|json)|[\w-]+\.\*)", text):
+        paths |= {f for f in RESULTS.glob(pattern) if f.suffix in (".md", ".json")}
+    return sorted(paths)
+
+
+DECIMAL = re.compile(r"(?<![\w.])[-+]?\d[\d,]*\.\d+(?![\w.])")
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# decimals README quotes that are settings, versions or tolerances, not measurements, each with the words just
+# before it in README: the figure check leaves exactly those alone
+NOT_MEASURED = {("Python", "3.11"): "Python's version", ("torch", "2.13"): "torch's version",
+                ("aux_loss (", "0.01"): "the aux-loss coefficient (a setting)",
+                ("aux_free (", "0.001"): "the aux-free bias rate (a setting)",
+                ("Q8_0 within", "0.05"): "the GGUF test's tolerance"}
+
+
+def not_measured(prose: str, figure: str) -> bool:
+    return any(value == figure.lstrip("+-") and re.search(re.escape(before) + r"\s*" + re.escape(value), prose)
+               for before, value in NOT_MEASURED)
+
+
+def in_results(figure: str, numbers: set[float]) -> bool:
+    """``figure`` (a decimal as README writes it: 4.788, +1.23, 0.0346, 1,336.5) is some number of the results
+    files rounded to its decimals, as itself or as a percentage (0.0123 is 1.23%)."""
+    places = len(figure.split(".")[1])
+    value = abs(float(figure.replace(",", "")))
+    return any(abs(y - value) <= 0.5 * 10**-places + 1e-9 for x in numbers for y in (abs(x), abs(x) * 100))
+
+
 def has_provenance(path: Path) -> bool:
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix == ".json":
@@ -83,6 +114,33 @@ def test_every_results_file_readme_names_is_there_and_says_where_its_numbers_cam
     without = sorted(n for n in named - LEGACY if not has_provenance(RESULTS / n))
     assert without == [], f"results files without the command, commit, date and machine lines: {without}"
     assert {n for n in LEGACY if has_provenance(RESULTS / n)} == set(), "measured again: take it out of LEGACY"
+
+
+def test_every_decimal_figure_readme_quotes_is_in_a_results_file_its_paragraph_names():
+    """A figure must come from its file: each decimal of a paragraph that names results files is one of their numbers
+    (rounded as README writes it); code spans and NOT_MEASURED's settings are left out."""
+    missing = []
+    for line, text in blocks(README):
+        files = cited_files(text)
+        if not files or not FIGURE.search(text):
+            continue
+        numbers = set()
+        for f in files:
+            for m in NUMBER.findall(f.read_text(encoding="utf-8", errors="replace")):
+                try:
+                    numbers.add(float(m.replace(",", "")))
+                except ValueError:
+                    continue
+        prose = re.sub(r"`[^`]*`", "", text)
+        missing += [f"README.md:{line}: {d} not in {', '.join(f.name for f in files)}" for d in DECIMAL.findall(prose)
+                    if not not_measured(prose, d) and not in_results(d, numbers)]
+    assert missing == [], "\n".join(missing)
+
+
+def test_a_figure_is_found_rounded_or_as_a_percentage_and_patterns_are_expanded():
+    assert in_results("4.788", {4.78812}) and in_results("+1.23", {0.01234}) and in_results("1.07", {1.065})
+    assert not in_results("4.79", {4.78}) and not in_results("0.050", {0.0494})
+    assert {f.name for f in cited_files("runs in `ladder_run*.md` and moe_seeds.md")} >= {"ladder_run1.md", "moe_seeds.md"}
 
 
 def test_the_check_sees_figures_and_citations_and_leaves_settings_alone():
