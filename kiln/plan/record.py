@@ -13,38 +13,17 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kiln.common.config import RecordError, record_from
+from kiln.plan.memory import TrainingPlan
 
 # The keys a plan holds only when it has them (to_dict leaves a None one out: a plan without them hashes as before).
 OPTIONAL = ("layout", "pipeline", "sweep", "optim_overrides", "sized_by_law", "sizing", "scaling", "pretrained", "epochs")
 
 
-@dataclass(frozen=True)
-class PlanRecord:
+@dataclass(kw_only=True)
+class PlanRecord(TrainingPlan):
     """The training plan: kiln.plan.memory.TrainingPlan's fields (the single-node plan, or the same fields from a
     cluster layout: kiln.plan.layout.training_plan_of), the hardware block and steps; then the optional keys."""
 
-    model: dict[str, Any]  # kiln.model.config.model_dict of the model (GPT-2 plans omit the family)
-    params: int
-    params_non_embedding: int
-    world_size: int
-    parallelism: str  # "none", "ddp" or "fsdp"
-    activation_checkpointing: bool
-    compile: bool
-    micro_batch: int
-    grad_accum: int
-    global_batch: int
-    seq_len: int
-    tokens_per_step: int
-    total_tokens: int
-    memory_gb: dict[str, float]  # GiB per rank by part, and "total"
-    device_memory_gb: float
-    flops_per_token: float
-    total_flops: float
-    peak_tflops: float
-    est_hours: float | None
-    tokens_per_param: float | None
-    reason: str  # why this parallelism and checkpointing (or this layout) were chosen
-    alternatives: list[dict[str, Any]]  # the other options considered
     hardware: dict[str, Any]  # the hardware block as planned
     max_steps: int
     layout: dict[str, int] | None = None  # a split model's mesh: dp_replicate, dp_shard, tp, pp (and ep)
