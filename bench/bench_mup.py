@@ -140,29 +140,26 @@ def summarise(runs: list[dict], widths: list[int], exps: list[int]) -> dict:
     """{param: {"by_width": {width: {"losses": [per lr], "best_exp": e or None}}, "shift": grid steps or None}}: the
     best lr per width (the lowest finite loss; None when every lr diverged) and how many factor-2 steps it moves from
     the narrowest to the widest width (positive: the wide model wants a larger lr)."""
-    out: dict = {}
-    for p in PARAMS:
-        by_width = {}
-        for w in widths:
-            losses = [next(r["val_loss"] for r in runs if (r["param"], r["width"], r["lr_exp"]) == (p, w, e))
-                      for e in exps]
-            finite = [(loss, e) for loss, e in zip(losses, exps) if math.isfinite(loss)]
-            best = min(finite)[1] if finite else None
-            by_width[w] = {"losses": losses, "best_exp": best, "best_lr": 2.0**best if best is not None else None,
-                           "best_loss": min(finite)[0] if finite else math.inf}
-        lo, hi = by_width[min(widths)]["best_exp"], by_width[max(widths)]["best_exp"]
-        out[p] = {"by_width": by_width, "shift": hi - lo if lo is not None and hi is not None else None}
-    return out
+    return _summary(lambda p, w: [next(r["val_loss"] for r in runs if (r["param"], r["width"], r["lr_exp"]) == (p, w, e))
+                                  for e in exps], widths, exps)
 
 
 def mean_summary(by_seed: dict, widths: list[int], exps: list[int]) -> dict:
     """The summaries' losses averaged over the seeds (inf where any seed diverged), in ``summarise``'s shape."""
+    def mean(p: str, w: int) -> list[float]:
+        cols = [s[p]["by_width"][w]["losses"] for s in by_seed.values()]
+        return [sum(c[i] for c in cols) / len(cols) for i in range(len(exps))]
+
+    return _summary(mean, widths, exps)
+
+
+def _summary(losses_of, widths: list[int], exps: list[int]) -> dict:
+    """``summarise``'s shape from ``losses_of(param, width)`` (the loss at each lr exponent)."""
     out: dict = {}
     for p in PARAMS:
         by_width = {}
         for w in widths:
-            cols = [s[p]["by_width"][w]["losses"] for s in by_seed.values()]
-            losses = [sum(c[i] for c in cols) / len(cols) for i in range(len(exps))]
+            losses = losses_of(p, w)
             finite = [(loss, e) for loss, e in zip(losses, exps) if math.isfinite(loss)]
             best = min(finite)[1] if finite else None
             by_width[w] = {"losses": losses, "best_exp": best, "best_lr": 2.0**best if best is not None else None,
