@@ -152,11 +152,12 @@ def check_domains(obj: Any, where: str) -> None:
             check_domains(value, f"{where}.{f.name}")
 
 
-def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config") -> T:
+def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config", check: bool = True) -> T:
     """Build dataclass ``cls`` from ``data``; nested dataclass fields are built recursively.
 
     Raises ConfigError for an unknown key (with a close-match suggestion), a non-mapping, or a value outside the
-    Domain its field declares (check_domains).
+    Domain its field declares (check_domains); ``check=False`` leaves the Domains to the caller (data validated
+    before, e.g. a job file kiln.train.job.job_file wrote).
     """
     data = dict(data or {})
     if not dataclasses.is_dataclass(cls):
@@ -175,9 +176,9 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config") 
     for name, value in data.items():
         ftype = hints.get(name)
         if dataclasses.is_dataclass(ftype) and isinstance(value, dict):
-            value = from_dict(ftype, value, f"{where}.{name}")
+            value = from_dict(ftype, value, f"{where}.{name}", check)
         kwargs[name] = value
-    declared = domains(cls)
+    declared = domains(cls) if check else {}
     for name, value in kwargs.items():  # before the class sees them: its own checks assume numbers in range
         if name in declared:
             kind, domain = declared[name]

@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import typing
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, TypeVar
 
@@ -57,13 +56,6 @@ def job_file(job: TrainJob) -> dict[str, Any]:
     return {**fields, CHECKED: fields_digest(fields)}
 
 
-def _built(cls: type, data: dict[str, Any]) -> Any:
-    """``cls`` from the fields of a job file ``job_file`` wrote, nested blocks built the same way; nothing checked."""
-    hints = typing.get_type_hints(cls)
-    return cls(**{k: _built(hints[k], v) if dataclasses.is_dataclass(hints.get(k)) and isinstance(v, dict) else v
-                  for k, v in data.items()})
-
-
 def load_job(cls: type[J], data: dict[str, Any], where: str = "job") -> J:
     """``cls`` built from a job file's fields and checked as a whole: an unknown key, a bad value or two fields that
     do not go together is a ConfigError naming ``where.<key>``. The one place a job's config is validated: fields
@@ -72,7 +64,7 @@ def load_job(cls: type[J], data: dict[str, Any], where: str = "job") -> J:
     data = dict(data)
     digest = data.pop(CHECKED, None)
     if digest is not None and digest == fields_digest(data) and set(data) == {f.name for f in dataclasses.fields(cls)}:
-        return _built(cls, data)
+        return from_dict(cls, data, where, check=False)
     try:
         job = from_dict(cls, data, where)
         job.check(where)
