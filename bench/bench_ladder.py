@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from provenance import header, header_md, machine_line  # noqa: E402
+from provenance import machine_line, write_results  # noqa: E402
 
 
 def handle(home: Path, asset: str) -> dict:
@@ -131,11 +131,9 @@ def main() -> int:
     print("\n".join(lines))
     if a.out:
         out = Path(a.out)
-        out.with_suffix(".md").write_text("\n".join(["# The scaling ladder's law against measured losses", "",
-                                                     *header_md(), *lines, ""]))
-        out.with_suffix(".json").write_text(json.dumps({**header(), "seed": a.seed, "rows": rows, "law": {
+        write_results(out, "The scaling ladder's law against measured losses", lines, {"seed": a.seed, "rows": rows, "law": {
             k: law[k] for k in ("E", "A", "B", "alpha", "beta", "intervals", "bootstrap_used")}, "isoflop": iso,
-            "targets": rows_out, "wall_s": took}, indent=1, default=str))
+            "targets": rows_out, "wall_s": took})
         print(f"wrote {out.with_suffix('.md')} and .json")
     return 0
 

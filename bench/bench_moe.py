@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_families import val_loss  # noqa: E402  (the same held-out loss as the family comparison)
-from provenance import header, header_md, machine_line  # noqa: E402
+from provenance import machine_line, write_results  # noqa: E402
 from kiln.tokens.loader import TokenLoader  # noqa: E402
 from kiln.model.config import ModelConfig, padded_vocab  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
@@ -178,9 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
                  f"thread(s); {a.n_layer} blocks of {a.n_embd}; dense SwiGLU {a.ffn} wide against {a.experts} experts "
                  f"of {a.ffn // a.top_k}, {a.top_k} per token (equal active parameters); seeds {a.seeds}. Validation "
                  f"loss: {a.eval_batches} held-out batches at the end. Load balance: the last 50 steps.")
-        out.with_suffix(".md").write_text("\n".join(["# Mixture of experts against dense, at equal active parameters "
-                                                     "and tokens", "", *header_md(), about, "", *lines, ""]))
-        out.with_suffix(".json").write_text(json.dumps({**header(), **result}, indent=2))
+        write_results(out, "Mixture of experts against dense, at equal active parameters and tokens", [about, "", *lines],
+                      result, indent=2)
         print(f"wrote {out.with_suffix('.md')} and .json")
     return result
 

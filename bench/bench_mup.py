@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from provenance import header, header_md, machine_line  # noqa: E402
+from provenance import machine_line, write_results  # noqa: E402
 
 PARAMS = ("sp", "mup")  # the standard parametrisation, muP relative to the narrowest width
 QUICK = {"widths": "64,128", "lr_exps": "-9:-7", "steps": 20, "eval_batches": 4}
@@ -350,9 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
              f"warmup {a.warmup} then cosine; {a.steps} steps of {a.batch} x {a.seq_len} tokens "
              f"({a.steps * a.batch * a.seq_len:,} tokens a run); final validation loss on {a.eval_batches} held-out "
              f"batches; seeds {seeds}; {a.workers} workers of one thread; {wall:.0f} s in all.")
-    out.with_suffix(".md").write_text("\n".join(["# muP against the standard parametrisation: the best AdamW lr "
-                                                 "across widths", "", *header_md(), about, "", *lines, ""]))
-    out.with_suffix(".json").write_text(json.dumps(finite_or_null({**header(), **result}), indent=2, default=str))
+    write_results(out, "muP against the standard parametrisation: the best AdamW lr across widths", [about, "", *lines],
+                  finite_or_null(result), indent=2)
     plot(mean_summary({s: v["summary"] for s, v in per_seed.items()}, a.widths, exps), a.widths, exps, a.base_width,
          out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}, .json and .png")

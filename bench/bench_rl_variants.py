@@ -26,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from provenance import header, header_md, machine_line  # noqa: E402
+from provenance import machine_line, write_results  # noqa: E402
 
 MEASURES = ("arithmetic_exact_match", "preference_margin", "arithmetic_answer_logprob", "response_loss")
 SHORT = {"arithmetic_exact_match": "exact match", "preference_margin": "margin", "arithmetic_answer_logprob": "answer log p",
@@ -115,9 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         about = (f"Home {args.home}, preset {args.preset}: each variant reruns rl_model, red_team_report and "
                  "release_bundle from the same DPO model; held-out measures with paired standard errors (beyond noise "
                  "at |z| >= 2).")
-        args.report.with_suffix(".md").write_text("\n".join(["# RL settings side by side", "", *header_md(), about, "",
-                                                             *lines, ""]))
-        args.report.with_suffix(".json").write_text(json.dumps({**header(), "results": results}, indent=1))
+        write_results(args.report, "RL settings side by side", [about, "", *lines], {"results": results})
         print(f"wrote {args.report.with_suffix('.md')} and .json")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from provenance import header, header_md, machine_line  # noqa: E402
+from provenance import machine_line, write_results  # noqa: E402
 
 
 def kiln(*args: str) -> tuple[float, subprocess.CompletedProcess]:
@@ -79,11 +79,9 @@ def main() -> int:
     print(first.stdout.strip().splitlines()[-len(one) - 2:][0])
     if a.out:
         out = Path(a.out)
-        out.with_suffix(".md").write_text("\n".join(["# A sweep of the demo model, then the same sweep again", "",
-                                                     *header_md(), *lines, ""]))
-        out.with_suffix(".json").write_text(json.dumps({**header(), "points": one, "first_s": first_s,
-                                                        "rerun_s": again_s, "data_s": data_s, "train_s": train_s,
-                                                        "reused_on_rerun": reused}, indent=1))
+        write_results(out, "A sweep of the demo model, then the same sweep again", lines, {
+            "points": one, "first_s": first_s, "rerun_s": again_s, "data_s": data_s, "train_s": train_s,
+            "reused_on_rerun": reused})
     results = pickle.loads((home / "storage" / "handles" / "sweep_results").read_bytes())
     plots = sorted(Path(results["plots"]).glob("*.png")) if results.get("plots") else []
     if a.plots:  # sweep_results' own plots (loss against each swept field, the best points' curves)

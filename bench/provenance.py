@@ -91,3 +91,13 @@ def header_md(argv: list[str] | None = None) -> list[str]:
     h = header(argv)
     return [f"- command: `{h['command']}`", f"- commit: {h['commit']}", f"- date: {h['date']}",
             f"- machine: {h['machine']}", ""]
+
+
+def write_results(stem: str | Path, title: str, lines: list[str], data: dict, indent: int = 1) -> None:
+    """STEM.md (``# title``, the header lines, then ``lines``) and STEM.json (the header's fields and ``data``; values
+    JSON cannot hold written with str)."""
+    import json
+
+    stem = Path(stem)
+    stem.with_suffix(".md").write_text("\n".join([f"# {title}", "", *header_md(), *lines, ""]))
+    stem.with_suffix(".json").write_text(json.dumps({**header(), **data}, indent=indent, default=str))
