@@ -1,0 +1,274 @@
+"""Benchmark: Kiln's demo pretraining against nanoGPT on the same tokens, the same machine, one run after the other.
+
+python bench/bench_nanogpt.py --shards DIR [--seed 0] [--eval-every 25] [--out bench/results/STEM]
+
+DIR is the demo's token_shards folder (``kiln run --preset demo --select raw_documents,clean_corpus,tokenizer,
+token_shards --home H`` makes it: ``H/storage/token_shards/<version>``). Two fresh processes train in turn:
+
+- **Kiln**: the demo's pretraining job (kiln.train.recipe.demo_recipe(): the llama family at the demo size, Muon with
+  the WSD schedule, 700 steps of 8 x 256 tokens), through Kiln's own trainer (bench/speedrun.py's run).
+- **nanoGPT**: re-implemented here at the recipe nanoGPT's README gives for a CPU (karpathy/nanoGPT at commit
+  NANOGPT_COMMIT: ``python train.py config/train_shakespeare_char.py --device=cpu --compile=False ... --dropout=0.0``,
+  with its block_size, batch_size, n_layer, n_head, n_embd and max_iters = lr_decay_iters set to the demo's shape:
+  256, 8, 4, 4, 256 and 700): GPT-2 blocks (LayerNorm and Linear without bias, GELU MLP 4x wide, the head tied to
+  the token embedding, weights N(0, 0.02) and the residual projections N(0, 0.02 / sqrt(2 n_layer))), AdamW
+  (lr 1e-3, betas 0.9 / 0.99, weight decay 0.1 on tensors of 2 or more dimensions, gradient clip 1.0), 100 warmup
+  steps then cosine to 1e-4, batches of random windows of the training tokens (its get_batch), float32, eager.
+  The vocabulary is Kiln's (the demo tokenizer's, padded alike), so the two losses are on the same tokens.
+
+Both are validated on the whole validation split (the same windows, kiln.tokens.loader.iter_eval_batches) every
+``--eval-every`` steps; validation time is not training time. Printed and written: parameters, tokens/s at the median
+step, the measured training wall time, the final validation loss at equal tokens, and the time Kiln takes to reach
+nanoGPT's final loss against nanoGPT's own time to it (targets of issue 50: >= 3x, and tokens/s >= 1.0x).
+Time to a loss is steps x the median step time, as in bench/speedrun.py (a burst of other work on a shared machine
+would otherwise bend one curve and not the other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from provenance import machine_line, write_results  # noqa: E402
+
+NANOGPT_COMMIT = "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"
+# nanoGPT's CPU command (README, "I only have a macbook") over config/train_shakespeare_char.py, at the demo's shape
+NANOGPT = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "batch_size": 8, "bias": False,
+           "dropout": 0.0, "learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 100, "max_iters": 700,
+           "lr_decay_iters": 700, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.99, "grad_clip": 1.0}
+
+
+def nanogpt_model(vocab_size: int, c: dict):
+    """GPT-2 as nanoGPT's model.py builds it (bias=False, no dropout), written here for the bench."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = c["n_embd"]
+            self.ln_1 = nn.LayerNorm(d, bias=c["bias"])
+            self.c_attn = nn.Linear(d, 3 * d, bias=c["bias"])
+            self.attn_proj = nn.Linear(d, d, bias=c["bias"])
+            self.ln_2 = nn.LayerNorm(d, bias=c["bias"])
+            self.c_fc = nn.Linear(d, 4 * d, bias=c["bias"])
+            self.mlp_proj = nn.Linear(4 * d, d, bias=c["bias"])
+
+        def forward(self, x):
+            b, t, d = x.shape
+            h = c["n_head"]
+            q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+            q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))  # (B, H, T, D/H)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+            x = x + self.attn_proj(y)
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = c["n_embd"]
+            self.wte = nn.Embedding(vocab_size, d)
+            self.wpe = nn.Embedding(c["block_size"], d)
+            self.blocks = nn.ModuleList(Block() for _ in range(c["n_layer"]))
+            self.ln_f = nn.LayerNorm(d, bias=c["bias"])
+            self.lm_head = nn.Linear(d, vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied
+            for name, p in self.named_parameters():
+                if p.dim() >= 2:
+                    std = 0.02 / math.sqrt(2 * c["n_layer"]) if name.endswith("proj.weight") else 0.02
+                    torch.nn.init.normal_(p, mean=0.0, std=std)
+
+        def forward(self, idx):
+            pos = torch.arange(idx.size(1), device=idx.device)
+            x = self.wte(idx) + self.wpe(pos)
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    return GPT()
+
+
+def nanogpt_lr(it: int, c: dict) -> float:
+    """nanoGPT's get_lr: linear warmup, then cosine from learning_rate to min_lr over lr_decay_iters."""
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it > c["lr_decay_iters"]:
+        return c["min_lr"]
+    ratio = (it - c["warmup_iters"]) / (c["lr_decay_iters"] - c["warmup_iters"])
+    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
+
+
+def nanogpt_worker(spec_path: str) -> None:
+    """Train nanoGPT on the spec's shards; write the curve and per-step seconds beside the spec."""
+    import torch
+    import torch.nn.functional as F
+
+    from kiln.model.config import padded_vocab
+    from kiln.tokens.loader import TokenStream, iter_eval_batches
+
+    spec = json.loads(Path(spec_path).read_text())
+    c, seed, eval_every = spec["config"], spec["seed"], spec["eval_every"]
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    torch.manual_seed(1337 + seed)
+    shards = Path(spec["shards"])
+    manifest = json.loads((shards / "manifest.json").read_text())
+    train = TokenStream(sorted(shards.glob("train_*.bin")), c["block_size"])
+    data = np.concatenate(train.shards).astype(np.int64)  # the training tokens as one array (nanoGPT's train.bin)
+    val_files = sorted(shards.glob("val_*.bin"))
+    model = nanogpt_model(padded_vocab(manifest["vocab_size"]), c)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]}, {"params": rest, "weight_decay": 0.0}],
+                            lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]))
+
+    def validate() -> float:
+        model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for x, y in iter_eval_batches(val_files, c["batch_size"], c["block_size"]):
+                logits = model(x)
+                total += F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum").item()
+                count += y.numel()
+        model.train()
+        return total / count
+
+    def get_batch():
+        ix = torch.randint(len(data) - c["block_size"], (c["batch_size"],))
+        x = torch.stack([torch.from_numpy(data[i:i + c["block_size"]]) for i in ix.tolist()])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + c["block_size"]]) for i in ix.tolist()])
+        return x, y
+
+    history, seconds, trained = [{"step": 0, "val_loss": validate()}], {0: 0.0}, 0.0
+    for it in range(c["max_iters"]):
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = nanogpt_lr(it, c)
+        x, y = get_batch()
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        trained += time.perf_counter() - t0
+        seconds[it + 1] = trained
+        if (it + 1) % eval_every == 0 or it + 1 == c["max_iters"]:
+            history.append({"step": it + 1, "val_loss": validate()})
+            print(f"nanoGPT step {it + 1}: val {history[-1]['val_loss']:.4f}, {trained:.0f} s", flush=True)
+    params = sum(p.numel() for p in model.parameters())
+    Path(spec["out"]).write_text(json.dumps({"history": history, "seconds": seconds, "params": params}))
+
+
+def run_nanogpt(shards: Path, seed: int, eval_every: int, c: dict = NANOGPT) -> dict:
+    """nanoGPT (config ``c``) in a fresh process; the curve is (step, tokens, training seconds, validation loss), as
+    speedrun.run's."""
+    with tempfile.TemporaryDirectory(prefix="nanogpt-") as tmp:
+        spec = {"config": c, "seed": seed, "eval_every": eval_every, "shards": str(shards),
+                "out": str(Path(tmp) / "result.json")}
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "PYTHONPATH": str(ROOT)}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--nanogpt-worker", str(Path(tmp) / "spec.json")], env=env,
+                              capture_output=True, text=True, timeout=7200)
+        if proc.returncode != 0:
+            raise SystemExit(f"nanoGPT: training failed (exit {proc.returncode})\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        result = json.loads(Path(spec["out"]).read_text())
+    return summarise("nanoGPT", result["history"], {int(k): v for k, v in result["seconds"].items()},
+                     c["batch_size"] * c["block_size"], result["params"], time.perf_counter() - t0)
+
+
+def summarise(label: str, history: list[dict], seconds: dict[int, float], tokens_per_step: int, params: int,
+              wall_s: float) -> dict:
+    """Median step time (after two warm-up steps), the curve on the steps x median time axis, the measured total."""
+    steps = sorted(seconds)
+    durations = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:]) if a >= 2]
+    step_s = float(np.median(durations))
+    curve = [(h["step"], h["step"] * tokens_per_step, h["step"] * step_s, h["val_loss"]) for h in history]
+    return {"label": label, "params": params, "steps": steps[-1], "step_s": step_s, "train_s": curve[-1][2],
+            "measured_train_s": seconds[steps[-1]], "wall_s": wall_s, "tokens_per_s": tokens_per_step / step_s,
+            "final_val_loss": curve[-1][3], "curve": curve}
+
+
+def compare(kiln: dict, nano: dict, time_to) -> dict:
+    """The side-by-side figures: tokens/s ratio, loss at equal tokens, and time to nanoGPT's final loss."""
+    target = nano["final_val_loss"]
+    hit = time_to(kiln["curve"], target)
+    kiln_s, kiln_tokens = hit if hit else (None, None)
+    return {"target": target, "kiln_time_to_target_s": kiln_s, "kiln_tokens_to_target": kiln_tokens,
+            "nanogpt_time_to_target_s": nano["train_s"],
+            "time_to_loss_ratio": nano["train_s"] / kiln_s if kiln_s else None,
+            "tokens_per_s_ratio": kiln["tokens_per_s"] / nano["tokens_per_s"],
+            "loss_gap_at_equal_tokens": nano["final_val_loss"] - kiln["final_val_loss"]}
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", help="the demo's token_shards folder (train_*.bin, val_*.bin, manifest.json)")
+    p.add_argument("--seed", type=int, default=0, help="both runs' seed (Kiln's job seed 1337 + SEED, nanoGPT's "
+                                                        "torch.manual_seed(1337 + SEED))")
+    p.add_argument("--eval-every", type=int, default=25, help="steps between validations")
+    p.add_argument("--out", default="", help="write STEM.md, STEM.json and STEM.png (command, commit, date, machine inside)")
+    p.add_argument("--nanogpt-worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.nanogpt_worker:
+        return nanogpt_worker(a.nanogpt_worker)
+    shards = Path(a.shards or "")
+    if not (shards / "manifest.json").is_file():
+        p.error(f"--shards {a.shards!r}: not a token_shards folder (no manifest.json); make the demo's shards first "
+                "(kiln run --preset demo --select raw_documents,clean_corpus,tokenizer,token_shards --home H) and pass "
+                "H/storage/token_shards/<version>")
+    import speedrun
+    from kiln.train.recipe import demo_recipe, merge
+
+    machine = machine_line()
+    print(f"machine: {machine}", flush=True)
+    recipe = merge(demo_recipe(), {"seed": 1337 + a.seed})
+    kiln = speedrun.run(recipe, shards, recipe["max_steps"], a.eval_every, "Kiln demo")
+    print(f"Kiln: {kiln['steps']} steps, val {kiln['final_val_loss']:.4f}, {kiln['measured_train_s']:.0f} s", flush=True)
+    nano = run_nanogpt(shards, a.seed, a.eval_every)
+    cmp = compare(kiln, nano, speedrun.time_to)
+    rows = [f"| {r['label']} | {r['params']:,} | {r['steps']} | {r['tokens_per_s']:,.0f} | {r['measured_train_s']:.1f} "
+            f"| {r['final_val_loss']:.4f} |" for r in (kiln, nano)]
+    hit = (f"Kiln reaches nanoGPT's final loss {cmp['target']:.4f} at {cmp['kiln_time_to_target_s']:.1f} s "
+           f"({cmp['kiln_tokens_to_target']:,.0f} tokens); nanoGPT at {cmp['nanogpt_time_to_target_s']:.1f} s: "
+           f"**{cmp['time_to_loss_ratio']:.2f}x** (target >= 3x)" if cmp["time_to_loss_ratio"] else
+           f"Kiln does not reach nanoGPT's final loss {cmp['target']:.4f}")
+    lines = [f"Seed {a.seed}; {kiln['steps']} steps of 8 x 256 tokens each, validated on the whole validation split "
+             f"every {a.eval_every} steps; nanoGPT as at commit {NANOGPT_COMMIT[:12]} (its CPU recipe at the demo's "
+             f"shape: {json.dumps(NANOGPT)}).", "",
+             "| run | params | steps | tokens/s (median step) | training s (measured) | final val loss |",
+             "|---|---:|---:|---:|---:|---:|", *rows, "",
+             f"- {hit}",
+             f"- tokens/s, Kiln / nanoGPT: **{cmp['tokens_per_s_ratio']:.2f}x** (target >= 1.0x)",
+             f"- validation loss at equal tokens: Kiln {cmp['loss_gap_at_equal_tokens']:.4f} nats lower"]
+    print("\n".join(lines))
+    result = {"seed": a.seed, "nanogpt_commit": NANOGPT_COMMIT, "nanogpt_config": NANOGPT, "kiln": kiln,
+              "nanogpt": nano, "compare": cmp}
+    if a.out:
+        from kiln.common.plots import line_plot_png
+
+        write_results(a.out, "Kiln's demo pretraining against nanoGPT: same tokens, same machine", lines, result)
+        series = {r["label"]: [(c[2], c[3]) for c in r["curve"]] for r in (kiln, nano)}
+        series[f"nanoGPT final {cmp['target']:.3f}"] = [(0.0, cmp["target"]), (nano["train_s"], cmp["target"])]
+        Path(a.out).with_suffix(".png").write_bytes(
+            line_plot_png(series, "validation loss vs training time", "training seconds", "val loss (nats/token)"))
+        print(f"wrote {a.out}.md, .json and .png")
+    return result
+
+
+if __name__ == "__main__":
+    main()
