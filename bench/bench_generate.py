@@ -1,6 +1,7 @@
 """Benchmark, side by side in one run: generation tokens/s of the KV-cached loop (kiln.model.generate) against the
 uncached loop it replaced (one full forward pass of the cropped context per new token), for both families at demo
-size, and the RL stage's step (rollout_loss + backward) with each loop.
+size, and the RL stage's step with each loop: its rollout (sample_rollout: sampling the groups, their rewards and the
+reference's log-probs; rollout tokens/s) and its update (rollout_policy_loss and its backward), timed apart.
 
 Run: python bench/bench_generate.py [--repeat 2] [--threads N] [--json bench_generate.json]
 """
@@ -25,7 +26,7 @@ from kiln.model.families import build_model  # noqa: E402
 from kiln.model.generate import generate  # noqa: E402
 from kiln.posttrain.instructions import arithmetic, arithmetic_reward  # noqa: E402
 from kiln.posttrain.logprobs import model_token_logps  # noqa: E402
-from kiln.posttrain.rl import RlJob, rollout_loss  # noqa: E402
+from kiln.posttrain.rl import RlJob, rollout_policy_loss, sample_rollout  # noqa: E402
 from kiln.tokens.tokenizer import train_bpe  # noqa: E402
 
 CASES = [(1, 16, 64), (8, 16, 64), (8, 128, 64), (4, 224, 48)]  # (rows, prompt, new); the last runs 16 tokens past block 256
@@ -86,8 +87,9 @@ def bench_tokens(family: str, vocab: int, repeat: int) -> list[dict]:
 
 
 def bench_rl(family: str, enc, repeat: int) -> list[dict]:
-    """One RL step's work on the demo-size model: rollout_loss (sampling the groups, rewards, reference and policy
-    log-probs, GRPO loss) and its backward, with the uncached loop patched into ``complete`` and then the cached one."""
+    """One RL step's work on the demo-size model, as the stage runs it: sample_rollout (the groups sampled, scored and
+    scored by the reference) then rollout_policy_loss and its backward, with the uncached loop patched into
+    ``complete`` and then the cached one; the rollout's and the update's seconds apart."""
     policy = demo_model(family, padded_vocab(enc.n_vocab))
     reference = demo_model(family, padded_vocab(enc.n_vocab))
     items = list(arithmetic(64, seed=3))
@@ -98,25 +100,38 @@ def bench_rl(family: str, enc, repeat: int) -> list[dict]:
         with torch.no_grad():
             return model_token_logps(reference, x, y)
 
-    def step(shape: dict) -> tuple[float, float]:
-        job = RlJob(group_size=shape["group_size"], max_new_tokens=shape["max_new_tokens"], temperature=1.0)
+    def step(shape: dict) -> tuple[float, float, float, float]:
+        job = RlJob(group_size=shape["group_size"], max_new_tokens=shape["max_new_tokens"], temperature=1.0,
+                    preference_coef=0.0)
         g = torch.Generator().manual_seed(11)
-        loss, stats = rollout_loss(policy, policy, reference_logps, enc, items[: shape["prompts"]],
-                                   lambda text, it: arithmetic_reward(text, it["answer"]), job, g)
+        t0 = time.perf_counter()
+        rollout = sample_rollout(policy, reference_logps, enc, items[: shape["prompts"]],
+                                 lambda text, it: arithmetic_reward(text, it["answer"]), job, g)
+        t1 = time.perf_counter()
+        loss, stats = rollout_policy_loss(policy, rollout, job)
         loss.backward()
         policy.zero_grad(set_to_none=True)
-        return float(loss.detach()), stats["answer_tokens"]
+        return float(loss.detach()), stats["answer_tokens"], t1 - t0, time.perf_counter() - t1
+
+    def best(shape: dict) -> tuple[float, float, float, float]:
+        runs = [step(shape) for _ in range(repeat)]
+        return min(runs, key=lambda r: r[2] + r[3])
 
     rows = []
     for name, shape in RL_SHAPES.items():
         with mock.patch.object(sampling, "generate", old):
-            t_old, (loss_old, answer) = timed(lambda: step(shape), repeat)
-        t_new, (loss_new, _) = timed(lambda: step(shape), repeat)
+            loss_old, answer, roll_old, upd_old = best(shape)
+        loss_new, _, roll_new, upd_new = best(shape)
+        sampled = shape["prompts"] * shape["group_size"] * answer  # answer tokens sampled in the step
         r = {"family": family, "shape": name, **shape, "answer_tokens_mean": answer, "same_loss": loss_old == loss_new,
-             "uncached_step_s": t_old, "cached_step_s": t_new, "speedup": t_old / t_new}
-        print(f"{family:5} {name:5} {r['prompts']} prompts x {r['group_size']}, {r['max_new_tokens']} new: uncached "
-              f"{t_old:.3f} s, cached {t_new:.3f} s, x{r['speedup']:.2f}{'' if r['same_loss'] else '  LOSS DIFFERS'}",
-              flush=True)
+             "uncached_rollout_s": roll_old, "cached_rollout_s": roll_new, "update_s": upd_new,
+             "uncached_rollout_tok_s": sampled / roll_old, "cached_rollout_tok_s": sampled / roll_new,
+             "uncached_step_s": roll_old + upd_old, "cached_step_s": roll_new + upd_new,
+             "speedup": (roll_old + upd_old) / (roll_new + upd_new)}
+        print(f"{family:5} {name:5} {r['prompts']} prompts x {r['group_size']}, {r['max_new_tokens']} new: rollout "
+              f"uncached {roll_old:.3f} s ({r['uncached_rollout_tok_s']:.0f} tok/s), cached {roll_new:.3f} s "
+              f"({r['cached_rollout_tok_s']:.0f} tok/s); update {upd_new:.3f} s; step x{r['speedup']:.2f}"
+              f"{'' if r['same_loss'] else '  LOSS DIFFERS'}", flush=True)
         rows.append(r)
     return rows
 
@@ -135,7 +150,8 @@ def main() -> None:
     print(f"demo-size models (4 layers, width 256, block 256, vocab {vocab}); CPU threads {args.threads}; "
           f"best of {args.repeat}; greedy", flush=True)
     gen = [r for fam in ("gpt2", "llama") for r in bench_tokens(fam, vocab, args.repeat)]
-    print("RL step (rollout_loss + backward; sampling at temperature 1, untrained model: answers run to max_new_tokens)")
+    print("RL step (sample_rollout, then rollout_policy_loss + backward; sampling at temperature 1, untrained model: "
+          "answers run to max_new_tokens)")
     rl = [r for fam in ("gpt2", "llama") for r in bench_rl(fam, enc, args.repeat)]
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": args.threads, "repeat": args.repeat, "generation": gen,
