@@ -18,7 +18,7 @@ FIGURE = re.compile(r"(?<!waits )(?<!every )\b\d[\d,]*(?:\.\d+)?\s?(?:s|ms|min|h
                     r"MiB|GB|MB)(?![\w/])|\b\d+(?:\.\d+)?x\b|\b\d+(?:\.\d+)?%(?! (?:bootstrap |confidence )?interval)|±")
 CITES = re.compile(r"bench/results/|\b[\w.*-]+\.(?:md|json)\b")
 # results files README names that were written before benches recorded the command, commit, date and machine
-LEGACY = {"digit_split.md"}
+LEGACY: set[str] = set()
 
 
 def blocks(text: str) -> list[tuple[int, str]]:
