@@ -3,19 +3,19 @@ uncached loop it replaced (one full forward pass of the cropped context per new 
 size, and the RL stage's step with each loop: its rollout (sample_rollout: sampling the groups, their rewards and the
 reference's log-probs; rollout tokens/s) and its update (rollout_policy_loss and its backward), timed apart.
 
-Run: python bench/bench_generate.py [--repeat 2] [--threads N] [--json bench_generate.json]
+Run: python bench/bench_generate.py [--repeat 2] [--threads N] [--out bench/results/STEM]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -140,12 +140,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--json", default="", help="also write the figures here")
+    ap.add_argument("--out", default="", help="write STEM.md and STEM.json (command, commit, date, machine inside)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from provenance import machine_line
     from pydoc_data.topics import topics
 
-    enc = train_bpe([" ".join(t.split()) for t in topics.values()], 8192)  # the demo tokenizer's size, no download
+    print(f"machine: {machine_line()}", flush=True)
+
+    enc = train_bpe([" ".join(t.split()) for t in topics.values()], 4096)  # the demo tokenizer's size, no download
     vocab = padded_vocab(enc.n_vocab)
     print(f"demo-size models (4 layers, width 256, block 256, vocab {vocab}); CPU threads {args.threads}; "
           f"best of {args.repeat}; greedy", flush=True)
@@ -153,10 +156,27 @@ def main() -> None:
     print("RL step (sample_rollout, then rollout_policy_loss + backward; sampling at temperature 1, untrained model: "
           "answers run to max_new_tokens)")
     rl = [r for fam in ("gpt2", "llama") for r in bench_rl(fam, enc, args.repeat)]
-    if args.json:
-        Path(args.json).write_text(json.dumps({"threads": args.threads, "repeat": args.repeat, "generation": gen,
-                                               "rl_step": rl}, indent=2) + "\n")
+    if args.out:
+        from provenance import write_results  # noqa: I001
 
+        lines = [f"Demo-size models (4 layers, width 256, block 256, vocabulary {vocab}), CPU threads {args.threads}, "
+                 f"best of {args.repeat}.", "", "Greedy generation of random prompts, the uncached loop against "
+                 "kiln.model.generate (KV cache); the tokens must agree:", "",
+                 "| family | rows | prompt | new | uncached tokens/s | cached tokens/s | speedup | same tokens |",
+                 "|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['family']} | {r['rows']} | {r['prompt']} | {r['new']} | {r['uncached_tok_s']:,.1f} | "
+                  f"{r['cached_tok_s']:,.1f} | {r['speedup']:.2f}x | {r['same_tokens']} |" for r in gen]
+        lines += ["", "One RL step as the stage runs it (sample_rollout, then rollout_policy_loss and its backward; "
+                  "sampling at temperature 1 from an untrained model, so answers run to max_new_tokens; no replayed "
+                  "preference pairs):", "",
+                  "| family | shape | prompts x group, new | rollout s, uncached / cached | rollout tokens/s, uncached "
+                  "/ cached | update s | step speedup |", "|---|---|---|---|---|---:|---:|"]
+        lines += [f"| {r['family']} | {r['shape']} | {r['prompts']} x {r['group_size']}, {r['max_new_tokens']} | "
+                  f"{r['uncached_rollout_s']:.3f} / {r['cached_rollout_s']:.3f} | {r['uncached_rollout_tok_s']:,.0f} / "
+                  f"{r['cached_rollout_tok_s']:,.0f} | {r['update_s']:.3f} | {r['speedup']:.2f}x |" for r in rl]
+        write_results(args.out, "Generation and the RL step: KV-cached against uncached", lines,
+                      {"threads": args.threads, "repeat": args.repeat, "generation": gen, "rl_step": rl}, indent=2)
+        print(f"wrote {args.out}.md and .json")
 
 if __name__ == "__main__":
     main()
