@@ -157,7 +157,7 @@ def main() -> None:
           "answers run to max_new_tokens)")
     rl = [r for fam in ("gpt2", "llama") for r in bench_rl(fam, enc, args.repeat)]
     if args.out:
-        from provenance import write_results  # noqa: I001
+        from provenance import write_results
 
         lines = [f"Demo-size models (4 layers, width 256, block 256, vocabulary {vocab}), CPU threads {args.threads}, "
                  f"best of {args.repeat}.", "", "Greedy generation of random prompts, the uncached loop against "
