@@ -28,6 +28,7 @@ from kiln.posttrain.instructions import arithmetic, arithmetic_reward  # noqa: E
 from kiln.posttrain.logprobs import model_token_logps  # noqa: E402
 from kiln.posttrain.rl import RlJob, rollout_policy_loss, sample_rollout  # noqa: E402
 from kiln.tokens.tokenizer import train_bpe  # noqa: E402
+from provenance import machine_line, write_results  # noqa: E402
 
 CASES = [(1, 16, 64), (8, 16, 64), (8, 128, 64), (4, 224, 48)]  # (rows, prompt, new); the last runs 16 tokens past block 256
 RL_SHAPES = {"demo": dict(prompts=8, group_size=8, max_new_tokens=16),  # RlJob's defaults (the demo preset sets none)
@@ -143,7 +144,6 @@ def main() -> None:
     ap.add_argument("--out", default="", help="write STEM.md and STEM.json (command, commit, date, machine inside)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from provenance import machine_line
     from pydoc_data.topics import topics
 
     print(f"machine: {machine_line()}", flush=True)
@@ -157,8 +157,6 @@ def main() -> None:
           "answers run to max_new_tokens)")
     rl = [r for fam in ("gpt2", "llama") for r in bench_rl(fam, enc, args.repeat)]
     if args.out:
-        from provenance import write_results
-
         lines = [f"Demo-size models (4 layers, width 256, block 256, vocabulary {vocab}), CPU threads {args.threads}, "
                  f"best of {args.repeat}.", "", "Greedy generation of random prompts, the uncached loop against "
                  "kiln.model.generate (KV cache); the tokens must agree:", "",
@@ -177,6 +175,7 @@ def main() -> None:
         write_results(args.out, "Generation and the RL step: KV-cached against uncached", lines,
                       {"threads": args.threads, "repeat": args.repeat, "generation": gen, "rl_step": rl}, indent=2)
         print(f"wrote {args.out}.md and .json")
+
 
 if __name__ == "__main__":
     main()

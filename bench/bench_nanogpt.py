@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import speedrun  # noqa: E402  (Kiln's run, its curve and the time to a loss)
 from provenance import machine_line, write_results  # noqa: E402
 
 NANOGPT_COMMIT = "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"
@@ -193,20 +194,18 @@ def run_nanogpt(shards: Path, seed: int, eval_every: int, c: dict = NANOGPT) -> 
 
 def summarise(label: str, history: list[dict], seconds: dict[int, float], tokens_per_step: int, params: int,
               wall_s: float) -> dict:
-    """Median step time (after two warm-up steps), the curve on the steps x median time axis, the measured total."""
+    """Median step time, the curve on the steps x median time axis (speedrun.median_curve), the measured total."""
     steps = sorted(seconds)
-    durations = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:]) if a >= 2]
-    step_s = float(np.median(durations))
-    curve = [(h["step"], h["step"] * tokens_per_step, h["step"] * step_s, h["val_loss"]) for h in history]
+    step_s, curve = speedrun.median_curve(history, seconds, tokens_per_step)
     return {"label": label, "params": params, "steps": steps[-1], "step_s": step_s, "train_s": curve[-1][2],
             "measured_train_s": seconds[steps[-1]], "wall_s": wall_s, "tokens_per_s": tokens_per_step / step_s,
             "final_val_loss": curve[-1][3], "curve": curve}
 
 
-def compare(kiln: dict, nano: dict, time_to) -> dict:
+def compare(kiln: dict, nano: dict) -> dict:
     """The side-by-side figures: tokens/s ratio, loss at equal tokens, and time to nanoGPT's final loss."""
     target = nano["final_val_loss"]
-    hit = time_to(kiln["curve"], target)
+    hit = speedrun.time_to(kiln["curve"], target)
     kiln_s, kiln_tokens = hit if hit else (None, None)
     return {"target": target, "kiln_time_to_target_s": kiln_s, "kiln_tokens_to_target": kiln_tokens,
             "nanogpt_time_to_target_s": nano["train_s"],
@@ -234,7 +233,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         p.error(f"--shards {a.shards!r}: not a token_shards folder (no manifest.json); make the demo's shards first "
                 "(kiln run --preset demo --select raw_documents,clean_corpus,tokenizer,token_shards --home H) and pass "
                 "H/storage/token_shards/<version>")
-    import speedrun
     from kiln.train.recipe import demo_recipe, merge
 
     variants = {"Kiln demo": {}}
@@ -254,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         kilns.append(r)
         print(f"{name}: {r['steps']} steps, val {r['final_val_loss']:.4f}, {r['measured_train_s']:.0f} s", flush=True)
     nano = run_nanogpt(shards, a.seed, a.eval_every)
-    cmps = [compare(k, nano, speedrun.time_to) for k in kilns]
+    cmps = [compare(k, nano) for k in kilns]
     rows = [f"| {r['label']} | `{json.dumps(r.get('change', {}))}` | {r['params']:,} | {r['steps']} | "
             f"{r['tokens_per_s']:,.0f} | {r['measured_train_s']:.1f} | {r['final_val_loss']:.4f} |"
             for r in (*kilns, nano)]

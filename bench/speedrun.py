@@ -103,10 +103,7 @@ def run(recipe: dict, shards: Path, max_steps: int, eval_interval: int, label: s
         seconds = {int(k): v for k, v in json.loads(times.read_text()).items()}
     tokens_per_step = job["micro_batch"] * job["seq_len"] * (2 if ddp else 1)
     steps = sorted(seconds)
-    durations = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:]) if a >= 2]  # the first steps warm up
-    step_s = float(np.median(durations)) if durations else seconds[steps[-1]] / max(1, steps[-1])
-    # time axis: steps x the median step time, so a burst of other work on a shared machine does not bend a curve
-    curve = [(h["step"], h["step"] * tokens_per_step, h["step"] * step_s, h["val_loss"]) for h in result["history"]]
+    step_s, curve = median_curve(result["history"], seconds, tokens_per_step)
     from kiln.model.config import ModelConfig
     from kiln.model.families import flops_per_token
 
@@ -118,6 +115,16 @@ def run(recipe: dict, shards: Path, max_steps: int, eval_interval: int, label: s
             # with document_mask, val_loss is measured masked as trained; this is the same batches attending across
             # documents, the measure of the unmasked recipes
             "final_val_loss_unmasked": result["history"][-1].get("val_loss_unmasked")}
+
+
+def median_curve(history: list[dict], seconds: dict[int, float], tokens_per_step: int) -> tuple[float, list]:
+    """(median step seconds, the curve (step, tokens, training seconds, validation loss)) from a run's validations
+    and its training seconds after each step. The time axis is steps x the median step time, so a burst of other
+    work on a shared machine does not bend a curve; the first two steps warm up and are left out of the median."""
+    steps = sorted(seconds)
+    durations = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:]) if a >= 2]
+    step_s = float(np.median(durations)) if durations else seconds[steps[-1]] / max(1, steps[-1])
+    return step_s, [(h["step"], h["step"] * tokens_per_step, h["step"] * step_s, h["val_loss"]) for h in history]
 
 
 def time_to(curve: list, target: float) -> tuple[float, float] | None:

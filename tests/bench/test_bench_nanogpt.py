@@ -46,16 +46,12 @@ def test_a_tiny_nanogpt_runs_in_its_own_process_and_its_validation_loss_falls(ti
 
 def test_compare_reads_kilns_time_to_nanogpts_final_loss():
     bench = load_bench("bench_nanogpt")
-    from bench_module import load_bench as lb
-
-    time_to = lb("speedrun").time_to
     kiln = {"curve": [(0, 0, 0.0, 8.0), (10, 100, 5.0, 6.0), (20, 200, 10.0, 4.0)], "tokens_per_s": 20.0,
             "final_val_loss": 4.0}
     nano = {"final_val_loss": 5.0, "train_s": 30.0, "tokens_per_s": 25.0}
-    cmp = bench.compare(kiln, nano, time_to)
+    cmp = bench.compare(kiln, nano)
     assert cmp["kiln_time_to_target_s"] == pytest.approx(7.5) and cmp["kiln_tokens_to_target"] == pytest.approx(150)
     assert cmp["time_to_loss_ratio"] == pytest.approx(4.0)
     assert cmp["tokens_per_s_ratio"] == pytest.approx(0.8) and cmp["loss_gap_at_equal_tokens"] == pytest.approx(1.0)
-    assert bench.compare(kiln, {**nano, "final_val_loss": 5.5},
-                         time_to)["time_to_loss_ratio"] == pytest.approx(30 / 6.25)
-    assert bench.compare(kiln, {**nano, "final_val_loss": 3.0}, time_to)["time_to_loss_ratio"] is None
+    assert bench.compare(kiln, {**nano, "final_val_loss": 5.5})["time_to_loss_ratio"] == pytest.approx(30 / 6.25)
+    assert bench.compare(kiln, {**nano, "final_val_loss": 3.0})["time_to_loss_ratio"] is None
