@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,23 +60,28 @@ def result(name: str, fields: dict, rl: dict, regressions: list[str]) -> dict:
     """One variant's row: rl_model's before/after of each measure and what the stage gate refused it for."""
     rows = {r["measure"]: r for r in rl["before_after"]}
     own = [r for r in regressions if r.startswith("rl_model ")]  # the release's own comparisons are not the stage's
+    rollouts = [h for h in rl["history"] if "rollout_tokens_per_s" in h]  # (older runs did not record them)
     return {"variant": name, "fields": fields, "steps": rl["steps"], "wall_s": rl.get("wall_s"),
+            "step_s": rl["goodput"]["productive_s"] / rl["steps"],  # training time per step, validation left out
+            "rollout_s": statistics.median(h["rollout_s"] for h in rollouts) if rollouts else None,
+            "rollout_tokens_per_s": statistics.median(h["rollout_tokens_per_s"] for h in rollouts) if rollouts else None,
             **{m: {k: rows[m][k] for k in ("before", "after", "change", "stderr", "z")} for m in MEASURES if m in rows},
             "gate": [SHORT.get(r.split(" made ")[1].split(" worse")[0], r) for r in own]}
 
 
 def table(results: list[dict]) -> str:
     lines = ["| variant | rl_model fields | exact match before -> after | change ± se | z | preference margin change (z) "
-             "| answer log p change (z) | stage gate | RL wall |",
-             "|---|---|---|---:|---:|---|---|---|---:|"]
+             "| answer log p change (z) | stage gate | RL wall | s per step | rollout s, tokens/s (median) |",
+             "|---|---|---|---:|---:|---|---|---|---:|---:|---:|"]
     for r in results:
         em, m, a = r["arithmetic_exact_match"], r["preference_margin"], r["arithmetic_answer_logprob"]
         z = f"**{em['z']:.2f}**" if abs(em["z"] or 0) >= 2 else f"{em['z']:.2f}"
         gate = "passes" if not r["gate"] else "refused: " + ", ".join(r["gate"])
         wall = f"{r['wall_s']:.0f} s" if r.get("wall_s") else "-"
+        roll = f"{r['rollout_s']:.3f} s, {r['rollout_tokens_per_s']:,.0f}" if r.get("rollout_s") else "-"
         lines.append(f"| {r['variant']} | `{json.dumps(r['fields'])}` | {em['before']:.3f} -> {em['after']:.3f} | "
                      f"{em['change']:+.3f} ± {em['stderr']:.3f} | {z} | {m['change']:+.3f} ({m['z']:.2f}) | "
-                     f"{a['change']:+.3f} ({a['z']:.2f}) | {gate} | {wall} |")
+                     f"{a['change']:+.3f} ({a['z']:.2f}) | {gate} | {wall} | {r['step_s']:.2f} s | {roll} |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 from typing import Annotated, Any, Callable, Iterable, Iterator, NamedTuple
@@ -307,7 +308,7 @@ def sample_groups(sampler: torch.nn.Module, enc, rounds: list[list[dict]], rewar
     want = len(rounds[0])
     sampled: list[tuple[list[dict], list[list[str]], torch.Tensor]] = []  # (items, texts, rewards) of each round
     kept: list[tuple[dict, list[list[int]], torch.Tensor]] = []  # (item, completions, rewards (G,))
-    was_training = sampler.training
+    was_training, drawn = sampler.training, 0  # drawn: tokens sampled in every round
     sampler.eval()
     for items in rounds[: settings.max_sampling_rounds if settings.dynamic_sampling else 1]:
         comps = complete(sampler, enc, [it["prompt"] for it in items], job.max_new_tokens, job.temperature,
@@ -316,6 +317,7 @@ def sample_groups(sampler: torch.nn.Module, enc, rounds: list[list[dict]], rewar
         rewards = torch.tensor([[reward_fn(t, it) for t in group] for group, it in zip(texts, items)],
                                dtype=torch.float32)  # (P, G)
         sampled.append((items, texts, rewards))
+        drawn += sum(len(c) for group in comps for c in group)
         keep = informative(rewards) if settings.dynamic_sampling else torch.ones(len(items), dtype=torch.bool)
         kept += [(it, c, r) for it, c, r, k in zip(items, comps, rewards, keep.tolist()) if k]
         if len(kept) >= want:
@@ -328,6 +330,7 @@ def sample_groups(sampler: torch.nn.Module, enc, rounds: list[list[dict]], rewar
     every = torch.cat([r for _, _, r in sampled])  # (every sampled group, G)
     stats = {
         "reward_mean": float(every.mean()),
+        "sampled_tokens": float(drawn),  # sample_rollout turns it into rollout_tokens_per_s
         "reward_group_std": float(every.std(dim=1).mean()) if job.group_size > 1 else 0.0,
         "groups_with_signal": float((every.std(dim=1) > 0).float().mean()) if job.group_size > 1 else 0.0,
         **{name: float(sum(fn(t, it) for its, texts, _ in sampled for group, it in zip(texts, its) for t in group)
@@ -349,8 +352,11 @@ def sample_rollout(sampler: torch.nn.Module, reference_logps: Callable[[torch.Te
     decide what dynamic sampling keeps: like the paper's filter on accuracy, that is the reward's alone).
     ``reference_logps(x, y)`` gives the reference's token log-probs (N, T) (PosttrainStage.reference_logps)."""
     settings = job.settings()
+    t0 = time.perf_counter()
     items, comps, rewards, stats, signal = sample_groups(sampler, enc, [items, *refills], reward_fn, job, generator,
                                                          device, checks)
+    seconds = time.perf_counter() - t0
+    stats.update(rollout_s=seconds, rollout_tokens_per_s=stats.pop("sampled_tokens") / max(seconds, 1e-9))
     if settings.overlong_buffer:
         penalty = overlong_penalty(torch.tensor([[len(c) for c in group] for group in comps]), job.max_new_tokens,
                                    settings.overlong_buffer)  # (P, G)
@@ -549,6 +555,7 @@ class RlStage(PosttrainStage):
 
     def history_row(self, step: int, train: dict[str, float], val: dict[str, float] | None) -> dict:
         return {"step": step, "reward": train["reward_mean"], "exact_answer": train["exact_answer"], "kl": train["kl"],
+                "rollout_s": train["rollout_s"], "rollout_tokens_per_s": train["rollout_tokens_per_s"],
                 **{k: train[k] for k in OPTION_STATS if k in train}, **(val or {})}
 
     def start_line(self, val: dict[str, float]) -> str:
@@ -565,7 +572,8 @@ class RlStage(PosttrainStage):
                 + (f" | ptx loss {t['ptx_loss']:.3f}" if "ptx_loss" in t else "")
                 + (f" | replayed DPO loss {t['preference_loss']:.3f}" if "preference_loss" in t else "")
                 + (f" | held-out reward {r.val['val_reward']:.3f}" if r.val else "")
-                + (f" | {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else "") + f" | {format_duration(r.left_s)} left")
+                + f" | rollout {t['rollout_s']:.2f} s, {t['rollout_tokens_per_s']:,.0f} tok/s of {m['step_time_s']:.2f} s"
+                + f" | {format_duration(r.left_s)} left")
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         job = self.job

@@ -21,18 +21,22 @@ def row(measure, before, after, se):
 
 def test_the_row_and_table_give_each_change_with_its_z_and_only_the_stages_own_refusals():
     bench = load_bench("bench_rl_variants")
-    rl = {"steps": 120, "wall_s": 250.4, "before_after": [
+    history = [{"step": i, "rollout_s": 0.4 + 0.1 * i, "rollout_tokens_per_s": 2000.0 + i} for i in range(1, 4)]
+    rl = {"steps": 120, "wall_s": 250.4, "goodput": {"productive_s": 240.0}, "history": history, "before_after": [
         row("arithmetic_exact_match", 0.030, 0.084, 0.021), row("preference_margin", 13.8, 13.5, 0.1),
         row("arithmetic_answer_logprob", -4.13, -4.07, 0.11), row("response_loss", 2.47, 2.45, 0.01)]}
     refused = ["rl_model made preference_margin worse than dpo_model, beyond noise (2 paired SE): 13.8 -> 13.5",
                "released.response_loss: 2.4 -> 2.45 (lower is better)"]
     r = bench.result("kl", {"kl_coef": 0.3}, rl, refused)
-    assert r["gate"] == ["margin"] and r["steps"] == 120
+    assert r["gate"] == ["margin"] and r["steps"] == 120 and r["step_s"] == 2.0
+    assert r["rollout_s"] == pytest.approx(0.6) and r["rollout_tokens_per_s"] == 2002.0  # the medians over the steps
     assert r["arithmetic_exact_match"]["z"] == pytest.approx(0.054 / 0.021)
     lines = bench.table([r, bench.result("plain", {}, rl, [])]).splitlines()
     assert lines[2] == ('| kl | `{"kl_coef": 0.3}` | 0.030 -> 0.084 | +0.054 ± 0.021 | **2.57** | -0.300 (-3.00) | '
-                        '+0.060 (0.55) | refused: margin | 250 s |')
-    assert lines[3].endswith("| passes | 250 s |")
+                        '+0.060 (0.55) | refused: margin | 250 s | 2.00 s | 0.600 s, 2,002 |')
+    assert lines[3].endswith("| passes | 250 s | 2.00 s | 0.600 s, 2,002 |")
+    older = bench.result("old", {}, {**rl, "history": [{"step": 1}]}, [])  # a run from before rollouts were timed
+    assert older["rollout_s"] is None and bench.table([older]).splitlines()[2].endswith("| 2.00 s | - |")
 
 
 def test_bad_arguments_are_refused_naming_them(tmp_path):
@@ -45,7 +49,8 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
 
 def test_the_spread_over_variants_counts_those_beyond_noise_and_those_the_gate_passed():
     bench = load_bench("bench_rl_variants")
-    rl = lambda after: {"steps": 120, "wall_s": 200.0, "before_after": [  # noqa: E731
+    rl = lambda after: {"steps": 120, "wall_s": 200.0, "goodput": {"productive_s": 190.0}, "history": [],  # noqa: E731
+                        "before_after": [
         row("arithmetic_exact_match", 0.030, after, 0.02), row("preference_margin", 13.8, 13.9, 0.1),
         row("arithmetic_answer_logprob", -4.1, -4.0, 0.1), row("response_loss", 2.47, 2.45, 0.01)]}
     rows = [bench.result("s3", {"seed": 3}, rl(0.090), []), bench.result("s4", {"seed": 4}, rl(0.050), []),

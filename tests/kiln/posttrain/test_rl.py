@@ -350,7 +350,7 @@ def test_dynamic_sampling_filters_groups_that_all_score_alike_and_refills_from_t
     assert got.completions[0] == [[1], [2], [2], [2]]
     # statistics of every sampled answer: 14 of 28 right, 4 of 7 groups with signal, 3 filtered, in 3 rounds
     assert got.stats == pytest.approx({"reward_mean": 0.5, "groups_with_signal": 4 / 7, "sampling_rounds": 3.0,
-                                       "groups_filtered": 3.0, "groups_trained": 3.0,
+                                       "groups_filtered": 3.0, "groups_trained": 3.0, "sampled_tokens": 28.0,
                                        "reward_group_std": (0.5 + 2 / math.sqrt(3) + 0.5) / 7})  # B, D, F, G
     # the cap: two rounds find two informative groups, and the batch trains on those two
     got, calls = scripted_groups(["ABC", "DE", "FG"], algorithm="dapo", max_sampling_rounds=2)
@@ -366,7 +366,8 @@ def test_dynamic_sampling_filters_groups_that_all_score_alike_and_refills_from_t
     # GRPO keeps the first round whole, refills or not, and reports what it always did
     got, calls = scripted_groups(["ABC", "DE"])
     assert calls == ["ABC"] and [it["prompt"] for it in got.items] == ["A", "B", "C"] and got.signal
-    assert set(got.stats) == {"reward_mean", "reward_group_std", "groups_with_signal"}
+    assert set(got.stats) == {"reward_mean", "reward_group_std", "groups_with_signal", "sampled_tokens"}
+    assert got.stats["sampled_tokens"] == 12.0  # the first round's 3 groups of 4 one-token answers
 
 
 def test_advantages_come_from_the_reward_plus_the_length_penalty_but_not_for_a_stand_in(tiny_tokenizer) -> None:
@@ -502,7 +503,10 @@ def test_the_default_job_computes_exactly_the_loss_it_did_before_dapos_options(t
     assert torch.equal(old.detach(), new.detach()) and old.item() != 0.0  # bit for bit
     assert all(torch.equal(a, b) for a, b in zip(old_grads, grads()))
     assert stats["reward_mean"] == old_mean
-    assert set(stats) == {"kl", "reward_mean", "reward_group_std", "groups_with_signal", "answer_tokens", "loss"}
+    assert set(stats) == {"kl", "reward_mean", "reward_group_std", "groups_with_signal", "answer_tokens", "loss",
+                          "rollout_s", "rollout_tokens_per_s"}
+    # every token sampled, the answers' tokens: 6 prompts x 4 answers
+    assert stats["rollout_tokens_per_s"] * stats["rollout_s"] == pytest.approx(24 * stats["answer_tokens"])
 
 
 def test_dapo_raises_mean_reward_on_the_task_a_tiny_model_can_learn(tiny_tokenizer, one_thread) -> None:
