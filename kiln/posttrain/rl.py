@@ -176,6 +176,10 @@ class RlJob(RlSettings, PosttrainJob):
         if self.reward not in REWARDS:
             raise ConfigError(f"{where}.reward {self.reward!r} is not a checkable task; choose from {', '.join(REWARDS)}")
         self.check_choices(where)
+        if self.parallelism == "fsdp":  # a two-rank run hung so (tests/kiln/posttrain/test_rl.py)
+            raise ConfigError(f"{where}.parallelism 'fsdp': each rank samples its answers for as many decoding steps "
+                              "as its own answers need, and an FSDP2-sharded model gathers its weights on every "
+                              "forward, so the ranks would wait on each other; set parallelism to 'ddp' (or 'auto')")
         if self.preference_coef and not self.preference_file:
             raise ConfigError(f"{where}.preference_coef {self.preference_coef} needs preference_file (the pairs to replay)")
         if self.overlong_buffer is not None and not 0 <= self.overlong_buffer <= self.max_new_tokens:
@@ -388,18 +392,17 @@ def rollout_policy_loss(policy: torch.nn.Module, rollout: Rollout, job: RlJob,
 
     ``ptx``: reference answers x, y (M, T') whose mean token negative log-likelihood, times job.ptx_coef, is added
     (``ptx_loss``). ``preferences``: pairs whose DPO loss, times job.preference_coef, is added (``preference_loss``,
-    ``preference_reward_accuracy``). Every batch goes through one forward, so a wrapped model runs one forward per
-    backward."""
+    ``preference_reward_accuracy``). Each batch takes a forward of its own and one backward takes their sum: stacked
+    in one forward, the rollout's short rows were padded to the width of the longest replayed pair (on the demo, 64
+    rows of about 25 tokens to up to 215), which made an update several times slower."""
     from kiln.posttrain.dpo import dpo_loss
 
     settings = job.settings()
     batches = [(rollout.x, rollout.y)] + ([ptx] if ptx is not None else []) \
         + ([(preferences.x, preferences.y)] if preferences is not None else [])
-    x, y = stack_rows(batches)
     with autocast():
-        every = model_token_logps(policy, x, y)  # (rows of every batch, T)
-    parts = every.split([b[0].size(0) for b in batches])
-    logp = parts[0][:, : rollout.x.size(1)]
+        parts = [model_token_logps(policy, x, y) for x, y in batches]  # (N_i, T_i) each
+    logp = parts[0]
     if settings.ppo_epochs > 1 and rollout.old_logp is None:
         rollout.old_logp = logp.detach()  # the first update: the policy is still the one that sampled
     loss, stats = grpo_loss(logp, rollout.ref_logp, rollout.advantages, rollout.y != IGNORE, job.kl_coef,
@@ -417,14 +420,6 @@ def rollout_policy_loss(policy: torch.nn.Module, rollout: Rollout, job: RlJob,
         stats.update(preference_loss=float(pref.detach()),
                      preference_reward_accuracy=float((chosen > rejected).float().mean()))
     return loss, {**stats, **rollout.stats, "loss": float(loss.detach())}
-
-
-def stack_rows(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y) batches of rows, (N_i, T_i) each, as one (sum N_i, max T_i): the narrower padded on the right (x with 0,
-    y with IGNORE), which a causal model's earlier positions never see."""
-    width = max(x.size(1) for x, _ in batches)
-    pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.size(1)), value=value)  # noqa: E731
-    return torch.cat([pad(x, 0) for x, _ in batches]), torch.cat([pad(y, IGNORE) for _, y in batches])
 
 
 @torch.no_grad()

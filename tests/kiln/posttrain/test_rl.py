@@ -192,6 +192,45 @@ def test_rl_job_with_lora_reports_rewards_resumes_and_saves_plain_weights(tmp_pa
         assert torch.equal(m(ids), base(ids))
 
 
+@pytest.mark.slow
+def test_an_update_with_replayed_pairs_and_reference_answers_trains_on_two_gloo_processes(tmp_path, tiny_tokenizer,
+                                                                                        model_dict) -> None:
+    """The rollout, the reference answers and the replayed pairs each take a forward of their own, one backward takes
+    their sum: under DDP the ranks (each sampling its own prompts) end with the same weights. FSDP2 is refused: with
+    it, the same job hung (each rank decodes for as long as its own answers need, and every forward gathers)."""
+    parallelism = "ddp"
+    from kiln.posttrain.preferences import build_preferences
+    from tests.conftest import subprocess_env
+
+    _, tok_path = tiny_tokenizer
+    model = {**model_dict, "dropout": 0.0}
+    init = tiny_checkpoint(tmp_path / "init", tok_path, model)
+    pairs, prefs = tmp_path / "pairs.jsonl", tmp_path / "prefs.jsonl"
+    write_jsonl(build_pairs([], n_arithmetic=60, seed=2, val_permille=200, max_doc_pairs=0), pairs)
+    write_jsonl(build_preferences(build_pairs([], n_arithmetic=60, seed=5, val_permille=250, max_doc_pairs=0), seed=0),
+                prefs)
+    job = {"task": "rl", "out_dir": str(tmp_path / "run"), "tokenizer": str(tok_path), "model": model,
+           "optim": {"lr": 1e-3, "warmup_steps": 1}, "train_files": [str(pairs)], "init_from": str(init),
+           "seq_len": 31, "micro_batch": 2, "group_size": 4, "max_new_tokens": 6, "max_steps": 3, "eval_interval": 3,
+           "eval_items": 4, "log_interval": 1, "ckpt_interval": 3, "temperature": 1.0, "partial_credit": 1.0,
+           "ptx_coef": 0.5, "preference_coef": 0.5, "preference_file": str(prefs), "parallelism": parallelism}
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(job))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "kiln.posttrain", "--config", str(config), "--device", "cpu"], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["world_size"] == 2 and res["parallelism"] == parallelism and res["steps"] == 3
+    assert len(set(res["rank_param_digests"])) == 1
+    steps = [h for h in res["history"] if h["step"] > 0]
+    assert len(steps) == 3 and all(h["ptx_loss"] > 0 and h["preference_loss"] > 0 for h in steps)
+    assert all(h["rollout_tokens_per_s"] > 0 for h in steps)
+    trained, _, _ = load_for_inference(res["checkpoint"])
+    start, _, _ = load_for_inference(init)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), start.parameters()))  # the updates moved it
+
+
 # -- DAPO's options (Yu et al., 2025, arXiv 2503.14476)
 
 
@@ -303,6 +342,7 @@ def test_the_presets_are_rl_settings_and_every_setting_is_an_rl_job_field_with_i
     ({"group_size": 0}, "job.group_size is 0: give >= 2"),
     ({"kl_coef": -0.1}, "job.kl_coef is -0.1: give >= 0"),
     ({"preference_beta": 0.0}, "job.preference_beta is 0.0: give > 0"),
+    ({"parallelism": "fsdp"}, "job.parallelism 'fsdp': each rank samples"),
     ({"ptx_coef": -1.0}, "job.ptx_coef is -1.0: give >= 0"),
     ({"eps_hi": 0.3}, "job: unknown key 'eps_hi'. Did you mean 'eps_high'?"),
 ])
@@ -623,7 +663,7 @@ def test_the_stage_draws_ptx_pairs_only_when_asked_and_leaves_the_prompts_as_the
 def test_replayed_preference_pairs_add_preference_coef_times_dpos_loss_against_the_reference(tiny_tokenizer,
                                                                                             one_thread) -> None:
     """rollout_policy_loss with preferences: the policy loss plus preference_coef x DPO's loss on the pairs, by hand:
-    -log sigmoid(beta ((c - c_ref) - (r - r_ref))) averaged over pairs; ptx and preferences together in one forward."""
+    -log sigmoid(beta ((c - c_ref) - (r - r_ref))) averaged over pairs; the rollout, ptx and preferences in one update."""
     import torch.nn.functional as F
 
     from kiln.posttrain.dpo import encode_preferences, pair_batch
