@@ -18,25 +18,27 @@ def complete(model: nn.Module, enc, prompts: list[str], max_new_tokens: int, tem
              generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> list[list[list[int]]]:
     """``samples`` completions per prompt, each a token list ending at (and including) the first end-of-text.
 
-    Prompts of the same token length share one batch (one prefill pass, no padding; the grouping also fixes the
-    order of the random draws); each prompt is prefilled once and its KV cache forked to its ``samples`` rows
-    (kiln.model.generate's ``samples``). Returns completions[prompt][sample].
+    The prompts go in batches of up to 64 rows (64 // samples prompts), shortest first, each batch one generate call:
+    right-padded, every prompt prefilled to the batch's shortest length and fed the rest of its own a token a step
+    (kiln.model.generate's ``lengths``), its KV cache forked to its ``samples`` rows (``samples``). Batching by exact
+    length instead split RL's 8 prompts of a step into several calls of few rows, each decoding as many steps: the
+    same sampling, more decoding steps. Returns completions[prompt][sample].
     """
     ids = [chat_prompt_ids(enc, p)[-(model.config.block_size - max_new_tokens):] for p in prompts]
     end = turn_end(enc)  # the end of text, or the chat template's end of a turn
     out: list[list[list[int]]] = [[] for _ in prompts]
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(ids):
-        by_len.setdefault(len(p), []).append(i)
-    for length, members in sorted(by_len.items()):
-        for start in range(0, len(members), max(1, 64 // samples)):
-            group = members[start : start + max(1, 64 // samples)]
-            x = torch.tensor([ids[i] for i in group], device=device)  # (G, L)
-            gen = generate(model, x, max_new_tokens, temperature=temperature, stop_token=end,
-                           n_vocab=enc.n_vocab, generator=generator, samples=samples)[:, length:].tolist()  # (G*S, ...)
-            for k, i in enumerate(group):
-                for row in gen[k * samples : (k + 1) * samples]:
-                    out[i].append(row[: row.index(end) + 1] if end in row else row)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # stable: equal lengths keep the prompts' order
+    per_call = max(1, 64 // samples)
+    for start in range(0, len(order), per_call):
+        group = order[start : start + per_call]
+        lens = [len(ids[i]) for i in group]
+        x = torch.tensor([ids[i] + [end] * (max(lens) - len(ids[i])) for i in group], device=device)  # (G, L)
+        gen = generate(model, x, max_new_tokens, temperature=temperature, stop_token=end, n_vocab=enc.n_vocab,
+                       generator=generator, lengths=lens, samples=samples).tolist()  # (G*S, L + steps)
+        for k, i in enumerate(group):
+            for row in gen[k * samples : (k + 1) * samples]:
+                row = row[lens[k] : lens[k] + max_new_tokens]
+                out[i].append(row[: row.index(end) + 1] if end in row else row)
     return out
 
 
