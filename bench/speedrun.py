@@ -81,7 +81,7 @@ def job_for(recipe: dict, shards: Path, out: Path, max_steps: int, eval_interval
         "train_files": [str(p) for p in sorted(shards.glob("train_*.bin"))],
         "val_files": [str(p) for p in sorted(shards.glob("val_*.bin"))], "peak_flops": -1,
         "document_mask": bool(recipe.get("document_mask", False)),
-        **{k: recipe[k] for k in ("seed", "compile") if k in recipe},  # else the job's defaults
+        **{k: recipe[k] for k in ("seed", "compile", "cpu_bf16") if k in recipe},  # else the job's defaults
     }
 
 

@@ -99,6 +99,9 @@ class TrainJob:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
     compile: bool = False  # torch.compile each block
+    # on CPU, the forward and backward under bf16 autocast (matmuls in bf16; weights, gradients and optimizer state
+    # stay fp32): fast where the CPU multiplies bf16 natively (AVX-512 BF16, AMX), slow where it emulates it (AVX2)
+    cpu_bf16: bool = False
     eval_interval: Annotated[int, Domain(1)] = 100  # steps between validation passes
     ckpt_interval: Annotated[int, Domain(1)] = 200  # steps between checkpoints (the last step is always saved)
     keep_last: Annotated[int, Domain(0)] = 2  # newest checkpoints kept on disk (0 keeps all)

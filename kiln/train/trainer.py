@@ -200,6 +200,8 @@ class Trainer:
         # with FSDP2's mixed precision the sharded parameters are cast to bf16 already; otherwise autocast on CUDA
         use_autocast = self.bf16 and self.strategy != "fsdp"
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
+        if info.device.type == "cpu" and job.cpu_bf16:  # autocast alone: FSDP2 keeps fp32 shards on CPU
+            self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
         self.detector = SpikeDetector(self.spike_cfg)
         self.run, self.events, self.resumed_from = RunState(), [], None  # events: rollbacks, kept across restarts
         self.session_steps, self.tokens_s, self.mfus, self.grad_spikes, self.skipped_in_a_row = 0, [], [], 0, 0

@@ -256,3 +256,19 @@ def test_continued_pretraining_with_lora_trains_adapters_on_the_start_weights(ba
     assert set(end_state["model"]) == set(base_state["model"])  # merged: plain weights, no adapter tensors
     moved = [k for k in base_state["model"] if not torch.equal(base_state["model"][k], end_state["model"][k])]
     assert moved and all(k.endswith(".weight") and base_state["model"][k].dim() == 2 for k in moved)
+
+
+def test_cpu_bf16_trains_under_bf16_autocast_to_about_the_fp32_loss(tmp_path, baseline, pretrain_job) -> None:
+    """cpu_bf16: the same 30 steps with the matmuls in bf16 end near the fp32 run's loss, not on its weights, and
+    the checkpoint keeps fp32 weights (autocast casts inside the forward only)."""
+    from kiln.train.loop import main
+    from tests.conftest import single_thread
+
+    job = pretrain_job(tmp_path, cpu_bf16=True)
+    with single_thread():
+        main(["--config", str(job), "--device", "cpu"])
+    ref, res = result_of(baseline[0]), result_of(job)
+    assert res["final_val_loss"] == pytest.approx(ref["final_val_loss"], abs=0.1)
+    assert res["final_val_loss"] != ref["final_val_loss"]  # the bf16 products moved the run
+    state, _ = load_state(Path(res["checkpoint"]))
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}
