@@ -568,7 +568,8 @@ class RlStage(PosttrainStage):
                 + (f" | ptx loss {t['ptx_loss']:.3f}" if "ptx_loss" in t else "")
                 + (f" | replayed DPO loss {t['preference_loss']:.3f}" if "preference_loss" in t else "")
                 + (f" | held-out reward {r.val['val_reward']:.3f}" if r.val else "")
-                + f" | rollout {t['rollout_s']:.2f} s, {t['rollout_tokens_per_s']:,.0f} tok/s of {m['step_time_s']:.2f} s"
+                + (f" | rollout {t['rollout_s']:.2f} s, {t['rollout_tokens_per_s']:,.0f} tok/s"
+                   f" of {m['step_time_s']:.2f} s" if "rollout_s" in t and "step_time_s" in m else "")
                 + f" | {format_duration(r.left_s)} left")
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:

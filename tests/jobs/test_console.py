@@ -96,7 +96,8 @@ def dpo_and_rl_lines() -> list[str]:
     dpo = StepReport(3, 6, {"loss": 0.6931, "reward_accuracy": 0.5625, "reward_margin": 0.0123, "chosen_logp": -45.2311,
                             "rejected_logp": -47.8802}, None, {"grad_norm": 1.234}, None, 75.0)
     rl = StepReport(2, 4, {"reward_mean": 0.25, "exact_answer": 0.125, "kl": 0.0012, "groups_with_signal": 0.5,
-                           "answer_tokens": 3.25}, {"val_reward": 0.3}, {"grad_norm": 0.5}, None, 3725.0)
+                           "answer_tokens": 3.25, "rollout_s": 0.25, "rollout_tokens_per_s": 2589.3},
+                    {"val_reward": 0.3}, {"grad_norm": 0.5, "step_time_s": 0.83}, None, 3725.0)
     return [DpoStage.progress(None, dpo), RlStage.progress(None, rl)]
 
 
@@ -115,6 +116,7 @@ def test_dpo_and_rl_progress_lines_keep_within_80_columns_and_the_log_keeps_all(
     assert all(len(ln) <= 80 for ln in lines)
     written = (tmp_path / "run-events.log").read_text()
     assert dpo in written and rl in written and "rejected -47.88 | grad_norm 1.23" in written
+    assert "| rollout 0.25 s, 2,589 tok/s of 0.83 s |" in written
 
 
 def test_bars_on_an_80_column_terminal_fit_their_figures(tmp_path, monkeypatch):
