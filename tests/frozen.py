@@ -47,9 +47,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def compare(got: dict, frozen: dict) -> tuple[list[str], dict]:
     """(entries that differ from the frozen record, {entry it leaves unrecorded: this run's value}), by dotted key
-    (a shard's file name keeps its dots). A record made on
-    another CPU kind holds null where a change moved floats that only a machine of that kind can give again (the
-    change's commit says which); every other entry, and the set of keys, must match."""
+    (a shard's file name keeps its dots). A record made on another CPU kind holds null where a change moved floats
+    that only a machine of that kind can give again (the change's commit says which); every other entry, and the set
+    of keys, must match."""
     g, f = _flat(got), _flat(frozen)
     differ = sorted(k for k in set(g) | set(f) if k not in g or k not in f or (f[k] is not None and g[k] != f[k]))
     return differ, {k: g[k] for k in sorted(f) if f[k] is None and k in g}

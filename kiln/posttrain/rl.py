@@ -295,6 +295,7 @@ class Groups(NamedTuple):
     rewards: torch.Tensor  # (P, G) reward_fn's score of each answer
     stats: dict[str, float]  # of every answer sampled, filtered ones included
     signal: bool  # False when dynamic sampling found no group with signal: these are the last round's, a stand-in
+    tokens: int  # tokens sampled in every round, filtered groups included
 
 
 def sample_groups(sampler: torch.nn.Module, enc, rounds: list[list[dict]], reward_fn: RewardFn, job: RlJob,
@@ -334,7 +335,6 @@ def sample_groups(sampler: torch.nn.Module, enc, rounds: list[list[dict]], rewar
     every = torch.cat([r for _, _, r in sampled])  # (every sampled group, G)
     stats = {
         "reward_mean": float(every.mean()),
-        "sampled_tokens": float(drawn),  # sample_rollout turns it into rollout_tokens_per_s
         "reward_group_std": float(every.std(dim=1).mean()) if job.group_size > 1 else 0.0,
         "groups_with_signal": float((every.std(dim=1) > 0).float().mean()) if job.group_size > 1 else 0.0,
         **{name: float(sum(fn(t, it) for its, texts, _ in sampled for group, it in zip(texts, its) for t in group)
@@ -344,7 +344,7 @@ def sample_groups(sampler: torch.nn.Module, enc, rounds: list[list[dict]], rewar
         stats.update(sampling_rounds=float(len(sampled)), groups_filtered=float((~informative(every)).sum()),
                      groups_trained=float(len(kept)))
     return Groups([it for it, _, _ in kept], [c for _, c, _ in kept], torch.stack([r for _, _, r in kept]), stats,
-                  signal)
+                  signal, drawn)
 
 
 def sample_rollout(sampler: torch.nn.Module, reference_logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -357,10 +357,10 @@ def sample_rollout(sampler: torch.nn.Module, reference_logps: Callable[[torch.Te
     ``reference_logps(x, y)`` gives the reference's token log-probs (N, T) (PosttrainStage.reference_logps)."""
     settings = job.settings()
     t0 = time.perf_counter()
-    items, comps, rewards, stats, signal = sample_groups(sampler, enc, [items, *refills], reward_fn, job, generator,
-                                                         device, checks)
+    items, comps, rewards, stats, signal, tokens = sample_groups(sampler, enc, [items, *refills], reward_fn, job,
+                                                                 generator, device, checks)
     seconds = time.perf_counter() - t0
-    stats.update(rollout_s=seconds, rollout_tokens_per_s=stats.pop("sampled_tokens") / max(seconds, 1e-9))
+    stats.update(rollout_s=seconds, rollout_tokens_per_s=tokens / max(seconds, 1e-9))
     if settings.overlong_buffer:
         penalty = overlong_penalty(torch.tensor([[len(c) for c in group] for group in comps]), job.max_new_tokens,
                                    settings.overlong_buffer)  # (P, G)
@@ -394,7 +394,7 @@ def rollout_policy_loss(policy: torch.nn.Module, rollout: Rollout, job: RlJob,
     (``ptx_loss``). ``preferences``: pairs whose DPO loss, times job.preference_coef, is added (``preference_loss``,
     ``preference_reward_accuracy``). Each batch takes a forward of its own and one backward takes their sum: stacked
     in one forward, the rollout's short rows were padded to the width of the longest replayed pair (on the demo, 64
-    rows of about 25 tokens to up to 215): the demo's RL step took 3.44 s so and 1.25-1.39 s apart
+    rows of about 25 tokens to up to 215): the demo's RL step took 3.44 s stacked and 1.25-1.39 s apart
     (bench/results/rl_step_before.md, rl_step_after.md)."""
     from kiln.posttrain.dpo import dpo_loss
 

@@ -198,9 +198,11 @@ class Trainer:
                                  on_write=self._on_checkpoint_write)
         self.bf16 = info.device.type == "cuda" and torch.cuda.is_bf16_supported()
         # with FSDP2's mixed precision the sharded parameters are cast to bf16 already; otherwise autocast on CUDA
-        use_autocast = self.bf16 and self.strategy != "fsdp"
-        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
-        if info.device.type == "cpu" and job.cpu_bf16:  # autocast alone: FSDP2 keeps fp32 shards on CPU
+        # and on CPU with cpu_bf16 (autocast alone there: FSDP2 keeps fp32 shards on CPU)
+        self.autocast = contextlib.nullcontext
+        if self.bf16 and self.strategy != "fsdp":
+            self.autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+        elif info.device.type == "cpu" and job.cpu_bf16:
             self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
         self.detector = SpikeDetector(self.spike_cfg)
         self.run, self.events, self.resumed_from = RunState(), [], None  # events: rollbacks, kept across restarts

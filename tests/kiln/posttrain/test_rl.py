@@ -198,7 +198,6 @@ def test_an_update_with_replayed_pairs_and_reference_answers_trains_on_two_gloo_
     """The rollout, the reference answers and the replayed pairs each take a forward of their own, one backward takes
     their sum: under DDP the ranks (each sampling its own prompts) end with the same weights. FSDP2 is refused: with
     it, the same job hung (each rank decodes for as long as its own answers need, and every forward gathers)."""
-    parallelism = "ddp"
     from kiln.posttrain.preferences import build_preferences
     from tests.conftest import subprocess_env
 
@@ -213,7 +212,7 @@ def test_an_update_with_replayed_pairs_and_reference_answers_trains_on_two_gloo_
            "optim": {"lr": 1e-3, "warmup_steps": 1}, "train_files": [str(pairs)], "init_from": str(init),
            "seq_len": 31, "micro_batch": 2, "group_size": 4, "max_new_tokens": 6, "max_steps": 3, "eval_interval": 3,
            "eval_items": 4, "log_interval": 1, "ckpt_interval": 3, "temperature": 1.0, "partial_credit": 1.0,
-           "ptx_coef": 0.5, "preference_coef": 0.5, "preference_file": str(prefs), "parallelism": parallelism}
+           "ptx_coef": 0.5, "preference_coef": 0.5, "preference_file": str(prefs), "parallelism": "ddp"}
     config = tmp_path / "job.json"
     config.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
@@ -221,7 +220,7 @@ def test_an_update_with_replayed_pairs_and_reference_answers_trains_on_two_gloo_
                           env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert res["world_size"] == 2 and res["parallelism"] == parallelism and res["steps"] == 3
+    assert res["world_size"] == 2 and res["parallelism"] == "ddp" and res["steps"] == 3
     assert len(set(res["rank_param_digests"])) == 1
     steps = [h for h in res["history"] if h["step"] > 0]
     assert len(steps) == 3 and all(h["ptx_loss"] > 0 and h["preference_loss"] > 0 for h in steps)
@@ -390,8 +389,9 @@ def test_dynamic_sampling_filters_groups_that_all_score_alike_and_refills_from_t
     assert got.completions[0] == [[1], [2], [2], [2]]
     # statistics of every sampled answer: 14 of 28 right, 4 of 7 groups with signal, 3 filtered, in 3 rounds
     assert got.stats == pytest.approx({"reward_mean": 0.5, "groups_with_signal": 4 / 7, "sampling_rounds": 3.0,
-                                       "groups_filtered": 3.0, "groups_trained": 3.0, "sampled_tokens": 28.0,
+                                       "groups_filtered": 3.0, "groups_trained": 3.0,
                                        "reward_group_std": (0.5 + 2 / math.sqrt(3) + 0.5) / 7})  # B, D, F, G
+    assert got.tokens == 28  # every sampled answer's one token, the filtered groups' too
     # the cap: two rounds find two informative groups, and the batch trains on those two
     got, calls = scripted_groups(["ABC", "DE", "FG"], algorithm="dapo", max_sampling_rounds=2)
     assert calls == ["ABC", "DE"] and [it["prompt"] for it in got.items] == ["B", "D"]
@@ -406,8 +406,8 @@ def test_dynamic_sampling_filters_groups_that_all_score_alike_and_refills_from_t
     # GRPO keeps the first round whole, refills or not, and reports what it always did
     got, calls = scripted_groups(["ABC", "DE"])
     assert calls == ["ABC"] and [it["prompt"] for it in got.items] == ["A", "B", "C"] and got.signal
-    assert set(got.stats) == {"reward_mean", "reward_group_std", "groups_with_signal", "sampled_tokens"}
-    assert got.stats["sampled_tokens"] == 12.0  # the first round's 3 groups of 4 one-token answers
+    assert set(got.stats) == {"reward_mean", "reward_group_std", "groups_with_signal"}
+    assert got.tokens == 12  # the first round's 3 groups of 4 one-token answers
 
 
 def test_advantages_come_from_the_reward_plus_the_length_penalty_but_not_for_a_stand_in(tiny_tokenizer) -> None:
