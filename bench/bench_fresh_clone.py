@@ -70,7 +70,7 @@ def write(result: dict, text: str, out: Path, what: str, argv: list[str] | None)
           f"- commit: {result['commit']}", f"- date: {result['date']}", f"- machine: {result['machine']}",
           *([f"- log read again by: `{again}`"] if again else []), "",
           f"Clone of {commit}; exit code {rc}; {int(wall // 60)} min {int(wall % 60)} s wall, its own .venv install "
-          "included (the machine was shared: other work ran beside it)."]
+          "included (on a shared machine: other tenants' work may have run beside it)."]
     if result.get("pytest"):
         md.append(f"pytest: {result['pytest']['summary']} in {result['pytest']['seconds'] / 60:.1f} min.")
     if result.get("assets"):
