@@ -267,7 +267,7 @@ class RlModelConfig(schema_of(RlJob, include=RL_FIELDS, name="RlJobFields")):
     init_from: str = init_from_field()
 
 
-@asset(code_version="1", group_name="posttraining")
+@asset(code_version="2", group_name="posttraining")
 def rl_model(context: AssetExecutionContext, config: RlModelConfig, dpo_model: dict, instruction_data: dict,
              preference_data: dict, training_plan: dict, tokenizer: dict, storage: KilnStorageResource,
              torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:

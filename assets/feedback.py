@@ -103,7 +103,7 @@ def _checked_inputs(config: JudgedPreferencesConfig, sft_model: dict):
     return ppath, principles, ident
 
 
-@asset(code_version="1", group_name="posttraining")
+@asset(code_version="2", group_name="posttraining")
 def judged_preferences(context: AssetExecutionContext, config: JudgedPreferencesConfig, instruction_data: dict,
                        preference_data: dict, sft_model: dict, tokenizer: dict, training_plan: dict,
                        storage: KilnStorageResource, mlflow: MlflowResource) -> Output[dict]:

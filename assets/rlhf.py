@@ -70,7 +70,7 @@ class PpoModelConfig(schema_of(PpoJob, include=PPO_FIELDS, name="PpoJobFields"))
     init_from: str = init_from_field()
 
 
-@asset(code_version="1", group_name="rlhf")
+@asset(code_version="2", group_name="rlhf")
 def ppo_model(context: AssetExecutionContext, config: PpoModelConfig, sft_model: dict, reward_model: dict,
               instruction_data: dict, preference_data: dict, training_plan: dict, tokenizer: dict,
               storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
