@@ -35,7 +35,7 @@ from dagster import (
 from pydantic import Field
 
 from kiln.common.config import Domain
-from kiln.common.files import atomic_write_json, atomic_write_text
+from kiln.common.files import atomic_write_json, atomic_write_text, stable_hash
 from kiln.common.metrics import operations_metrics
 from kiln.tokens.shards import check_shard_files
 from kiln.train.checkpoint import checkpoint_identity
@@ -46,6 +46,7 @@ from kiln.train.launch import RunSpec
 from kiln.train.preempt import TORCHELASTIC_SIGNALS
 from resources.base import failing_on_config_errors, failing_on_damage, resource_of, spec_of
 from resources.pipes_worker import LAUNCHER_ENV, STOP_ENV
+from resources.tracking import asset_code_version
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b.*")
@@ -430,16 +431,19 @@ class TorchrunResource(resource_of(
 
     @contextlib.contextmanager
     def training_run(self, context, spec: RunSpec, storage, mlflow) -> Iterator[TrainingLaunch]:
-        """The MLflow run of a training asset, its run folder keyed by ``spec`` (so a rerun resumes): the handle
-        holds an identical earlier run's Output in ``reused``, or ``launch()`` runs the job."""
+        """The MLflow run of a training asset, its run folder keyed by ``spec`` and the asset's code version (so a
+        rerun resumes, and a new code version trains afresh instead of resuming, or finding finished, a run of the
+        old code): the handle holds an identical earlier run's Output in ``reused``, or ``launch()`` runs the job."""
         where = context.asset_key.to_user_string()
         with failing_on_config_errors():  # the one config check: the job file is this job, which workers rebuild
             job = spec.validate(where)
         base = storage.local_base()
         spec = dataclasses.replace(spec, root=str(base))
+        code_version = asset_code_version(context)
+        folder = stable_hash({"run": spec.key, "code_version": code_version})[:16] if code_version else spec.key
         with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(),
                               reuse={"key": spec.key, **spec.reuse}) as run:
-            yield TrainingLaunch(self, context, spec, storage.path(where, spec.key), run, job)
+            yield TrainingLaunch(self, context, spec, storage.path(where, folder), run, job)
 
     def _cancel(self, sbatch_lines: list[str]) -> None:
         """Cancel the Slurm job sbatch submitted (its id is on sbatch's first line); nothing for local runs."""

@@ -106,11 +106,7 @@ class MlflowResource(ConfigurableResource):
         """Hash of the asset key, its code version, and what the caller says determines its output. Where the home
         is does not count: a copied or moved home finds its records, whose paths are moved with it (relocated)."""
         asset = context.asset_key.to_user_string()
-        try:
-            code_version = context.assets_def.specs_by_key[context.asset_key].code_version
-        except Exception:
-            code_version = None
-        return stable_hash({"asset": asset, "code_version": code_version, **reuse})[:32]
+        return stable_hash({"asset": asset, "code_version": asset_code_version(context), **reuse})[:32]
 
     def find_reusable(self, client, experiment_id: str, asset: str, key: str,
                       log=None, set_aside: bool = True, root: str | None = None,
@@ -209,6 +205,15 @@ class MlflowResource(ConfigurableResource):
             handle.logger.flush()
             client.set_terminated(run.info.run_id, status)
             client.set_terminated(parent, status, end_time=int(time.time() * 1000))
+
+
+def asset_code_version(context) -> str | None:
+    """The code version of the asset ``context`` materializes (None outside an asset, or for one without): part of
+    its reuse key and of its run folder's name, so that a new code version neither reuses nor resumes old runs."""
+    try:
+        return context.assets_def.specs_by_key[context.asset_key].code_version
+    except Exception:
+        return None
 
 
 def run_identity(context) -> tuple[str, str]:
