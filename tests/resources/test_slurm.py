@@ -55,8 +55,9 @@ def _logs(folder: Path) -> str:
         if (folder / "log").exists() else ""
 
 
-def training_asset(job: dict):
-    """A training asset built like base_model: its RunSpec, torchrun.training_run, launch, output with metadata."""
+def training_asset(job: dict, code_version: str | None = None):
+    """A training asset built like base_model: its RunSpec, torchrun.training_run, launch (or the reused run),
+    output with metadata."""
     fields = {k: v for k, v in job.items() if k not in ("task", "out_dir", "tokenizer", "model", "seq_len",
                                                         "micro_batch", "grad_accum")}
     plan = {"model": job["model"], "seq_len": job["seq_len"], "micro_batch": job["micro_batch"],
@@ -64,10 +65,12 @@ def training_asset(job: dict):
             "hardware": {"device": "cpu", "nproc_per_node": 1, "nnodes": 1}}
     spec = RunSpec("pretrain", fields, plan, {"token_shards": "test"}, job["tokenizer"])
 
-    @asset
+    @asset(code_version=code_version)
     def trained(context: AssetExecutionContext, torchrun: TorchrunResource, storage: KilnStorageResource,
                 mlflow: MlflowResource) -> Output[dict]:
         with torchrun.training_run(context, spec, storage, mlflow) as launch:
+            if launch.reused:
+                return launch.reused
             result = launch.launch()
             return launch.output({"steps": result["steps"]})
 

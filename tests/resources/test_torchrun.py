@@ -391,30 +391,6 @@ def test_a_full_disk_stops_the_launch_at_once_naming_the_path(tmp_path, pretrain
     assert "storage root" in message and "training resumes from the newest good checkpoint" in message
 
 
-def code_versioned_asset(job: dict, code_version: str):
-    """A training asset built like base_model (RunSpec, torchrun.training_run, launch, output) at ``code_version``."""
-    from kiln.train.launch import RunSpec
-    from resources.storage import KilnStorageResource
-    from resources.tracking import MlflowResource
-
-    fields = {k: v for k, v in job.items() if k not in ("task", "out_dir", "tokenizer", "model", "seq_len",
-                                                        "micro_batch", "grad_accum")}
-    plan = {"model": job["model"], "seq_len": job["seq_len"], "micro_batch": job["micro_batch"],
-            "grad_accum": job["grad_accum"], "world_size": 1, "est_hours": 0.002,
-            "hardware": {"device": "cpu", "nproc_per_node": 1, "nnodes": 1}}
-    spec = RunSpec("pretrain", fields, plan, {"token_shards": "test"}, job["tokenizer"])
-
-    @asset(code_version=code_version)
-    def trained(context: AssetExecutionContext, torchrun: TorchrunResource, storage: KilnStorageResource,
-                mlflow: MlflowResource) -> Output[dict]:
-        with torchrun.training_run(context, spec, storage, mlflow) as launch:
-            if launch.reused:
-                return launch.reused
-            launch.launch()
-            return launch.output({})
-
-    return trained
-
 
 @pytest.mark.slow
 def test_a_new_code_version_trains_afresh_instead_of_resuming_the_old_codes_finished_run(tmp_path, pretrain_job):
@@ -422,15 +398,16 @@ def test_a_new_code_version_trains_afresh_instead_of_resuming_the_old_codes_fini
     from the old code's run folder (whose final checkpoint would otherwise be found finished and returned)."""
     from resources.storage import KilnStorageResource
     from resources.tracking import MlflowResource
+    from tests.resources.test_slurm import training_asset
 
     job = json.loads(pretrain_job(tmp_path, max_steps=6, ckpt_interval=3, eval_interval=6, log_interval=3).read_text())
     res = {"torchrun": TorchrunResource(timeout_s=300), "storage": KilnStorageResource(root=str(tmp_path / "storage")),
            "mlflow": MlflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                                     artifact_root=str(tmp_path / "mlartifacts"))}
     instance = DagsterInstance.ephemeral()
-    first = materialize([code_versioned_asset(job, "1")], resources=res, instance=instance).output_for_node("trained")
-    again = materialize([code_versioned_asset(job, "1")], resources=res, instance=instance).output_for_node("trained")
-    new = materialize([code_versioned_asset(job, "2")], resources=res, instance=instance).output_for_node("trained")
+    first = materialize([training_asset(job, "1")], resources=res, instance=instance).output_for_node("trained")
+    again = materialize([training_asset(job, "1")], resources=res, instance=instance).output_for_node("trained")
+    new = materialize([training_asset(job, "2")], resources=res, instance=instance).output_for_node("trained")
     assert first["steps"] == 6 and first["resumed_from"] is None
     assert again["out_dir"] == first["out_dir"] and again["mlflow_run_id"] == first["mlflow_run_id"]  # reused
     assert new["out_dir"] != first["out_dir"] and new["mlflow_run_id"] != first["mlflow_run_id"]
