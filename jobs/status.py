@@ -6,7 +6,7 @@ asset that recomputes or whose data version moved (Dagster's staleness), or a re
 match (the same check ``kiln run`` makes before reusing, resources.tracking.MlflowResource.find_reusable, here without
 touching any file); and about how long it would take (the last computing run's duration, else the training plan).
 A training asset whose newest attempt failed or was killed after writing checkpoints resumes: its run folder (keyed by
-the config and inputs the next run shares) holds a checkpoint that verifies, and the steps left take the last run's
+the config, inputs and code version the next run shares) holds a checkpoint that verifies, and the steps left take the last run's
 time per step (else the attempt's own, else the plan's).
 """
 
@@ -152,8 +152,10 @@ class StatusReader:
 
     def leftover(self, name: str, after: float) -> "Attempt | None":
         """The newest unfinished attempt of ``name`` (a checkpoint, no result: a failed or killed materialization)
-        that the next run continues, as its run folder is keyed by the same config and inputs
-        (kiln.train.launch.RunSpec.key): one whose recorded run had the next run's config and inputs, however old
+        that the next run continues, as its run folder is keyed by the same config, inputs and code version
+        (kiln.train.launch.RunSpec.key, resources.torchrun's training_run): one whose recorded run had the next run's
+        config, inputs and code version (a run recorded before runs were tagged with it trained in a folder named
+        without it, which the next run does not continue), however old
         (a setting changed and changed back finds it again, as the run does), or, where no run is on record, one
         whose checkpoint is newer than ``after`` (the last materialization). None when there is none or its
         newest good checkpoint fails verification."""
@@ -182,6 +184,9 @@ class StatusReader:
                 return None  # no record of its settings: only one newer than the last materialization is its retry
         elif config_changes(resolved_ops(self.job, dagster_run.run_config).get(name, {}), self.new_ops.get(name, {})):
             return None  # the next run trains with other settings, in another run folder
+        code = self.graph.get(_key(name)).code_version
+        if run is not None and run.data.tags.get("dagster.code_version") != code:
+            return None  # made by another code version (or before run folders were keyed by it): not continued
         good = latest_good_checkpoint(folder / "checkpoints", log=lambda _m: None)
         if good is None or not job.get("max_steps"):
             return None

@@ -439,8 +439,7 @@ class TorchrunResource(resource_of(
             job = spec.validate(where)
         base = storage.local_base()
         spec = dataclasses.replace(spec, root=str(base))
-        code_version = asset_code_version(context)
-        folder = stable_hash({"run": spec.key, "code_version": code_version})[:16] if code_version else spec.key
+        folder = run_folder_name(spec.key, asset_code_version(context))
         with mlflow.asset_run(context, params=spec.params(), tags=spec.tags(),
                               reuse={"key": spec.key, **spec.reuse}) as run:
             yield TrainingLaunch(self, context, spec, storage.path(where, folder), run, job)
@@ -452,6 +451,13 @@ class TorchrunResource(resource_of(
         ids = [m.group(1) for ln in sbatch_lines if (m := re.search(r"Submitted batch job (\d+)", ln))]
         if ids:
             subprocess.run(["scancel", ids[0]], check=False, capture_output=True, timeout=60)
+
+
+def run_folder_name(key: str, code_version: str | None) -> str:
+    """A training asset's run folder: its job's key (RunSpec.key) hashed with the asset's code version, so that a new
+    code version trains afresh rather than resuming, or returning as finished, the old code's run; the key alone
+    for an asset without a code version."""
+    return stable_hash({"run": key, "code_version": code_version})[:16] if code_version else key
 
 
 def stop_request(text: str) -> dict[str, Any]:

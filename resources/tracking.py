@@ -178,6 +178,8 @@ class MlflowResource(ConfigurableResource):
                     "kiln.kind": "asset", "mlflow.runName": asset, **{k: str(v) for k, v in (tags or {}).items()}}
         if key:
             run_tags["kiln.reuse_key"] = key
+        if (code_version := asset_code_version(context)) is not None:
+            run_tags["dagster.code_version"] = str(code_version)  # kiln status: an attempt of other code is not resumed
         if found:
             run_tags["kiln.reused_from"] = found[0]
         run = client.create_run(exp, tags=run_tags)

@@ -1,6 +1,7 @@
 """End to end: the smoke preset through every asset (the session's smoke_run), checking real outputs and MLflow
 tracking, then reruns of parts of it against what ``kiln status`` predicts."""
 
+import json
 import math
 import os
 from pathlib import Path
@@ -585,6 +586,19 @@ def test_a_failed_training_attempt_resumes_from_its_verified_checkpoint(smoke_ru
         os.utime(meta, (latest - 3600, latest - 3600))
     again = {r.asset: r for r in StatusReader(defs, instance, {"ops": ops}, defs.resources["mlflow"]).status(NAMES)}
     assert again["base_model"].action == "resume" and again["base_model"].reasons == base.reasons
+    # an attempt made by another code version is not continued (the run folder is keyed by the code version too)
+    client, run_id = defs.resources["mlflow"].client(), json.loads((attempt.folder / "job.json").read_text())["mlflow_run_id"]
+    code = client.get_run(run_id).data.tags["dagster.code_version"]
+    assert code == defs.resolve_assets_def("base_model").specs_by_key[AssetKey("base_model")].code_version
+    try:
+        client.set_tag(run_id, "dagster.code_version", f"{code}-older")
+        other_code = StatusReader(defs, instance, {"ops": ops}, defs.resources["mlflow"]).status(NAMES)
+        assert {r.asset: r for r in other_code}["base_model"].action == "recompute"
+        client.delete_tag(run_id, "dagster.code_version")  # a run from before the tag: its folder was named without it
+        untagged = StatusReader(defs, instance, {"ops": ops}, defs.resources["mlflow"]).status(NAMES)
+        assert {r.asset: r for r in untagged}["base_model"].action == "recompute"
+    finally:
+        client.set_tag(run_id, "dagster.code_version", code)
 
 
 # The stages trained from base_model on (and the release): launches of the same kind as base_model's, left out of the

@@ -178,9 +178,11 @@ def test_dpo_and_rl_assets_measure_before_and_after_on_the_same_items(materializ
 
 def test_a_checkable_dpo_run_keeps_the_run_key_it_had_before_feedback_was_a_choice(materialized) -> None:
     """feedback: checkable (the default) trains on preference_data's pairs alone with exactly the job fields and
-    inputs dpo_model gave before judged pairs could train it, so the run folders of homes made then are reused."""
-    from assets.alignment import DpoModelConfig
+    inputs dpo_model gave before judged pairs could train it, so the runs of homes made then are reused (the run
+    folder's name hashes that key with the asset's code version)."""
+    from assets.alignment import DpoModelConfig, dpo_model
     from kiln.train.launch import RunSpec
+    from resources.torchrun import run_folder_name
 
     home, result, _ = materialized
     dpo, prefs = result.output_for_node("dpo_model"), result.output_for_node("preference_data")
@@ -194,4 +196,5 @@ def test_a_checkable_dpo_run_keeps_the_run_key_it_had_before_feedback_was_a_choi
     plan = {**result.output_for_node("training_plan"), "micro_batch": 4}
     before = RunSpec("dpo", fields, plan, {"sft_model": "sft0", "preference_data": prefs["version"]}, "",
                      root=str(KilnStorageResource(root=str(home / "storage")).local_base()))
-    assert Path(dpo["out_dir"]).name == before.key
+    code_version = dpo_model.specs_by_key[dpo_model.key].code_version  # the run folder hashes it with the key
+    assert Path(dpo["out_dir"]).name == run_folder_name(before.key, code_version)
