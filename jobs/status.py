@@ -184,8 +184,7 @@ class StatusReader:
                 return None  # no record of its settings: only one newer than the last materialization is its retry
         elif config_changes(resolved_ops(self.job, dagster_run.run_config).get(name, {}), self.new_ops.get(name, {})):
             return None  # the next run trains with other settings, in another run folder
-        code = self.graph.get(_key(name)).code_version
-        if run is not None and run.data.tags.get("dagster.code_version") != code:
+        if run is not None and run.data.tags.get("dagster.code_version") != self.code_version(name):
             return None  # made by another code version (or before run folders were keyed by it): not continued
         good = latest_good_checkpoint(folder / "checkpoints", log=lambda _m: None)
         if good is None or not job.get("max_steps"):
@@ -259,14 +258,16 @@ class StatusReader:
                 return ev
         return None
 
+    def code_version(self, name: str) -> str | None:
+        """The code version the next run of ``name`` runs under."""
+        return self.graph.get(_key(name)).code_version
+
     def changes(self, name: str, ev) -> tuple[list[str], list[str]]:
         """(why the recorded output of ``name`` no longer answers the next run: code, config, an upstream data
         version, reuse off; the upstream assets that will run first)."""
-        from dagster import AssetKey
-
         tags = ev.asset_materialization.tags
         reasons, upstream = [], []
-        code = self.graph.get(AssetKey(name)).code_version
+        code = self.code_version(name)
         if tags.get("dagster/code_version") != code:
             reasons.append(f"code version {tags.get('dagster/code_version')} -> {code}")
         run = self.instance.get_run_by_id(ev.run_id)

@@ -391,7 +391,6 @@ def test_a_full_disk_stops_the_launch_at_once_naming_the_path(tmp_path, pretrain
     assert "storage root" in message and "training resumes from the newest good checkpoint" in message
 
 
-
 @pytest.mark.slow
 def test_a_new_code_version_trains_afresh_instead_of_resuming_the_old_codes_finished_run(tmp_path, pretrain_job):
     """The same job under the same code version is reused; under a new code version it is neither reused nor resumed
