@@ -63,6 +63,10 @@ class ParallelConfig:
     strategy: str = "auto"  # "auto", "ddp" (replicate the model) or "fsdp" (FSDP2 fully_shard); one rank runs unwrapped
     activation_checkpointing: bool | None = None  # recompute block activations in backward; None: only when needed
     compile: bool = False  # torch.compile each transformer block (CPU needs a C++ compiler)
+    # on CPU, forward and backward under bf16 autocast (weights, gradients and optimizer state stay fp32); None: where
+    # the planning machine's CPU multiplies bf16 natively (native_cpu_bf16: AVX-512 BF16 or AMX), not where it
+    # emulates it (AVX2: slower than fp32). Single-node plans; a layout plan trains in fp32 on CPU
+    cpu_bf16: bool | None = None
     saturating_tokens: Annotated[int | None, Domain(1, none=True)] = None  # micro_batch x seq_len that keeps a device busy (None: 16384 on CUDA, 1024 on CPU)
     headroom: Annotated[float, Domain(0, 1, low_open=True)] = 0.8  # share of device memory the plan may use (the rest covers allocator slack, buffers)
 
@@ -91,9 +95,14 @@ class TrainingPlan:
     tokens_per_param: float | None = None
     reason: str = ""  # why this parallelism and checkpointing were chosen
     alternatives: list = field(default_factory=list)  # the other options considered: micro-batch and GiB each
+    cpu_bf16: bool | None = None  # True: a CPU run under bf16 autocast (ParallelConfig.cpu_bf16); None: fp32 (or CUDA's own)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The plan's fields; cpu_bf16 only when set, so a plan without it hashes as one made before it existed."""
+        out = asdict(self)
+        if out["cpu_bf16"] is None:
+            del out["cpu_bf16"]
+        return out
 
 
 HOST_ESTIMATES = ("device_memory_gb", "peak_tflops", "est_hours", "alternatives")
@@ -292,6 +301,25 @@ def _options(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, par: Para
     return options
 
 
+def native_cpu_bf16() -> bool:
+    """Whether this machine's CPU multiplies bf16 natively (AVX-512 BF16 or AMX tiles, as torch's cpuinfo reads
+    them): there bf16 autocast trains the demo model about 1.4x faster than fp32 (bench/results/nanogpt_bf16_seed2.md);
+    an AVX2 CPU emulates bf16 and would be slower."""
+    import torch
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, but torch's own; absent: False
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def cpu_bf16_choice(par: ParallelConfig, hw: HardwareConfig) -> bool | None:
+    """The plan's cpu_bf16: True for a CPU run that asked for it or, unset, on a CPU with native bf16; None
+    otherwise (CUDA runs choose their own precision), so a plan without it hashes as before."""
+    if hw.device != "cpu":
+        return None
+    wanted = native_cpu_bf16() if par.cpu_bf16 is None else par.cpu_bf16
+    return True if wanted else None
+
+
 def make_plan(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, parallel: ParallelConfig | None = None,
               headroom: float | None = None) -> TrainingPlan:
     """Choose parallelism, activation checkpointing, micro-batch and gradient accumulation for ``batch`` on ``hw``.
@@ -391,6 +419,7 @@ def _plan(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, par: Paralle
         reason=why,
         alternatives=[{"parallelism": o.parallelism, "activation_checkpointing": o.activation_checkpointing,
                        "micro_batch": o.micro_batch, "GiB": round(o.memory["total"], 3)} for o in options],
+        cpu_bf16=cpu_bf16_choice(par, hw),
     )
 
 
@@ -453,7 +482,8 @@ def describe_plan(plan: TrainingPlan) -> str:
         f"{plan.model['n_layer']} layers x {plan.model['n_head']} heads x {plan.model['n_embd']} wide, "
         f"vocabulary {plan.model['vocab_size']:,}" + _family_note(plan.model),
         f"ranks        {plan.world_size}: {plan.parallelism}"
-        f"{', activation checkpointing' if plan.activation_checkpointing else ''}{', torch.compile' if plan.compile else ''}",
+        f"{', activation checkpointing' if plan.activation_checkpointing else ''}{', torch.compile' if plan.compile else ''}"
+        f"{', bf16 autocast on CPU' if plan.cpu_bf16 else ''}",
         f"batch        {plan.global_batch} x {plan.seq_len} tokens = micro_batch {plan.micro_batch} x grad_accum "
         f"{plan.grad_accum} x {plan.world_size} ranks ({plan.tokens_per_step:,} tokens per step)",
         f"why          {plan.reason}",

@@ -16,7 +16,8 @@ from kiln.common.config import RecordError, record_from
 from kiln.plan.memory import TrainingPlan
 
 # The keys a plan holds only when it has them (to_dict leaves a None one out: a plan without them hashes as before).
-OPTIONAL = ("layout", "pipeline", "sweep", "optim_overrides", "sized_by_law", "sizing", "scaling", "pretrained", "epochs")
+OPTIONAL = ("layout", "pipeline", "sweep", "optim_overrides", "sized_by_law", "sizing", "scaling", "pretrained", "epochs",
+            "cpu_bf16")
 
 
 @dataclass(kw_only=True)

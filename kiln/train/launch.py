@@ -87,7 +87,8 @@ class RunSpec:
         job = {**base, "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"],
                "parallelism": plan.get("parallelism", "auto"),
                "activation_checkpointing": plan.get("activation_checkpointing", False),
-               "compile": plan.get("compile", False), **tracking, **self.fields}
+               "compile": plan.get("compile", False), **({"cpu_bf16": True} if plan.get("cpu_bf16") else {}),
+               **tracking, **self.fields}
         peak = plan["hardware"].get("peak_tflops")
         if peak:
             job["peak_flops"] = peak * 1e12

@@ -672,7 +672,7 @@ class Trainer:
             "checkpoint": checkpoints[-1]["path"] if checkpoints else None, "checkpoints": checkpoints,
             "resumed_from": self.resumed_from, "world_size": self.info.world_size, "device": self.info.device.type,
             "parallelism": self.strategy, "activation_checkpointing": self.job.activation_checkpointing,
-            "compile": self.job.compile, "params": self.counts[0], "trainable_params": self.counts[1],
+            "compile": self.job.compile, "cpu_bf16": self.job.cpu_bf16, "params": self.counts[0], "trainable_params": self.counts[1],
             "wall_s": time.time() - t_start,
             "tokens_per_s": median(self.tokens_s), "mfu": median(self.mfus), "peak_flops_per_device": self.peak_flops,
             "peak_memory_gb": peak_memory_gb(self.info.device, self.base_gb), "data_batches": run.data_batches,

@@ -25,6 +25,7 @@ from kiln.plan.memory import (
     make_plan,
     measure_matmul_peak,
     memory_breakdown,
+    native_cpu_bf16,
     plan_version,
 )
 
@@ -357,3 +358,34 @@ def test_a_plans_version_follows_what_the_run_does_not_the_planning_hosts_memory
                        HardwareConfig(device="cpu", nproc_per_node=1, memory_gb=8)).to_dict()
     assert plan_version(longer) != plan_version(here)
     assert plan_version({**here, "micro_batch": here["micro_batch"] // 2}) != plan_version(here)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_cpu_plan_trains_under_bf16_autocast_where_the_cpu_multiplies_bf16_natively(monkeypatch, native) -> None:
+    """cpu_bf16 unset follows the CPU (native_cpu_bf16); set, it is the user's; CUDA plans never carry it, and a plan
+    without it has no cpu_bf16 key, so its version is what it was before the field existed."""
+    import kiln.plan.memory as memory
+
+    monkeypatch.setattr(memory, "native_cpu_bf16", lambda: native)
+    cpu, batch = HardwareConfig(device="cpu", memory_gb=16), BatchConfig(seq_len=32, global_batch=8)
+    auto = make_plan(TINY, batch, cpu)
+    assert auto.cpu_bf16 is (True if native else None)
+    assert ("cpu_bf16" in auto.to_dict()) is native
+    assert ("bf16 autocast on CPU" in memory.describe_plan(auto)) is native
+    assert make_plan(TINY, batch, cpu, ParallelConfig(cpu_bf16=True)).cpu_bf16 is True
+    off = make_plan(TINY, batch, cpu, ParallelConfig(cpu_bf16=False))
+    assert "cpu_bf16" not in off.to_dict()
+    if not native:  # off and unset on an AVX2 CPU are one plan
+        assert plan_version(off.to_dict()) == plan_version(auto.to_dict())
+    gpu = make_plan(TINY, batch, HardwareConfig(**H100), ParallelConfig(cpu_bf16=True))
+    assert "cpu_bf16" not in gpu.to_dict()
+
+
+def test_native_cpu_bf16_reads_torchs_cpu_probes(monkeypatch) -> None:
+    """AVX-512 BF16 or AMX tiles count as native bf16; neither (an AVX2 CPU) does not."""
+    import torch
+
+    for bf16, amx, want in [(True, False, True), (False, True, True), (False, False, False)]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert native_cpu_bf16() is want

@@ -20,6 +20,10 @@ def test_a_spec_is_validated_as_the_job_file_it_writes(tmp_path):
         "task": "pretrain", "out_dir": str(tmp_path), "tokenizer": "tok.json", "model": plan["model"], "seq_len": 16,
         "micro_batch": 2, "grad_accum": 1, "parallelism": "auto", "activation_checkpointing": False, "compile": False,
         "mlflow_tracking_uri": "uri", "mlflow_run_id": "run", "optim": {"lr": 0.01}, "max_steps": 3}
+    # a plan that trains under bf16 autocast on CPU (kiln.plan.memory.cpu_bf16_choice) says so in the job
+    bf16 = RunSpec("pretrain", {}, {**plan, "cpu_bf16": True}, {}, "tok.json")
+    assert bf16.job(tmp_path, "uri", "run")["cpu_bf16"] is True and bf16.validate("base_model").cpu_bf16
+    assert bf16.key != RunSpec("pretrain", {}, plan, {}, "tok.json").key  # another run: other floats
     bad = RunSpec("pretrain", {"optim": {"warmup_stpes": 3}}, plan, {}, "tok.json")
     with pytest.raises(ConfigError, match="base_model.optim: unknown key 'warmup_stpes'. Did you mean 'warmup_steps'"):
         bad.validate("base_model")
