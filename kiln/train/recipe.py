@@ -2,7 +2,8 @@
 
 A recipe is the part of a pretraining job that decides how fast loss falls: ``model`` (ModelConfig fields),
 ``optim`` (OptimConfig fields), ``seq_len``, ``micro_batch`` (sequences per step on one process), ``max_steps``, and
-``layout`` ("threads": one process using every core; "ddp2": two processes of one thread each).
+``layout`` ("threads": one process using every core; "ddp2": two processes of one thread each), and optionally
+``cpu_bf16`` (bf16 autocast on CPU), ``compile``, ``seed``, ``document_mask``.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ BASELINE_RECIPE: dict[str, Any] = {
 
 def demo_recipe() -> dict[str, Any]:
     """The recipe the demo preset trains with, read from the defaults it runs on: the llama family at the demo
-    size (conf/presets/demo.yaml), kiln.plan.memory.BatchConfig's batch and steps, and OptimConfig with PRETRAIN_OPTIM."""
+    size (conf/presets/demo.yaml), kiln.plan.memory.BatchConfig's batch and steps, OptimConfig with PRETRAIN_OPTIM,
+    and the CPU plan's precision on this machine (cpu_bf16_choice: bf16 autocast where the CPU multiplies bf16
+    natively)."""
     from kiln.model.config import MODEL_PRESETS
-    from kiln.plan.memory import BatchConfig
+    from kiln.plan.memory import BatchConfig, HardwareConfig, ParallelConfig, cpu_bf16_choice
     from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
 
     batch, optim = BatchConfig(), OptimConfig(**PRETRAIN_OPTIM)
     return {"model": {"family": "llama", **MODEL_PRESETS["llama"]["demo"]},
             "optim": {k: getattr(optim, k) for k in ("name", "lr", "warmup_steps", "schedule", "min_lr_ratio")},
             "seq_len": batch.seq_len, "micro_batch": batch.global_batch, "max_steps": batch.max_steps,
-            "layout": "threads"}
+            "layout": "threads", "cpu_bf16": bool(cpu_bf16_choice(ParallelConfig(), HardwareConfig(device="cpu")))}

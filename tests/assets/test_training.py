@@ -140,3 +140,4 @@ def test_the_demo_trains_with_the_recipe_the_speedrun_bench_races():
     assert {k: getattr(model, k) for k in recipe["model"]} == recipe["model"]
     assert (batch.seq_len, batch.global_batch, batch.max_steps) == (
         recipe["seq_len"], recipe["micro_batch"], recipe["max_steps"])
+    assert bool(planned.record().cpu_bf16) is recipe["cpu_bf16"]  # bf16 autocast in both or in neither

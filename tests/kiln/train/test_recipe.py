@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kiln.model.config import MODEL_PRESETS, ModelConfig
 from kiln.plan import memory
-from kiln.plan.memory import BatchConfig
+from kiln.plan.memory import BatchConfig, native_cpu_bf16
 from kiln.train import optim
 from kiln.train.job import JobConfig, load_job
 from kiln.train.optim import PRETRAIN_OPTIM, OptimConfig
@@ -34,7 +34,8 @@ def test_the_baseline_is_gpt2_with_adamw_and_cosine_on_16_by_256_tokens_for_800_
 
 def test_the_demo_recipe_is_the_llama_demo_size_the_batch_defaults_and_the_pretraining_optimizer():
     recipe, batch, opt = demo_recipe(), BatchConfig(), OptimConfig(**PRETRAIN_OPTIM)
-    assert set(recipe) == KEYS and recipe["layout"] == "threads"
+    assert set(recipe) == KEYS | {"cpu_bf16"} and recipe["layout"] == "threads"
+    assert recipe["cpu_bf16"] is native_cpu_bf16()  # the CPU plan's precision on this machine
     assert recipe["model"] == {"family": "llama", **MODEL_PRESETS["llama"]["demo"]}
     assert recipe["optim"] == {"name": opt.name, "lr": opt.lr, "warmup_steps": opt.warmup_steps,
                                "schedule": opt.schedule, "min_lr_ratio": opt.min_lr_ratio}
@@ -61,6 +62,10 @@ def test_the_demo_recipe_follows_the_defaults_it_is_read_from(monkeypatch):
     assert recipe["model"] == {"family": "llama", "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 128}
     assert recipe["optim"]["lr"] == 5e-4 and recipe["optim"]["name"] == PRETRAIN_OPTIM["name"]
     assert (recipe["seq_len"], recipe["micro_batch"], recipe["max_steps"]) == (128, 12, 90)
+    monkeypatch.setattr(memory, "native_cpu_bf16", lambda: True)
+    assert demo_recipe()["cpu_bf16"] is True
+    monkeypatch.setattr(memory, "native_cpu_bf16", lambda: False)
+    assert demo_recipe()["cpu_bf16"] is False
 
 
 def test_a_recipe_is_a_fresh_copy_and_merge_changes_only_what_it_names():
