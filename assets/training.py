@@ -49,7 +49,7 @@ class TrainingPlanConfig(KilnConfig):
     model: ModelOverrides = Field(default_factory=ModelOverrides, description="The family (`family: llama`; gpt2 when unset) and fields overriding its named size (or the ModelConfig defaults); vocab_size comes from the tokenizer. A field another family uses is an error.")
     batch: Batch = Field(default_factory=Batch, description="The token budget: sequence length, global batch, steps.")
     hardware: Hardware = Field(default_factory=Hardware, description="Where it trains: device, processes, nodes, memory.")
-    parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile.")
+    parallel: Parallel = Field(default_factory=Parallel, description="How it is spread over the ranks: DDP or FSDP2, activation checkpointing, compile, and bf16 autocast on CPU.")
     layout: Optional[LayoutBlock] = Field(default=None, description="Plan tensor, pipeline and data parallelism for the hardware block's GPUs over these links (kiln.plan.layout): base_model trains the fastest layout that fits, `kiln plan` explains the choice. Unset: data parallelism alone.")
     from_sweep: bool = Field(default=False, description="Train the best point of sweep_results: its model, batch and optim fields replace these (and base_model's optim).")
     sizing: str = Field(default="preset", description="preset: the configured model and steps; law: the width and steps the scaling_ladder's fitted law finds compute-optimal for compute_budget (the model keeps the configured shape: family, depth, heads).")
