@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.common.config import ConfigError
 from kiln.model.config import ModelConfig
 from kiln.plan.cost import describe_costs, load_cost
 from kiln.plan.layout import LayoutPlan, describe_layout_plan, layout_from_config, training_plan_of
@@ -63,6 +64,9 @@ def plan_training(n_vocab: int, model_preset: str = "", model: dict | None = Non
     if layout is None:
         made, cfg, bc, hw = plan_from_config(n_vocab, model_preset, model, batch, hardware, parallel, where)
         return Planned(cfg, hw.__dict__, single=made, batch=bc, where=where)
+    if (parallel or {}).get("cpu_bf16"):
+        raise ConfigError(f"{where}.parallel.cpu_bf16: bf16 autocast on CPU is planned for one node's data parallelism; "
+                          f"a layout plan trains in fp32 on CPU (remove cpu_bf16 or the layout block)")
     chosen = layout_from_config(n_vocab, model_preset, model, batch, hardware, parallel, layout, where)
     return Planned(model_from_config(n_vocab, model_preset, model, where), dict(hardware or {}), layout=chosen,
                    compile=bool((parallel or {}).get("compile")), where=where)

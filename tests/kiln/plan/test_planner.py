@@ -45,3 +45,10 @@ def test_errors_name_the_block_where_it_sits() -> None:
         plan_training(300, "tiny", {"nope": 1}, BATCH, {"memory_gb": 16}, where="sweep.points[0]")
     with pytest.raises(ConfigError, match="training_plan.layout plans GPU clusters"):
         plan_training(50259, **{**GPT2, "hardware": dict(device="cpu", memory_gb=80)}, layout={})
+
+
+def test_cpu_bf16_with_a_layout_block_is_an_error_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"training_plan.parallel.cpu_bf16: .* a layout plan trains in fp32 on CPU"):
+        plan_training(4099, model={"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
+                      batch={"seq_len": 64, "global_batch": 8, "max_steps": 10}, hardware={"device": "cpu"},
+                      parallel={"cpu_bf16": True}, layout={})
