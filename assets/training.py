@@ -162,7 +162,8 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
             **({"layout": describe_sizes(plan["layout"])} if plan.get("layout") else {}),
             **({"pipeline": f"{plan['pipeline']['schedule']}, {plan['pipeline']['virtual_stages']} stage(s) per rank, "
                             f"{plan['grad_accum']} micro-batches"} if plan.get("pipeline") else {}),
-            "compile": plan["compile"], "cpu_bf16_autocast": bool(plan.get("cpu_bf16")), "why": plan["reason"], "world_size": plan["world_size"],
+            "compile": plan["compile"], "cpu_bf16_autocast": bool(plan.get("cpu_bf16")), "why": plan["reason"],
+            "world_size": plan["world_size"],
             "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"], "global_batch": plan["global_batch"],
             "tokens_per_step": plan["tokens_per_step"], "total_tokens": plan["total_tokens"],
             "tokens_per_parameter": round(plan["tokens_per_param"], 3), "epochs_over_train_split": round(plan["epochs"], 3),

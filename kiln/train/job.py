@@ -100,7 +100,8 @@ class TrainJob:
     activation_checkpointing: bool = False  # recompute block activations in backward to save memory
     compile: bool = False  # torch.compile each block
     # on CPU, the forward and backward under bf16 autocast (matmuls in bf16; weights, gradients and optimizer state
-    # stay fp32): fast where the CPU multiplies bf16 natively (AVX-512 BF16, AMX), slow where it emulates it (AVX2)
+    # stay fp32): fast where the CPU multiplies bf16 natively (AVX-512 BF16, AMX), slow where it emulates it (AVX2);
+    # a Dagster launch sets it from the plan (kiln.plan.memory.cpu_bf16_choice)
     cpu_bf16: bool = False
     eval_interval: Annotated[int, Domain(1)] = 100  # steps between validation passes
     ckpt_interval: Annotated[int, Domain(1)] = 200  # steps between checkpoints (the last step is always saved)
