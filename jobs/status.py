@@ -6,8 +6,8 @@ asset that recomputes or whose data version moved (Dagster's staleness), or a re
 match (the same check ``kiln run`` makes before reusing, resources.tracking.MlflowResource.find_reusable, here without
 touching any file); and about how long it would take (the last computing run's duration, else the training plan).
 A training asset whose newest attempt failed or was killed after writing checkpoints resumes: its run folder (keyed by
-the config, inputs and code version the next run shares) holds a checkpoint that verifies, and the steps left take the last run's
-time per step (else the attempt's own, else the plan's).
+the config, inputs and code version the next run shares) holds a checkpoint that verifies, and the steps left take the
+last run's time per step (else the attempt's own, else the plan's).
 """
 
 from __future__ import annotations

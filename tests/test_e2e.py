@@ -587,7 +587,8 @@ def test_a_failed_training_attempt_resumes_from_its_verified_checkpoint(smoke_ru
     again = {r.asset: r for r in StatusReader(defs, instance, {"ops": ops}, defs.resources["mlflow"]).status(NAMES)}
     assert again["base_model"].action == "resume" and again["base_model"].reasons == base.reasons
     # an attempt made by another code version is not continued (the run folder is keyed by the code version too)
-    client, run_id = defs.resources["mlflow"].client(), json.loads((attempt.folder / "job.json").read_text())["mlflow_run_id"]
+    client = defs.resources["mlflow"].client()
+    run_id = json.loads((attempt.folder / "job.json").read_text())["mlflow_run_id"]
     code = client.get_run(run_id).data.tags["dagster.code_version"]
     assert code == defs.resolve_assets_def("base_model").specs_by_key[AssetKey("base_model")].code_version
     try:

@@ -95,7 +95,7 @@ class TrainingPlan:
     tokens_per_param: float | None = None
     reason: str = ""  # why this parallelism and checkpointing were chosen
     alternatives: list = field(default_factory=list)  # the other options considered: micro-batch and GiB each
-    cpu_bf16: bool | None = None  # True: a CPU run under bf16 autocast (ParallelConfig.cpu_bf16); None: fp32 (or CUDA's own)
+    cpu_bf16: bool | None = None  # True: a CPU run under bf16 autocast (ParallelConfig.cpu_bf16); None: fp32 or CUDA
 
     def to_dict(self) -> dict:
         """The plan's fields; cpu_bf16 only when set, so a plan without it hashes as one made before it existed."""
