@@ -18,7 +18,7 @@ import torch
 
 from kiln.common.config import Domain
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_preference_splits
-from kiln.posttrain.logprobs import model_sequence_logps
+from kiln.posttrain.logprobs import grouped_sequence_logps, model_sequence_logps
 from kiln.posttrain.sft import PackedLoader, encode_example, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo, all_mean
 from kiln.train.entry import run_job
@@ -158,13 +158,17 @@ class DpoStage(PosttrainStage):
                 f"{len(self.val_rows)} held out; "
                 f"{self.info.world_size} x {self.info.device.type}, steps {trainer.run.step}->{self.job.max_steps}")
 
+    def reference_sums(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Each row's summed log-prob under the reference (2B,), or None for a reference-free loss."""
+        return grouped_sequence_logps(self.reference_logps, x, y) if self.ref_path is not None else None
+
     def batches(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for _ in range(self.job.grad_accum):
             yield self.loader.next_batch()
 
     def loss(self, trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = (t.to(trainer.info.device) for t in batch)  # (2B, T): chosen rows, then rejected rows
-        ref = self.reference_logps(x, y).sum(-1) if self.ref_path is not None else None  # (2B,)
+        ref = self.reference_sums(x, y)  # (2B,)
         with trainer.autocast():
             stats = pair_stats(model_sequence_logps(trainer.model, x, y), ref, self.settings, self.job.loss,
                                (y != -100).sum(-1))
@@ -184,7 +188,7 @@ class DpoStage(PosttrainStage):
             x, y = x.to(self.info.device), y.to(self.info.device)
             with trainer.autocast():
                 logps = model_sequence_logps(raw, x, y)  # (2B,)
-            ref = self.reference_logps(x, y).sum(-1) if self.ref_path is not None else None
+            ref = self.reference_sums(x, y)
             stats = pair_stats(logps, ref, self.settings, job.loss, (y != -100).sum(-1))
             for k, v in stats.items():
                 if k != "loss_tensor":

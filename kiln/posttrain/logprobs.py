@@ -2,13 +2,18 @@
 
 ``model_token_logps(model, x, y)`` gives log p(y_t) (B, T) through the chunked head (kiln.model.loss.token_logprobs:
 no (B, T, V) logits or log-softmax); DPO's loss, RL's and PPO's policy and KL terms and the held-out measures are
-built on it. ``score_responses(model, enc, prompts, responses, seq_len)`` gives each response's summed log-probability.
-``token_logps(logits, y)`` is the same from logits a caller already has.
+built on it. ``model_sequence_logps`` sums each row's, with the rows run in groups of similar length
+(``grouped_sequence_logps``). ``score_responses(model, enc, prompts, responses, seq_len)`` gives each response's
+summed log-probability. ``token_logps(logits, y)`` is the same from logits a caller already has.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import torch
+import torch.distributed as dist
 
 from kiln.model.loss import head_inputs, token_logprobs
 from kiln.posttrain.sft import IGNORE, encode_example, pad_rows, to_xy, trim_padding
@@ -37,9 +42,60 @@ def model_token_logps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) 
     return token_logprobs(h, w, y)  # (B, T)
 
 
+# a forward pass's fixed cost, counted in padded tokens, when rows are split into groups of similar length: a split is
+# made only where it saves more padded tokens than this
+PASS_TOKENS = 1024
+
+
+def length_groups(lengths: list[int], pass_tokens: int | None = None) -> list[list[int]]:
+    """Row indices in groups of similar length, shortest first, each to run as one batch padded to its longest row:
+    the split of the rows sorted by length whose padded tokens (rows x longest row, per group) plus ``pass_tokens``
+    (None: PASS_TOKENS) per group are fewest (dynamic programming over the sorted order, O(rows^2))."""
+    pass_tokens = PASS_TOKENS if pass_tokens is None else pass_tokens
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    best, start = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)  # best[j]: the first j sorted rows
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            cost = best[i] + pass_tokens + (j - i) * lengths[order[j - 1]]
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[start[j]:j])
+        j = start[j]
+    return groups[::-1]
+
+
+def grouped_sequence_logps(token_logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                           y: torch.Tensor) -> torch.Tensor:
+    """Summed log-probability of each row's response tokens, (B, T), (B, T) -> (B,), from ``token_logps(x, y)`` (a model's
+    token log-probs, (b, t) -> (b, t)) run on groups of rows of similar length (``length_groups``), each cut after its
+    longest row's last target: the model is causal, so what follows a row's last target does not change its sum. A
+    batch of preference pairs holds a few long rows among many short ones (the demo's: 22 tokens at the median, 188 at
+    the 90th percentile), and one batch pads every row to the longest.
+
+    With more than one rank the rows run as one batch: ranks would otherwise make different numbers of forward passes,
+    and under DDP (its buffer broadcast) or FSDP (its weight gathers) each pass is a collective."""
+    if x.size(0) < 2 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return token_logps(x, y).sum(-1)
+    targets = y != IGNORE  # (B, T)
+    last = x.size(1) - targets.flip(1).int().argmax(1)  # (B,) positions up to a row's last target
+    lengths = torch.where(targets.any(1), last, torch.ones_like(last)).tolist()
+    groups = length_groups(lengths)
+    if len(groups) == 1:
+        return token_logps(x, y).sum(-1)
+    parts, order = [], []
+    for g in groups:
+        idx, t = torch.tensor(g, device=x.device), lengths[g[-1]]  # sorted: its last row is its longest
+        parts.append(token_logps(x[idx, :t], y[idx, :t]).sum(-1))
+        order.append(idx)
+    return torch.cat(parts)[torch.argsort(torch.cat(order))]
+
+
 def model_sequence_logps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed log-probability of each row's response tokens under ``model``: (B, T), (B, T) -> (B,)."""
-    return model_token_logps(model, x, y).sum(-1)
+    """Summed log-probability of each row's response tokens under ``model``: (B, T), (B, T) -> (B,), the rows run in
+    groups of similar length (grouped_sequence_logps)."""
+    return grouped_sequence_logps(lambda a, b: model_token_logps(model, a, b), x, y)
 
 
 def encode_rows(enc, prompts: list[str], responses: list[str], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from kiln.common.config import ConfigError, Domain
 from kiln.posttrain.common import PosttrainJob, PosttrainStage, read_jsonl_split
 from kiln.posttrain.instructions import arithmetic_reward, final_number
-from kiln.posttrain.logprobs import encode_rows, model_token_logps
+from kiln.posttrain.logprobs import encode_rows, grouped_sequence_logps, model_sequence_logps, model_token_logps
 from kiln.posttrain.sampling import complete, decode_completion
 from kiln.posttrain.sft import IGNORE, chat_prompt_ids, pad_rows, to_xy, trim_padding
 from kiln.train.dist import DistInfo
@@ -395,26 +395,27 @@ def rollout_policy_loss(policy: torch.nn.Module, rollout: Rollout, job: RlJob,
     ``preference_reward_accuracy``). Each batch takes a forward of its own and one backward takes their sum: stacked
     in one forward, the rollout's short rows were padded to the width of the longest replayed pair (on the demo, 64
     rows of about 25 tokens to up to 215): the demo's RL step took 3.44 s stacked and 1.25-1.39 s apart
-    (bench/results/rl_step_before.md, rl_step_after.md)."""
+    (bench/results/rl_step_before.md, rl_step_after.md). The replayed pairs' rows run in groups of similar length
+    (kiln.posttrain.logprobs.grouped_sequence_logps): one batch padded every row to its longest pair's."""
     from kiln.posttrain.dpo import dpo_loss
 
     settings = job.settings()
-    batches = [(rollout.x, rollout.y)] + ([ptx] if ptx is not None else []) \
-        + ([(preferences.x, preferences.y)] if preferences is not None else [])
     with autocast():
-        parts = [model_token_logps(policy, x, y) for x, y in batches]  # (N_i, T_i) each
-    logp = parts[0]
+        logp = model_token_logps(policy, rollout.x, rollout.y)  # (N, T)
+        ptx_logp = model_token_logps(policy, *ptx) if ptx is not None else None  # (M, T')
+        # the replayed pairs' sums, their rows in groups of similar length (most are short, a few long)
+        seq = model_sequence_logps(policy, preferences.x, preferences.y) if preferences is not None else None  # (2M,)
     if settings.ppo_epochs > 1 and rollout.old_logp is None:
         rollout.old_logp = logp.detach()  # the first update: the policy is still the one that sampled
     loss, stats = grpo_loss(logp, rollout.ref_logp, rollout.advantages, rollout.y != IGNORE, job.kl_coef,
                             old_logp=rollout.old_logp, eps_low=settings.eps_low, eps_high=settings.eps_high,
                             aggregation=settings.loss_aggregation, group_size=job.group_size)
     if ptx is not None:
-        nll = -parts[1].sum() / (ptx[1] != IGNORE).sum().clamp(min=1)  # log-probs are 0 off the answers
+        nll = -ptx_logp.sum() / (ptx[1] != IGNORE).sum().clamp(min=1)  # log-probs are 0 off the answers
         loss = loss + job.ptx_coef * nll
         stats["ptx_loss"] = float(nll.detach())
     if preferences is not None:
-        seq, m = parts[-1].sum(-1), preferences.x.size(0) // 2  # (2M,)
+        m = preferences.x.size(0) // 2
         ref = preferences.ref_logp
         pref, chosen, rejected = dpo_loss(seq[:m], seq[m:], ref[:m], ref[m:], job.preference_beta)
         loss = loss + job.preference_coef * pref
@@ -542,7 +543,7 @@ class RlStage(PosttrainStage):
             return None
         x, y = (t.to(device) for t in pair_batch(*encode_preferences(self.enc, rows, self.job.seq_len)))
         with torch.no_grad():
-            ref = self.reference_logps(x, y).sum(-1)  # (2M,)
+            ref = grouped_sequence_logps(self.reference_logps, x, y)  # (2M,)
         return Preferences(x, y, ref)
 
     def validate(self, trainer: Trainer) -> dict[str, float]:

@@ -15,8 +15,9 @@ import torch
 import kiln.model.loss as km
 from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
-from kiln.posttrain.logprobs import (encode_rows, model_sequence_logps, model_token_logps, score_responses,
-                                     sequence_logps, token_logps)
+import kiln.posttrain.logprobs as lp
+from kiln.posttrain.logprobs import (encode_rows, grouped_sequence_logps, length_groups, model_sequence_logps,
+                                     model_token_logps, score_responses, sequence_logps, token_logps)
 from kiln.posttrain.measures import measure_items
 from kiln.posttrain.reward import RewardModel
 from kiln.posttrain.rl import RlJob
@@ -53,6 +54,44 @@ def test_model_logps_equal_the_logits_log_softmax_with_gradients(tiny_tokenizer,
         scored, n = score_responses(b.eval(), enc, [p for p, _ in PAIRS], [r for _, r in PAIRS], 47)
     assert scored == pytest.approx(sequence_logps(a.eval()(x), y).tolist(), abs=1e-5)
     assert n == (y != -100).sum(-1).tolist()
+
+
+def test_rows_group_by_length_where_the_padding_saved_beats_a_pass() -> None:
+    lengths = [22, 200, 19, 25, 21, 188, 23, 20] * 2  # a demo batch of pairs: short rows and a few long ones
+    groups = length_groups(lengths, pass_tokens=1024)
+    assert [sorted(lengths[i] for i in g) for g in groups] == [sorted([22, 19, 25, 21, 23, 20] * 2), [188, 188, 200, 200]]
+    assert sorted(i for g in groups for i in g) == list(range(16))  # every row once
+    assert len(length_groups(lengths, pass_tokens=10_000)) == 1  # a pass dearer than the padding: one batch
+    assert length_groups([30, 31, 29], pass_tokens=1024) == [[2, 0, 1]]  # similar rows: one batch, sorted
+    assert [len(g) for g in length_groups([5, 9, 5, 9], pass_tokens=0)] == [2, 2]  # free passes: one per length
+    assert length_groups([]) == []
+
+
+def test_grouped_sums_equal_one_batchs_with_gradients(tiny_tokenizer, monkeypatch) -> None:
+    enc, _ = tiny_tokenizer
+    long = "The river runs past the mill and the old stone bridge down to the sea, " * 2
+    prompts, responses = ["Hi?", "What is 2 + 2?", "Tell me.", "Go on."], ["Yes.", "4.", long, "No."]
+    x, y = encode_rows(enc, prompts, responses, 47)
+    monkeypatch.setattr(lp, "PASS_TOKENS", 8)  # small rows: a split pays at this size
+    widths = []
+    model = make("llama")
+
+    def logps(a, b):
+        widths.append((a.size(0), a.size(1)))
+        return model_token_logps(model, a, b)
+
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    one = model_token_logps(model, x, y).sum(-1)
+    (one * weights).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    grouped = grouped_sequence_logps(logps, x, y)
+    (grouped * weights).sum().backward()
+    # the long row alone at the batch's width, the short ones in narrower passes
+    assert widths[-1] == (1, x.size(1)) and sum(n for n, _ in widths) == 4 and max(t for _, t in widths[:-1]) < 20
+    assert torch.allclose(grouped, one, atol=1e-5)  # the same rows, in their order
+    for g, p in zip(grads, model.parameters()):
+        assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
 
 
 def test_the_reward_models_hidden_states_are_the_backbones_final_norm_output() -> None:
