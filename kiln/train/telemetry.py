@@ -70,15 +70,16 @@ def resident_gb() -> float:
     return rss / 1024**2 if rss is not None else 0.0
 
 
-def resolve_peak_flops(peak_flops: float, device: torch.device) -> float:
-    """Per-device peak FLOP/s for MFU: the job's, the GPU table's, or a matmul measured now on CPU (0: none)."""
+def resolve_peak_flops(peak_flops: float, device: torch.device, cpu_bf16: bool = False) -> float:
+    """Per-device peak FLOP/s for MFU: the job's, the GPU table's, or a matmul measured now on CPU (0: none), in bf16
+    for a run under bf16 autocast on CPU (``cpu_bf16``: on AMX, bf16 matmuls run several times fp32's peak)."""
     from kiln.plan.memory import gpu_peak_tflops, measure_matmul_peak
 
     if peak_flops != 0:
         return max(peak_flops, 0.0)
     if device.type == "cuda":
         return (gpu_peak_tflops(torch.cuda.get_device_name(device)) or 0.0) * 1e12
-    return measure_matmul_peak("cpu")
+    return measure_matmul_peak("cpu", torch.bfloat16 if cpu_bf16 else None)
 
 
 def format_duration(seconds: float) -> str:

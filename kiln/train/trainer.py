@@ -378,7 +378,8 @@ class Trainer:
             # tensor-parallel group draw the same masks, as their replicated activations need)
             torch.manual_seed(self.job.seed + self.info.data_rank)
         tokens = self.stage.tokens_per_step
-        self.peak_flops = resolve_peak_flops(self.job.peak_flops, self.info.device) if tokens else 0.0
+        bf16 = self.info.device.type == "cpu" and bool(self.job.cpu_bf16)  # its matmuls run at bf16's peak
+        self.peak_flops = resolve_peak_flops(self.job.peak_flops, self.info.device, bf16) if tokens else 0.0
         if self.info.is_main:
             self.logger.log_params({"job": self.job_params(), "peak_flops_per_device": self.peak_flops})
         self.say(f"training {self.counts[0] / 1e6:.2f}M parameters on {self.info.world_size} x "

@@ -52,3 +52,18 @@ def test_a_run_shorter_than_one_sampling_interval_still_has_a_system_sample(tmp_
     assert sample.step == 0 and sample.value > 0
     off = SystemMetrics(types.SimpleNamespace(**{**vars(job), "system_metrics_s": 0.0}), DistInfo(0, 0, 1, torch.device("cpu")))
     assert off.monitor is None
+
+
+def test_the_cpu_peak_for_mfu_is_measured_in_the_precision_the_run_multiplies_in(monkeypatch) -> None:
+    import torch
+
+    import kiln.plan.memory as memory
+    from kiln.train.telemetry import resolve_peak_flops
+
+    asked = []
+    monkeypatch.setattr(memory, "measure_matmul_peak", lambda device, dtype=None: asked.append((device, dtype)) or 1e11)
+    cpu = torch.device("cpu")
+    assert resolve_peak_flops(0.0, cpu) == 1e11 and resolve_peak_flops(0.0, cpu, cpu_bf16=True) == 1e11
+    assert asked == [("cpu", None), ("cpu", torch.bfloat16)]  # fp32's peak, then bf16's under autocast
+    assert resolve_peak_flops(5e12, cpu, cpu_bf16=True) == 5e12 and resolve_peak_flops(-1.0, cpu) == 0.0  # the job's
+    assert len(asked) == 2
