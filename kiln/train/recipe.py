@@ -31,7 +31,6 @@ def demo_recipe() -> dict[str, Any]:
 
     batch, optim = BatchConfig(), OptimConfig(**PRETRAIN_OPTIM)
     return {"model": {"family": "llama", **MODEL_PRESETS["llama"]["demo"]},
-            "optim": {k: getattr(optim, k) for k in ("name", "lr", "muon_lr", "warmup_steps", "schedule",
-                                                     "min_lr_ratio")},
+            "optim": {k: getattr(optim, k) for k in ("name", "lr", "warmup_steps", "schedule", "min_lr_ratio")},
             "seq_len": batch.seq_len, "micro_batch": batch.global_batch, "max_steps": batch.max_steps,
             "layout": "threads", "cpu_bf16": bool(cpu_bf16_choice(ParallelConfig(), HardwareConfig(device="cpu")))}

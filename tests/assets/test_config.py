@@ -190,17 +190,15 @@ def test_an_asset_config_made_from_a_job_dataclass_with_typed_blocks_gives_its_j
     from kiln.posttrain.dpo import DpoJob
     from kiln.train.job import JobConfig
 
-    base = BaseModelConfig(eval_interval=20, optim={"warmup_steps": 10, "lr": 4e-3})  # lr written out at its default
+    base = BaseModelConfig(eval_interval=20, optim={"warmup_steps": 10, "lr": 2e-3})  # lr written out at its default
     assert base.job_fields() == {"eval_interval": 20, "ckpt_interval": 200, "keep_last": 2, "keep_every": 0,
                                  "async_save": True, "log_interval": 25, "seed": 1337, "eval_batches": 16, "document_mask": False,
-                                 "optim": {"name": "muon", "schedule": "wsd", "lr": 4e-3, "muon_lr": 0.01, "warmup_steps": 10},
-                                 "spikes": {}, "lora": {}}
+                                 "optim": {"name": "muon", "schedule": "wsd", "warmup_steps": 10}, "spikes": {}, "lora": {}}
     # the schema's own defaults (pretraining's Muon + warmup-stable-decay) reach the job beside what was written
     defaults = BaseModelConfig().job_fields()  # the core job dataclass is the one home of these defaults
     assert {k: v for k, v in defaults.items() if k not in ("optim", "spikes", "lora")} == {
         k: getattr(JobConfig(), k) for k in defaults if k not in ("optim", "spikes", "lora")}
-    assert base.to_dict(changed_only=True) == {"eval_interval": 20, "optim": {
-        "name": "muon", "schedule": "wsd", "lr": 4e-3, "muon_lr": 0.01, "warmup_steps": 10}}  # against the dataclass; added blocks too
+    assert base.to_dict(changed_only=True) == {"eval_interval": 20, "optim": {"name": "muon", "schedule": "wsd", "warmup_steps": 10}}  # against the dataclass; added blocks too
     dpo = DpoModelConfig().job_fields()
     assert (dpo["beta"], dpo["eval_pairs"], dpo["max_steps"], dpo["micro_batch"]) == (DpoJob.beta, DpoJob.eval_pairs, 40, 16)
     assert dpo["optim"] == {"lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0} and dpo["lora"] == {}
