@@ -100,7 +100,8 @@ def main() -> None:
                 padded.append(padded_tokens(y))
         r = {"pairs": pairs, "steps": a.steps, "one_batch_ms": 1e3 * statistics.median(one_s),
              "grouped_ms": 1e3 * statistics.median(grouped_s),
-             "one_batch_tokens": statistics.mean(t for t, _ in padded), "grouped_tokens": statistics.mean(g for _, g in padded),
+             "one_batch_tokens": statistics.mean(t for t, _ in padded),
+             "grouped_tokens": statistics.mean(g for _, g in padded),
              "max_loss_difference": max(gaps)}
         r["speedup"] = r["one_batch_ms"] / r["grouped_ms"]
         results.append(r)
@@ -110,7 +111,8 @@ def main() -> None:
         lines.append(line)
     about = (f"{len(rows)} training pairs of `{a.preferences}`, {a.steps} timed steps of each way per row (median), "
              f"seed {a.seed}; model: the demo's shape ({cfg.n_layer} x {cfg.n_embd}, vocabulary {cfg.vocab_size}), "
-             f"random weights; a step is the reference's sums (no gradient), the policy's, DPO's loss and its backward.")
+             "random weights; a step is the reference's sums (no gradient), the policy's, DPO's loss and its "
+             "backward.")
     table = ["| pairs per step | one batch, ms | grouped by length, ms | speed-up | tokens run, one batch | "
              "tokens run, grouped | largest loss difference |", "|---:|---:|---:|---:|---:|---:|---:|", *lines]
     print(about)

@@ -68,11 +68,11 @@ def length_groups(lengths: list[int], pass_tokens: int | None = None) -> list[li
 
 def grouped_sequence_logps(token_logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
                            y: torch.Tensor) -> torch.Tensor:
-    """Summed log-probability of each row's response tokens, (B, T), (B, T) -> (B,), from ``token_logps(x, y)`` (a model's
-    token log-probs, (b, t) -> (b, t)) run on groups of rows of similar length (``length_groups``), each cut after its
-    longest row's last target: the model is causal, so what follows a row's last target does not change its sum. A
-    batch of preference pairs holds a few long rows among many short ones (the demo's: 22 tokens at the median, 188 at
-    the 90th percentile), and one batch pads every row to the longest.
+    """Summed log-probability of each row's response tokens, (B, T), (B, T) -> (B,), from ``token_logps(x, y)`` (a
+    model's token log-probs, (b, t) -> (b, t)) run on groups of rows of similar length (``length_groups``), each cut
+    after its longest row's last target: the model is causal, so what follows a row's last target does not change its
+    sum. A batch of preference pairs holds a few long rows among many short ones (the demo's: 22 tokens at the median,
+    188 at the 90th percentile), and one batch pads every row to the longest.
 
     With more than one rank the rows run as one batch: ranks would otherwise make different numbers of forward passes,
     and under DDP (its buffer broadcast) or FSDP (its weight gathers) each pass is a collective."""

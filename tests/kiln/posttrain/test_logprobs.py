@@ -59,7 +59,8 @@ def test_model_logps_equal_the_logits_log_softmax_with_gradients(tiny_tokenizer,
 def test_rows_group_by_length_where_the_padding_saved_beats_a_pass() -> None:
     lengths = [22, 200, 19, 25, 21, 188, 23, 20] * 2  # a demo batch of pairs: short rows and a few long ones
     groups = length_groups(lengths, pass_tokens=1024)
-    assert [sorted(lengths[i] for i in g) for g in groups] == [sorted([22, 19, 25, 21, 23, 20] * 2), [188, 188, 200, 200]]
+    assert [sorted(lengths[i] for i in g) for g in groups] == [sorted([22, 19, 25, 21, 23, 20] * 2),
+                                                               [188, 188, 200, 200]]
     assert sorted(i for g in groups for i in g) == list(range(16))  # every row once
     assert len(length_groups(lengths, pass_tokens=10_000)) == 1  # a pass dearer than the padding: one batch
     assert length_groups([30, 31, 29], pass_tokens=1024) == [[2, 0, 1]]  # similar rows: one batch, sorted
