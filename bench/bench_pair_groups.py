@@ -32,8 +32,8 @@ from kiln.model.config import MODEL_PRESETS, ModelConfig  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
 from kiln.posttrain.common import read_jsonl_split  # noqa: E402
 from kiln.posttrain.dpo import dpo_loss, encode_preferences, pair_batch  # noqa: E402
-from kiln.posttrain.logprobs import grouped_sequence_logps, length_groups, model_token_logps  # noqa: E402
-from kiln.posttrain.sft import IGNORE  # noqa: E402
+from kiln.posttrain.logprobs import (grouped_sequence_logps, length_groups, model_token_logps,  # noqa: E402
+                                     target_lengths)
 from kiln.tokens.tokenizer import load_encoding  # noqa: E402
 from provenance import machine_line, write_results  # noqa: E402
 
@@ -58,8 +58,7 @@ def step(policy, ref, x, y, grouped: bool) -> tuple[float, float]:
 
 def padded_tokens(y: torch.Tensor) -> tuple[int, int]:
     """Tokens one batch runs, and the grouped passes run, for targets y (2B, T)."""
-    targets = y != IGNORE
-    last = (y.size(1) - targets.flip(1).int().argmax(1)).tolist()
+    last = target_lengths(y)
     return y.numel(), sum(len(g) * last[g[-1]] for g in length_groups(last))
 
 

@@ -66,6 +66,13 @@ def length_groups(lengths: list[int], pass_tokens: int | None = None) -> list[li
     return groups[::-1]
 
 
+def target_lengths(y: torch.Tensor) -> list[int]:
+    """Each row's width up to and including its last target, y (B, T) -> B ints (1 for a row without targets)."""
+    targets = y != IGNORE  # (B, T)
+    last = y.size(1) - targets.flip(1).int().argmax(1)  # (B,)
+    return torch.where(targets.any(1), last, torch.ones_like(last)).tolist()
+
+
 def grouped_sequence_logps(token_logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
                            y: torch.Tensor) -> torch.Tensor:
     """Summed log-probability of each row's response tokens, (B, T), (B, T) -> (B,), from ``token_logps(x, y)`` (a
@@ -78,9 +85,7 @@ def grouped_sequence_logps(token_logps: Callable[[torch.Tensor, torch.Tensor], t
     and under DDP (its buffer broadcast) or FSDP (its weight gathers) each pass is a collective."""
     if x.size(0) < 2 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return token_logps(x, y).sum(-1)
-    targets = y != IGNORE  # (B, T)
-    last = x.size(1) - targets.flip(1).int().argmax(1)  # (B,) positions up to a row's last target
-    lengths = torch.where(targets.any(1), last, torch.ones_like(last)).tolist()
+    lengths = target_lengths(y)
     groups = length_groups(lengths)
     if len(groups) == 1:
         return token_logps(x, y).sum(-1)

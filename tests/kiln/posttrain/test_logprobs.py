@@ -17,7 +17,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.families import build_model
 import kiln.posttrain.logprobs as lp
 from kiln.posttrain.logprobs import (encode_rows, grouped_sequence_logps, length_groups, model_sequence_logps,
-                                     model_token_logps, score_responses, sequence_logps, token_logps)
+                                     model_token_logps, score_responses, sequence_logps, target_lengths, token_logps)
 from kiln.posttrain.measures import measure_items
 from kiln.posttrain.reward import RewardModel
 from kiln.posttrain.rl import RlJob
@@ -66,6 +66,8 @@ def test_rows_group_by_length_where_the_padding_saved_beats_a_pass() -> None:
     assert length_groups([30, 31, 29], pass_tokens=1024) == [[2, 0, 1]]  # similar rows: one batch, sorted
     assert [len(g) for g in length_groups([5, 9, 5, 9], pass_tokens=0)] == [2, 2]  # free passes: one per length
     assert length_groups([]) == []
+    y = torch.tensor([[-100, 5, 6, -100, -100], [-100, -100, -100, -100, 7], [-100] * 5])
+    assert target_lengths(y) == [3, 5, 1]  # up to the last target; a row without one counts 1
 
 
 def test_grouped_sums_equal_one_batchs_with_gradients(tiny_tokenizer, monkeypatch) -> None:
