@@ -32,17 +32,16 @@ from kiln.model.config import MODEL_PRESETS, ModelConfig  # noqa: E402
 from kiln.model.families import build_model  # noqa: E402
 from kiln.posttrain.common import read_jsonl_split  # noqa: E402
 from kiln.posttrain.dpo import dpo_loss, encode_preferences, pair_batch  # noqa: E402
-from kiln.posttrain.logprobs import (grouped_sequence_logps, length_groups, model_token_logps,  # noqa: E402
+from kiln.posttrain.logprobs import (length_groups, model_sequence_logps, model_token_logps,  # noqa: E402
                                      target_lengths)
 from kiln.tokens.tokenizer import load_encoding  # noqa: E402
 from provenance import machine_line, write_results  # noqa: E402
 
 
 def step(policy, ref, x, y, grouped: bool) -> tuple[float, float]:
-    """One DPO step's log-probs, loss and backward on pairs x, y (2B, T): (seconds, loss)."""
-    def sums(model, a, b):
-        fn = lambda u, v: model_token_logps(model, u, v)  # noqa: E731
-        return grouped_sequence_logps(fn, a, b) if grouped else fn(a, b).sum(-1)
+    """One DPO step's log-probs, loss and backward on pairs x, y (2B, T): (seconds, loss). Grouped is what DPO runs
+    (model_sequence_logps); one batch is the same sums without the grouping."""
+    sums = model_sequence_logps if grouped else lambda model, a, b: model_token_logps(model, a, b).sum(-1)
 
     t0 = time.perf_counter()
     with torch.no_grad():

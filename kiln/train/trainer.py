@@ -197,12 +197,13 @@ class Trainer:
                                  extra_files={"tokenizer.json": Path(job.tokenizer)} if job.tokenizer else {}, log=self.say,
                                  on_write=self._on_checkpoint_write)
         self.bf16 = info.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.cpu_bf16 = info.device.type == "cpu" and bool(job.cpu_bf16)  # autocast on CPU; MFU against bf16's peak
         # with FSDP2's mixed precision the sharded parameters are cast to bf16 already; otherwise autocast on CUDA
         # and on CPU with cpu_bf16 (autocast alone there: FSDP2 keeps fp32 shards on CPU)
         self.autocast = contextlib.nullcontext
         if self.bf16 and self.strategy != "fsdp":
             self.autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-        elif info.device.type == "cpu" and job.cpu_bf16:
+        elif self.cpu_bf16:
             self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
         self.detector = SpikeDetector(self.spike_cfg)
         self.run, self.events, self.resumed_from = RunState(), [], None  # events: rollbacks, kept across restarts
@@ -378,8 +379,7 @@ class Trainer:
             # tensor-parallel group draw the same masks, as their replicated activations need)
             torch.manual_seed(self.job.seed + self.info.data_rank)
         tokens = self.stage.tokens_per_step
-        bf16 = self.info.device.type == "cpu" and bool(self.job.cpu_bf16)  # its matmuls run at bf16's peak
-        self.peak_flops = resolve_peak_flops(self.job.peak_flops, self.info.device, bf16) if tokens else 0.0
+        self.peak_flops = resolve_peak_flops(self.job.peak_flops, self.info.device, self.cpu_bf16) if tokens else 0.0
         if self.info.is_main:
             self.logger.log_params({"job": self.job_params(), "peak_flops_per_device": self.peak_flops})
         self.say(f"training {self.counts[0] / 1e6:.2f}M parameters on {self.info.world_size} x "
