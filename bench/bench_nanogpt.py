@@ -1,6 +1,7 @@
 """Benchmark: Kiln's demo pretraining against nanoGPT on the same tokens, the same machine, one run after the other.
 
-python bench/bench_nanogpt.py --shards DIR [--seed 0] [--variant NAME=JSON ...] [--eval-every 25] [--out bench/results/STEM]
+python bench/bench_nanogpt.py --shards DIR [--seed 0] [--variant NAME=JSON ...] [--eval-every 25]
+                              [--speed-rounds 3] [--speed-steps 60] [--out bench/results/STEM]
 
 DIR is the demo's token_shards folder (``kiln run --preset demo --select raw_documents,clean_corpus,tokenizer,
 token_shards --home H`` makes it: ``H/storage/token_shards/<version>``). Two fresh processes train in turn:
@@ -22,6 +23,14 @@ step, the measured training wall time, the final validation loss at equal tokens
 nanoGPT's final loss against nanoGPT's own time to it (targets of issue 50: >= 3x, and tokens/s >= 1.0x).
 Time to a loss is steps x the median step time, as in bench/speedrun.py (a burst of other work on a shared machine
 would otherwise bend one curve and not the other).
+
+The long runs take minutes each, one after the other, and a shared machine's speed drifts over minutes: the same code
+has measured 1.13x to 1.73x nanoGPT's tokens/s that way. So the speeds are also measured taking turns: after the
+long runs, ``--speed-rounds`` rounds of short runs (``--speed-steps`` steps each, fresh processes, no validation
+timed), every arm once a round, the order rotating. Each round gives nanoGPT's median step time over Kiln's; the
+figure is the median over rounds. Time to loss at those speeds is the tokens ratio (nanoGPT's training tokens over
+the tokens Kiln takes to reach nanoGPT's final loss, both from the long runs) times that speed ratio. Both measures
+are printed.
 """
 
 from __future__ import annotations
@@ -202,16 +211,40 @@ def summarise(label: str, history: list[dict], seconds: dict[int, float], tokens
             "final_val_loss": curve[-1][3], "curve": curve}
 
 
-def compare(kiln: dict, nano: dict) -> dict:
-    """The side-by-side figures: tokens/s ratio, loss at equal tokens, and time to nanoGPT's final loss."""
+def compare(kiln: dict, nano: dict, kiln_turns: list[float] | None = None, nano_turns: list[float] | None = None) -> dict:
+    """The side-by-side figures: tokens/s ratio, loss at equal tokens, and time to nanoGPT's final loss; with the
+    median step seconds of each round of turns (``kiln_turns``, ``nano_turns``, paired by round), the speed ratio
+    taken in turns and the time to loss at that ratio."""
     target = nano["final_val_loss"]
     hit = speedrun.time_to(kiln["curve"], target)
     kiln_s, kiln_tokens = hit if hit else (None, None)
-    return {"target": target, "kiln_time_to_target_s": kiln_s, "kiln_tokens_to_target": kiln_tokens,
-            "nanogpt_time_to_target_s": nano["train_s"],
-            "time_to_loss_ratio": nano["train_s"] / kiln_s if kiln_s else None,
-            "tokens_per_s_ratio": kiln["tokens_per_s"] / nano["tokens_per_s"],
-            "loss_gap_at_equal_tokens": nano["final_val_loss"] - kiln["final_val_loss"]}
+    out = {"target": target, "kiln_time_to_target_s": kiln_s, "kiln_tokens_to_target": kiln_tokens,
+           "nanogpt_time_to_target_s": nano["train_s"],
+           "time_to_loss_ratio": nano["train_s"] / kiln_s if kiln_s else None,
+           "tokens_per_s_ratio": kiln["tokens_per_s"] / nano["tokens_per_s"],
+           "loss_gap_at_equal_tokens": nano["final_val_loss"] - kiln["final_val_loss"]}
+    if kiln_turns and nano_turns:
+        ratio = float(np.median([n / k for k, n in zip(kiln_turns, nano_turns)]))
+        tokens = nano["curve"][-1][1] / kiln_tokens if kiln_tokens else None
+        out.update({"tokens_ratio": tokens, "turns_tokens_per_s_ratio": ratio,
+                    "turns_time_to_loss_ratio": tokens * ratio if tokens else None})
+    return out
+
+
+def take_turns(recipes: dict[str, dict], shards: Path, rounds: int, steps: int, c: dict = NANOGPT) -> dict[str, list]:
+    """Median step seconds of every Kiln recipe and of nanoGPT (config ``c``) in short runs of ``steps`` steps taken
+    in turn: each round runs every arm once in a fresh process, the order rotating, so each arm meets the same spells
+    of a shared machine. Returns each arm's seconds per round."""
+    short = {**c, "max_iters": steps, "lr_decay_iters": steps, "warmup_iters": min(c["warmup_iters"], steps)}
+    arms = [*recipes, "nanoGPT"]
+    turns: dict[str, list] = {arm: [] for arm in arms}
+    for r in range(rounds):
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            run = (run_nanogpt(shards, r, 10**9, short) if arm == "nanoGPT"
+                   else speedrun.run(recipes[arm], shards, steps, 10**9, arm))
+            turns[arm].append(run["step_s"])
+            print(f"turns, round {r + 1}/{rounds}: {arm} {run['step_s'] * 1e3:.1f} ms a step", flush=True)
+    return turns
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -223,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="also train the demo recipe with these changes (a lever alone, e.g. 'compiled={\"compile\": "
                         "true}'), each against the same nanoGPT run; repeatable")
+    p.add_argument("--speed-rounds", type=int, default=3, help="rounds of short runs taking turns to measure the speeds "
+                                                               "(0: none)")
+    p.add_argument("--speed-steps", type=int, default=60, help="steps of each short run (the first two are warm-up)")
     p.add_argument("--out", default="", help="write STEM.md, STEM.json and STEM.png (command, commit, date, machine inside)")
     p.add_argument("--nanogpt-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -244,15 +280,19 @@ def main(argv: list[str] | None = None) -> dict | None:
             p.error(f"--variant {v!r}: NAME=JSON of recipe changes, e.g. 'compiled={{\"compile\": true}}' ({e})")
     machine = machine_line()
     print(f"machine: {machine}", flush=True)
-    kilns = []
+    if a.speed_rounds < 0 or a.speed_steps < 4:
+        p.error(f"--speed-rounds {a.speed_rounds} / --speed-steps {a.speed_steps}: rounds >= 0 and steps >= 4 (the "
+                "first two steps of a run are warm-up)")
+    kilns, recipes = [], {}
     for name, change in variants.items():
-        recipe = merge(merge(demo_recipe(), change), {"seed": 1337 + a.seed})
+        recipe = recipes[name] = merge(merge(demo_recipe(), change), {"seed": 1337 + a.seed})
         r = speedrun.run(recipe, shards, recipe["max_steps"], a.eval_every, name)
         r["change"] = change
         kilns.append(r)
         print(f"{name}: {r['steps']} steps, val {r['final_val_loss']:.4f}, {r['measured_train_s']:.0f} s", flush=True)
     nano = run_nanogpt(shards, a.seed, a.eval_every)
-    cmps = [compare(k, nano) for k in kilns]
+    turns = take_turns(recipes, shards, a.speed_rounds, a.speed_steps) if a.speed_rounds else {}
+    cmps = [compare(k, nano, turns.get(k["label"]), turns.get("nanoGPT")) for k in kilns]
     rows = [f"| {r['label']} | `{json.dumps(r.get('change', {}))}` | {r['params']:,} | {r['steps']} | "
             f"{r['tokens_per_s']:,.0f} | {r['measured_train_s']:.1f} | {r['final_val_loss']:.4f} |"
             for r in (*kilns, nano)]
@@ -265,6 +305,14 @@ def main(argv: list[str] | None = None) -> dict | None:
                f"does not reach nanoGPT's final loss {target:.4f}")
         ratios.append(f"- {k['label']}: {hit}; tokens/s **{cmp['tokens_per_s_ratio']:.2f}x** nanoGPT's; "
                       f"validation loss at equal tokens {cmp['loss_gap_at_equal_tokens']:.4f} nats below nanoGPT's")
+        if "turns_tokens_per_s_ratio" in cmp:
+            at = (f"time to loss at that speed **{cmp['turns_time_to_loss_ratio']:.2f}x** (nanoGPT's training "
+                  f"tokens {cmp['tokens_ratio']:.3f}x the tokens Kiln takes)" if cmp["turns_time_to_loss_ratio"] else
+                  "no time to loss (nanoGPT's final loss not reached)")
+            ms = ", ".join(f"{x * 1e3:.0f}" for x in turns[k["label"]])
+            ratios.append(f"  - taking turns ({a.speed_rounds} rounds of {a.speed_steps} steps; ms a step, Kiln {ms}, "
+                          f"nanoGPT {', '.join(f'{x * 1e3:.0f}' for x in turns['nanoGPT'])}): tokens/s "
+                          f"**{cmp['turns_tokens_per_s_ratio']:.2f}x** nanoGPT's (median over rounds); {at}")
     lines = [f"Seed {a.seed}; {kilns[0]['steps']} steps of 8 x 256 tokens each, validated on the whole validation split "
              f"every {a.eval_every} steps; nanoGPT as at commit {NANOGPT_COMMIT[:12]} (its CPU recipe at the demo's "
              f"shape: {json.dumps(NANOGPT)}). Targets (issue 50): time to nanoGPT's final loss >= 3x, tokens/s >= 1.0x.",
@@ -272,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict | None:
              "final val loss |", "|---|---|---:|---:|---:|---:|---:|", *rows, "", *ratios]
     print("\n".join(lines))
     result = {"seed": a.seed, "nanogpt_commit": NANOGPT_COMMIT, "nanogpt_config": NANOGPT, "kiln": kilns,
-              "nanogpt": nano, "compare": cmps}
+              "nanogpt": nano, "compare": cmps, "turns": turns,
+              "turns_config": {"rounds": a.speed_rounds, "steps": a.speed_steps}}
     if a.out:
         from kiln.common.plots import line_plot_png
 

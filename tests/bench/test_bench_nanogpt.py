@@ -55,3 +55,38 @@ def test_compare_reads_kilns_time_to_nanogpts_final_loss():
     assert cmp["tokens_per_s_ratio"] == pytest.approx(0.8) and cmp["loss_gap_at_equal_tokens"] == pytest.approx(1.0)
     assert bench.compare(kiln, {**nano, "final_val_loss": 5.5})["time_to_loss_ratio"] == pytest.approx(30 / 6.25)
     assert bench.compare(kiln, {**nano, "final_val_loss": 3.0})["time_to_loss_ratio"] is None
+
+
+def test_compare_with_turns_pairs_each_rounds_speeds_and_scales_the_tokens_ratio_by_their_median():
+    bench = load_bench("bench_nanogpt")
+    kiln = {"curve": [(0, 0, 0.0, 8.0), (10, 100, 5.0, 6.0), (20, 200, 10.0, 4.0)], "tokens_per_s": 20.0,
+            "final_val_loss": 4.0}
+    nano = {"final_val_loss": 5.0, "train_s": 30.0, "tokens_per_s": 25.0, "curve": [(0, 0, 0.0, 9.0), (30, 600, 30.0, 5.0)]}
+    # rounds: nanoGPT's step over Kiln's = 2.0, 1.5, 1.2 (each round paired, not the ratio of the medians: 1.5 / 1.0)
+    cmp = bench.compare(kiln, nano, [1.0, 1.0, 0.5], [2.0, 1.5, 0.6])
+    assert cmp["kiln_tokens_to_target"] == pytest.approx(150) and cmp["tokens_ratio"] == pytest.approx(4.0)
+    assert cmp["turns_tokens_per_s_ratio"] == pytest.approx(1.5)
+    assert cmp["turns_time_to_loss_ratio"] == pytest.approx(6.0)
+    assert cmp["time_to_loss_ratio"] == pytest.approx(4.0)  # the long runs' own figure is kept beside it
+    assert "turns_tokens_per_s_ratio" not in bench.compare(kiln, nano)
+    missed = bench.compare(kiln, {**nano, "final_val_loss": 3.0}, [1.0], [2.0])
+    assert missed["turns_tokens_per_s_ratio"] == 2.0 and missed["turns_time_to_loss_ratio"] is None
+
+
+def test_take_turns_runs_every_arm_once_a_round_in_rotating_order(tiny_shards, monkeypatch):
+    bench = load_bench("bench_nanogpt")
+    order = []
+    monkeypatch.setattr(bench.speedrun, "run", lambda recipe, shards, steps, every, label: (
+        order.append(label), {"step_s": recipe["s"]})[1])
+    monkeypatch.setattr(bench, "run_nanogpt", lambda shards, seed, every, c: (
+        order.append(f"nanoGPT {c['max_iters']} {c['warmup_iters']}"), {"step_s": 0.3})[1])
+    turns = bench.take_turns({"a": {"s": 0.1}, "b": {"s": 0.2}}, tiny_shards, 3, 20)
+    assert order == ["a", "b", "nanoGPT 20 20", "b", "nanoGPT 20 20", "a", "nanoGPT 20 20", "a", "b"]
+    assert turns == {"a": [0.1] * 3, "b": [0.2] * 3, "nanoGPT": [0.3] * 3}
+
+
+def test_a_tiny_nanogpt_takes_its_turns_in_short_runs(tiny_shards):
+    bench = load_bench("bench_nanogpt")
+    tiny = {**bench.NANOGPT, "n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 8}
+    turns = bench.take_turns({}, tiny_shards, 2, 6, tiny)
+    assert list(turns) == ["nanoGPT"] and len(turns["nanoGPT"]) == 2 and all(s > 0 for s in turns["nanoGPT"])
