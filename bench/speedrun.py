@@ -109,7 +109,8 @@ def run(recipe: dict, shards: Path, max_steps: int, eval_interval: int, label: s
 
     cfg = ModelConfig(**job["model"])
     return {"label": label, "recipe": recipe, "steps": max_steps, "train_s": curve[-1][2], "step_s": step_s,
-            "measured_train_s": seconds[steps[-1]], "wall_s": time.perf_counter() - t0,
+            "warmup_s": warmup_seconds(seconds, step_s), "measured_train_s": seconds[steps[-1]],
+            "wall_s": time.perf_counter() - t0,
             "tokens_per_s": curve[-1][1] / curve[-1][2], "final_val_loss": curve[-1][3], "curve": curve,
             "params": result["params"], "flops_per_token": flops_per_token(cfg, job["seq_len"]),
             # with document_mask, val_loss is measured masked as trained; this is the same batches attending across
@@ -125,6 +126,12 @@ def median_curve(history: list[dict], seconds: dict[int, float], tokens_per_step
     durations = [seconds[b] - seconds[a] for a, b in zip(steps, steps[1:]) if a >= 2]
     step_s = float(np.median(durations)) if durations else seconds[steps[-1]] / max(1, steps[-1])
     return step_s, [(h["step"], h["step"] * tokens_per_step, h["step"] * step_s, h["val_loss"]) for h in history]
+
+
+def warmup_seconds(seconds: dict[int, float], step_s: float) -> float:
+    """What the first two steps took beyond two median steps (torch.compile's compilation, first-touch allocation),
+    which the curve's time axis leaves out; 0 for a run of fewer steps."""
+    return max(0.0, seconds[2] - 2 * step_s) if 2 in seconds else 0.0
 
 
 def time_to(curve: list, target: float) -> tuple[float, float] | None:

@@ -42,16 +42,18 @@ def test_a_tiny_nanogpt_runs_in_its_own_process_and_its_validation_loss_falls(ti
     assert r["curve"][-1][3] < r["curve"][0][3] - 0.3
     assert r["tokens_per_s"] == pytest.approx(8 * 32 / r["step_s"])
     assert r["train_s"] == pytest.approx(12 * r["step_s"])
+    assert r["warmup_s"] >= 0.0
 
 
 def test_compare_reads_kilns_time_to_nanogpts_final_loss():
     bench = load_bench("bench_nanogpt")
     kiln = {"curve": [(0, 0, 0.0, 8.0), (10, 100, 5.0, 6.0), (20, 200, 10.0, 4.0)], "tokens_per_s": 20.0,
-            "final_val_loss": 4.0}
-    nano = {"final_val_loss": 5.0, "train_s": 30.0, "tokens_per_s": 25.0}
+            "final_val_loss": 4.0, "warmup_s": 2.5}
+    nano = {"final_val_loss": 5.0, "train_s": 30.0, "tokens_per_s": 25.0, "warmup_s": 0.0}
     cmp = bench.compare(kiln, nano)
     assert cmp["kiln_time_to_target_s"] == pytest.approx(7.5) and cmp["kiln_tokens_to_target"] == pytest.approx(150)
     assert cmp["time_to_loss_ratio"] == pytest.approx(4.0)
+    assert cmp["time_to_loss_ratio_with_warmup"] == pytest.approx(30 / (7.5 + 2.5))  # a compile's seconds count
     assert cmp["tokens_per_s_ratio"] == pytest.approx(0.8) and cmp["loss_gap_at_equal_tokens"] == pytest.approx(1.0)
     assert bench.compare(kiln, {**nano, "final_val_loss": 5.5})["time_to_loss_ratio"] == pytest.approx(30 / 6.25)
     assert bench.compare(kiln, {**nano, "final_val_loss": 3.0})["time_to_loss_ratio"] is None
@@ -60,8 +62,9 @@ def test_compare_reads_kilns_time_to_nanogpts_final_loss():
 def test_compare_with_turns_pairs_each_rounds_speeds_and_scales_the_tokens_ratio_by_their_median():
     bench = load_bench("bench_nanogpt")
     kiln = {"curve": [(0, 0, 0.0, 8.0), (10, 100, 5.0, 6.0), (20, 200, 10.0, 4.0)], "tokens_per_s": 20.0,
-            "final_val_loss": 4.0}
-    nano = {"final_val_loss": 5.0, "train_s": 30.0, "tokens_per_s": 25.0, "curve": [(0, 0, 0.0, 9.0), (30, 600, 30.0, 5.0)]}
+            "final_val_loss": 4.0, "warmup_s": 0.0}
+    nano = {"final_val_loss": 5.0, "train_s": 30.0, "tokens_per_s": 25.0, "warmup_s": 0.0,
+            "curve": [(0, 0, 0.0, 9.0), (30, 600, 30.0, 5.0)]}
     # rounds: nanoGPT's step over Kiln's = 2.0, 1.5, 1.2 (each round paired, not the ratio of the medians: 1.5 / 1.0)
     cmp = bench.compare(kiln, nano, [1.0, 1.0, 0.5], [2.0, 1.5, 0.6])
     assert cmp["kiln_tokens_to_target"] == pytest.approx(150) and cmp["tokens_ratio"] == pytest.approx(4.0)

@@ -19,6 +19,13 @@ def test_time_to_target_interpolates_between_the_evaluations_that_bracket_it():
     assert bench.time_to(CURVE, 4.0) is None  # never reached
 
 
+def test_warmup_seconds_is_what_the_first_two_steps_took_beyond_two_median_steps():
+    bench = load_bench()
+    assert bench.warmup_seconds({0: 0.0, 1: 30.0, 2: 30.5, 3: 31.0, 4: 31.5}, 0.5) == pytest.approx(29.5)
+    assert bench.warmup_seconds({0: 0.0, 1: 0.4, 2: 0.8, 3: 1.3}, 0.5) == 0.0  # faster than the median: none
+    assert bench.warmup_seconds({0: 0.0, 1: 0.5}, 0.5) == 0.0
+
+
 def test_loss_at_reads_the_curve_linearly_in_time():
     bench = load_bench()
     assert bench.loss_at(CURVE, 12.5) == pytest.approx(4.75)
