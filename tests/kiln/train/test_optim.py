@@ -336,10 +336,47 @@ def test_muon_lr_is_torchs_rule() -> None:
 
 @pytest.fixture
 def bf16_newton_schulz(monkeypatch) -> None:
-    """Newton-Schulz in torch's Muon's bf16 on every CPU, for the bit-for-bit comparisons with it."""
+    """Newton-Schulz in torch's Muon's bf16 on every CPU, for the bit-for-bit comparisons with it; one matrix at a
+    time, as torch's Muon runs it (stacks against one at a time: test_a_stack_is_orthogonalised_as_its_matrices_...)."""
     import kiln.train.optim as optim
 
     monkeypatch.setattr(optim, "ns_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr(optim, "NS_BATCH_BYTES", 0)
+
+
+def test_ns_batches_stack_one_shape_up_to_transposition_where_newton_schulz_runs_in_bf16(monkeypatch) -> None:
+    import kiln.train.optim as optim
+
+    group = {"ns_coefficients": list(NS_COEFFICIENTS), "ns_steps": NS_STEPS, "eps": NS_EPS}  # a list, as loaded
+    other = {**group, "ns_steps": 3}
+    params = [(torch.zeros(8, 4), group), (torch.zeros(4, 8), group), (torch.zeros(8, 8), group),
+              (torch.zeros(8, 4), other), (torch.zeros(4, 8), group)]
+    shapes = lambda batches: [[(tuple(p.shape), g["ns_steps"]) for p, g in b] for b in batches]  # noqa: E731
+    monkeypatch.setattr(optim, "ns_dtype", lambda device: torch.bfloat16)
+    assert shapes(optim.ns_batches(params)) == [[((8, 4), 5), ((4, 8), 5), ((4, 8), 5)], [((8, 8), 5)], [((8, 4), 3)]]
+    monkeypatch.setattr(optim, "NS_BATCH_BYTES", 2 * 32 * 2)  # room for two 4 x 8 bf16 matrices a batch
+    assert shapes(optim.ns_batches(params))[:2] == [[((8, 4), 5), ((4, 8), 5)], [((4, 8), 5)]]
+    monkeypatch.setattr(optim, "ns_dtype", lambda device: torch.float32)  # CPUs without AVX-512: one at a time
+    assert shapes(optim.ns_batches(params)) == [[((8, 4), 5)], [((4, 8), 5)], [((8, 8), 5)], [((8, 4), 3)], [((4, 8), 5)]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_stack_is_orthogonalised_as_its_matrices_one_at_a_time(dtype, monkeypatch) -> None:
+    import kiln.train.optim as optim
+
+    monkeypatch.setattr(optim, "ns_dtype", lambda device: dtype)
+    gen = torch.Generator().manual_seed(0)
+    updates = [torch.randn(shape, generator=gen) for shape in [(96, 32), (32, 96), (96, 32), (32, 96)]]
+    group = {"ns_coefficients": NS_COEFFICIENTS, "ns_steps": NS_STEPS, "eps": NS_EPS}
+    stacked, alone = optim.orthogonalise(updates, group), [newton_schulz(u, dtype=dtype) for u in updates]
+    for u, s, a in zip(updates, stacked, alone):
+        assert s.shape == u.shape and s.dtype == dtype
+        # each matrix by its own norm, the same iteration: at most bf16's rounding apart where its products are emulated
+        assert (s.float() - a.float()).abs().max() < (1e-5 if dtype == torch.float32 else 0.02)
+    if dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        # where Kiln stacks on CPU (native bf16 products), bit for bit: a stacked run keeps one-at-a-time weights
+        assert all(torch.equal(s, a) for s, a in zip(stacked, alone))
+    assert optim.orthogonalise(updates[:1], group)[0].shape == (96, 32)
 
 
 class Both:
