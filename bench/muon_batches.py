@@ -5,11 +5,12 @@ each way.
 python bench/muon_batches.py [--steps 20] [--vocab 4096] [--out bench/results/STEM]
 
 The model is the demo's (llama 4 x 256, 4 heads sharing 2 key/value heads, SwiGLU 704 wide) with ``--vocab`` tokens
-(the demo tokenizer's padded size is 4096). Its 28 Muon matrices come in three shapes up to transposition: 256 x 256
-(q, o), 128 x 256 (k, v) and 256 x 704 (gate and up transposed, down).
+(the demo tokenizer's padded size is 4096). Its 28 Muon matrices come in four shapes: 256 x 256 (q, o), 128 x 256
+(k, v), 704 x 256 (gate, up) and 256 x 704 (down).
 
 - Newton-Schulz alone, in bf16 and in fp32 (the dtype it runs in on CPUs with AVX-512 and without): every matrix
-  orthogonalised on its own, against one stack per shape; the largest difference between the two ways' results.
+  orthogonalised on its own, against one stack per shape (as ns_batches stacks them); the largest difference between
+  the two ways' results.
 - The training step (bf16 autocast where this CPU multiplies bf16 natively, as the demo's plan chooses; forward,
   backward, MuonAdamW's step) with ns_batches' batching, against the same model and data with every matrix alone
   (NS_BATCH_BYTES = 0 for that arm); both start from the same weights, and whether they stay equal bit for bit is
@@ -50,11 +51,10 @@ def muon_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def stacks(mats: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The matrices turned wide and stacked by shape."""
+    """The matrices stacked by shape, first seen first."""
     same: dict[tuple[int, int], list[torch.Tensor]] = {}
     for m in mats:
-        w = m.mT if m.size(0) > m.size(1) else m
-        same.setdefault(tuple(w.shape), []).append(w)
+        same.setdefault(tuple(m.shape), []).append(m)
     return [torch.stack(v) for v in same.values()]
 
 
@@ -73,7 +73,7 @@ def alternate(arms: dict[str, callable], steps: int) -> dict[str, float]:
 def newton_schulz_arms(mats: list[torch.Tensor], dtype: torch.dtype, steps: int) -> dict:
     grads = [torch.randn_like(m) for m in mats]
     stacked = stacks(grads)
-    one = torch.cat([optim.newton_schulz(g, dtype=dtype).reshape(-1) for g in sorted_wide(grads)])
+    one = torch.cat([optim.newton_schulz(g, dtype=dtype).reshape(-1) for g in in_stack_order(grads)])
     many = torch.cat([optim.newton_schulz(s, dtype=dtype).reshape(-1) for s in stacked])
     t = alternate({"one at a time": lambda: [optim.newton_schulz(g, dtype=dtype) for g in grads],
                    "stacked": lambda: [optim.newton_schulz(s, dtype=dtype) for s in stacked]}, steps)
@@ -82,9 +82,9 @@ def newton_schulz_arms(mats: list[torch.Tensor], dtype: torch.dtype, steps: int)
             "max_abs_diff": float((one.float() - many.float()).abs().max())}
 
 
-def sorted_wide(mats: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The matrices turned wide, in stacks()' order (by shape, first seen first), for comparing results."""
-    return [w for s in stacks(mats) for w in s.unbind(0)]
+def in_stack_order(mats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The matrices in stacks()' order, for comparing results."""
+    return [m for s in stacks(mats) for m in s.unbind(0)]
 
 
 def train_step_arms(vocab: int, steps: int, bf16: bool) -> dict:

@@ -12,10 +12,10 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
   their low-rank shape makes an orthogonalised update a poor fit, so a LoRA run with muon is an AdamW run.
   Muon's arithmetic is torch.optim.Muon's (the quintic's coefficients, 5 bf16 steps, eps, the lr scaling), written
   here because torch has no public function for it and its step cannot split the work across FSDP2 ranks: on plain
-  tensors (one process, DDP) a step is torch's Muon step bit for bit. Same-shaped matrices (up to transposition) are
-  orthogonalised as one stack where Newton-Schulz runs in bf16 (``ns_batches``): on the demo model that halves its
-  time on an AVX-512 CPU, with the same weights bit for bit there (bench/muon_batches.py). One exception: on a CPU without AVX-512
-  (``ns_dtype``) the Newton-Schulz steps run in fp32, because there bf16 matrix products are emulated and ten times
+  tensors (one process, DDP) a step is torch's Muon step bit for bit. Same-shaped matrices are orthogonalised as one
+  stack where Newton-Schulz runs in bf16 (``ns_batches``): on the demo model that more than halves its time on an
+  AVX-512 CPU, with the same weights bit for bit there (bench/muon_batches.py). One exception: on a CPU without
+  AVX-512 (``ns_dtype``) the Newton-Schulz steps run in fp32, because there bf16 matrix products are emulated and ten times
   slower (the demo model's optimizer step: 7.9 s in bf16, 0.76 s in fp32 on a 2-core AVX2 EPYC, where a forward and
   backward take 0.6 s); fp32 is the more exact of the two. Under FSDP2 each parameter is a DTensor sharded
   on dim 0 and Newton-Schulz needs the whole matrix, so each matrix has one owner rank: the ranks send the owner
@@ -185,15 +185,17 @@ NS_BATCH_BYTES = 64 << 20
 
 def ns_batches(params: list[tuple[torch.Tensor, dict]]) -> list[list[tuple[torch.Tensor, dict]]]:
     """The (parameter, group) pairs in the batches Newton-Schulz runs together: where it runs in bf16, matrices of
-    one shape up to transposition, device and Newton-Schulz settings, at most NS_BATCH_BYTES a batch; one at a time
-    where it runs in fp32 (CPUs without AVX-512), where batching saved 8% of its time on the demo's matrices and its
-    last bits differ from one at a time's (bench/results/muon_batches.md)."""
+    one shape, device and Newton-Schulz settings, at most NS_BATCH_BYTES a batch; one at a time where it runs in fp32
+    (CPUs without AVX-512), where a stack saved 15-18% of its time on the demo's matrices and its last bits differ
+    from one at a time's (bench/results/muon_batches_run1.md). (Not one shape up to transposition: a tall matrix
+    stacked wide is multiplied from another memory layout than torch's Muon uses, and its bf16 products then
+    differ now and then in the last bit.)"""
     batches, same = [], {}
     for p, group in params:
         if ns_dtype(p.device) != torch.bfloat16:
             batches.append([(p, group)])
             continue
-        key = (tuple(sorted(p.shape)), p.device, tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+        key = (tuple(p.shape), p.device, tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
         same.setdefault(key, []).append((p, group))
     for (shape, *_), members in same.items():
         n = max(1, NS_BATCH_BYTES // (2 * shape[0] * shape[1]))
@@ -202,14 +204,11 @@ def ns_batches(params: list[tuple[torch.Tensor, dict]]) -> list[list[tuple[torch
 
 
 def orthogonalise(updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-    """newton_schulz of each update (one shape up to transposition), the tall ones turned wide and all run as one
-    stack; each result comes back in its update's orientation."""
+    """newton_schulz of each update (all of one shape), run as one stack."""
     settings = (group["ns_coefficients"], group["ns_steps"], group["eps"])
     if len(updates) == 1:
         return [newton_schulz(updates[0], *settings)]
-    tall = [u.size(0) > u.size(1) for u in updates]
-    out = newton_schulz(torch.stack([u.mT if t else u for u, t in zip(updates, tall)]), *settings)  # (n, small, large)
-    return [o.mT if t else o for o, t in zip(out, tall)]
+    return list(newton_schulz(torch.stack(updates), *settings).unbind(0))
 
 
 def muon_direction(grad: torch.Tensor, buf: torch.Tensor, group: dict) -> torch.Tensor:

@@ -344,20 +344,22 @@ def bf16_newton_schulz(monkeypatch) -> None:
     monkeypatch.setattr(optim, "NS_BATCH_BYTES", 0)
 
 
-def test_ns_batches_stack_one_shape_up_to_transposition_where_newton_schulz_runs_in_bf16(monkeypatch) -> None:
+def test_ns_batches_stack_one_shape_where_newton_schulz_runs_in_bf16(monkeypatch) -> None:
     import kiln.train.optim as optim
 
     group = {"ns_coefficients": list(NS_COEFFICIENTS), "ns_steps": NS_STEPS, "eps": NS_EPS}  # a list, as loaded
     other = {**group, "ns_steps": 3}
-    params = [(torch.zeros(8, 4), group), (torch.zeros(4, 8), group), (torch.zeros(8, 8), group),
-              (torch.zeros(8, 4), other), (torch.zeros(4, 8), group)]
+    params = [(torch.zeros(4, 8), group), (torch.zeros(8, 4), group), (torch.zeros(8, 8), group),
+              (torch.zeros(4, 8), other), (torch.zeros(4, 8), group), (torch.zeros(4, 8), group)]
     shapes = lambda batches: [[(tuple(p.shape), g["ns_steps"]) for p, g in b] for b in batches]  # noqa: E731
     monkeypatch.setattr(optim, "ns_dtype", lambda device: torch.bfloat16)
-    assert shapes(optim.ns_batches(params)) == [[((8, 4), 5), ((4, 8), 5), ((4, 8), 5)], [((8, 8), 5)], [((8, 4), 3)]]
+    # a tall matrix is not stacked with wide ones: torch's Muon multiplies it from its transposed layout
+    assert shapes(optim.ns_batches(params)) == [[((4, 8), 5)] * 3, [((8, 4), 5)], [((8, 8), 5)], [((4, 8), 3)]]
     monkeypatch.setattr(optim, "NS_BATCH_BYTES", 2 * 32 * 2)  # room for two 4 x 8 bf16 matrices a batch
-    assert shapes(optim.ns_batches(params))[:2] == [[((8, 4), 5), ((4, 8), 5)], [((4, 8), 5)]]
+    assert shapes(optim.ns_batches(params))[:2] == [[((4, 8), 5)] * 2, [((4, 8), 5)]]
     monkeypatch.setattr(optim, "ns_dtype", lambda device: torch.float32)  # CPUs without AVX-512: one at a time
-    assert shapes(optim.ns_batches(params)) == [[((8, 4), 5)], [((4, 8), 5)], [((8, 8), 5)], [((8, 4), 3)], [((4, 8), 5)]]
+    assert shapes(optim.ns_batches(params)) == [[((4, 8), 5)], [((8, 4), 5)], [((8, 8), 5)], [((4, 8), 3)],
+                                                [((4, 8), 5)], [((4, 8), 5)]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -366,7 +368,7 @@ def test_a_stack_is_orthogonalised_as_its_matrices_one_at_a_time(dtype, monkeypa
 
     monkeypatch.setattr(optim, "ns_dtype", lambda device: dtype)
     gen = torch.Generator().manual_seed(0)
-    updates = [torch.randn(shape, generator=gen) for shape in [(96, 32), (32, 96), (96, 32), (32, 96)]]
+    updates = [torch.randn(96, 32, generator=gen) for _ in range(3)]  # tall: orthogonalised from the transposed side
     group = {"ns_coefficients": NS_COEFFICIENTS, "ns_steps": NS_STEPS, "eps": NS_EPS}
     stacked, alone = optim.orthogonalise(updates, group), [newton_schulz(u, dtype=dtype) for u in updates]
     for u, s, a in zip(updates, stacked, alone):
