@@ -212,7 +212,8 @@ def summarise(label: str, history: list[dict], seconds: dict[int, float], tokens
             "final_val_loss": curve[-1][3], "curve": curve}
 
 
-def compare(kiln: dict, nano: dict, kiln_turns: list[float] | None = None, nano_turns: list[float] | None = None) -> dict:
+def compare(kiln: dict, nano: dict, kiln_turns: list[float] | None = None,
+            nano_turns: list[float] | None = None) -> dict:
     """The side-by-side figures: tokens/s ratio, loss at equal tokens, and time to nanoGPT's final loss; with the
     median step seconds of each round of turns (``kiln_turns``, ``nano_turns``, paired by round), the speed ratio
     taken in turns and the time to loss at that ratio."""
@@ -305,8 +306,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     for k, cmp in zip(kilns, cmps):
         hit = (f"reaches nanoGPT's final loss {target:.4f} at {cmp['kiln_time_to_target_s']:.1f} s "
                f"({cmp['kiln_tokens_to_target']:,.0f} tokens) against nanoGPT's {cmp['nanogpt_time_to_target_s']:.1f} s: "
-               f"time to loss **{cmp['time_to_loss_ratio']:.2f}x** ({cmp['time_to_loss_ratio_with_warmup']:.2f}x counting "
-               f"the first two steps' extra time, Kiln {k['warmup_s']:.1f} s, nanoGPT {nano['warmup_s']:.1f} s)"
+               f"time to loss **{cmp['time_to_loss_ratio']:.2f}x** "
+               f"({cmp['time_to_loss_ratio_with_warmup']:.2f}x counting the first two steps' extra time, "
+               f"Kiln {k['warmup_s']:.1f} s, nanoGPT {nano['warmup_s']:.1f} s)"
                if cmp["time_to_loss_ratio"] else
                f"does not reach nanoGPT's final loss {target:.4f}")
         ratios.append(f"- {k['label']}: {hit}; tokens/s **{cmp['tokens_per_s_ratio']:.2f}x** nanoGPT's; "

@@ -133,10 +133,12 @@ def main(argv: list[str] | None = None) -> dict:
     bf16 = bool(cpu_bf16_choice(ParallelConfig(), HardwareConfig(device="cpu")))
     train = train_step_arms(a.vocab, a.steps, bf16)
     shapes = sorted({tuple(s.shape) for s in stacks(mats)}, reverse=True)
-    lines = [f"The demo model's {len(mats)} Muon matrices (stacks {', '.join(' x '.join(map(str, s)) for s in shapes)}); "
-             f"{a.steps} timed calls of each arm, alternating. This CPU runs Newton-Schulz in "
-             f"{str(optim.ns_dtype(torch.device('cpu'))).removeprefix('torch.')}; ns_batches stacks where it runs in bf16.",
-             "", "| Newton-Schulz over every matrix, in | one at a time, ms | stacked, ms | speed-up | largest difference |",
+    stack_list = ", ".join(" x ".join(map(str, s)) for s in shapes)
+    dtype = str(optim.ns_dtype(torch.device("cpu"))).removeprefix("torch.")
+    lines = [f"The demo model's {len(mats)} Muon matrices (stacks {stack_list}); {a.steps} timed calls of each arm, "
+             f"alternating. This CPU runs Newton-Schulz in {dtype}; ns_batches stacks where it runs in bf16.",
+             "", "| Newton-Schulz over every matrix, in | one at a time, ms | stacked, ms | speed-up | "
+             "largest difference |",
              "|---|---:|---:|---:|---:|",
              *[f"| {r['dtype']} | {r['one_ms']:.1f} | {r['stacked_ms']:.1f} | {r['speedup']:.2f}x | "
                f"{r['max_abs_diff']:.1e} |" for r in ns],

@@ -15,9 +15,9 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
   tensors (one process, DDP) a step is torch's Muon step bit for bit. Same-shaped matrices are orthogonalised as one
   stack where Newton-Schulz runs in bf16 (``ns_batches``): on the demo model that more than halves its time on an
   AVX-512 CPU, with the same weights bit for bit there (bench/muon_batches.py). One exception: on a CPU without
-  AVX-512 (``ns_dtype``) the Newton-Schulz steps run in fp32, because there bf16 matrix products are emulated and ten times
-  slower (the demo model's optimizer step: 7.9 s in bf16, 0.76 s in fp32 on a 2-core AVX2 EPYC, where a forward and
-  backward take 0.6 s); fp32 is the more exact of the two. Under FSDP2 each parameter is a DTensor sharded
+  AVX-512 (``ns_dtype``) the Newton-Schulz steps run in fp32, because there bf16 matrix products are emulated and ten
+  times slower (the demo model's optimizer step: 7.9 s in bf16, 0.76 s in fp32 on a 2-core AVX2 EPYC, where a
+  forward and backward take 0.6 s); fp32 is the more exact of the two. Under FSDP2 each parameter is a DTensor sharded
   on dim 0 and Newton-Schulz needs the whole matrix, so each matrix has one owner rank: the ranks send the owner
   their rows of the update, it orthogonalises the matrix and sends each rank back its rows. Each rank orthogonalises
   about 1/world of the matrices and gets the one-process numbers. A DTensor placed any other way (tensor-parallel
