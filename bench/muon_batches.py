@@ -9,8 +9,8 @@ The model is the demo's (llama 4 x 256, 4 heads sharing 2 key/value heads, SwiGL
 (k, v), 704 x 256 (gate, up) and 256 x 704 (down).
 
 - Newton-Schulz alone, in bf16 and in fp32 (the dtype it runs in on CPUs with AVX-512 and without): every matrix
-  orthogonalised on its own, against one stack per shape (as ns_batches stacks them); the largest difference between
-  the two ways' results.
+  orthogonalised on its own, against one stack per shape (as ns_batches stacks them, the stacking timed with it); the
+  largest difference between the two ways' results.
 - The training step (bf16 autocast where this CPU multiplies bf16 natively, as the demo's plan chooses; forward,
   backward, MuonAdamW's step) with ns_batches' batching, against the same model and data with every matrix alone
   (NS_BATCH_BYTES = 0 for that arm); both start from the same weights, and whether they stay equal bit for bit is
@@ -50,12 +50,12 @@ def muon_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p for n, p in model.named_parameters() if optim.is_muon_parameter(n, p)]
 
 
-def stacks(mats: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The matrices stacked by shape, first seen first."""
+def same_shape(mats: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The matrices grouped by shape, first seen first (ns_batches' groups on a CPU that stacks)."""
     same: dict[tuple[int, int], list[torch.Tensor]] = {}
     for m in mats:
         same.setdefault(tuple(m.shape), []).append(m)
-    return [torch.stack(v) for v in same.values()]
+    return list(same.values())
 
 
 def alternate(arms: dict[str, callable], steps: int) -> dict[str, float]:
@@ -71,20 +71,21 @@ def alternate(arms: dict[str, callable], steps: int) -> dict[str, float]:
 
 
 def newton_schulz_arms(mats: list[torch.Tensor], dtype: torch.dtype, steps: int) -> dict:
-    grads = [torch.randn_like(m) for m in mats]
-    stacked = stacks(grads)
-    one = torch.cat([optim.newton_schulz(g, dtype=dtype).reshape(-1) for g in in_stack_order(grads)])
-    many = torch.cat([optim.newton_schulz(s, dtype=dtype).reshape(-1) for s in stacked])
-    t = alternate({"one at a time": lambda: [optim.newton_schulz(g, dtype=dtype) for g in grads],
-                   "stacked": lambda: [optim.newton_schulz(s, dtype=dtype) for s in stacked]}, steps)
+    """Newton-Schulz in ``dtype`` over random gradients of ``mats``' shapes: one at a time against one stack per
+    shape, the stacking timed with it (as orthogonalise stacks)."""
+    groups = same_shape([torch.randn_like(m) for m in mats])
+
+    def one_at_a_time() -> list[torch.Tensor]:
+        return [optim.newton_schulz(g, dtype=dtype) for group in groups for g in group]
+
+    def stacked() -> list[torch.Tensor]:
+        return [o for group in groups for o in optim.newton_schulz(torch.stack(group), dtype=dtype).unbind(0)]
+
+    one, many = torch.cat([o.reshape(-1) for o in one_at_a_time()]), torch.cat([o.reshape(-1) for o in stacked()])
+    t = alternate({"one at a time": one_at_a_time, "stacked": stacked}, steps)
     return {"dtype": str(dtype).removeprefix("torch."), "one_ms": t["one at a time"] * 1e3,
             "stacked_ms": t["stacked"] * 1e3, "speedup": t["one at a time"] / t["stacked"],
             "max_abs_diff": float((one.float() - many.float()).abs().max())}
-
-
-def in_stack_order(mats: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The matrices in stacks()' order, for comparing results."""
-    return [m for s in stacks(mats) for m in s.unbind(0)]
 
 
 def train_step_arms(vocab: int, steps: int, bf16: bool) -> dict:
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     bf16 = bool(cpu_bf16_choice(ParallelConfig(), HardwareConfig(device="cpu")))
     train = train_step_arms(a.vocab, a.steps, bf16)
-    shapes = sorted({tuple(s.shape) for s in stacks(mats)}, reverse=True)
+    shapes = sorted({(len(g), *g[0].shape) for g in same_shape(mats)}, reverse=True)
     stack_list = ", ".join(" x ".join(map(str, s)) for s in shapes)
     dtype = str(optim.ns_dtype(torch.device("cpu"))).removeprefix("torch.")
     lines = [f"The demo model's {len(mats)} Muon matrices (stacks {stack_list}); {a.steps} timed calls of each arm, "

@@ -198,7 +198,8 @@ def test_an_asset_config_made_from_a_job_dataclass_with_typed_blocks_gives_its_j
     defaults = BaseModelConfig().job_fields()  # the core job dataclass is the one home of these defaults
     assert {k: v for k, v in defaults.items() if k not in ("optim", "spikes", "lora")} == {
         k: getattr(JobConfig(), k) for k in defaults if k not in ("optim", "spikes", "lora")}
-    assert base.to_dict(changed_only=True) == {"eval_interval": 20, "optim": {"name": "muon", "schedule": "wsd", "warmup_steps": 10}}  # against the dataclass; added blocks too
+    assert base.to_dict(changed_only=True) == {  # against the dataclass; added blocks too
+        "eval_interval": 20, "optim": {"name": "muon", "schedule": "wsd", "warmup_steps": 10}}
     dpo = DpoModelConfig().job_fields()
     assert (dpo["beta"], dpo["eval_pairs"], dpo["max_steps"], dpo["micro_batch"]) == (DpoJob.beta, DpoJob.eval_pairs, 40, 16)
     assert dpo["optim"] == {"lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0} and dpo["lora"] == {}

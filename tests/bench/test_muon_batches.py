@@ -5,15 +5,14 @@ import torch
 from bench_module import load_bench
 
 
-def test_the_demo_models_muon_matrices_stack_into_four_shapes_in_first_seen_order():
+def test_the_demo_models_muon_matrices_group_into_four_shapes_in_first_seen_order():
     bench = load_bench("muon_batches")
     mats = bench.muon_matrices(bench.demo_model(512))
     assert len(mats) == 28
     # per layer q, k, v, o then gate, up, down: first seen first
-    assert [tuple(s.shape) for s in bench.stacks(mats)] == [(8, 256, 256), (8, 128, 256), (8, 704, 256), (4, 256, 704)]
-    order = bench.in_stack_order(mats)
-    assert [tuple(m.shape) for m in order] == sorted((tuple(m.shape) for m in mats),
-                                                     key=[tuple(s.shape[1:]) for s in bench.stacks(mats)].index)
+    groups = bench.same_shape(mats)
+    assert [(len(g), *g[0].shape) for g in groups] == [(8, 256, 256), (8, 128, 256), (8, 704, 256), (4, 256, 704)]
+    assert all(m.shape == g[0].shape for g in groups for m in g) and sum(map(len, groups)) == 28
 
 
 def test_newton_schulz_arms_time_both_ways_and_compare_their_results():
