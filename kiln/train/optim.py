@@ -13,8 +13,8 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
   Muon's arithmetic is torch.optim.Muon's (the quintic's coefficients, 5 bf16 steps, eps, the lr scaling), written
   here because torch has no public function for it and its step cannot split the work across FSDP2 ranks: on plain
   tensors (one process, DDP) a step is torch's Muon step bit for bit. Same-shaped matrices are orthogonalised as one
-  stack where Newton-Schulz runs in bf16 (``ns_batches``): on the demo model that more than halves its time on an
-  AVX-512 CPU, with the same weights bit for bit there (bench/muon_batches.py). One exception: on a CPU without
+  stack where Newton-Schulz runs in bf16 (``ns_batches``): on the demo model it ran 1.6-1.8x faster on an AVX-512
+  CPU, with the same weights bit for bit there (bench/muon_batches.py). One exception: on a CPU without
   AVX-512 (``ns_dtype``) the Newton-Schulz steps run in fp32, because there bf16 matrix products are emulated and ten
   times slower (the demo model's optimizer step: 7.9 s in bf16, 0.76 s in fp32 on a 2-core AVX2 EPYC, where a
   forward and backward take 0.6 s); fp32 is the more exact of the two. Under FSDP2 each parameter is a DTensor sharded
@@ -186,7 +186,7 @@ NS_BATCH_BYTES = 64 << 20
 def ns_batches(params: list[tuple[torch.Tensor, dict]]) -> list[list[tuple[torch.Tensor, dict]]]:
     """The (parameter, group) pairs in the batches Newton-Schulz runs together: where it runs in bf16, matrices of
     one shape, device and Newton-Schulz settings, at most NS_BATCH_BYTES a batch; one at a time where it runs in fp32
-    (CPUs without AVX-512), where a stack saved 15-18% of its time on the demo's matrices and its last bits differ
+    (CPUs without AVX-512), where a stack saved about 8% of its time on the demo's matrices and its last bits differ
     from one at a time's (bench/results/muon_batches_run1.md). (Not one shape up to transposition: a tall matrix
     stacked wide is multiplied from another memory layout than torch's Muon uses, and its bf16 products then
     differ now and then in the last bit.)"""
