@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# What holds torch's kernels, MKL and oneDNN below the CPU's instruction set (to measure the AVX2 path on an AVX-512 CPU)
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 FLAGS_SHOWN = ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon", "sve")  # the ones that move CPU kernels
 
 
@@ -45,7 +47,9 @@ def machine_line() -> str:
     except (ValueError, OSError):
         memory = "memory unknown"
     gpu = gpu_line()
-    return f"{model} | {shown} | {cores} cores | {memory}" + (f" | GPU: {gpu}" if gpu else "")
+    held = " ".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
+    return (f"{model} | {shown} | {cores} cores | {memory}" + (f" | GPU: {gpu}" if gpu else "")
+            + (f" | instruction set held down: {held}" if held else ""))
 
 
 def gpu_line() -> str:

@@ -382,10 +382,13 @@ def test_a_cpu_plan_trains_under_bf16_autocast_where_the_cpu_multiplies_bf16_nat
 
 
 def test_native_cpu_bf16_reads_torchs_cpu_probes(monkeypatch) -> None:
-    """AVX-512 BF16 or AMX tiles count as native bf16; neither (an AVX2 CPU) does not."""
+    """AVX-512 BF16 or AMX tiles count as native bf16; neither (an AVX2 CPU) does not, nor do they where torch's
+    kernels are held to AVX2 (ATEN_CPU_CAPABILITY=avx2)."""
     import torch
 
-    for bf16, amx, want in [(True, False, True), (False, True, True), (False, False, False)]:
+    for capability, bf16, amx, want in [("AVX512", True, False, True), ("AVX512", False, True, True),
+                                        ("AVX512", False, False, False), ("AVX2", True, True, False)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
-        assert native_cpu_bf16() is want
+        assert native_cpu_bf16() is want, capability

@@ -327,6 +327,38 @@ def test_newton_schulz_takes_the_singular_values_near_one() -> None:
         assert 0.6 < after.min() and after.max() < 1.2, (shape, dtype)  # ... brought near 1
 
 
+def test_fp32_newton_schulz_of_wide_enough_matrices_is_the_same_polynomial_through_the_gram_eigendecomposition(
+        monkeypatch) -> None:
+    import kiln.train.optim as optim
+
+    assert [optim.spectral_pays(*s) for s in [(256, 512), (256, 704), (512, 512), (1024, 1024)]] == [True] * 4
+    assert not any(optim.spectral_pays(*s) for s in [(256, 511), (256, 256), (128, 512), (64, 4096)])
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(256, 704), (704, 256), (256, 512), (512, 512)]:
+        g = torch.randn(shape, generator=gen)
+        exact = newton_schulz(g.double(), dtype=torch.float64)  # the iteration, in fp64
+        spectral = newton_schulz(g, dtype=torch.float32)
+        with monkeypatch.context() as m:
+            m.setattr(optim, "spectral_pays", lambda small, large: False)
+            iteration = newton_schulz(g, dtype=torch.float32)
+        assert spectral.shape == shape and spectral.dtype == torch.float32
+        assert not torch.equal(spectral, iteration)  # the eigendecomposition was taken ...
+        assert (spectral.double() - exact).abs().max() < 5e-6  # ... and gives the iteration's matrix
+        assert (iteration.double() - exact).abs().max() < 5e-6
+    small = torch.randn(16, 48, generator=gen)  # the polynomial itself, on a shape the rule leaves to the products
+    x = small / small.norm()
+    exact = newton_schulz(small.double(), dtype=torch.float64)
+    assert (optim.spectral_newton_schulz(x).double() - exact).abs().max() < 1e-5
+
+
+def test_fp32_newton_schulz_of_a_zero_or_non_finite_update_stays_torchs(monkeypatch) -> None:
+    zeros = torch.zeros(256, 512)
+    assert torch.equal(newton_schulz(zeros, dtype=torch.float32), zeros)  # eigh of a zero Gram matrix: zeros back
+    bad = torch.randn(256, 512)
+    bad[3, 5] = float("nan")  # eigh refuses it; the iteration runs and the NaN spreads, as in torch's Muon
+    assert newton_schulz(bad, dtype=torch.float32).isnan().all()
+
+
 def test_muon_lr_is_torchs_rule() -> None:
     adjust = torch_private("_adjust_lr")
     for shape in [(48, 16), (16, 48), (32, 32), (2048, 512), (3, 7)]:
