@@ -17,7 +17,9 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
   CPU, with the same weights bit for bit there (bench/muon_batches.py). One exception: on a CPU without
   AVX-512 (``ns_dtype``) the Newton-Schulz steps run in fp32, because there bf16 matrix products are emulated and ten
   times slower (the demo model's optimizer step: 7.9 s in bf16, 0.76 s in fp32 on a 2-core AVX2 EPYC, where a
-  forward and backward take 0.6 s); fp32 is the more exact of the two. Under FSDP2 each parameter is a DTensor sharded
+  forward and backward take 0.6 s); fp32 is the more exact of the two. There the wide matrices (a Gram side of 256
+  at least twice as wide, or 512 and up: ``spectral_pays``) take the same polynomial through their Gram matrix's
+  eigendecomposition, in fewer products (``spectral_newton_schulz``; the demo's fp32 step 1.08x faster). Under FSDP2 each parameter is a DTensor sharded
   on dim 0 and Newton-Schulz needs the whole matrix, so each matrix has one owner rank: the ranks send the owner
   their rows of the update, it orthogonalises the matrix and sends each rank back its rows. Each rank orthogonalises
   about 1/world of the matrices and gets the one-process numbers. A DTensor placed any other way (tensor-parallel
@@ -185,9 +187,10 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float] = NS
 
 def spectral_pays(small: int, large: int) -> bool:
     """Whether an fp32 (small, large) matrix is orthogonalised faster through its Gram matrix's eigendecomposition
-    than by Newton-Schulz's products: a Gram side of 256 at least twice as wide (1.4-2.1x faster), or of 512 and up
-    (1.5-2.7x), on a 2-core Xeon held to AVX2 (bench/ns_spectral.py); narrower or squarer ones stay with the
-    products, which are then as fast or faster."""
+    than by Newton-Schulz's products: a Gram side of 256 at least twice as wide (1.4-2.0x faster), or of 512 and up
+    (1.5-2.9x), on a 2-core Xeon held to AVX2 (bench/results/ns_spectral_avx2_run1.md). Squarer or smaller ones stay
+    with the products (256 x 256 about even, 128 x 512 1.3x faster by eigh but left to the products, as the rule
+    was set before that bench ran)."""
     return small >= 512 or (small >= 256 and large >= 2 * small)
 
 
