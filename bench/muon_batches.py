@@ -10,7 +10,8 @@ The model is the demo's (llama 4 x 256, 4 heads sharing 2 key/value heads, SwiGL
 
 - Newton-Schulz alone, in bf16 and in fp32 (the dtype it runs in on CPUs with AVX-512 and without): every matrix
   orthogonalised on its own, against one stack per shape (as ns_batches stacks them, the stacking timed with it); the
-  largest difference between the two ways' results.
+  largest difference between the two ways' results. Both ways iterate (a wide fp32 matrix alone would otherwise
+  take spectral_pays' eigendecomposition, bench/ns_spectral.py).
 - The training step (bf16 autocast where this CPU multiplies bf16 natively, as the demo's plan chooses; forward,
   backward, MuonAdamW's step) with ns_batches' batching, against the same model and data with every matrix alone
   (NS_BATCH_BYTES = 0 for that arm); both start from the same weights, and whether they stay equal bit for bit is
@@ -75,8 +76,12 @@ def newton_schulz_arms(mats: list[torch.Tensor], dtype: torch.dtype, steps: int)
     shape, the stacking timed with it (as orthogonalise stacks)."""
     groups = same_shape([torch.randn_like(m) for m in mats])
 
-    def one_at_a_time() -> list[torch.Tensor]:
-        return [optim.newton_schulz(g, dtype=dtype) for group in groups for g in group]
+    def one_at_a_time() -> list[torch.Tensor]:  # by the iteration's products, as a stack is (not spectral_pays')
+        saved, optim.spectral_pays = optim.spectral_pays, lambda small, large: False
+        try:
+            return [optim.newton_schulz(g, dtype=dtype) for group in groups for g in group]
+        finally:
+            optim.spectral_pays = saved
 
     def stacked() -> list[torch.Tensor]:
         return [o for group in groups for o in optim.newton_schulz(torch.stack(group), dtype=dtype).unbind(0)]
