@@ -24,11 +24,13 @@ ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, ContextManager
 
 import torch
 
@@ -77,11 +79,8 @@ def newton_schulz_arms(mats: list[torch.Tensor], dtype: torch.dtype, steps: int)
     groups = same_shape([torch.randn_like(m) for m in mats])
 
     def one_at_a_time() -> list[torch.Tensor]:  # by the iteration's products, as a stack is (not spectral_pays')
-        saved, optim.spectral_pays = optim.spectral_pays, lambda small, large: False
-        try:
+        with patched("spectral_pays", lambda small, large: False):
             return [optim.newton_schulz(g, dtype=dtype) for group in groups for g in group]
-        finally:
-            optim.spectral_pays = saved
 
     def stacked() -> list[torch.Tensor]:
         return [o for group in groups for o in optim.newton_schulz(torch.stack(group), dtype=dtype).unbind(0)]
@@ -93,9 +92,24 @@ def newton_schulz_arms(mats: list[torch.Tensor], dtype: torch.dtype, steps: int)
             "max_abs_diff": float((one.float() - many.float()).abs().max())}
 
 
-def train_step_arms(vocab: int, steps: int, bf16: bool) -> dict:
+@contextlib.contextmanager
+def patched(name: str, value):
+    """Within it, kiln.train.optim's ``name`` is ``value``."""
+    saved = getattr(optim, name)
+    setattr(optim, name, value)
+    try:
+        yield
+    finally:
+        setattr(optim, name, saved)
+
+
+def twin_training(vocab: int, steps: int, arms: dict[str, Callable[[], ContextManager]], bf16: bool = False
+                  ) -> tuple[dict[str, float], dict[str, torch.nn.Module]]:
+    """The demo model and exact copies of it, one per arm, each with MuonAdamW as the demo builds it, trained on the
+    same batches (8 x 256 tokens), the arms taking turns step by step; each arm's optimizer step runs inside its
+    context (``arms[name]()``). Returns the median seconds of each arm's step and the models."""
     base = demo_model(vocab)
-    models = {"stacked": base, "one at a time": copy.deepcopy(base)}
+    models = {name: base if i == 0 else copy.deepcopy(base) for i, name in enumerate(arms)}
     opts = {k: optim.make_optimizer(m, optim.OptimConfig(**optim.PRETRAIN_OPTIM), torch.device("cpu"))
             for k, m in models.items()}
     gen = torch.Generator().manual_seed(1)
@@ -108,30 +122,38 @@ def train_step_arms(vocab: int, steps: int, bf16: bool) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = models[name](x[:, :-1], x[:, 1:])
         loss.backward()
-        saved = optim.NS_BATCH_BYTES
-        optim.NS_BATCH_BYTES = saved if name == "stacked" else 0  # 0: every matrix a batch of its own
-        try:
+        with arms[name]():
             opts[name].step()
-        finally:
-            optim.NS_BATCH_BYTES = saved
         opts[name].zero_grad(set_to_none=True)
 
-    t = alternate({name: (lambda name=name: step(name)) for name in models}, steps)
+    return alternate({name: (lambda name=name: step(name)) for name in models}, steps), models
+
+
+def train_step_arms(vocab: int, steps: int, bf16: bool) -> dict:
+    t, models = twin_training(vocab, steps, {"stacked": contextlib.nullcontext,  # 0 bytes: every matrix alone
+                                             "one at a time": lambda: patched("NS_BATCH_BYTES", 0)}, bf16)
     same = all(torch.equal(a, b) for a, b in zip(models["stacked"].parameters(), models["one at a time"].parameters()))
     return {"bf16_autocast": bf16, "one_ms": t["one at a time"] * 1e3, "stacked_ms": t["stacked"] * 1e3,
             "speedup": t["one at a time"] / t["stacked"], "tokens_per_s_one": 2048 / t["one at a time"],
             "tokens_per_s_stacked": 2048 / t["stacked"], "weights_equal": same, "steps": steps}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="timed calls of each arm (after two warm-up calls)")
+def demo_bench_args(doc: str, steps: int, argv: list[str] | None) -> argparse.Namespace:
+    """``--steps`` (timed calls of each arm, after two warm-up calls), ``--vocab`` (the demo's padded 4096 unless
+    given) and ``--out`` (STEM.md and STEM.json), checked; the machine line printed before any timing."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps, help="timed calls of each arm (after two warm-up calls)")
     p.add_argument("--vocab", type=int, default=4096, help="the model's vocabulary (the demo's padded size: 4096)")
     p.add_argument("--out", default="", help="write STEM.md and STEM.json (command, commit, date, machine inside)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.vocab < 2:
         p.error(f"--steps {a.steps} / --vocab {a.vocab}: at least 1 step and 2 tokens")
     print(f"machine: {machine_line()}", flush=True)
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = demo_bench_args(__doc__, 20, argv)
     mats = muon_matrices(demo_model(a.vocab))
     ns = [newton_schulz_arms(mats, d, a.steps) for d in (torch.bfloat16, torch.float32)]
     from kiln.plan.memory import HardwareConfig, ParallelConfig, cpu_bf16_choice

@@ -18,9 +18,7 @@ says so).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import copy
 import sys
 from pathlib import Path
 
@@ -31,21 +29,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kiln.train.optim as optim  # noqa: E402
-from muon_batches import alternate, demo_model  # noqa: E402
-from provenance import machine_line, write_results  # noqa: E402
+from muon_batches import alternate, demo_bench_args, patched, twin_training  # noqa: E402
+from provenance import write_results  # noqa: E402
 
 SMALL, RATIOS = (64, 128, 256, 512), (1, 2, 3, 4)
-
-
-@contextlib.contextmanager
-def patched(name: str, value):
-    """Within it, kiln.train.optim's ``name`` is ``value``."""
-    saved = getattr(optim, name)
-    setattr(optim, name, value)
-    try:
-        yield
-    finally:
-        setattr(optim, name, saved)
 
 
 def iteration_only():
@@ -77,28 +64,16 @@ def shape_arms(small: int, large: int, steps: int) -> dict:
             "spectral_err": float((spectral().double() - exact).abs().max())}
 
 
+@contextlib.contextmanager
+def iterating_in_fp32():
+    """The iteration's products, in fp32."""
+    with fp32_newton_schulz(), iteration_only():
+        yield
+
+
 def train_step_arms(vocab: int, steps: int) -> dict:
-    base = demo_model(vocab)
-    models = {"as chosen": base, "iteration": copy.deepcopy(base)}
-    opts = {k: optim.make_optimizer(m, optim.OptimConfig(**optim.PRETRAIN_OPTIM), torch.device("cpu"))
-            for k, m in models.items()}
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, vocab, (8, 257), generator=gen) for _ in range(steps + 2)]
-    count = {k: 0 for k in models}
-
-    def step(name: str) -> None:
-        x = batches[count[name]]
-        count[name] += 1
-        models[name](x[:, :-1], x[:, 1:]).backward()
-        with fp32_newton_schulz():
-            if name == "iteration":
-                with iteration_only():
-                    opts[name].step()
-            else:
-                opts[name].step()
-        opts[name].zero_grad(set_to_none=True)
-
-    t = alternate({name: (lambda name=name: step(name)) for name in models}, steps)
+    t, models = twin_training(vocab, steps, {"as chosen": fp32_newton_schulz,
+                                             "iteration": iterating_in_fp32})
     with torch.no_grad():
         diff = max(float((a - b).abs().max()) for a, b in zip(models["as chosen"].parameters(),
                                                               models["iteration"].parameters()))
@@ -108,14 +83,7 @@ def train_step_arms(vocab: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=15, help="timed calls of each arm (after two warm-up calls)")
-    p.add_argument("--vocab", type=int, default=4096, help="the model's vocabulary (the demo's padded size: 4096)")
-    p.add_argument("--out", default="", help="write STEM.md and STEM.json (command, commit, date, machine inside)")
-    a = p.parse_args(argv)
-    if a.steps < 1 or a.vocab < 2:
-        p.error(f"--steps {a.steps} / --vocab {a.vocab}: at least 1 step and 2 tokens")
-    print(f"machine: {machine_line()}", flush=True)
+    a = demo_bench_args(__doc__, 15, argv)
     grid = []
     for small in SMALL:
         for r in RATIOS:

@@ -15,7 +15,6 @@ MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 (the machine line then says
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -30,8 +29,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import kiln.train.optim as optim  # noqa: E402
 from bench_nanogpt import NANOGPT, nanogpt_model  # noqa: E402
-from muon_batches import demo_model  # noqa: E402
-from provenance import machine_line, write_results  # noqa: E402
+from muon_batches import demo_bench_args, demo_model  # noqa: E402
+from provenance import write_results  # noqa: E402
 
 PHASES = ("forward + backward", "clip", "optimizer")
 
@@ -100,14 +99,7 @@ def split(vocab: int, steps: int, bf16: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="timed steps of each side (after two warm-up steps)")
-    p.add_argument("--vocab", type=int, default=4096, help="both models' vocabulary (the demo's padded size: 4096)")
-    p.add_argument("--out", default="", help="write STEM.md and STEM.json (command, commit, date, machine inside)")
-    a = p.parse_args(argv)
-    if a.steps < 1 or a.vocab < 2:
-        p.error(f"--steps {a.steps} / --vocab {a.vocab}: at least 1 step and 2 tokens")
-    print(f"machine: {machine_line()}", flush=True)
+    a = demo_bench_args(__doc__, 20, argv)
     from kiln.plan.memory import HardwareConfig, ParallelConfig, cpu_bf16_choice
 
     bf16 = bool(cpu_bf16_choice(ParallelConfig(), HardwareConfig(device="cpu")))
