@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# What holds torch's kernels, MKL and oneDNN below the CPU's instruction set (to measure the AVX2 path on an AVX-512 CPU)
+# What holds torch's kernels, MKL and oneDNN below the CPU's instruction set (the AVX2 path measured on AVX-512)
 ISA_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 FLAGS_SHOWN = ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon", "sve")  # the ones that move CPU kernels
 

@@ -17,18 +17,17 @@ parameters that require gradients are optimized (LoRA trains its adapters alone)
   CPU, with the same weights bit for bit there (bench/muon_batches.py). One exception: on a CPU without
   AVX-512 (``ns_dtype``) the Newton-Schulz steps run in fp32, because there bf16 matrix products are emulated and ten
   times slower (the demo model's optimizer step: 7.9 s in bf16, 0.76 s in fp32 on a 2-core AVX2 EPYC, where a
-  forward and backward take 0.6 s); fp32 is the more exact of the two. There the wide matrices (a Gram side of 256
-  at least twice as wide, or 512 and up: ``spectral_pays``) take the same polynomial through their Gram matrix's
-  eigendecomposition, in fewer products (``spectral_newton_schulz``; the demo's fp32 step 1.08x faster). Under FSDP2 each parameter is a DTensor sharded
-  on dim 0 and Newton-Schulz needs the whole matrix, so each matrix has one owner rank: the ranks send the owner
-  their rows of the update, it orthogonalises the matrix and sends each rank back its rows. Each rank orthogonalises
-  about 1/world of the matrices and gets the one-process numbers. A DTensor placed any other way (tensor-parallel
-  shards, FSDP2 over them) takes whole_muon_step: every rank gathers the whole update and orthogonalises it, as a
-  replicated run does. (torch's Muon on the shards instead sums bf16
-  partial products across ranks, about 3% off the one-process update on a 48 x 16 matrix.) Muon's update is not
-  smooth in the gradient where the gradient's singular values are tiny (a fresh llama's o_proj: a 2e-7 change in
-  its gradient moved the bf16 update by 3%), so DDP and FSDP runs follow the one-process loss curve closely but not
-  its weights bit for bit.
+  forward and backward take 0.6 s); fp32 is the more exact of the two. There the wide matrices (a Gram side of 256 at
+  least twice as wide, or 512 and up: ``spectral_pays``) take the same polynomial through their Gram matrix's
+  eigendecomposition, in fewer products (``spectral_newton_schulz``; the demo's fp32 step 1.08x faster). Under FSDP2
+  each parameter is a DTensor sharded on dim 0 and Newton-Schulz needs the whole matrix, so each matrix has one owner
+  rank: the ranks send the owner their rows of the update, it orthogonalises the matrix and sends each rank back its
+  rows. Each rank orthogonalises about 1/world of the matrices and gets the one-process numbers. A DTensor placed any
+  other way (tensor-parallel shards, FSDP2 over them) takes whole_muon_step: every rank gathers the whole update and
+  orthogonalises it, as a replicated run does. (torch's Muon on the shards instead sums bf16 partial products across
+  ranks, about 3% off the one-process update on a 48 x 16 matrix.) Muon's update is not smooth in the gradient where
+  the gradient's singular values are tiny (a fresh llama's o_proj: a 2e-7 change in its gradient moved the bf16 update
+  by 3%), so DDP and FSDP runs follow the one-process loss curve closely but not its weights bit for bit.
 - muP (``model.mup_base_width`` > 0, kiln.model.mup): AdamW's lr of the blocks' weight matrices (the hidden
   matrices, the ones Muon would take) is lr / m, m = n_embd / mup_base_width, in a group of their own after AdamW's
   other two (so a scheduler's first lr is still the configured one); the tables, the head, norms, biases and LoRA
