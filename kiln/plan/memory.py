@@ -301,6 +301,14 @@ def _options(cfg: ModelConfig, batch: BatchConfig, hw: HardwareConfig, par: Para
     return options
 
 
+def avx512_cpu_kernels() -> bool:
+    """Whether torch's CPU kernels run at AVX-512 here (``torch.backends.cpu.get_cpu_capability()``): not on an
+    AVX2 CPU, nor on an AVX-512 one whose kernels are held to AVX2 (ATEN_CPU_CAPABILITY=avx2)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def native_cpu_bf16() -> bool:
     """Whether this machine's CPU multiplies bf16 natively (AVX-512 BF16 or AMX tiles, as torch's cpuinfo reads
     them): there bf16 autocast trains the demo model about 1.4x faster than fp32 (bench/results/nanogpt_bf16_seed2.md);
@@ -308,7 +316,7 @@ def native_cpu_bf16() -> bool:
     (ATEN_CPU_CAPABILITY=avx2), as they are to measure the AVX2 path on an AVX-512 CPU."""
     import torch
 
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    if not avx512_cpu_kernels():
         return False
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, but torch's own; absent: False
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from kiln.common.config import ConfigError, Domain, check_domains
 from kiln.model import mup
 from kiln.model.parallel import is_dtensor
+from kiln.plan.memory import avx512_cpu_kernels
 
 BLOCK_MARKERS = (".h.", ".layers.")  # parameter names inside a transformer block, for both families
 
@@ -145,8 +146,8 @@ MUON_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.
 
 def ns_dtype(device: torch.device) -> torch.dtype:
     """The dtype Newton-Schulz runs in on ``device``: bf16 (torch's Muon's) on accelerators and on CPUs with AVX-512,
-    fp32 on other CPUs, whose bf16 matrix products are emulated (``torch.backends.cpu.get_cpu_capability()``)."""
-    if device.type != "cpu" or torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    fp32 on other CPUs, whose bf16 matrix products are emulated (``avx512_cpu_kernels``)."""
+    if device.type != "cpu" or avx512_cpu_kernels():
         return torch.bfloat16
     return torch.float32
 
