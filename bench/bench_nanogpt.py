@@ -112,6 +112,17 @@ def nanogpt_model(vocab_size: int, c: dict):
     return GPT()
 
 
+def nanogpt_optimizer(model, c: dict):
+    """nanoGPT's AdamW: weight decay on the matrices (2-D and up), none on the rest."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]))
+
+
 def nanogpt_lr(it: int, c: dict) -> float:
     """nanoGPT's get_lr: linear warmup, then cosine from learning_rate to min_lr over lr_decay_iters."""
     if it < c["warmup_iters"]:
@@ -140,10 +151,7 @@ def nanogpt_worker(spec_path: str) -> None:
     data = np.concatenate(train.shards).astype(np.int64)  # the training tokens as one array (nanoGPT's train.bin)
     val_files = sorted(shards.glob("val_*.bin"))
     model = nanogpt_model(padded_vocab(manifest["vocab_size"]), c)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]}, {"params": rest, "weight_decay": 0.0}],
-                            lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]))
+    opt = nanogpt_optimizer(model, c)
 
     def validate() -> float:
         model.eval()

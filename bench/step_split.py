@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import kiln.train.optim as optim  # noqa: E402
-from bench_nanogpt import NANOGPT, nanogpt_model  # noqa: E402
+from bench_nanogpt import NANOGPT, nanogpt_model, nanogpt_optimizer  # noqa: E402
 from muon_batches import demo_bench_args, demo_model  # noqa: E402
 from provenance import write_results  # noqa: E402
 
@@ -50,11 +50,7 @@ def kiln_side(vocab: int, bf16: bool):
 def nanogpt_side(vocab: int):
     torch.manual_seed(0)
     model = nanogpt_model(vocab, NANOGPT)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": NANOGPT["weight_decay"]},
-                             {"params": rest, "weight_decay": 0.0}],
-                            lr=NANOGPT["learning_rate"], betas=(NANOGPT["beta1"], NANOGPT["beta2"]))
+    opt = nanogpt_optimizer(model, NANOGPT)
 
     def forward_backward(x: torch.Tensor) -> None:
         logits = model(x[:, :-1])
