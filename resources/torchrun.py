@@ -425,6 +425,8 @@ class TorchrunResource(resource_of(
                 raise
             finally:
                 reader_thread.join(timeout=30)  # the log stays open until the last line is written
+                if not reader_thread.is_alive():  # a reader still blocked on the pipe (a grandchild holding it) keeps it
+                    proc.stdout.close()  # type: ignore[union-attr]
         return rc, timed_out, tail
 
     # -- a training asset's run

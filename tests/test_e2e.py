@@ -316,7 +316,8 @@ def test_a_data_ablation_scores_each_rule_over_seeds_shares_equal_corpora_and_re
     assert base["epochs"] == round(2560 / base["train_tokens"], 3)
     vocab = rows["vocab_size=384"]  # its own BPE on the baseline's corpus: more tokens, bits per byte still comparable
     assert vocab["kept_docs"] == base["kept_docs"] and vocab["train_tokens"] > base["train_tokens"]
-    assert abs(vocab["bpb"] - base["bpb"]) < 1.0
+    assert abs(vocab["bpb"] - base["bpb"]) < 1.0 and vocab["diff"] == pytest.approx(vocab["bpb"] - base["bpb"])
+    assert vocab["verdict"] in ("helps", "hurts", "within noise")  # its own runs, scored, never "same corpus"
     client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
     exp = client.get_experiment_by_name("kiln")
     parent = client.search_runs([exp.experiment_id], "tags.`dagster.asset_key` = 'ablation_report'", max_results=1)[0]

@@ -640,10 +640,17 @@ def benchmark_rows(base: list[dict[str, Any]], point: list[dict[str, Any]]) -> d
     return out
 
 
+def shares_runs(point: dict[str, Any], base: dict[str, Any]) -> bool:
+    """Whether ``point`` trained nothing of its own: its clean corpus is the baseline's and so are its runs (a point
+    with its own vocabulary keeps the baseline's corpus but trains on other tokens)."""
+    return point.get("content") == base.get("content") and \
+        sorted(r.get("run_dir", "") for r in point["runs"]) == sorted(r.get("run_dir", "") for r in base["runs"])
+
+
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per point: documents and tokens kept, epochs, mean bits per byte, and its comparison with the
-    baseline (``compare``); an empty point is marked, never scored, and a point whose clean corpus is the baseline's
-    (its change touched no document) says so instead of a difference."""
+    baseline (``compare``); an empty point is marked, never scored, and a point that shares the baseline's corpus
+    and runs (its change touched no document) says so instead of a difference."""
     base = next((r for r in records if r["key"] == BASELINE), None)
     if base is None or base.get("empty"):
         raise ConfigError("ablation: the baseline point " + ("has not run" if base is None else
@@ -659,7 +666,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row.update({"kept_docs": rec["kept_docs"], "train_tokens": rec["train_tokens"], "epochs": rec["epochs"],
                     "bpb": float(np.mean(list(bpb.values()))), "seeds": len(bpb),
                     "eval_overlap_removed": rec["eval_overlap_removed"]})
-        if rec["key"] != BASELINE and rec.get("content") == base.get("content"):
+        if rec["key"] != BASELINE and shares_runs(rec, base):
             row.update({"diff": 0.0, "verdict": "same corpus", "note": "the change removes or lets in nothing: the "
                         "point shares the baseline's corpus, tokens and runs"})
         elif rec["key"] != BASELINE:

@@ -126,18 +126,22 @@ def test_bits_per_byte_converts_nats_per_token_by_the_evaluation_sets_compressio
     assert kabl.bits_per_byte(2.0, 1000, 3000) == pytest.approx(2.0 / math.log(2) / 3)
 
 
-def test_summarize_marks_an_empty_point_and_refuses_a_missing_baseline():
-    run = lambda seed, bpb: {"seed": seed, "bpb": bpb}  # noqa: E731
-    rec = lambda key, bpbs: {"key": key, "values": {}, "kept_docs": 10, "train_tokens": 100, "epochs": 1.0,  # noqa: E731
-                             "eval_overlap_removed": 2, "runs": [run(s, b) for s, b in enumerate(bpbs)]}
-    rows = kabl.summarize([{**rec("baseline", [2.0, 2.1]), "content": "c0"}, {**rec("a", [1.9, 2.0]), "content": "c1"},
+def test_summarize_marks_an_empty_point_and_a_shared_corpus_and_refuses_a_missing_baseline():
+    run = lambda seed, bpb, tokens: {"seed": seed, "bpb": bpb, "run_dir": f"runs/{tokens}-{seed}"}  # noqa: E731
+    rec = lambda key, bpbs, tokens: {"key": key, "values": {}, "kept_docs": 10, "train_tokens": 100,  # noqa: E731
+                                     "epochs": 1.0, "eval_overlap_removed": 2,
+                                     "runs": [run(s, b, tokens) for s, b in enumerate(bpbs)]}
+    rows = kabl.summarize([{**rec("baseline", [2.0, 2.1], "t0"), "content": "c0"},
+                           {**rec("a", [1.9, 2.0], "t1"), "content": "c1"},
                            {"key": "b", "values": {}, "empty": "no document kept", "runs": []},
-                           {**rec("c", [2.0, 2.1]), "content": "c0"}])
+                           {**rec("c", [2.0, 2.1], "t0"), "content": "c0"},
+                           {**rec("vocab", [2.5, 2.62], "t2"), "content": "c0"}])  # the same corpus, its own tokens
     assert rows[0]["verdict"] == "baseline" and rows[1]["diff"] == pytest.approx(-0.1)
     assert rows[2] == {"point": "b", "values": {}, "verdict": "empty corpus", "note": "no document kept"}
     assert rows[3]["verdict"] == "same corpus" and rows[3]["diff"] == 0.0 and "low" not in rows[3]
+    assert rows[4]["verdict"] == "hurts" and rows[4]["diff"] == pytest.approx(0.51)  # scored, not "same corpus"
     with pytest.raises(ConfigError, match="baseline point has not run"):
-        kabl.summarize([rec("a", [1.0, 1.1])])
+        kabl.summarize([rec("a", [1.0, 1.1], "t1")])
 
 
 def test_benchmark_scores_are_compared_by_seed_with_higher_better():
