@@ -36,7 +36,7 @@ from pydantic import Field
 
 from kiln.common.config import Domain
 from kiln.common.files import atomic_write_json, atomic_write_text, stable_hash
-from kiln.common.metrics import operations_metrics
+from kiln.common.metrics import SPOOL_ENV, SpoolForwarder, operations_metrics
 from kiln.tokens.shards import check_shard_files
 from kiln.train.checkpoint import checkpoint_identity
 from kiln.train.cluster import TorchrunSpec
@@ -277,13 +277,14 @@ class TorchrunResource(resource_of(
             else:  # the workers run on other machines, where this pid means nothing and their output goes to a file
                 env.pop(LAUNCHER_ENV, None)
                 env.pop(STOP_ENV, None)
-            try:
-                if self.launcher == "slurm":
-                    rc, timed_out, tail = self._run_slurm(context, cmd, env, own_log)
-                else:
-                    rc, timed_out, tail = self._run(cmd, env, own_log, stops)
-            except (DagsterExecutionInterruptedError, KeyboardInterrupt) as e:  # the job was stopped first
-                raise stopped_failure(out, time.time() - start) from e
+            with self._forwarding_tracking(job, out, env):
+                try:
+                    if self.launcher == "slurm":
+                        rc, timed_out, tail = self._run_slurm(context, cmd, env, own_log)
+                    else:
+                        rc, timed_out, tail = self._run(cmd, env, own_log, stops)
+                except (DagsterExecutionInterruptedError, KeyboardInterrupt) as e:  # the job was stopped first
+                    raise stopped_failure(out, time.time() - start) from e
         slurm_ids = [m.group(1) for ln in tail[:1] if (m := re.search(r"Submitted batch job (\d+)", ln))]
         if slurm_ids:
             atomic_write_text(out / "slurm_job_id", slurm_ids[0])  # read back by TrainingLaunch for the metadata
@@ -305,6 +306,35 @@ class TorchrunResource(resource_of(
         if not result_path.exists():
             raise Failure(f"training finished but wrote no {result_path}; see {log_path}")
         return json.loads(result_path.read_text())
+
+    @contextlib.contextmanager
+    def _forwarding_tracking(self, job: dict[str, Any], out: Path, env: dict[str, str]) -> Iterator[None]:
+        """Workers launched here (the local launcher) spool their MLflow records to ``out/tracking.jsonl`` (SPOOL_ENV;
+        kiln.common.metrics.job_logger) and this process, which has MLflow loaded, sends them as they come and the
+        rest when the workers end; it also samples the machine's system metrics into the run, as rank 0 would (the
+        same machine). That spares each worker MLflow's import and store (kiln.common.metrics). Slurm's workers, on
+        other machines, send their own."""
+        env.pop(SPOOL_ENV, None)
+        if self.launcher != "local" or not (job.get("mlflow_tracking_uri") and job.get("mlflow_run_id")):
+            yield
+            return
+        from types import SimpleNamespace
+
+        from kiln.train.telemetry import SystemMetrics
+
+        spool = out / "tracking.jsonl"
+        env[SPOOL_ENV] = str(spool)
+        forwarder = SpoolForwarder(spool)
+        forwarder.forward()  # what an earlier launch of this folder left unsent (its launcher killed) goes first
+        sampled = SimpleNamespace(mlflow_tracking_uri=job["mlflow_tracking_uri"], mlflow_run_id=job["mlflow_run_id"],
+                                  system_metrics_s=job.get("system_metrics_s", TrainJob.system_metrics_s))
+        system = SystemMetrics(sampled, SimpleNamespace(is_main=True), forwarded=True)
+        forwarder.start()
+        try:
+            yield
+        finally:
+            system.stop()
+            forwarder.stop()
 
     def _plan_launch(self, context, out: Path, job_path: Path, nproc_per_node: int, device: str):
         """(command, Pipes context injector, message reader, log file) for this resource's launcher."""

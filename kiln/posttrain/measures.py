@@ -170,16 +170,15 @@ def comparison_line(rows: list[dict[str, Any]]) -> str:
 
 def log_comparison(before: Scores, after: Scores, tracking_uri: str, run_id: str, step: int) -> list[dict[str, Any]]:
     """The side-by-side rows, logged to the stage's MLflow run as before.<m> / after.<m> / stderr.<m> and a JSON table."""
-    from kiln.common.metrics import MetricLogger
+    from kiln.common.metrics import job_logger
 
     rows = comparison_rows(before, after)
-    tracker = MetricLogger(tracking_uri, run_id)
+    tracker = job_logger(tracking_uri, run_id)
     tracker.log({**{f"before.{k}": v for k, v in means(before).items()},
                  **{f"after.{k}": v for k, v in means(after).items()},
                  **{f"stderr.{r['measure']}": r["stderr"] for r in rows if r["stderr"] is not None}}, step)
     tracker.flush()
-    if tracker.client is not None:
-        tracker.client.log_dict(run_id, {"rows": rows, "measures": MEASURES}, "before_after.json")
+    tracker.log_dict({"rows": rows, "measures": MEASURES}, "before_after.json")
     return rows
 
 

@@ -28,12 +28,13 @@ class NullLogger:
 
 
 def make_logger(job, info: DistInfo):
-    """Rank 0's batched MLflow logger; MLflow is imported only where metrics are sent (it takes seconds)."""
+    """Rank 0's batched MLflow logger (kiln.common.metrics.job_logger: into its launcher's spool when it forwards);
+    MLflow is imported only where metrics are sent (it takes seconds)."""
     if not (info.is_main and job.mlflow_tracking_uri and job.mlflow_run_id):
         return NullLogger()
-    from kiln.common.metrics import MetricLogger
+    from kiln.common.metrics import job_logger
 
-    return MetricLogger(job.mlflow_tracking_uri, job.mlflow_run_id)
+    return job_logger(job.mlflow_tracking_uri, job.mlflow_run_id)
 
 
 class Reporter(Protocol):
@@ -102,11 +103,19 @@ def checkpoint_table(root: Path) -> list[dict[str, Any]]:
 class SystemMetrics:
     """MLflow's own system-metrics logging (``mlflow.system_metrics``: CPU, memory, disk, network through psutil;
     GPU utilisation, memory, temperature and power through NVML on CUDA) into the job's MLflow run, from rank 0,
-    every ``job.system_metrics_s`` seconds, as ``system/*`` metrics. A no-op without a run or with the interval 0."""
+    every ``job.system_metrics_s`` seconds, as ``system/*`` metrics. A no-op without a run or with the interval 0,
+    and in a worker whose launcher forwards its tracking (SPOOL_ENV): that launcher, on the same machine, samples
+    the machine itself (``forwarded=True``)."""
 
-    def __init__(self, job, info: DistInfo):
+    def __init__(self, job, info: DistInfo, forwarded: bool = False):
+        import os
+
+        from kiln.common.metrics import SPOOL_ENV
+
         self.monitor = None
         if not (info.is_main and job.mlflow_tracking_uri and job.mlflow_run_id and job.system_metrics_s > 0):
+            return
+        if os.environ.get(SPOOL_ENV) and not forwarded:
             return
         import logging
         import sys

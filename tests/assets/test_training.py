@@ -87,6 +87,12 @@ def test_base_model_trains_and_shows_checkpoints_goodput_and_curves(tmp_path, ti
     assert sorted(k for k in run.data.metrics if not k.startswith("system/")) == [
         "grad_norm", "lr", "memory_gb", "mfu", "step_time_s", "tokens_per_s", "train_loss", "val_loss"]
     assert "loss.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    # rank 0 spooled its records and the launcher sent them all (kiln.common.metrics.SpoolForwarder), sampling the
+    # machine's system metrics into the run itself
+    spool = Path(value["out_dir"]) / "tracking.jsonl"
+    assert int((Path(value["out_dir"]) / "tracking.jsonl.sent").read_text()) == spool.stat().st_size > 0
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    assert client.get_run(run.info.run_id).data.params["job.max_steps"] == "12"
     job = load_job(JobConfig, json.loads((Path(value["out_dir"]) / "job.json").read_text()))  # the job it ran
     assert job.keep_every == 8 and job.async_save and job.parallelism == "none"
     assert job.layout == MeshLayout(**layout)

@@ -108,3 +108,55 @@ def test_a_restarted_attempt_keeps_the_first_params_and_adds_new_ones(mlflow_ser
                                                                      "resumed_from": "30"}
     assert data.params["note"] == "x" * 6000  # cut to what MLflow stores
     assert data.tags["kiln.kind"] == "train" and data.tags["kiln.attempts"] == "2"
+
+
+def test_a_spooled_worker_never_imports_mlflow_and_its_launcher_sends_what_it_wrote(mlflow_server, tmp_path):
+    """A worker under a forwarding launcher (SPOOL_ENV) writes its records to the spool without loading MLflow; the
+    forwarder sends metrics with their own steps and times, keeps a restarted attempt's first params, sets tags, logs
+    the JSON artifact, records what it sent, and leaves a line still being written for its next pass."""
+    import json
+    import os
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from kiln.common.metrics import SPOOL_ENV, SpoolForwarder
+
+    url, _ = mlflow_server
+    run_id = new_run(url)
+    spool = tmp_path / "tracking.jsonl"
+    code = ("import sys\n"
+            "from kiln.common.metrics import job_logger\n"
+            f"log = job_logger({url!r}, {run_id!r})\n"
+            "log.log_params({'optim': {'lr': 0.01}}); log.set_tags({'kiln.kind': 'train'})\n"
+            "for step in range(1500):\n"
+            "    log.log({'loss': 10.0 - step / 1000, 'lr': 0.01}, step)\n"
+            "log.flush(); log.log_params({'optim': {'lr': 0.02}, 'resumed_from': 3})\n"
+            "log.log_dict({'rows': [1, 2]}, 'before_after.json')\n"
+            "print(type(log).__name__, 'mlflow' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, SPOOL_ENV: str(spool)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["SpoolLogger", "False"]
+    assert all(json.loads(line)["run"] == run_id for line in spool.read_text().splitlines())
+    with open(spool, "a") as f:  # a worker halfway through its next line
+        f.write('{"op": "tags", "uri": ')
+    written_by = time.time() * 1000
+    forwarder = SpoolForwarder(spool)
+    assert forwarder.forward() == 7  # params, tags, three batches of 1,000 points, params, dict
+    client = MlflowClient(url)
+    data = client.get_run(run_id).data
+    assert data.params == {"optim.lr": "0.01", "resumed_from": "3"} and data.tags["kiln.kind"] == "train"
+    history = client.get_metric_history(run_id, "loss")
+    assert [m.step for m in history] == list(range(1500)) and history[-1].value == pytest.approx(8.501)
+    assert all(1.7e12 < m.timestamp <= written_by for m in history)  # the times the worker logged them at
+    assert "before_after.json" in [a.path for a in client.list_artifacts(run_id)]
+    sent = int(spool.with_name("tracking.jsonl.sent").read_text())
+    assert sent == spool.stat().st_size - len('{"op": "tags", "uri": ')
+    with open(spool, "a") as f:  # the line ends; a later forwarder (the next launch) sends only it
+        f.write(json.dumps(url) + f', "run": "{run_id}", "tags": {{"kiln.attempts": "2"}}}}\n')
+    again = SpoolForwarder(spool, interval_s=0.05).start()
+    again.stop()
+    assert client.get_run(run_id).data.tags["kiln.attempts"] == "2"
+    assert len(client.get_metric_history(run_id, "loss")) == 1500  # nothing sent twice
+    assert int(spool.with_name("tracking.jsonl.sent").read_text()) == spool.stat().st_size
