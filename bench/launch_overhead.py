@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from provenance import write_results  # noqa: E402
 
 ARMS = ("spooled", "worker sends")
+RUN_OWN = ("job.out_dir", "job.mlflow_run_id", "peak_flops_per_device")  # params each launch has its own value of
 
 
 def make_job(work: Path, steps: int) -> dict:
@@ -82,7 +83,7 @@ def recorded(client, run_id: str) -> dict:
     return {"keys": sorted(data.metrics),
             "points": {k: len(client.get_metric_history(run_id, k)) for k in sorted(data.metrics)
                        if not k.startswith("system/")},
-            "params": {k: v for k, v in data.params.items() if k != "job.out_dir"}}
+            "params": {k: v for k, v in data.params.items() if k not in RUN_OWN}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -130,7 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
                       result)
         print(f"wrote {a.out}.md and .json")
     if not same:
-        raise SystemExit("the two arms recorded different things in MLflow: " + repr(records))
+        odd = next(r for arm in ARMS for r in records[arm] if r != base)
+        raise SystemExit("the two arms recorded different things in MLflow: " + "; ".join(
+            f"{k}: {base[k]!r} against {odd[k]!r}" for k in base if base[k] != odd[k])[:2000])
     return result
 
 
