@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
              "a step, tracked in a sqlite MLflow store), one process under torchrun, OMP_NUM_THREADS=1.", "",
              "| arm | median s a launch | each launch, s |", "|---|---:|---|",
              *[f"| {arm} | {median[arm]:.2f} | {', '.join(f'{t:.2f}' for t in times[arm])} |" for arm in ARMS], "",
-             f"A launch whose worker spools (the local launcher sends its records) takes **{ratio:.2f}x** less time than "
-             f"one whose worker sends its own ({median[ARMS[1]] - median[ARMS[0]]:.2f} s less). Both arms' runs hold "
+             f"A launch whose worker sends its own records takes **{ratio:.2f}x** as long as one whose worker spools "
+             f"them to the launcher ({median[ARMS[1]] - median[ARMS[0]]:.2f} s more a launch). Both arms' runs hold "
              f"{'the same' if same else 'DIFFERENT'} metric keys, points and params ({len(base['keys'])} metrics, "
              f"{sum(base['points'].values())} training points, {len(base['params'])} params)."]
     print("\n".join(lines))
