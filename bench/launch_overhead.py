@@ -72,7 +72,8 @@ def launch(arm: str, job: dict, out: Path, client, experiment: str, uri: str) ->
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if proc.returncode:
-        raise RuntimeError(f"{arm}: torchrun exited with {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise RuntimeError(f"{arm}: torchrun exited with {proc.returncode}:\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     client.set_terminated(run_id, "FINISHED")
     return seconds, run_id
 
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"median_s": median, "launch_s": times, "ratio": ratio, "same_records": same, "recorded": base,
               "launches": a.launches, "steps": a.steps}
     if a.out:
-        write_results(a.out, "A tracked launch: worker spooling to its launcher against sending to MLflow itself", lines,
-                      result)
+        write_results(a.out, "A tracked launch: worker spooling to its launcher against sending to MLflow itself",
+                      lines, result)
         print(f"wrote {a.out}.md and .json")
     if not same:
         odd = next(r for arm in ARMS for r in records[arm] if r != base)

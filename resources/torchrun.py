@@ -455,7 +455,7 @@ class TorchrunResource(resource_of(
                 raise
             finally:
                 reader_thread.join(timeout=30)  # the log stays open until the last line is written
-                if not reader_thread.is_alive():  # a reader still blocked on the pipe (a grandchild holding it) keeps it
+                if not reader_thread.is_alive():  # a reader still blocked (a grandchild holds the pipe) keeps it
                     proc.stdout.close()  # type: ignore[union-attr]
         return rc, timed_out, tail
 

@@ -42,16 +42,20 @@ class MetricLogger:
 
             self.client = MlflowClient(tracking_uri)
         self.flush_every_s = flush_every_s
-        self._buf: list[Metric] = []
+        self._buf: list[Any] = []  # mlflow.entities.Metric, imported only when sending
         self._last = time.monotonic()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        ts = int(time.time() * 1000)
+        self.log_points([(k, float(v), ts, step) for k, v in metrics.items()])
+
+    def log_points(self, points: list[tuple[str, float, int, int]]) -> None:
+        """(key, value, milliseconds since the epoch, step) points logged at their own times (a spool's)."""
         if self.client is None:
             return
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
-        self._buf.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
+        self._buf.extend(Metric(k, v, ts, step) for k, v, ts, step in points)
         if len(self._buf) >= MAX_BATCH or time.monotonic() - self._last > self.flush_every_s:
             self.flush()
 
@@ -199,14 +203,12 @@ class SpoolForwarder:
 
     def _send(self, record: dict[str, Any]) -> None:
         key = (record["uri"], record["run"])
-        logger = self._loggers.get(key) or self._loggers.setdefault(key, MetricLogger(*key))
+        if key not in self._loggers:
+            self._loggers[key] = MetricLogger(*key)
+        logger = self._loggers[key]
         op = record["op"]
         if op == "metrics":
-            from mlflow.entities import Metric
-
-            logger._buf.extend(Metric(k, v, ts, step) for k, v, ts, step in record["points"])
-            if len(logger._buf) >= MAX_BATCH:
-                logger.flush()
+            logger.log_points(record["points"])
         elif op == "params":
             logger.log_params(record["params"])
         elif op == "tags":
