@@ -1,6 +1,6 @@
 """Benchmark, side by side in one run: a small tracked training job launched through torchrun the way the local
 launcher launches it (rank 0 spools its MLflow records, the launcher sends them and samples system metrics:
-resources.torchrun's ``_forwarding_tracking``), against the same job whose worker imports MLflow and sends its own
+resources.torchrun's ``forwarding_tracking``), against the same job whose worker imports MLflow and sends its own
 records (how every worker tracked before, and how Slurm's still do).
 
 python bench/launch_overhead.py [--launches 4] [--steps 20] [--out bench/results/STEM]
@@ -66,7 +66,7 @@ def launch(arm: str, job: dict, out: Path, client, experiment: str, uri: str) ->
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     if arm == "spooled":
-        with resource._forwarding_tracking(job, out, env):
+        with resource.forwarding_tracking(job, out, env):
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -277,7 +277,7 @@ class TorchrunResource(resource_of(
             else:  # the workers run on other machines, where this pid means nothing and their output goes to a file
                 env.pop(LAUNCHER_ENV, None)
                 env.pop(STOP_ENV, None)
-            with self._forwarding_tracking(job, out, env):
+            with self.forwarding_tracking(job, out, env):
                 try:
                     if self.launcher == "slurm":
                         rc, timed_out, tail = self._run_slurm(context, cmd, env, own_log)
@@ -308,7 +308,7 @@ class TorchrunResource(resource_of(
         return json.loads(result_path.read_text())
 
     @contextlib.contextmanager
-    def _forwarding_tracking(self, job: dict[str, Any], out: Path, env: dict[str, str]) -> Iterator[None]:
+    def forwarding_tracking(self, job: dict[str, Any], out: Path, env: dict[str, str]) -> Iterator[None]:
         """Workers launched here (the local launcher) spool their MLflow records to ``out/tracking.jsonl`` (SPOOL_ENV;
         kiln.common.metrics.job_logger) and this process, which has MLflow loaded, sends them as they come and the
         rest when the workers end; it also samples the machine's system metrics into the run, as rank 0 would (the

@@ -41,8 +41,9 @@ class MetricLogger:
             from mlflow.tracking import MlflowClient
 
             self.client = MlflowClient(tracking_uri)
+        self.sends = self.client is not None  # False: every call is a no-op
         self.flush_every_s = flush_every_s
-        self._buf: list[Any] = []  # mlflow.entities.Metric, imported only when sending
+        self._buf: list[tuple[str, float, int, int]] = []
         self._last = time.monotonic()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -51,11 +52,9 @@ class MetricLogger:
 
     def log_points(self, points: list[tuple[str, float, int, int]]) -> None:
         """(key, value, milliseconds since the epoch, step) points logged at their own times (a spool's)."""
-        if self.client is None:
+        if not self.sends:
             return
-        from mlflow.entities import Metric
-
-        self._buf.extend(Metric(k, v, ts, step) for k, v, ts, step in points)
+        self._buf.extend((k, v, ts, step) for k, v, ts, step in points)
         if len(self._buf) >= MAX_BATCH or time.monotonic() - self._last > self.flush_every_s:
             self.flush()
 
@@ -83,18 +82,23 @@ class MetricLogger:
             self.client.log_dict(self.run_id, data, artifact_file)
 
     def flush(self) -> None:
-        if self.client is None:
+        if not self.sends:
             return
         while self._buf:
             chunk, self._buf = self._buf[:MAX_BATCH], self._buf[MAX_BATCH:]
-            self.client.log_batch(self.run_id, metrics=chunk)
+            self._send_points(chunk)
         self._last = time.monotonic()
+
+    def _send_points(self, points: list[tuple[str, float, int, int]]) -> None:
+        from mlflow.entities import Metric
+
+        self.client.log_batch(self.run_id, metrics=[Metric(*p) for p in points])  # type: ignore[union-attr]
 
 
 SPOOL_ENV = "KILN_TRACKING_SPOOL"  # a file a worker appends its MLflow records to, for its launcher to send
 
 
-def job_logger(tracking_uri: str | None, run_id: str | None) -> "MetricLogger | SpoolLogger":
+def job_logger(tracking_uri: str | None, run_id: str | None) -> MetricLogger:
     """A training worker's logger for its job's run: a SpoolLogger into SPOOL_ENV's file when its launcher forwards
     (no MLflow import here), else a MetricLogger that sends to the store itself (Slurm, a plain torchrun)."""
     spool = os.environ.get(SPOOL_ENV)
@@ -103,26 +107,22 @@ def job_logger(tracking_uri: str | None, run_id: str | None) -> "MetricLogger | 
     return MetricLogger(tracking_uri, run_id)
 
 
-class SpoolLogger:
-    """MetricLogger's methods, each record appended to ``path`` as one JSON line (``op`` metrics, params, tags or
-    dict, with the run it is for) for a SpoolForwarder to send; metrics buffered as MetricLogger buffers them."""
+class SpoolLogger(MetricLogger):
+    """A MetricLogger whose records (metrics buffered and batched as MetricLogger's, params, tags, JSON artifacts)
+    are appended to ``path`` as JSON lines (``op`` metrics, params, tags or dict, with the run each is for) for a
+    SpoolForwarder to send; MLflow is never imported."""
 
     def __init__(self, path: Path, tracking_uri: str, run_id: str, flush_every_s: float = 10.0):
-        self.path, self.uri, self.run_id = Path(path), tracking_uri, run_id
-        self.flush_every_s = flush_every_s
-        self._buf: list[list[Any]] = []
-        self._last = time.monotonic()
+        super().__init__(None, None, flush_every_s)
+        self.path, self.uri, self.run_id, self.sends = Path(path), tracking_uri, run_id, True
 
     def _append(self, op: str, **fields: Any) -> None:
         line = json.dumps({"op": op, "uri": self.uri, "run": self.run_id, **fields}) + "\n"
         with open(self.path, "a", encoding="utf-8") as f:  # one write of a whole line: a reader never sees half
             f.write(line)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        ts = int(time.time() * 1000)
-        self._buf.extend([k, float(v), ts, step] for k, v in metrics.items())
-        if len(self._buf) >= MAX_BATCH or time.monotonic() - self._last > self.flush_every_s:
-            self.flush()
+    def _send_points(self, points: list[tuple[str, float, int, int]]) -> None:
+        self._append("metrics", points=points)
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._append("params", params=flatten(params))
@@ -132,12 +132,6 @@ class SpoolLogger:
 
     def log_dict(self, data: dict[str, Any], artifact_file: str) -> None:
         self._append("dict", data=data, artifact_file=artifact_file)
-
-    def flush(self) -> None:
-        if self._buf:
-            self._append("metrics", points=self._buf)
-            self._buf = []
-        self._last = time.monotonic()
 
 
 class SpoolForwarder:
