@@ -328,7 +328,7 @@ class TorchrunResource(resource_of(
         forwarder.forward()  # what an earlier launch of this folder left unsent (its launcher killed) goes first
         sampled = SimpleNamespace(mlflow_tracking_uri=job["mlflow_tracking_uri"], mlflow_run_id=job["mlflow_run_id"],
                                   system_metrics_s=job.get("system_metrics_s", TrainJob.system_metrics_s))
-        system = SystemMetrics(sampled, SimpleNamespace(is_main=True), forwarded=True)
+        system = SystemMetrics(sampled, SimpleNamespace(is_main=True))  # SPOOL_ENV is in the workers' env alone
         forwarder.start()
         try:
             yield

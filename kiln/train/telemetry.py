@@ -104,10 +104,10 @@ class SystemMetrics:
     """MLflow's own system-metrics logging (``mlflow.system_metrics``: CPU, memory, disk, network through psutil;
     GPU utilisation, memory, temperature and power through NVML on CUDA) into the job's MLflow run, from rank 0,
     every ``job.system_metrics_s`` seconds, as ``system/*`` metrics. A no-op without a run or with the interval 0,
-    and in a worker whose launcher forwards its tracking (SPOOL_ENV): that launcher, on the same machine, samples
-    the machine itself (``forwarded=True``)."""
+    and in a worker whose launcher forwards its tracking (SPOOL_ENV, set for the workers alone): that launcher, on
+    the same machine, samples the machine itself."""
 
-    def __init__(self, job, info: DistInfo, forwarded: bool = False):
+    def __init__(self, job, info: DistInfo):
         import os
 
         from kiln.common.metrics import SPOOL_ENV
@@ -115,7 +115,7 @@ class SystemMetrics:
         self.monitor = None
         if not (info.is_main and job.mlflow_tracking_uri and job.mlflow_run_id and job.system_metrics_s > 0):
             return
-        if os.environ.get(SPOOL_ENV) and not forwarded:
+        if os.environ.get(SPOOL_ENV):
             return
         import logging
         import sys
