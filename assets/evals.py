@@ -183,6 +183,17 @@ class ContaminationReportConfig(KilnConfig):
     instructions: bool = Field(default=True, description="Also check against the instruction data's training pairs.")
 
 
+def benchmark_overlap(benchmarks: dict, storage: KilnStorageResource, sources, n: int) -> dict:
+    """The standard benchmarks' sampled items (prepared again from the eval suite's record into a temporary folder)
+    checked for word n-gram overlap with ``sources``: per benchmark, its contaminated share and clean sample."""
+    import tempfile
+
+    from kiln.evaluation.standard.contamination import check_benchmarks
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
+        return check_benchmarks(reprepare(benchmarks, storage, Path(tmp)), sources, n)
+
+
 @asset(code_version="1", group_name="evaluation")
 def contamination_report(context: AssetExecutionContext, config: ContaminationReportConfig, eval_suite: dict,
                          clean_corpus: dict, token_shards: dict, instruction_data: dict, storage: KilnStorageResource,
@@ -206,15 +217,9 @@ def contamination_report(context: AssetExecutionContext, config: ContaminationRe
         seconds = report.pop("seconds")
         benchmarks = {}
         if (eval_suite.get("benchmarks") or {}).get("names"):  # the standard benchmarks' sampled items, the same text
-            import tempfile
-
-            from kiln.evaluation.standard.contamination import check_benchmarks
-
             t0 = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
-                prepared = reprepare(eval_suite["benchmarks"], storage, Path(tmp))
-                benchmarks = check_benchmarks(prepared, training_sources(clean_corpus["path"], val_permille, pairs),
-                                              config.n)
+            benchmarks = benchmark_overlap(eval_suite["benchmarks"], storage,
+                                           training_sources(clean_corpus["path"], val_permille, pairs), config.n)
             seconds += time.perf_counter() - t0
             atomic_write_json(out.stage / "benchmarks.json", benchmarks)
         retarget_tasks(out.stage, parent / key)

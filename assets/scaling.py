@@ -217,24 +217,40 @@ def ladder_plan(config: ScalingLadderConfig, rung: kladder.Rung, n_vocab: int) -
     return {**made.to_dict(), "hardware": hw.__dict__, "max_steps": bc.max_steps}
 
 
+def ladder_design(config: ScalingLadderConfig, n_vocab: int, train_tokens: int) -> tuple[dict, list, list]:
+    """The ladder's shape (the preset's fields under the configured model's), its rungs (kiln.scaling.ladder.design:
+    each budget at each width that fits ``max_epochs`` over the ``train_tokens``) and the rungs skipped, with why."""
+    from kiln.model.config import preset_fields
+
+    family = config.model.to_dict().get("family", "gpt2")
+    try:
+        base = {**(preset_fields(config.model_preset, family) if config.model_preset else {}), **config.model.to_dict()}
+    except ValueError as e:
+        raise ConfigError(f"scaling_ladder: {e}") from e
+    bc = config.batch
+    rungs, skipped = kladder.design(base, config.widths, config.budgets, n_vocab, bc.seq_len,
+                                    bc.global_batch * bc.seq_len, config.min_steps, config.max_epochs * train_tokens)
+    return base, rungs, skipped
+
+
+def isoflop_plot(rows: list[dict], path: Path):
+    """The IsoFLOP profiles (final validation loss against parameters, one line per budget), saved to ``path``."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        series.setdefault(f"{r['budget']:.2g} FLOPs", []).append((r["params"], r["loss"]))
+    return line_plot({k: sorted(v) for k, v in series.items()}, "IsoFLOP profiles: final val loss vs parameters",
+                     "parameters", "final val loss", save_to=path)
+
+
 @asset(code_version="1", group_name="decisions")
 def scaling_ladder(context: AssetExecutionContext, config: ScalingLadderConfig, tokenizer: dict, token_shards: dict,
                    storage: KilnStorageResource, torchrun: TorchrunResource, mlflow: MlflowResource) -> Output[dict]:
     """Small models of the planned shape trained at a few compute budgets with the pretraining recipe (IsoFLOP profiles), and Chinchilla's fits to their losses: approach 2 (each budget's best size, and how it grows with compute) and approach 3 (L(N, D) = E + A/N^alpha + B/D^beta by Huber loss, with bootstrap intervals); training_plan predicts its run's loss with the law, and can take its size from it (sizing: law)."""
-    from kiln.model.config import preset_fields
-
     n_vocab = tokenizer["n_vocab"]
+    bc = config.batch
+    tokens_per_step = bc.global_batch * bc.seq_len
     with failing_on_config_errors():
-        family = config.model.to_dict().get("family", "gpt2")
-        try:
-            base = {**(preset_fields(config.model_preset, family) if config.model_preset else {}), **config.model.to_dict()}
-        except ValueError as e:
-            raise ConfigError(f"scaling_ladder: {e}") from e
-        bc = config.batch
-        tokens_per_step = bc.global_batch * bc.seq_len
-        max_tokens = config.max_epochs * token_shards["totals"]["train"]["tokens"]
-        rungs, skipped = kladder.design(base, config.widths, config.budgets, n_vocab, bc.seq_len, tokens_per_step,
-                                        config.min_steps, max_tokens)
+        base, rungs, skipped = ladder_design(config, n_vocab, token_shards["totals"]["train"]["tokens"])
         plans = [ladder_plan(config, r, n_vocab) for r in rungs]
     inputs = {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}
     with asset_output(context, mlflow, config=config, inputs={"token_shards": token_shards, "tokenizer": tokenizer},
@@ -250,11 +266,7 @@ def scaling_ladder(context: AssetExecutionContext, config: ScalingLadderConfig, 
                  "seq_len": bc.seq_len, "tokens_per_step": tokens_per_step, "n_vocab": n_vocab}
         value["version"] = stable_hash({k: v for k, v in value.items() if k != "rows"} | {
             "losses": [(r["rung"], r["loss"]) for r in rows]})[:16]
-        series: dict[str, list[tuple[float, float]]] = {}
-        for r in rows:
-            series.setdefault(f"{r['budget']:.2g} FLOPs", []).append((r["params"], r["loss"]))
-        plot = line_plot({k: sorted(v) for k, v in series.items()}, "IsoFLOP profiles: final val loss vs parameters",
-                         "parameters", "final val loss", save_to=out.stage / "isoflop.png")
+        plot = isoflop_plot(rows, out.stage / "isoflop.png")
         out.log_artifact(out.stage / "isoflop.png")
         if "error" not in law:
             out.log_metrics({f"law_{k}": law[k] for k in ("E", "A", "B", "alpha", "beta") if isinstance(law.get(k), (int, float))})

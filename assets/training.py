@@ -156,34 +156,46 @@ def training_plan(context: AssetExecutionContext, config: TrainingPlanConfig, to
         if out.reused:
             return out.reused
         out.log_metrics({"params": plan["params"], "memory_gb": plan["memory_gb"]["total"]})
-        return out.result(plan, {
-            "parameters": plan["params"], "parameters_non_embedding": plan["params_non_embedding"],
-            "parallelism": plan["parallelism"], "activation_checkpointing": plan["activation_checkpointing"],
-            **({"layout": describe_sizes(plan["layout"])} if plan.get("layout") else {}),
-            **({"pipeline": f"{plan['pipeline']['schedule']}, {plan['pipeline']['virtual_stages']} stage(s) per rank, "
-                            f"{plan['grad_accum']} micro-batches"} if plan.get("pipeline") else {}),
-            "compile": plan["compile"], "cpu_bf16_autocast": bool(plan.get("cpu_bf16")), "why": plan["reason"],
-            "world_size": plan["world_size"],
-            "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"], "global_batch": plan["global_batch"],
-            "tokens_per_step": plan["tokens_per_step"], "total_tokens": plan["total_tokens"],
-            "tokens_per_parameter": round(plan["tokens_per_param"], 3), "epochs_over_train_split": round(plan["epochs"], 3),
-            "memory_gb_per_rank": md_table([{"part": k, "GiB": v} for k, v in plan["memory_gb"].items()]),
-            "options_considered": md_table(plan["alternatives"]),
-            "device_memory_gb": plan["device_memory_gb"], "estimated_flops": plan["total_flops"],
-            "peak_tflops_per_device": plan["peak_tflops"],
-            "estimated_hours": float(f"{plan['est_hours']:.4g}"), "model": MetadataValue.json(plan["model"]),
-            **plan_cost_metadata(plan),
-            "sizing": plan.get("sizing", "preset: the configured model and steps (compute_optimal_* beside it use Chinchilla's "
-                                         "~20 tokens per parameter)"),
-            **({"sweep_point": plan["sweep"]["point"], "sweep_point_val_loss": plan["sweep"]["final_val_loss"]}
-               if plan.get("sweep") else {}),
-            **({"predicted_val_loss": round(plan["scaling"]["predicted_val_loss"], 4),
-                "predicted_val_loss_interval": f"{plan['scaling']['interval'][0]:.4f} .. {plan['scaling']['interval'][1]:.4f}",
-                "predicted_by": f"scaling_ladder {plan['scaling']['ladder']}",
-                **({"law_optimal_params": int(plan["scaling"]["optimal"]["params"]),
-                    "law_optimal_tokens": int(plan["scaling"]["optimal"]["tokens"])}
-                   if "params" in plan["scaling"]["optimal"] else {})} if plan.get("scaling") else {}),
-        }, version=plan_version(plan))
+        return out.result(plan, plan_metadata(plan), version=plan_version(plan))
+
+
+def plan_metadata(plan: dict) -> dict:
+    """What the training_plan asset shows: sizes, parallelism, batch, memory, the options considered, cost, and the
+    sweep point or the ladder's prediction the plan came with."""
+    scaling = plan.get("scaling")
+    return {
+        "parameters": plan["params"], "parameters_non_embedding": plan["params_non_embedding"],
+        "parallelism": plan["parallelism"], "activation_checkpointing": plan["activation_checkpointing"],
+        **({"layout": describe_sizes(plan["layout"])} if plan.get("layout") else {}),
+        **({"pipeline": f"{plan['pipeline']['schedule']}, {plan['pipeline']['virtual_stages']} stage(s) per rank, "
+                        f"{plan['grad_accum']} micro-batches"} if plan.get("pipeline") else {}),
+        "compile": plan["compile"], "cpu_bf16_autocast": bool(plan.get("cpu_bf16")), "why": plan["reason"],
+        "world_size": plan["world_size"],
+        "micro_batch": plan["micro_batch"], "grad_accum": plan["grad_accum"], "global_batch": plan["global_batch"],
+        "tokens_per_step": plan["tokens_per_step"], "total_tokens": plan["total_tokens"],
+        "tokens_per_parameter": round(plan["tokens_per_param"], 3), "epochs_over_train_split": round(plan["epochs"], 3),
+        "memory_gb_per_rank": md_table([{"part": k, "GiB": v} for k, v in plan["memory_gb"].items()]),
+        "options_considered": md_table(plan["alternatives"]),
+        "device_memory_gb": plan["device_memory_gb"], "estimated_flops": plan["total_flops"],
+        "peak_tflops_per_device": plan["peak_tflops"],
+        "estimated_hours": float(f"{plan['est_hours']:.4g}"), "model": MetadataValue.json(plan["model"]),
+        **plan_cost_metadata(plan),
+        "sizing": plan.get("sizing", "preset: the configured model and steps (compute_optimal_* beside it use "
+                                     "Chinchilla's ~20 tokens per parameter)"),
+        **({"sweep_point": plan["sweep"]["point"], "sweep_point_val_loss": plan["sweep"]["final_val_loss"]}
+           if plan.get("sweep") else {}),
+        **(prediction_metadata(scaling) if scaling else {}),
+    }
+
+
+def prediction_metadata(scaling: dict) -> dict:
+    """The scaling ladder's prediction of the run's loss (``prediction``), as the training_plan asset shows it."""
+    low, high = scaling["interval"]
+    return {"predicted_val_loss": round(scaling["predicted_val_loss"], 4),
+            "predicted_val_loss_interval": f"{low:.4f} .. {high:.4f}",
+            "predicted_by": f"scaling_ladder {scaling['ladder']}",
+            **({"law_optimal_params": int(scaling["optimal"]["params"]),
+                "law_optimal_tokens": int(scaling["optimal"]["tokens"])} if "params" in scaling["optimal"] else {})}
 
 
 def plan_cost_metadata(plan: dict) -> dict:

@@ -245,7 +245,8 @@ class TorchrunResource(resource_of(
 
     def k8s_pipes_pod_spec(self, nproc_per_node: int, device: str, pvc: str = "kiln-data", mount: str = "/data",
                            workdir: str = "/app", cpus: int = 8, memory_gb: int = 64) -> dict[str, Any]:
-        """``base_pod_spec`` for dagster-k8s's PipesK8sClient: see kiln.train.cluster.TorchrunSpec.k8s_pipes_pod_spec."""
+        """``base_pod_spec`` for dagster-k8s's PipesK8sClient: see
+        kiln.train.cluster.TorchrunSpec.k8s_pipes_pod_spec."""
         return self.torchrun_spec().k8s_pipes_pod_spec(nproc_per_node, device, pvc=pvc, mount=mount, workdir=workdir,
                                                        cpus=cpus, memory_gb=memory_gb)
 
@@ -263,8 +264,10 @@ class TorchrunResource(resource_of(
         (out / "slurm_job_id").unlink(missing_ok=True)
         cmd, injector, reader, own_log = self._plan_launch(context, out, job_path, nproc_per_node, device)
         context.log.info("launching: " + " ".join(cmd))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node))),
+        threads = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+        path = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path,
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
                "KILN_LAUNCH_ID": uuid.uuid4().hex[:12],  # one launch in the run's logbook (kiln.train.logbook)
                "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHELASTIC_SIGNALS}
         start = time.time()
@@ -300,7 +303,8 @@ class TorchrunResource(resource_of(
             raise Failure(
                 f"{'sbatch' if self.launcher == 'slurm' else 'torchrun'} exited with code {rc} after "
                 f"{time.time() - start:.0f}s. {root_cause(tail)}\n"
-                f"Full log: {log_path}. Fix the cause and rematerialize: training resumes from the newest good checkpoint.",
+                f"Full log: {log_path}. Fix the cause and rematerialize: training resumes from the newest good "
+                "checkpoint.",
             )
         result_path = out / "result.json"
         if not result_path.exists():
@@ -364,8 +368,9 @@ class TorchrunResource(resource_of(
         if result.get("outcome") != "preempted":
             return
         p = result.get("preemption") or {}
-        raise Preempted(f"preempted by {p.get('signal') or 'a stop signal'} after {seconds:.0f}s: step {p.get('saved_step')} "
-                        f"saved in {p.get('save_s')}s; the retry resumes from it ({out / 'logbook.jsonl'})",
+        raise Preempted(f"preempted by {p.get('signal') or 'a stop signal'} after {seconds:.0f}s: step "
+                        f"{p.get('saved_step')} saved in {p.get('save_s')}s; the retry resumes from it "
+                        f"({out / 'logbook.jsonl'})",
                         self.preempt_retries, self.preempt_retry_wait_s)
 
     def _run_slurm(self, context, cmd: list[str], env: dict[str, str], own_log: Path) -> tuple[int, bool, list[str]]:
@@ -498,7 +503,9 @@ def stop_request(text: str) -> dict[str, Any]:
         found = json.loads(text)
     except ValueError:
         found = None
-    return found if isinstance(found, dict) else {"path": "unknown", "error": f"unreadable stop request {text.strip()!r}"}
+    if isinstance(found, dict):
+        return found
+    return {"path": "unknown", "error": f"unreadable stop request {text.strip()!r}"}
 
 
 def slurm_job(job_id: str, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -542,8 +549,8 @@ class TrainingLaunch:
         run's logbook, its cost and energy ledger, the Slurm job id and the peaks of the system metrics added. The
         logbook reaches MLflow however the launch ends (completed, preempted, failed)."""
         hardware = self.spec.plan["hardware"]
-        job = job_file(dataclasses.replace(self.job, out_dir=str(self.out_dir), mlflow_tracking_uri=self.run.tracking_uri,
-                                           mlflow_run_id=self.run.run_id))
+        job = job_file(dataclasses.replace(self.job, out_dir=str(self.out_dir),
+                                           mlflow_tracking_uri=self.run.tracking_uri, mlflow_run_id=self.run.run_id))
         self.verify_shards(job)
         try:
             self.result = self.torchrun.launch(self.context, job, hardware["nproc_per_node"], hardware["device"])
@@ -578,7 +585,8 @@ class TrainingLaunch:
     def value(self, **extra: Any) -> dict[str, Any]:
         """The asset's value: result.json, the run folder, the data version (the final weights' identity)."""
         version = checkpoint_identity(Path(self.result["checkpoint"]))
-        return {**self.result, "out_dir": str(self.out_dir), "version": version, "mlflow_run_id": self.run.run_id, **extra}
+        return {**self.result, "out_dir": str(self.out_dir), "version": version, "mlflow_run_id": self.run.run_id,
+                **extra}
 
     def output(self, metadata: dict[str, Any], **extra: Any):
         """The Output, its metadata followed by the run's operations: logbook, cost and energy, system-metric peaks."""
@@ -587,7 +595,8 @@ class TrainingLaunch:
 
 
 def operations_metadata(result: dict[str, Any]) -> dict[str, Any]:
-    """Dagster metadata of a training run's operations (kiln.train.logbook, kiln.train.energy, MLflow system metrics)."""
+    """Dagster metadata of a training run's operations (kiln.train.logbook, kiln.train.energy, MLflow system
+    metrics)."""
     from dagster import MetadataValue
 
     from kiln.train.energy import ledger_table

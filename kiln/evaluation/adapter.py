@@ -342,26 +342,9 @@ class KilnLM(LM):
             rowsets.append(list(same.items()))
         items = [(g, j) for g in order for j in range(len(rowsets[g]))]  # (group, row), contexts longest first
         out: list[list[tuple[float, bool]]] = [[(0.0, True)] * len(e) for _, e in groups]
-        budget = self.pass_tokens
         dev, start, done = self._device, 0, 0
         while start < len(items):
-            end, gs = start, []  # the batch's items[start:end] and its groups, in order
-            reach = need = spans = 0  # max over rows of len(ctx) - 1 + len(ending); tokens needed; sum of those lengths
-            while end < len(items):
-                g, j = items[end]
-                ctx, n_row = groups[g][0], len(rowsets[g][j][0]) + 1  # the row: last context token, ending[:-1]
-                s = len(ctx) - 1  # contexts go longest first: the newest group's is the shortest
-                span = s + n_row
-                new = not gs or gs[-1] != g
-                n_need = need + (s if new else 0) + n_row
-                rows = end - start + 1
-                tokens = (len(gs) + new) * s + spans + span - rows * s  # prefill (G, s), rows after position s
-                if end > start and (rows * max(reach, span) > budget or tokens > SHARE_SLACK * n_need):
-                    break
-                if new:
-                    gs.append(g)
-                reach, need, spans = max(reach, span), n_need, spans + span
-                end += 1
+            end, gs = self._shared_batch(groups, rowsets, items, start)
             batch, start = items[start:end], end
             s = len(groups[gs[-1]][0]) - 1
             prefix = None
@@ -395,6 +378,30 @@ class KilnLM(LM):
                     scored(done)
             del prefix
         return out
+
+    def _shared_batch(self, groups: list[tuple[list[int], list[list[int]]]], rowsets: list[list[tuple[tuple, list]]],
+                      items: list[tuple[int, int]], start: int) -> tuple[int, list[int]]:
+        """The next batch of ``_score_shared``: the end of its items (``items[start:end]``, at least one) and its
+        groups in order, the batch stopping before its rows x positions pass ``pass_tokens`` or its tokens pass
+        SHARE_SLACK times those its contexts and endings need."""
+        end, gs = start, []
+        reach = need = spans = 0  # max over rows of len(ctx) - 1 + len(ending); tokens needed; sum of those lengths
+        while end < len(items):
+            g, j = items[end]
+            ctx, n_row = groups[g][0], len(rowsets[g][j][0]) + 1  # the row: last context token, ending[:-1]
+            s = len(ctx) - 1  # contexts go longest first: the newest group's is the shortest
+            span = s + n_row
+            new = not gs or gs[-1] != g
+            n_need = need + (s if new else 0) + n_row
+            rows = end - start + 1
+            tokens = (len(gs) + new) * s + spans + span - rows * s  # prefill (G, s), rows after position s
+            if end > start and (rows * max(reach, span) > self.pass_tokens or tokens > SHARE_SLACK * n_need):
+                break
+            if new:
+                gs.append(g)
+            reach, need, spans = max(reach, span), n_need, spans + span
+            end += 1
+        return end, gs
 
     @staticmethod
     def _passes(lengths: Sequence[int]) -> list[list[int]]:

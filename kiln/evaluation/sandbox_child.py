@@ -437,7 +437,13 @@ def _guard(folder, note):
     """The second layer, inside the program's interpreter: writes outside the folder, other processes, sockets
     and native code are refused with Refused/RefusedImport, each noted. It is not a security boundary on its own
     (a determined program can reach the originals); the kernel layers below it are."""
-    import _imp
+    _guard_os(folder, note)
+    _guard_imports(note)
+
+
+def _guard_os(folder, note):
+    """os, posix and open as the program sees them: REFUSED's calls refused, CHECKED's and every open for writing
+    refused outside ``folder``."""
     import io
 
     realpath, fsdecode = os.path.realpath, os.fsdecode
@@ -506,6 +512,12 @@ def _guard(folder, note):
         module.open, module.symlink = os_open, symlink
     builtins.open = io.open = _io.open = open_
     io.FileIO = _io.FileIO = FileIO
+
+
+def _guard_imports(note):
+    """BLOCKED's modules refused at import (a finder first on sys.meta_path) and at load (importlib's file and
+    builtin loaders), and dropped from sys.modules where the wrapper itself had loaded them."""
+    import _imp
 
     class Blocker:
         @staticmethod
@@ -687,84 +699,96 @@ def run_program(text, cfg, requests, replies):
 # ---------------------------------------------------------------------------------------------------- the checker
 
 
+class _ProgramLink:
+    """The checker's end of the program's pipes: calls sent, messages read and checked for their shape, the guard's
+    notes and the program's first failure report kept, and why the program is gone once it is."""
+
+    SHAPES = {"ready": (5, list, dict, dict), "return": (3,), "raise": (5, str, str, tuple), "failed": (3, tuple)}
+
+    def __init__(self, requests, replies):
+        self.requests, self.replies = requests, replies
+        self.why, self.report, self.refused = "", None, []
+
+    def gone(self, why):
+        self.why = self.why or why
+        return ProgramGone(self.why)
+
+    def answer(self):
+        try:
+            message = receive(self.replies)
+        except EOFError:
+            raise self.gone(ENDED) from None
+        except (OSError, ValueError, TypeError, RecursionError, MemoryError) as e:
+            raise self.gone(f"the program broke the call protocol: {type(e).__name__}: {e}"[:500]) from None
+        kind, refused = message[0], message[-1]
+        shape = self.SHAPES.get(kind)
+        if (shape is None or len(message) != shape[0] or type(refused) is not list
+                or any(type(v) is not t for v, t in zip(message[1:], shape[1:]))
+                or any(type(r) is not str for r in refused)):
+            raise self.gone(f"the program broke the call protocol: a {kind[:20]!r} message of the wrong shape")
+        self.refused.extend(r[:300] for r in refused[:max(0, MAX_NOTES - len(self.refused))])
+        report = message[3] if kind == "raise" else message[1] if kind == "failed" else None
+        if report is not None and self.report is None:
+            self.report = tuple(str(v)[:500] if v is not None else None for v in (*report[:5], *[None] * 5)[:5])
+        return message
+
+    def proxy(self, name):
+        """A function that calls the program's ``name`` and returns what it returned or raises what it raised."""
+        def call(*args, **kwargs):
+            if self.why:
+                raise ProgramGone(self.why)
+            try:
+                send(self.requests, ("call", name, args, kwargs))
+            except OSError:
+                raise self.gone(ENDED) from None
+            message = self.answer()
+            if message[0] == "return":
+                return message[1]
+            if message[0] != "raise":
+                raise self.gone(f"the program broke the call protocol: {message[0][:20]!r} answered a call")
+            kind = getattr(builtins, message[1], None) if message[1] in RAISED_AS else ProgramError
+            raise kind(f"the program raised {message[1][:100]}: {message[2]}")
+        call.__name__ = call.__qualname__ = name
+        return call
+
+
 def run_checker(cfg, requests, replies, verdict, source):
     """The checker's process: read the trusted setup and test, bind the program's names, run the test, send the
     verdict (outcome, detail, gone: "ended" when the program's process ended before the test did, "protocol" when it
     sent what is not a message in turn, else ""; the program's own report of its first failure; the guard's notes)."""
     start = cfg["code_bytes"] + cfg["program_bytes"]
     setup = os.pread(source, cfg["setup_bytes"], start).decode("utf-8")
-    test = os.pread(source, cfg["test_bytes"], start + cfg["setup_bytes"]).decode("utf-8") if cfg["test_bytes"] >= 0 else ""
+    test = ""
+    if cfg["test_bytes"] >= 0:
+        test = os.pread(source, cfg["test_bytes"], start + cfg["setup_bytes"]).decode("utf-8")
     os.close(source)
-    state = {"gone": "", "report": None, "refused": []}
-
-    def gone(why):
-        state["gone"] = state["gone"] or why
-        return ProgramGone(state["gone"])
-
-    def answer():
-        try:
-            message = receive(replies)
-        except EOFError:
-            raise gone(ENDED) from None
-        except (OSError, ValueError, TypeError, RecursionError, MemoryError) as e:
-            raise gone(f"the program broke the call protocol: {type(e).__name__}: {e}"[:500]) from None
-        kind, refused = message[0], message[-1]
-        shapes = {"ready": (5, list, dict, dict), "return": (3,), "raise": (5, str, str, tuple), "failed": (3, tuple)}
-        shape = shapes.get(kind)
-        if (shape is None or len(message) != shape[0] or type(refused) is not list
-                or any(type(v) is not t for v, t in zip(message[1:], shape[1:]))
-                or any(type(r) is not str for r in refused)):
-            raise gone(f"the program broke the call protocol: a {kind[:20]!r} message of the wrong shape")
-        state["refused"].extend(r[:300] for r in refused[:max(0, MAX_NOTES - len(state["refused"]))])
-        report = message[3] if kind == "raise" else message[1] if kind == "failed" else None
-        if report is not None and state["report"] is None:
-            state["report"] = tuple(str(v)[:500] if v is not None else None for v in (*report[:5], *[None] * 5)[:5])
-        return message
-
-    def proxy(name):
-        def call(*args, **kwargs):
-            if state["gone"]:
-                raise ProgramGone(state["gone"])
-            try:
-                send(requests, ("call", name, args, kwargs))
-            except OSError:
-                raise gone(ENDED) from None
-            message = answer()
-            if message[0] == "return":
-                return message[1]
-            if message[0] != "raise":
-                raise gone(f"the program broke the call protocol: {message[0][:20]!r} answered a call")
-            kind = getattr(builtins, message[1], None) if message[1] in RAISED_AS else ProgramError
-            raise kind(f"the program raised {message[1][:100]}: {message[2]}")
-        call.__name__ = call.__qualname__ = name
-        return call
-
+    link = _ProgramLink(requests, replies)
     outcome, detail = "failed", ""
     scope = {"__name__": "__main__", "__builtins__": builtins}
     try:
         exec(compile(setup, "setup", "exec"), scope)
-        hello = answer()
+        hello = link.answer()
         if hello[0] == "failed":
-            detail = state["report"][4] or "the program failed"
+            detail = link.report[4] or "the program failed"
         elif hello[0] != "ready":
-            raise gone(f"the program broke the call protocol: {hello[0][:20]!r} before it was ready")
+            raise link.gone(f"the program broke the call protocol: {hello[0][:20]!r} before it was ready")
         else:
             _, functions, values, modules, _ = hello
             for name in cfg["names"]:
                 if name in functions:
-                    scope[name] = proxy(name)
+                    scope[name] = link.proxy(name)
                 elif name in values:
                     scope[name] = values[name]
                 elif modules.get(name) == name and name.partition(".")[0] in sys.stdlib_module_names:
                     scope[name] = __import__(name)
             exec(compile(test, "test", "exec"), scope)
-            outcome, detail = ("failed", state["gone"]) if state["gone"] else ("passed", "")
+            outcome, detail = ("failed", link.why) if link.why else ("passed", "")
     except BaseException as e:
         _print_error(e)
-        detail = state["gone"] or (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:500]
+        detail = link.why or (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:500]
     _flush()
-    gone = "ended" if state["gone"] == ENDED else "protocol" if state["gone"] else ""
-    send(verdict, ("verdict", outcome, detail[:500], gone, state["report"], state["refused"]))
+    gone = "ended" if link.why == ENDED else "protocol" if link.why else ""
+    send(verdict, ("verdict", outcome, detail[:500], gone, link.report, link.refused))
     _exit(0)
 
 

@@ -95,8 +95,8 @@ def checkpoint_table(root: Path) -> list[dict[str, Any]]:
     rows = []
     for p in list_checkpoints(root):
         meta = json.loads((p / "meta.json").read_text())
-        rows.append({"step": meta["step"], "path": str(p), "val_loss": meta.get("val_loss"), "format": meta.get("format"),
-                     "bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file())})
+        rows.append({"step": meta["step"], "path": str(p), "val_loss": meta.get("val_loss"),
+                     "format": meta.get("format"), "bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file())})
     return rows
 
 

@@ -99,3 +99,15 @@ def test_the_llama_tiny_preset_plans_the_tiny_llama(tmp_path):
     assert {k: plan["model"][k] for k in ("family", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size")} == {
         "family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "block_size": 64}
     assert plan["max_steps"] == 60 and plan["seq_len"] == 64 and plan["micro_batch"] * plan["grad_accum"] == 16
+
+
+def test_a_ladders_prediction_is_shown_with_its_interval_and_the_laws_optimal_size_when_there_is_one():
+    from assets.training import prediction_metadata
+
+    scaling = {"ladder": "abc123", "predicted_val_loss": 3.456789, "interval": [3.4, 3.51234],
+               "optimal": {"params": 1.5e6, "tokens": 3.2e7}}
+    assert prediction_metadata(scaling) == {
+        "predicted_val_loss": 3.4568, "predicted_val_loss_interval": "3.4000 .. 3.5123",
+        "predicted_by": "scaling_ladder abc123", "law_optimal_params": 1_500_000, "law_optimal_tokens": 32_000_000}
+    failed = prediction_metadata({**scaling, "optimal": {"error": "beta <= 0"}})
+    assert "law_optimal_params" not in failed and failed["predicted_by"] == "scaling_ladder abc123"
