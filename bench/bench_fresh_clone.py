@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from provenance import header, machine_line  # noqa: E402
 
-STEP = re.compile(r"^✓ (\w+)\s+(?:(\d+)m)?(\d+)s")
+STEP = re.compile(r"^✓ (\w+)\s+(?:(\d+)m)?(\d+)s\s*(.*)$")  # asset, minutes, seconds, what it made
 SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed).*?) in ([\d.]+)s", re.M)  # pytest's last line (-q or not)
 SLOWEST = re.compile(r"^([\d.]+)s (setup|call|teardown)\s+(\S+)$", re.M)  # pytest --durations lines
 STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -99,8 +99,9 @@ def write(result: dict, text: str, out: Path, what: str, argv: list[str] | None)
         result["pytest"] = {"summary": m[-1][0], "seconds": float(m[-1][1])} if m else None
         result["slowest"] = [{"seconds": float(t), "phase": ph, "test": name} for t, ph, name in SLOWEST.findall(text)]
     else:
-        result["assets"] = {s: int(mm or 0) * 60 + int(ss) for s, mm, ss in
-                            (STEP.match(line.strip()).groups() for line in text.splitlines() if STEP.match(line.strip()))}
+        steps = [STEP.match(line.strip()).groups() for line in text.splitlines() if STEP.match(line.strip())]
+        result["assets"] = {a: int(mm or 0) * 60 + int(ss) for a, mm, ss, _ in steps}
+        result["outcomes"] = {a: said for a, _, _, said in steps}
         result["tail"] = text.splitlines()[-12:]
     out.with_suffix(".json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     again = header(argv if argv is not None else sys.argv)["command"] if "--reparse" in (argv or sys.argv) else ""
@@ -121,7 +122,9 @@ def write(result: dict, text: str, out: Path, what: str, argv: list[str] | None)
         md += ["", "| slowest tests | phase | seconds |", "|---|---|---:|",
                *[f"| `{r['test']}` | {r['phase']} | {r['seconds']:.1f} |" for r in result["slowest"]]]
     if result.get("assets"):
-        md += ["", "| asset | seconds |", "|---|---:|", *[f"| {k} | {v} |" for k, v in result["assets"].items()]]
+        said = result.get("outcomes", {})
+        md += ["", "| asset | seconds | what it made |", "|---|---:|---|",
+               *[f"| {k} | {v} | {said.get(k, '')} |" for k, v in result["assets"].items()]]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"make {what}: rc {rc}, {wall:.0f} s; wrote {out.with_suffix('.md')}", flush=True)
     return rc

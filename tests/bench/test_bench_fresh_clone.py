@@ -31,3 +31,17 @@ def test_a_test_log_gives_the_summary_and_the_slowest_tests_and_the_cpu_shares_a
     md = (tmp_path / "out.md").read_text()
     assert md.startswith("# `make test TEST_WORKERS=3` from a fresh clone")
     assert "busy 40%, idle 50%, waiting for disk 5%, and 5% was taken" in md and "| 242.7 |" in md
+
+
+def test_a_demo_log_gives_each_assets_time_and_what_it_made(tmp_path):
+    bench = load_bench("bench_fresh_clone")
+    log = ("▶ base_model\n  base_model step 700/700  loss 4.7230\n✓ base_model            3m49s  validation loss 4.793, "
+           "6,763 tokens/s\n✓ training_plan            0s  4,000,000 parameters\n✓ red_team_report         14s\n")
+    result = {"command": "c", "commit": "abc", "date": "d", "machine": "m", "what": "make demo", "clone_commit": "abc",
+              "returncode": 0, "wall_s": 646.0}
+    bench.write(result, log, tmp_path / "demo", "demo", [])
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert saved["assets"] == {"base_model": 229, "training_plan": 0, "red_team_report": 14}
+    assert saved["outcomes"] == {"base_model": "validation loss 4.793, 6,763 tokens/s",
+                                 "training_plan": "4,000,000 parameters", "red_team_report": ""}
+    assert "| base_model | 229 | validation loss 4.793, 6,763 tokens/s |" in (tmp_path / "demo.md").read_text()
