@@ -135,6 +135,15 @@ def data_version(version: str) -> DataVersion:
     return DataVersion(version)
 
 
+def add_new_partitions(instance, partitions: str, keys: Iterable[str]) -> list[str]:
+    """Register the ``keys`` not yet partitions of the dynamic partitions ``partitions``; the keys added, in order."""
+    known = set(instance.get_dynamic_partitions(partitions))
+    new = [k for k in keys if k not in known]
+    if new:
+        instance.add_dynamic_partitions(partitions, new)
+    return new
+
+
 def md_table(rows: Iterable[dict[str, Any]], columns: list[str] | None = None) -> MetadataValue:
     rows = list(rows)
     if not rows:

@@ -18,7 +18,8 @@ from typing import Annotated, Any
 from dagster import AssetExecutionContext, DynamicPartitionsDefinition, Failure, MetadataValue, Output, asset
 from pydantic import Field
 
-from assets._common import asset_output, failing_on_config_errors, log_child_run, md_table, point_records
+from assets._common import (add_new_partitions, asset_output, failing_on_config_errors, log_child_run, md_table,
+                            point_records)
 from assets._config import KilnConfig
 from assets.collect import Clean
 from assets.evals import prepared_benchmarks
@@ -148,25 +149,27 @@ def ablation_grid(context: AssetExecutionContext, config: AblationGridConfig, ra
     eval_info = kabl.write_eval_docs(docs, root / "evalsets" / f"{baseline['content'][:16]}-{config.eval_permille}-{config.eval_mb:g}.parquet")
     value = _grid_value(config, points, cleans, eval_info, raw_documents, tokenizer, shape, base, sources)
     value["version"] = stable_hash(value)[:16]
-    known = set(context.instance.get_dynamic_partitions(ABLATION_POINTS))
-    new = [p.key for p in points if p.key not in known]
-    if new:
-        context.instance.add_dynamic_partitions(ABLATION_POINTS, new)
+    new = add_new_partitions(context.instance, ABLATION_POINTS, [p.key for p in points])
     context.log.info(f"ablation_grid: {len(points)} points ({len(new)} new partitions of ablation); evaluation set "
                      f"{eval_info['documents']} documents, {eval_info['bytes'] / 1e6:.2f} MB")
     with asset_output(context, mlflow, params={"points": len(points), "mode": config.mode,
                                               "seeds": len(config.seeds), "tokens": config.tokens}) as out:
-        steps = math.ceil(config.tokens / shape["tokens_per_step"])
-        rows = [{"point": p["key"], "changes": ", ".join(f"{k}={v}" for k, v in p["values"].items()) or "-",
-                 "seeds": len(p["seeds"])} for p in value["points"]]
-        return out.result(value, {
-            "points": len(points), "new_partitions": len(new), "grid": md_table(rows),
-            "proxy": f"{shape['params']:,} parameters, {steps} steps of {shape['tokens_per_step']:,} tokens "
-                     f"({config.tokens:,} tokens) per seed, seeds {value['seeds']}",
-            "eval_documents": eval_info["documents"], "eval_bytes": eval_info["bytes"],
-            "eval_set": MetadataValue.path(eval_info["path"]),
-            "next": "materialize every partition of ablation (kiln ablate --preset P runs them), then ablation_report",
-        }, version=value["version"])
+        return out.result(value, grid_metadata(value, shape, len(new)), version=value["version"])
+
+
+def grid_metadata(grid: dict[str, Any], shape: dict[str, Any], new_partitions: int) -> dict[str, Any]:
+    """What the ablation_grid asset shows: its points and their changes, the proxy, the evaluation set."""
+    steps = math.ceil(grid["tokens"] / shape["tokens_per_step"])
+    rows = [{"point": p["key"], "changes": ", ".join(f"{k}={v}" for k, v in p["values"].items()) or "-",
+             "seeds": len(p["seeds"])} for p in grid["points"]]
+    return {
+        "points": len(grid["points"]), "new_partitions": new_partitions, "grid": md_table(rows),
+        "proxy": f"{shape['params']:,} parameters, {steps} steps of {shape['tokens_per_step']:,} tokens "
+                 f"({grid['tokens']:,} tokens) per seed, seeds {grid['seeds']}",
+        "eval_documents": grid["eval"]["documents"], "eval_bytes": grid["eval"]["bytes"],
+        "eval_set": MetadataValue.path(grid["eval"]["path"]),
+        "next": "materialize every partition of ablation (kiln ablate --preset P runs them), then ablation_report",
+    }
 
 
 def point_file(storage: KilnStorageResource, grid_version: str, key: str) -> Path:

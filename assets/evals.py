@@ -183,15 +183,18 @@ class ContaminationReportConfig(KilnConfig):
     instructions: bool = Field(default=True, description="Also check against the instruction data's training pairs.")
 
 
-def benchmark_overlap(benchmarks: dict, storage: KilnStorageResource, sources, n: int) -> dict:
-    """The standard benchmarks' sampled items (prepared again from the eval suite's record into a temporary folder)
-    checked for word n-gram overlap with ``sources``: per benchmark, its contaminated share and clean sample."""
+def benchmark_overlap(eval_suite: dict, storage: KilnStorageResource, sources, n: int) -> dict:
+    """The eval suite's standard benchmarks' sampled items (prepared again from its record into a temporary folder)
+    checked for word n-gram overlap with ``sources`` (training_sources, read as they are checked): per benchmark, its
+    contaminated share and clean sample; {} for a suite without benchmarks."""
     import tempfile
 
     from kiln.evaluation.standard.contamination import check_benchmarks
 
+    if not (eval_suite.get("benchmarks") or {}).get("names"):
+        return {}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
-        return check_benchmarks(reprepare(benchmarks, storage, Path(tmp)), sources, n)
+        return check_benchmarks(reprepare(eval_suite["benchmarks"], storage, Path(tmp)), sources, n)
 
 
 @asset(code_version="1", group_name="evaluation")
@@ -199,8 +202,6 @@ def contamination_report(context: AssetExecutionContext, config: ContaminationRe
                          clean_corpus: dict, token_shards: dict, instruction_data: dict, storage: KilnStorageResource,
                          mlflow: MlflowResource) -> Output[dict]:
     """Every eval item (the standard benchmarks' sampled items too) checked for word 13-gram overlap with the training split of the corpus and the instruction pairs: the contaminated share per task, and a clean copy of each task (for a benchmark, its clean sample) without those items."""
-    if not 0.0 <= config.max_share <= 1.0:
-        raise ValueError(f"contamination_report.max_share must be between 0 and 1, got {config.max_share}")
     val_permille = token_shards["val_permille"]
     inputs = {"eval_suite": eval_suite["version"], "clean_corpus": clean_corpus["version"],
               "instruction_data": instruction_data["version"] if config.instructions else None}
@@ -214,13 +215,11 @@ def contamination_report(context: AssetExecutionContext, config: ContaminationRe
         sources = training_sources(clean_corpus["path"], val_permille, pairs)
         report = check_contamination(eval_suite["dir"], sources, out.stage, config.n, tasks=list(eval_suite["tasks"]),
                                      extra={"max_share": config.max_share})
-        seconds = report.pop("seconds")
-        benchmarks = {}
-        if (eval_suite.get("benchmarks") or {}).get("names"):  # the standard benchmarks' sampled items, the same text
-            t0 = time.perf_counter()
-            benchmarks = benchmark_overlap(eval_suite["benchmarks"], storage,
-                                           training_sources(clean_corpus["path"], val_permille, pairs), config.n)
-            seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()  # the standard benchmarks' sampled items, against the same text read again
+        benchmarks = benchmark_overlap(eval_suite, storage, training_sources(clean_corpus["path"], val_permille, pairs),
+                                       config.n)
+        seconds = report.pop("seconds") + time.perf_counter() - t0
+        if benchmarks:
             atomic_write_json(out.stage / "benchmarks.json", benchmarks)
         retarget_tasks(out.stage, parent / key)
         final = out.commit(folder=parent / key)
@@ -301,6 +300,30 @@ def score_suite_benchmarks(model, enc, eval_suite: dict, contamination_report: d
                                 batch_size=config.batch_size, seed=config.seed, device=device, progress=progress)
 
 
+def selected_tasks(config: EvalScoresConfig, eval_suite: dict) -> tuple[list[str], list[str]]:
+    """eval_scores' suite tasks and standard benchmarks: those configured, else every one the suite prepared."""
+    bench = (eval_suite.get("benchmarks") or {}).get("names") or []
+    tasks = [t for t in config.tasks if t not in bench] if config.tasks else list(eval_suite["tasks"])
+    benches = [t for t in config.tasks if t in bench] if config.tasks else list(bench)
+    return tasks, benches
+
+
+def score_suite(model, enc, eval_suite: dict, contamination_report: dict, tasks: list[str], benches: list[str],
+                config: EvalScoresConfig, device, storage: KilnStorageResource, log) -> tuple[dict, dict, list]:
+    """eval_scores' scores of ``tasks`` and ``benches``, each on all items and on contamination-clean items, and
+    HumanEval's programs run, one row per problem."""
+    with record_problems() as executed:  # HumanEval's programs, one row per problem run
+        full, clean = (score_full_and_clean(model, enc, [eval_suite["dir"], contamination_report["dir"]], tasks,
+                                            contamination_report["tasks"], limit=config.limit,
+                                            batch_size=config.batch_size, seed=config.seed, device=device,
+                                            progress=log) if tasks else ({}, {}))
+    if benches:
+        b_full, b_clean = score_suite_benchmarks(model, enc, eval_suite, contamination_report, benches, config,
+                                                 device, storage, log)
+        full, clean = {**full, **b_full}, {**clean, **b_clean}
+    return full, clean, unique_problems(executed)
+
+
 @asset(code_version="1", group_name="evaluation")
 def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_model: dict, eval_suite: dict,
                 contamination_report: dict, clean_corpus: dict, token_shards: dict, storage: KilnStorageResource,
@@ -316,21 +339,11 @@ def eval_scores(context: AssetExecutionContext, config: EvalScoresConfig, base_m
                       tags={"training_run": base_model["mlflow_run_id"]}) as out:
         if out.reused:
             return out.reused
-        bench = (eval_suite.get("benchmarks") or {}).get("names") or []
-        tasks = [t for t in config.tasks if t not in bench] if config.tasks else list(eval_suite["tasks"])
-        benches = [t for t in config.tasks if t in bench] if config.tasks else list(bench)
+        tasks, benches = selected_tasks(config, eval_suite)
         context.log.info(f"evaluating {tasks + benches} on checkpoint {meta['path']}")
         t0 = time.perf_counter()
-        with record_problems() as executed:  # HumanEval's programs, one row per problem run
-            full, clean = (score_full_and_clean(model, enc, [eval_suite["dir"], contamination_report["dir"]], tasks,
-                                                contamination_report["tasks"], limit=config.limit,
-                                                batch_size=config.batch_size, seed=config.seed, device=device,
-                                                progress=context.log.info) if tasks else ({}, {}))
-        if benches:
-            b_full, b_clean = score_suite_benchmarks(model, enc, eval_suite, contamination_report, benches, config,
-                                                     device, storage, context.log.info)
-            full, clean = {**full, **b_full}, {**clean, **b_clean}
-        problems = unique_problems(executed)
+        full, clean, problems = score_suite(model, enc, eval_suite, contamination_report, tasks, benches, config,
+                                            device, storage, context.log.info)
         seconds = time.perf_counter() - t0
         val_loss, bpb = base_model["final_val_loss"], bits_per_byte(base_model["final_val_loss"], enc, docs)
         gens = sample_generations(model, enc, PROMPTS, config.max_new_tokens, config.seed, device=device)

@@ -15,8 +15,8 @@ from dagster import (AssetExecutionContext, DynamicPartitionsDefinition, Failure
                      asset)
 from pydantic import Field
 
-from assets._common import (asset_output, failing_on_config_errors, line_plot, log_child_run, md_table, point_records,
-                            report_metadata)
+from assets._common import (add_new_partitions, asset_output, failing_on_config_errors, line_plot, log_child_run,
+                            md_table, point_records, report_metadata)
 from assets._config import KilnConfig
 from assets.training import Batch, ModelOverrides, Optim, TrainingPlanConfig
 from kiln.common.config import ConfigError, Domain
@@ -96,10 +96,7 @@ def sweep_grid(context: AssetExecutionContext, config: SweepGridConfig, tokenize
              "train_files": token_shards["train"], "val_files": token_shards["val"], "tokenizer": tokenizer["path"],
              "inputs": {"token_shards": token_shards["version"], "tokenizer": tokenizer["version"]}}
     value["version"] = stable_hash(value)[:16]
-    known = set(context.instance.get_dynamic_partitions(SWEEP_POINTS))
-    new = [p.key for p in points if p.key not in known]
-    if new:
-        context.instance.add_dynamic_partitions(SWEEP_POINTS, new)
+    new = add_new_partitions(context.instance, SWEEP_POINTS, [p.key for p in points])
     context.log.info(f"sweep_grid: {len(points)} points ({len(new)} new partitions of sweep)")
     with asset_output(context, mlflow, params={"points": len(points), "mode": config.mode}) as out:
         rows = [{"point": p.key, **p.values, "params": plans[p.key]["params"], "steps": plans[p.key]["max_steps"],

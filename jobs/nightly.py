@@ -21,6 +21,7 @@ from dagster import (
     sensor,
 )
 
+from assets._common import add_new_partitions
 from assets.evals import (CHECKPOINTS, benchmark_matrix, benchmark_partitions, checkpoint_evals, checkpoint_partitions,
                           matrix_partitions)
 from kiln.evaluation import checkpoints as kckpt
@@ -86,10 +87,7 @@ def nightly_eval_schedule(context: ScheduleEvaluationContext, storage: KilnStora
     missing = _missing_inputs(context.instance)
     if missing:
         return SkipReason(f"checkpoint evaluation needs {', '.join(missing)}: materialize them first")
-    known = set(context.instance.get_dynamic_partitions(CHECKPOINTS))
-    new = [r.key for r in refs if r.key not in known]
-    if new:  # schedules cannot return partition requests: add them directly
-        context.instance.add_dynamic_partitions(CHECKPOINTS, new)
+    add_new_partitions(context.instance, CHECKPOINTS, [r.key for r in refs])  # schedules cannot request partitions
     night = context.scheduled_execution_time.strftime("%Y-%m-%d")
     return [RunRequest(run_key=f"nightly-{night}-{r.key}", partition_key=r.key, tags={"kiln/trigger": "nightly"})
             for r in refs]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 from pathlib import Path
 from typing import Any, Protocol
@@ -108,8 +109,6 @@ class SystemMetrics:
     the same machine, samples the machine itself."""
 
     def __init__(self, job, info: DistInfo):
-        import os
-
         from kiln.common.metrics import SPOOL_ENV
 
         self.monitor = None
